@@ -1,0 +1,1 @@
+"""The `lorakit` command line: thin commands over library functions."""

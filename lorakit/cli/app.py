@@ -1,0 +1,98 @@
+"""The Typer application and the one top-level error handler."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import click
+import typer
+from typer.core import TyperGroup
+
+from lorakit import __version__
+from lorakit.cli import bench, cache, convert, demo, doctor, infer, train
+from lorakit.cli.common import emit, err_console
+from lorakit.errors import LorakitError
+
+
+def _debug() -> bool:
+    return os.environ.get("LORAKIT_DEBUG", "") not in ("", "0")
+
+
+def report_error(e: BaseException, as_json: bool) -> int:
+    """Show an error in one line (+ hint); return the exit code."""
+    if isinstance(e, LorakitError):
+        code, data = e.exit_code, e.to_dict()
+    else:
+        code = 1
+        data = {"error": type(e).__name__, "message": str(e).strip().splitlines()[0] if str(e).strip() else "",
+                "hint": "this looks like a bug in lorakit: rerun with LORAKIT_DEBUG=1 and report it with "
+                        "the output of `lorakit doctor --json`"}
+    if as_json:
+        emit(True, data)
+        return code
+    err_console.print(f"[bold red]error:[/] {data['message'] or data['error']}", markup=True, soft_wrap=True)
+    if data.get("hint"):
+        err_console.print(f"[yellow]hint:[/] {data['hint']}", soft_wrap=True)
+    return code
+
+
+class LorakitGroup(TyperGroup):
+    """Catches LorakitError from any command (nested groups included) and reports it."""
+
+    def invoke(self, ctx: click.Context):
+        try:
+            return super().invoke(ctx)
+        except (click.exceptions.Exit, click.ClickException, click.Abort):
+            raise
+        except KeyboardInterrupt:
+            err_console.print("interrupted")
+            ctx.exit(130)
+        except Exception as e:  # noqa: BLE001 - the one place errors become messages
+            if _debug():
+                raise
+            ctx.exit(report_error(e, bool(ctx.meta.get("lorakit.json"))))
+
+
+app = typer.Typer(
+    name="lorakit",
+    cls=LorakitGroup,
+    help="Train LoRAs for FLUX.1-dev, Qwen-Image(-Edit) and Kandinsky 5 on the machine you own.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    rich_markup_mode=None,
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"lorakit {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(version: bool = typer.Option(False, "--version", "-V", callback=_version, is_eager=True,
+                                       help="print the version and exit")) -> None:
+    """Train LoRAs for FLUX.1-dev, Qwen-Image(-Edit) and Kandinsky 5 on the machine you own."""
+
+
+app.command("doctor", help=doctor.HELP, short_help="is this machine ready? which profile? which kernels work?")(
+    doctor.doctor)
+app.command("cache", help=cache.HELP, short_help="dataset -> text embeddings + latents on disk")(cache.cache)
+app.command("train", help=train.HELP, short_help="cached dataset -> LoRA checkpoints, samples, metrics")(
+    train.train)
+app.add_typer(convert.app, name="convert", help=convert.HELP,
+              short_help="LoRA formats, legacy caches, model files")
+app.add_typer(bench.app, name="bench", help=bench.HELP, short_help="measured loading and training speed")
+app.command("infer", help=infer.HELP, short_help="base model + LoRA(s) -> images")(infer.infer)
+app.command("demo", help=demo.HELP, short_help="the whole path on tiny offline models, no downloads")(demo.demo)
+
+
+def main() -> None:
+    """Console-script entry point."""
+    try:
+        app()
+    except LorakitError as e:  # raised outside a command (e.g. while parsing)
+        sys.exit(report_error(e, "--json" in sys.argv))

@@ -1,0 +1,63 @@
+"""Helpers every command shares: --json output, config options, the console."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import click
+import typer
+from rich.console import Console
+
+console = Console(highlight=False)
+err_console = Console(stderr=True, highlight=False)
+
+JsonOpt = typer.Option(False, "--json", help="print machine-readable JSON instead of tables")
+SetOpt = typer.Option(None, "--set", "-s", help="override a config value: --set lora.rank=32 (repeatable)")
+ProfileOpt = typer.Option(None, "--profile", "-p", help="hardware profile: auto, dgx-spark, rtx4090, rtx5090, "
+                          "datacenter, cpu (default: the config's, else auto)")
+
+
+def use_json(flag: bool) -> bool:
+    """Record --json for the error handler and return it."""
+    ctx = click.get_current_context(silent=True)
+    if ctx is not None:
+        ctx.meta["lorakit.json"] = flag
+    return flag
+
+
+def emit(as_json: bool, data: Any, render: Optional[Callable[[], None]] = None) -> None:
+    """Print `data` as JSON, or call `render` for people."""
+    if as_json:
+        sys.stdout.write(json.dumps(data, indent=2, default=_json_default) + "\n")
+    elif render is not None:
+        render()
+
+
+def _json_default(o: Any) -> Any:
+    if isinstance(o, Path):
+        return str(o)
+    if isinstance(o, (set, tuple)):
+        return list(o)
+    return str(o)
+
+
+def resolve_config(config: Optional[Path], sets: Optional[list[str]], profile: Optional[str]):
+    """Config file + --set + --profile -> (Config, provenance). Imports stay light (no torch)."""
+    from lorakit.config import resolve
+
+    return resolve(config, sets or [], profile)
+
+
+def print_resolved(cfg, prov: dict) -> None:
+    """Human view of a resolved config (what --dry-run shows)."""
+    from rich.syntax import Syntax
+
+    from lorakit.config import dump_yaml
+
+    console.print(f"[bold]profile:[/] {prov['profile']} — {prov['reason']}")
+    for w in prov.get("warnings", []):
+        console.print(f"[yellow]warning:[/] {w}")
+    console.print(Syntax(dump_yaml(cfg), "yaml", theme="ansi_dark", background_color="default"))

@@ -1,0 +1,344 @@
+"""The typed config tree and how it is assembled.
+
+Precedence (lowest first): built-in defaults < profile < the user's YAML < `--set key=value`.
+Every problem is collected and reported at once, each with its key path and the value received.
+"""
+
+from __future__ import annotations
+
+import copy
+import difflib
+from pathlib import Path
+from typing import Any, Literal, Union
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from lorakit.errors import ConfigError
+from lorakit.models.registry import family_info, family_names
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+def _suggest_multiple(value: int, m: int) -> str:
+    lo, hi = (value // m) * m, (value // m + 1) * m
+    opts = [str(x) for x in (hi, lo) if x > 0]
+    return " or ".join(opts)
+
+
+class ModelConfig(_Section):
+    family: str = Field(description="model family: " + ", ".join(family_names()))
+    path: Path | None = Field(None, description="diffusers model folder (or single .safetensors file)")
+    dtype: Literal["bf16", "fp16", "fp32"] = Field("bf16", description="compute dtype of the trainable model")
+
+    @field_validator("family")
+    @classmethod
+    def _known_family(cls, v: str) -> str:
+        if v not in family_names():
+            close = difflib.get_close_matches(v, family_names(), n=1)
+            tip = f" (did you mean {close[0]!r}?)" if close else f" (valid: {', '.join(family_names())})"
+            raise ValueError(f"unknown family{tip}")
+        return v
+
+
+class DataConfig(_Section):
+    dirs: list[Path] = Field(default_factory=list, description="dataset folders (images + .txt captions)")
+    resolution: int = Field(1024, description="training resolution: buckets hold about resolution² pixels")
+    buckets: bool = Field(True, description="aspect-ratio buckets (False: center-crop to a square)")
+    bucket_min_side: int = Field(256, description="smallest bucket side in pixels")
+    bucket_max_side: int = Field(2048, description="largest bucket side in pixels")
+    caption_ext: str = Field(".txt", description="caption file extension")
+    caption_dropout: float = Field(0.0, ge=0.0, le=1.0, description="probability of training with an empty caption")
+    trigger: str | None = Field(None, description="text put before every caption (e.g. a trigger word)")
+    repeats: int = Field(1, ge=1, description="times each item is seen per epoch")
+    control_dirs: list[str] = Field(default_factory=lambda: ["control"],
+                                    description="edit families: control image folders beside images/")
+    frames: int = Field(17, ge=1, description="video families: frames per clip")
+
+    @field_validator("dirs", mode="before")
+    @classmethod
+    def _one_or_many(cls, v: Any) -> Any:
+        return [v] if isinstance(v, (str, Path)) else v
+
+    @field_validator("resolution", "bucket_min_side", "bucket_max_side")
+    @classmethod
+    def _multiple_of_16(cls, v: int) -> int:
+        if v < 16:
+            raise ValueError("must be at least 16")
+        if v % 16:
+            raise ValueError(f"must be a multiple of 16 (try {_suggest_multiple(v, 16)})")
+        return v
+
+    @field_validator("caption_ext")
+    @classmethod
+    def _dot(cls, v: str) -> str:
+        return v if v.startswith(".") else "." + v
+
+    @model_validator(mode="after")
+    def _sides(self) -> DataConfig:
+        if self.bucket_min_side > self.bucket_max_side:
+            raise ValueError(f"bucket_min_side ({self.bucket_min_side}) is larger than bucket_max_side "
+                             f"({self.bucket_max_side})")
+        return self
+
+
+TargetPreset = Literal["attention", "attention_mlp", "all_linear"]
+
+
+class LoraConfig(_Section):
+    rank: int = Field(16, ge=1, le=1024, description="LoRA rank")
+    alpha: float | None = Field(None, gt=0, description="LoRA alpha (default: equal to rank, i.e. scale 1)")
+    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="LoRA dropout")
+    targets: Union[TargetPreset, list[str]] = Field(
+        "attention", description="a preset (attention, attention_mlp, all_linear) or a list of module names")
+    init: Literal["default", "gaussian"] = Field("default", description="LoRA weight initialisation")
+    dora: bool = Field(False, description="train DoRA (weight-decomposed LoRA)")
+
+    @field_validator("targets")
+    @classmethod
+    def _non_empty(cls, v: Any) -> Any:
+        if isinstance(v, list) and not v:
+            raise ValueError("an empty module list trains nothing")
+        return v
+
+
+class OptimConfig(_Section):
+    name: Literal["adamw", "adamw8bit", "prodigy", "adafactor"] = Field("adamw", description="optimizer")
+    lr: float = Field(1e-4, gt=0, description="peak learning rate (Prodigy: 1.0)")
+    weight_decay: float = Field(0.0, ge=0, description="decoupled weight decay")
+    betas: tuple[float, float] = Field((0.9, 0.999), description="Adam betas")
+    eps: float = Field(1e-8, gt=0, description="Adam epsilon")
+    max_grad_norm: float | None = Field(1.0, gt=0, description="gradient clipping norm (null: off)")
+
+
+class ScheduleConfig(_Section):
+    steps: int = Field(1000, ge=1, description="optimizer steps")
+    batch_size: int = Field(1, ge=1, description="items per micro-batch (per GPU)")
+    grad_accum: int = Field(1, ge=1, description="micro-batches per optimizer step")
+    lr_schedule: Literal["constant", "linear", "cosine"] = Field("constant", description="LR schedule after warmup")
+    warmup_steps: int = Field(0, ge=0, description="linear warmup steps")
+    timesteps: Literal["uniform", "logit_normal", "shift", "resolution_shift"] = Field(
+        "resolution_shift", description="how training sigmas are drawn")
+    shift: float = Field(3.0, gt=0, description="sigma shift for timesteps=shift")
+    logit_mean: float = Field(0.0, description="logit-normal mean")
+    logit_std: float = Field(1.0, gt=0, description="logit-normal std")
+    loss_weighting: Literal["none", "sigma_sqrt", "cosmap"] = Field("none", description="per-sigma loss weight")
+
+    @model_validator(mode="after")
+    def _warmup(self) -> ScheduleConfig:
+        if self.warmup_steps > self.steps:
+            raise ValueError(f"warmup_steps ({self.warmup_steps}) exceeds steps ({self.steps})")
+        return self
+
+
+class MemoryConfig(_Section):
+    """Filled by the hardware profile; override only when you know the machine better."""
+
+    base_quant: Literal["none", "fp8", "qfloat8", "nf4"] = Field(
+        "none", description="storage of the frozen base transformer (none: model.dtype)")
+    gradient_checkpointing: bool = Field(False, description="recompute activations in backward")
+    blocks_to_swap: int = Field(0, ge=0, description="transformer blocks kept on the CPU and swapped in")
+    cpu_offload: bool = Field(False, description="offload idle components to the CPU")
+    pin_memory: bool = Field(True, description="page-locked host buffers (off on unified memory)")
+    expandable_segments: bool = Field(False, description="PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True")
+    unified_memory: bool = Field(False, description="CPU and GPU share memory (DGX Spark)")
+    cache_in_memory: bool = Field(False, description="keep the latent/text cache in memory")
+    free_encoders_after_cache: bool = Field(True, description="free text encoders and VAE once cached")
+    compile: bool = Field(False, description="torch.compile the repeated transformer blocks")
+    attention: Literal["auto", "flash", "efficient", "cudnn", "math"] = Field(
+        "auto", description="SDPA backend (auto: doctor's self-test)")
+    loader: Literal["auto", "safetensors", "fastsafetensors", "lorakit"] = Field(
+        "auto", description="weight loading backend")
+    optimizer_8bit: bool = Field(False, description="8-bit optimizer states (bitsandbytes)")
+
+
+class SamplingConfig(_Section):
+    every: int = Field(0, ge=0, description="sample every N steps (0: only before and after)")
+    prompts: list[str] = Field(default_factory=list, description="sample prompts")
+    steps: int = Field(20, ge=1, description="inference steps per sample")
+    guidance: float = Field(3.5, ge=0, description="FLUX guidance / Qwen true-CFG scale")
+    seed: int = Field(42, description="sampling seed")
+    size: int | None = Field(None, description="sample side in pixels (default: data.resolution)")
+
+
+class OutputConfig(_Section):
+    dir: Path = Field(Path("output"), description="where checkpoints, samples and metrics go")
+    name: str = Field("lora", description="file name stem of the LoRA")
+    save_every: int = Field(0, ge=0, description="checkpoint every N steps (0: only at the end)")
+    keep_last: int = Field(3, ge=1, description="checkpoints kept")
+
+
+class Config(_Section):
+    """The whole run."""
+
+    profile: str = Field("auto", description="hardware profile (auto: chosen from the probe)")
+    seed: int = Field(0, description="global seed")
+    model: ModelConfig
+    data: DataConfig = Field(default_factory=DataConfig)
+    lora: LoraConfig = Field(default_factory=LoraConfig)
+    optim: OptimConfig = Field(default_factory=OptimConfig)
+    schedule: ScheduleConfig = Field(default_factory=ScheduleConfig)
+    memory: MemoryConfig = Field(default_factory=MemoryConfig)
+    sampling: SamplingConfig = Field(default_factory=SamplingConfig)
+    output: OutputConfig = Field(default_factory=OutputConfig)
+
+    @model_validator(mode="after")
+    def _family_constraints(self) -> Config:
+        info = family_info(self.model.family)
+        if self.data.resolution % info.patch:
+            raise ValueError(f"data.resolution must be a multiple of {info.patch} for {info.name}")
+        return self
+
+    def to_dict(self) -> dict:
+        """Plain JSON/YAML-able dict (paths as strings)."""
+        return self.model_dump(mode="json")
+
+
+# --------------------------------------------------------------------------- assembling
+
+
+def deep_merge(base: dict, over: dict) -> dict:
+    """Merge `over` into a copy of `base`; nested dicts merge, everything else replaces."""
+    out = copy.deepcopy(base)
+    for k, v in over.items():
+        if isinstance(v, dict) and isinstance(out.get(k), dict):
+            out[k] = deep_merge(out[k], v)
+        else:
+            out[k] = copy.deepcopy(v)
+    return out
+
+
+def load_yaml(path: Path) -> dict:
+    """Read a YAML mapping.
+
+    Raises:
+        ConfigError: missing file, YAML syntax error, or not a mapping.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError([f"file not found: {path}"], hint="check the path, or run `lorakit demo` for an example")
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise ConfigError([f"YAML syntax error{where}: {getattr(e, 'problem', e)}"], source=str(path)) from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError([f"the top level must be a mapping of sections, got {type(data).__name__}"],
+                          source=str(path))
+    return data
+
+
+def parse_overrides(items: list[str]) -> tuple[dict, list[str]]:
+    """Turn `a.b=c` strings into a nested dict; values are parsed as YAML (numbers, lists, null).
+
+    Returns:
+        (overrides, problems) — problems are reported together with validation errors.
+    """
+    out: dict = {}
+    problems: list[str] = []
+    for item in items:
+        key, sep, raw = item.partition("=")
+        key = key.strip()
+        if not sep or not key or any(not part for part in key.split(".")):
+            problems.append(f"--set {item!r}: expected key.path=value, e.g. --set lora.rank=32")
+            continue
+        try:
+            value = yaml.safe_load(raw) if raw.strip() else ""
+        except yaml.YAMLError:
+            value = raw
+        node = out
+        parts = key.split(".")
+        for p in parts[:-1]:
+            nxt = node.setdefault(p, {})
+            if not isinstance(nxt, dict):
+                problems.append(f"--set {item!r}: {p} was already set to a value")
+                break
+            node = nxt
+        else:
+            node[parts[-1]] = value
+    return out, problems
+
+
+def _fields_at(loc: tuple) -> list[str]:
+    """Field names valid at a location in the tree (for 'did you mean')."""
+    model: Any = Config
+    for part in loc:
+        field = getattr(model, "model_fields", {}).get(part)
+        if field is None:
+            return []
+        model = field.annotation
+    return list(getattr(model, "model_fields", {}))
+
+
+def _format_error(err: dict) -> str:
+    loc = tuple(str(p) for p in err["loc"])
+    path = ".".join(loc) or "(top level)"
+    kind = err["type"]
+    if kind == "extra_forbidden":
+        valid = _fields_at(loc[:-1])
+        close = difflib.get_close_matches(loc[-1], valid, n=1)
+        tip = f" (did you mean {close[0]!r}?)" if close else (f" (valid: {', '.join(valid)})" if valid else "")
+        return f"{path}: unknown key{tip}"
+    if kind == "missing":
+        return f"{path}: required but missing"
+    msg = err["msg"]
+    for prefix in ("Value error, ", "Assertion failed, "):
+        if msg.startswith(prefix):
+            msg = msg[len(prefix):]
+    got = err.get("input")
+    if isinstance(got, dict):
+        return f"{path}: {msg}"
+    return f"{path}: {msg}, got {got!r}"
+
+
+def validate(data: dict, source: str | None = None, extra_problems: list[str] | None = None) -> Config:
+    """Validate a merged dict; all problems (plus `extra_problems`) go into one ConfigError."""
+    problems = list(extra_problems or [])
+    try:
+        cfg = Config.model_validate(data)
+    except ValidationError as e:
+        problems += [_format_error(err) for err in e.errors()]
+        cfg = None
+    if problems:
+        raise ConfigError(problems, source=source,
+                          hint="see `docs/configuration.md`; `lorakit train CONFIG --dry-run` checks a config")
+    return cfg
+
+
+def resolve(config_path: Path | None = None, overrides: list[str] | None = None,
+            profile: str | None = None, probe_facts: Any = None) -> tuple[Config, dict]:
+    """Build the run's config: defaults < profile < YAML < --set.
+
+    Args:
+        config_path: the user's YAML (optional).
+        overrides: `key.path=value` strings.
+        profile: a profile name or "auto"; beats `profile:` in the YAML.
+        probe_facts: hardware facts for `auto` (probed when None).
+
+    Returns:
+        (config, provenance) where provenance says which profile was used and why.
+    """
+    from lorakit.hardware import profiles as prof
+
+    user = load_yaml(config_path) if config_path else {}
+    sets, problems = parse_overrides(overrides or [])
+    layered = deep_merge(user, sets)
+    name = profile or layered.get("profile") or "auto"
+    if not isinstance(name, str):
+        problems.append(f"profile: must be a profile name, got {name!r}")
+        name = "auto"
+    choice = prof.choose(name, probe_facts)
+    merged = deep_merge(choice.profile.defaults, layered)
+    merged["profile"] = choice.profile.name
+    cfg = validate(merged, source=str(config_path) if config_path else None, extra_problems=problems)
+    return cfg, {"profile": choice.profile.name, "reason": choice.reason, "warnings": choice.warnings}
+
+
+def dump_yaml(cfg: Config) -> str:
+    """The resolved config as YAML (what --dry-run prints and what runs save)."""
+    return yaml.safe_dump(cfg.to_dict(), sort_keys=False, default_flow_style=None)

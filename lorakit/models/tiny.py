@@ -1,0 +1,330 @@
+"""Tiny, random, complete diffusers pipeline folders for every family, built offline.
+
+They have the real architectures (same classes, same folder layout, same tokenizer types) at
+toy sizes, so the code that loads and trains real checkpoints is the code the tests exercise.
+Everything is deterministic: the same seed gives byte-identical weights and tokenizers.
+
+    from lorakit.models.tiny import tiny_pipeline
+    folder = tiny_pipeline("flux")            # built once, cached under ~/.cache/lorakit/tiny
+    folder = build_tiny("qwen-image-edit", out_dir, seed=0)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from lorakit.models.registry import family_info, family_names
+
+SPEC_VERSION = "1"  # bump when a builder changes, so cached folders are rebuilt
+
+# Words the demo captions use, plus the pipelines' prompt templates: the tokenizers are trained
+# on this, so demo prompts tokenize into short, meaningful pieces.
+_WORDS = (
+    "a an the of in on at with and to top bottom left right center middle corner small large big tiny "
+    "red green blue yellow orange purple white black gray pink cyan magenta brown "
+    "circle square triangle ring cross star stripe stripes dot dots shape shapes background "
+    "photo picture image drawing render of flat simple recolor make turn change into become move "
+    "upper lower picture edit "
+)
+_QWEN_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
+                  "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>"]
+_CLIP_SPECIALS = ["<|startoftext|>", "<|endoftext|>"]
+
+
+def _corpus() -> list[str]:
+    lines = [_WORDS] * 4
+    # templates of the pipelines (system prompts), so common English is learned too
+    lines += [
+        "Describe the image by detailing the color, shape, size, texture, quantity, text, spatial "
+        "relationships of the objects and background:",
+        "Describe the key features of the input image (color, shape, size, texture, objects, background), "
+        "then explain how the user's text instruction should alter or modify the image. Generate a new image "
+        "that meets the user's requirements while maintaining consistency with the original input where "
+        "appropriate.",
+        "You are a prompt engineer. Describe the video in detail. Describe how the camera moves or shakes, "
+        "describe the zoom and view angle, whether it follows the objects. Describe the location of the video, "
+        "main characters or objects and their action. Name the visual style of the image.",
+        "system user assistant Picture 1: 2: 3:",
+    ]
+    return lines
+
+
+# --------------------------------------------------------------------------- tokenizers
+
+
+def _byte_bpe(vocab_size: int, specials: list[str]):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(_corpus(), trainer=trainer)
+    return tok
+
+
+def _clip_tokenizer():
+    from transformers import CLIPTokenizerFast
+
+    raw = _byte_bpe(400, _CLIP_SPECIALS)
+    return CLIPTokenizerFast(tokenizer_object=raw, bos_token="<|startoftext|>", eos_token="<|endoftext|>",
+                             pad_token="<|endoftext|>", unk_token="<|endoftext|>", model_max_length=77)
+
+
+def _t5_tokenizer():
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+    from transformers import T5TokenizerFast
+
+    tok = Tokenizer(models.Unigram())
+    tok.normalizer = normalizers.NFKC()
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    tok.decoder = decoders.Metaspace()
+    trainer = trainers.UnigramTrainer(vocab_size=300, special_tokens=["<pad>", "</s>", "<unk>"],
+                                      unk_token="<unk>", show_progress=False)
+    tok.train_from_iterator(_corpus(), trainer=trainer)
+    from tokenizers.processors import TemplateProcessing
+
+    tok.post_processor = TemplateProcessing(single="$A </s>", pair="$A </s> $B </s>",
+                                            special_tokens=[("</s>", tok.token_to_id("</s>"))])
+    return T5TokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="</s>", unk_token="<unk>",
+                           extra_ids=0, model_max_length=512)
+
+
+def _qwen_tokenizer():
+    from transformers import Qwen2TokenizerFast
+
+    raw = _byte_bpe(420, _QWEN_SPECIALS)
+    return Qwen2TokenizerFast(tokenizer_object=raw, unk_token=None, bos_token=None, eos_token="<|im_end|>",
+                              pad_token="<|endoftext|>", model_max_length=4096)
+
+
+def _qwen_processor(tokenizer):
+    from transformers import Qwen2VLImageProcessor, Qwen2VLProcessor, Qwen2VLVideoProcessor
+
+    # small pixel budgets keep the vision tower's token count (and CPU time) low
+    image_processor = Qwen2VLImageProcessor(min_pixels=56 * 56, max_pixels=112 * 112)
+    video_processor = Qwen2VLVideoProcessor(min_pixels=56 * 56, max_pixels=112 * 112)
+    return Qwen2VLProcessor(image_processor=image_processor, tokenizer=tokenizer,
+                            video_processor=video_processor)
+
+
+# --------------------------------------------------------------------------- text encoders
+
+
+def _seeded(seed: int):
+    import torch
+
+    torch.manual_seed(seed)
+
+
+def _clip_text(tokenizer, seed: int, hidden: int = 32):
+    from transformers import CLIPTextConfig, CLIPTextModel
+
+    _seeded(seed)
+    cfg = CLIPTextConfig(vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=2 * hidden,
+                         num_hidden_layers=2, num_attention_heads=2, max_position_embeddings=77,
+                         projection_dim=hidden, bos_token_id=tokenizer.bos_token_id,
+                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    return CLIPTextModel(cfg).eval()
+
+
+def _t5_text(tokenizer, seed: int, d_model: int = 32):
+    from transformers import T5Config, T5EncoderModel
+
+    _seeded(seed)
+    cfg = T5Config(vocab_size=len(tokenizer), d_model=d_model, d_kv=8, d_ff=2 * d_model, num_layers=2,
+                   num_heads=4, relative_attention_num_buckets=8, relative_attention_max_distance=32,
+                   feed_forward_proj="gated-gelu", pad_token_id=tokenizer.pad_token_id,
+                   eos_token_id=tokenizer.eos_token_id, decoder_start_token_id=tokenizer.pad_token_id)
+    return T5EncoderModel(cfg).eval()
+
+
+def _qwen_vl(tokenizer, seed: int, hidden: int = 32):
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    _seeded(seed)
+    ids = {name: tokenizer.convert_tokens_to_ids(tok) for name, tok in [
+        ("image_token_id", "<|image_pad|>"), ("video_token_id", "<|video_pad|>"),
+        ("vision_start_token_id", "<|vision_start|>"), ("vision_end_token_id", "<|vision_end|>")]}
+    heads = 2
+    half_head = hidden // heads // 2
+    section = [half_head - 2 * (half_head // 3), half_head // 3, half_head // 3]
+    cfg = Qwen2_5_VLConfig(
+        text_config=dict(vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=2 * hidden,
+                         num_hidden_layers=2, num_attention_heads=heads, num_key_value_heads=1,
+                         max_position_embeddings=4096, rms_norm_eps=1e-6,
+                         rope_parameters={"rope_type": "default", "rope_theta": 1000000.0,
+                                          "mrope_section": section},
+                         bos_token_id=None, eos_token_id=tokenizer.eos_token_id,
+                         pad_token_id=tokenizer.pad_token_id),
+        vision_config=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, in_channels=3,
+                           patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=56,
+                           out_hidden_size=hidden, fullatt_block_indexes=[1]),
+        **ids,
+    )
+    return Qwen2_5_VLForConditionalGeneration(cfg).eval()
+
+
+# --------------------------------------------------------------------------- VAEs, schedulers
+
+
+def _flux_vae(seed: int):
+    from diffusers import AutoencoderKL
+
+    _seeded(seed)
+    return AutoencoderKL(in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 4,
+                         up_block_types=("UpDecoderBlock2D",) * 4, block_out_channels=(16, 16, 16, 16),
+                         layers_per_block=1, norm_num_groups=8, latent_channels=16, scaling_factor=0.3611,
+                         shift_factor=0.1159, use_quant_conv=False, use_post_quant_conv=False,
+                         sample_size=64).eval()
+
+
+def _qwen_vae(seed: int):
+    from diffusers import AutoencoderKLQwenImage
+
+    _seeded(seed)
+    return AutoencoderKLQwenImage(base_dim=8, z_dim=16, dim_mult=[1, 2, 2, 2], num_res_blocks=1, attn_scales=[],
+                                  temperal_downsample=[False, True, True]).eval()
+
+
+def _hunyuan_video_vae(seed: int):
+    from diffusers import AutoencoderKLHunyuanVideo
+
+    _seeded(seed)
+    return AutoencoderKLHunyuanVideo(latent_channels=16, block_out_channels=(16, 16, 16, 16), layers_per_block=1,
+                                     norm_num_groups=8, mid_block_add_attention=False,
+                                     spatial_compression_ratio=8, temporal_compression_ratio=4).eval()
+
+
+def _flow_scheduler(**kw):
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    return FlowMatchEulerDiscreteScheduler(**kw)
+
+
+# --------------------------------------------------------------------------- pipelines
+
+
+def _flux(seed: int, variant: str):
+    from diffusers import FluxPipeline, FluxTransformer2DModel
+
+    clip_tok, t5_tok = _clip_tokenizer(), _t5_tokenizer()
+    _seeded(seed + 10)
+    transformer = FluxTransformer2DModel(patch_size=1, in_channels=64, num_layers=1, num_single_layers=2,
+                                         attention_head_dim=16, num_attention_heads=2, joint_attention_dim=32,
+                                         pooled_projection_dim=32, guidance_embeds=True, axes_dims_rope=(4, 6, 6))
+    sched = _flow_scheduler(shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15,
+                            base_image_seq_len=256, max_image_seq_len=4096)
+    return FluxPipeline(scheduler=sched, vae=_flux_vae(seed + 20), text_encoder=_clip_text(clip_tok, seed + 30),
+                        tokenizer=clip_tok, text_encoder_2=_t5_text(t5_tok, seed + 40), tokenizer_2=t5_tok,
+                        transformer=transformer.eval())
+
+
+def _qwen(seed: int, variant: str):
+    from diffusers import (QwenImageEditPipeline, QwenImageEditPlusPipeline, QwenImagePipeline,
+                           QwenImageTransformer2DModel)
+
+    tok = _qwen_tokenizer()
+    _seeded(seed + 10)
+    transformer = QwenImageTransformer2DModel(patch_size=2, in_channels=64, out_channels=16, num_layers=2,
+                                              attention_head_dim=16, num_attention_heads=2, joint_attention_dim=32,
+                                              guidance_embeds=False, axes_dims_rope=(4, 6, 6))
+    sched = _flow_scheduler(shift=1.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=0.9,
+                            base_image_seq_len=256, max_image_seq_len=8192, shift_terminal=0.02,
+                            time_shift_type="exponential")
+    parts = dict(scheduler=sched, vae=_qwen_vae(seed + 20), text_encoder=_qwen_vl(tok, seed + 30), tokenizer=tok,
+                 transformer=transformer.eval())
+    if variant == "":
+        return QwenImagePipeline(**parts)
+    cls = QwenImageEditPipeline if variant == "edit" else QwenImageEditPlusPipeline
+    return cls(processor=_qwen_processor(tok), **parts)
+
+
+def _kandinsky(seed: int, variant: str):
+    from diffusers import Kandinsky5T2IPipeline, Kandinsky5T2VPipeline, Kandinsky5Transformer3DModel
+
+    qtok, ctok = _qwen_tokenizer(), _clip_tokenizer()
+    _seeded(seed + 10)
+    transformer = Kandinsky5Transformer3DModel(in_visual_dim=16, out_visual_dim=16, in_text_dim=32, in_text_dim2=32,
+                                               time_dim=16, patch_size=(1, 2, 2), model_dim=32, ff_dim=64,
+                                               num_text_blocks=1, num_visual_blocks=2, axes_dims=(4, 6, 6),
+                                               visual_cond=variant == "t2v")
+    parts = dict(transformer=transformer.eval(), text_encoder=_qwen_vl(qtok, seed + 30),
+                 tokenizer=_qwen_processor(qtok), text_encoder_2=_clip_text(ctok, seed + 40), tokenizer_2=ctok)
+    if variant == "t2i":
+        return Kandinsky5T2IPipeline(vae=_flux_vae(seed + 20), scheduler=_flow_scheduler(shift=7.0), **parts)
+    return Kandinsky5T2VPipeline(vae=_hunyuan_video_vae(seed + 20), scheduler=_flow_scheduler(shift=5.0), **parts)
+
+
+_BUILDERS = {"flux": _flux, "qwen_image": _qwen, "kandinsky5": _kandinsky}
+
+
+def build_pipeline(family: str, seed: int = 0):
+    """The tiny pipeline object (in memory) for a family."""
+    info = family_info(family)
+    return _BUILDERS[info.module](seed, info.variant)
+
+
+def _shard_size(model) -> int:
+    """A max_shard_size that splits the transformer into 3 files (so sharded loading is always tested)."""
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    return max(total // 3 + 1, 1024)
+
+
+def build_tiny(family: str, out_dir: str | os.PathLike, seed: int = 0) -> Path:
+    """Build and save the tiny pipeline folder of a family (diffusers layout, transformer sharded).
+
+    The folder is written to a temporary sibling and renamed, so a crash leaves no half folder.
+    """
+    import torch
+
+    out = Path(out_dir)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with torch.random.fork_rng(devices=[]):
+        pipe = build_pipeline(family, seed)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        pipe.save_pretrained(tmp, safe_serialization=True)
+        tr = tmp / "transformer"
+        shutil.rmtree(tr)
+        pipe.transformer.save_pretrained(tr, safe_serialization=True, max_shard_size=_shard_size(pipe.transformer))
+        (tmp / "lorakit_tiny.json").write_text(json.dumps(
+            {"family": family, "seed": seed, "spec_version": SPEC_VERSION}, indent=2))
+        if out.exists():
+            shutil.rmtree(out)
+        tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def cache_root() -> Path:
+    """Where built tiny pipelines are kept (LORAKIT_CACHE or ~/.cache/lorakit)."""
+    base = os.environ.get("LORAKIT_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "lorakit")
+    return Path(base) / "tiny"
+
+
+def _key(family: str, seed: int) -> str:
+    import diffusers
+    import transformers
+
+    raw = f"{family}|{seed}|{SPEC_VERSION}|{diffusers.__version__}|{transformers.__version__}"
+    return f"{family}-s{seed}-{hashlib.sha256(raw.encode()).hexdigest()[:10]}"
+
+
+def tiny_pipeline(family: str, seed: int = 0, root: str | os.PathLike | None = None) -> Path:
+    """The cached tiny pipeline folder of a family, built on first use."""
+    folder = Path(root or cache_root()) / _key(family, seed)
+    if not (folder / "model_index.json").is_file():
+        build_tiny(family, folder, seed)
+    return folder
+
+
+__all__ = ["build_pipeline", "build_tiny", "tiny_pipeline", "cache_root", "family_names"]

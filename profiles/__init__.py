@@ -1,0 +1,1 @@
+"""Hardware profiles as data (installed as the package `lorakit.profiles`)."""
