@@ -341,4 +341,4 @@ def resolve(config_path: Path | None = None, overrides: list[str] | None = None,
 
 def dump_yaml(cfg: Config) -> str:
     """The resolved config as YAML (what --dry-run prints and what runs save)."""
-    return yaml.safe_dump(cfg.to_dict(), sort_keys=False, default_flow_style=None)
+    return yaml.safe_dump(cfg.to_dict(), sort_keys=False, default_flow_style=False)

@@ -11,7 +11,7 @@ from typer.core import TyperGroup
 
 from lorakit import __version__
 from lorakit.cli import bench, cache, convert, demo, doctor, infer, train
-from lorakit.cli.common import emit, err_console
+from lorakit.cli.common import emit, err_console, json_requested, use_json
 from lorakit.errors import LorakitError
 
 
@@ -31,7 +31,14 @@ def report_error(e: BaseException, as_json: bool) -> int:
     if as_json:
         emit(True, data)
         return code
-    err_console.print(f"[bold red]error:[/] {data['message'] or data['error']}", markup=True, soft_wrap=True)
+    problems = data.get("problems") or []
+    if len(problems) > 1:  # a config with several mistakes: one line each
+        where = f" in {e.source}" if getattr(e, "source", None) else ""
+        err_console.print(f"[bold red]error:[/] config{where}: {len(problems)} problems", soft_wrap=True)
+        for p in problems:
+            err_console.print(f"  - {p}", soft_wrap=True, markup=False)
+    else:
+        err_console.print(f"[bold red]error:[/] {data['message'] or data['error']}", soft_wrap=True)
     if data.get("hint"):
         err_console.print(f"[yellow]hint:[/] {data['hint']}", soft_wrap=True)
     return code
@@ -41,9 +48,10 @@ class LorakitGroup(TyperGroup):
     """Catches LorakitError from any command (nested groups included) and reports it."""
 
     def invoke(self, ctx: click.Context):
+        use_json(False)
         try:
             return super().invoke(ctx)
-        except (click.exceptions.Exit, click.ClickException, click.Abort):
+        except (click.exceptions.Exit, click.ClickException, click.Abort, typer.Exit):
             raise
         except KeyboardInterrupt:
             err_console.print("interrupted")
@@ -51,7 +59,7 @@ class LorakitGroup(TyperGroup):
         except Exception as e:  # noqa: BLE001 - the one place errors become messages
             if _debug():
                 raise
-            ctx.exit(report_error(e, bool(ctx.meta.get("lorakit.json"))))
+            ctx.exit(report_error(e, json_requested()))
 
 
 app = typer.Typer(

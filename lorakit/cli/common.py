@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import json
 import sys
+from contextvars import ContextVar
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-import click
 import typer
 from rich.console import Console
 
@@ -20,12 +20,17 @@ ProfileOpt = typer.Option(None, "--profile", "-p", help="hardware profile: auto,
                           "datacenter, cpu (default: the config's, else auto)")
 
 
+_json_requested: ContextVar[bool] = ContextVar("lorakit_json", default=False)
+
+
 def use_json(flag: bool) -> bool:
-    """Record --json for the error handler and return it."""
-    ctx = click.get_current_context(silent=True)
-    if ctx is not None:
-        ctx.meta["lorakit.json"] = flag
+    """Record --json for the error handler (errors then print as JSON too) and return it."""
+    _json_requested.set(flag)
     return flag
+
+
+def json_requested() -> bool:
+    return _json_requested.get()
 
 
 def emit(as_json: bool, data: Any, render: Optional[Callable[[], None]] = None) -> None:
@@ -60,4 +65,4 @@ def print_resolved(cfg, prov: dict) -> None:
     console.print(f"[bold]profile:[/] {prov['profile']} — {prov['reason']}")
     for w in prov.get("warnings", []):
         console.print(f"[yellow]warning:[/] {w}")
-    console.print(Syntax(dump_yaml(cfg), "yaml", theme="ansi_dark", background_color="default"))
+    console.print(Syntax(dump_yaml(cfg), "yaml", theme="ansi_dark", background_color="default", word_wrap=True))

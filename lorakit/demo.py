@@ -1,0 +1,173 @@
+"""`lorakit demo`: the whole path on tiny offline models, on any laptop, without downloads.
+
+Today: tiny pipeline -> demo dataset -> doctor -> config resolution -> a sample grid from the stock
+diffusers pipeline. Each later stage (cache, train, infer after) is added here as it lands.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from lorakit.data.demo import demo_layout_for, make_demo_dataset
+from lorakit.models.registry import family_info
+
+DEMO_PROMPTS = ("a red circle in the center on a blue background", "a yellow square at the top left on a black background")
+
+
+@dataclass
+class Stage:
+    name: str
+    seconds: float
+    detail: str
+
+
+@dataclass
+class DemoResult:
+    out_dir: Path
+    family: str
+    stages: list[Stage] = field(default_factory=list)
+    files: dict[str, str] = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return {"out_dir": str(self.out_dir), "family": self.family, "files": self.files,
+                "stages": [s.__dict__ for s in self.stages]}
+
+
+def demo_config(family: str, model_dir: Path, data_dir: Path, out_dir: Path) -> dict:
+    """The YAML config the demo writes (also a starting point for real runs)."""
+    return {
+        "model": {"family": family, "path": str(model_dir)},
+        "data": {"dirs": [str(data_dir)], "resolution": 64, "bucket_min_side": 32, "bucket_max_side": 128},
+        "lora": {"rank": 8, "targets": "attention"},
+        "optim": {"lr": 1e-3},
+        "schedule": {"steps": 60, "warmup_steps": 5},
+        "sampling": {"prompts": list(DEMO_PROMPTS), "steps": 4, "size": 64},
+        "output": {"dir": str(out_dir / "run")},
+    }
+
+
+def sample_grid(model_dir: Path, family: str, prompts, size: int, steps: int, seed: int, control=None):
+    """Images from the stock diffusers pipeline, pasted side by side (a PIL image)."""
+    import torch
+    from diffusers import DiffusionPipeline
+    from PIL import Image
+
+    pipe = DiffusionPipeline.from_pretrained(model_dir, dtype=torch.float32)
+    pipe.set_progress_bar_config(disable=True)
+    images = []
+    for i, prompt in enumerate(prompts):
+        kw = dict(prompt=prompt, num_inference_steps=steps, generator=torch.Generator().manual_seed(seed + i))
+        if family.startswith("kandinsky5"):
+            kw.update(height=1024, width=1024) if family.endswith("t2i") else kw.update(height=size, width=size,
+                                                                                    num_frames=5)
+        else:
+            kw.update(height=size, width=size)
+        if control is not None:
+            kw["image"] = control
+        out = pipe(**kw)
+        img = getattr(out, "images", None) or getattr(out, "image", None)
+        if img is None:  # video: the middle frame stands for the clip
+            frames = out.frames[0]
+            img = [frames[len(frames) // 2]]
+        first = img[0]
+        if not isinstance(first, Image.Image):
+            import numpy as np
+
+            first = Image.fromarray((np.asarray(first) * 255).clip(0, 255).astype("uint8"))
+        images.append(first.resize((size * 2, size * 2), Image.NEAREST))
+    grid = Image.new("RGB", (sum(i.width for i in images), max(i.height for i in images)), "white")
+    x = 0
+    for im in images:
+        grid.paste(im, (x, 0))
+        x += im.width
+    return grid
+
+
+def run_demo(out_dir: Path, family: str = "flux", seed: int = 0, progress=None) -> DemoResult:
+    """Run the demo into `out_dir` and return what it made."""
+    from lorakit.config import dump_yaml, resolve
+    from lorakit.hardware import doctor as doc
+    from lorakit.hardware.probe import probe
+    from lorakit.hardware.profiles import choose
+    from lorakit.models.tiny import tiny_pipeline
+    from lorakit.quiet import quiet_libraries
+
+    quiet_libraries()
+    family_info(family)  # unknown names fail here, before any work
+    out_dir = Path(out_dir).resolve()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    res = DemoResult(out_dir=out_dir, family=family)
+
+    def stage(name: str, fn):
+        if progress:
+            progress(name)
+        t0 = time.perf_counter()
+        detail = fn()
+        res.stages.append(Stage(name, round(time.perf_counter() - t0, 2), detail))
+
+    model_dir: Path = out_dir / "model"
+
+    def build():
+        nonlocal model_dir
+        model_dir = tiny_pipeline(family, seed=seed)
+        res.files["model"] = str(model_dir)
+        return f"tiny {family_info(family).pipeline_class} at {model_dir}"
+
+    data_dir = out_dir / "data"
+    layout = demo_layout_for(family)
+
+    def data():
+        make_demo_dataset(data_dir, layout=layout, count=4, size=64, seed=seed)
+        res.files["data"] = str(data_dir)
+        n = len(list(data_dir.rglob("*.txt")))
+        return f"{n} captioned items ({layout} layout)"
+
+    facts_holder = {}
+
+    def doctor():
+        facts = probe(out_dir)
+        choice = choose("auto", facts)
+        checks = doc.checks(facts, choice)
+        facts_holder["choice"] = choice
+        (out_dir / "doctor.json").write_text(json.dumps(
+            {"summary": doc.summary(checks), "checks": doc.to_dicts(checks)}, indent=2))
+        res.files["doctor"] = str(out_dir / "doctor.json")
+        s = doc.summary(checks)
+        return f"profile {choice.profile.name}; {s['fail']} failed, {s['warn']} warnings"
+
+    def config():
+        cfg_path = out_dir / "config.yaml"
+        cfg_path.write_text(yaml.safe_dump(demo_config(family, model_dir, data_dir, out_dir), sort_keys=False))
+        cfg, prov = resolve(cfg_path, [], "auto")
+        (out_dir / "config.resolved.yaml").write_text(dump_yaml(cfg))
+        res.files["config"] = str(cfg_path)
+        res.files["resolved_config"] = str(out_dir / "config.resolved.yaml")
+        return f"resolved with profile {prov['profile']}"
+
+    def sample():
+        control = None
+        if layout in ("edit", "edit-plus"):
+            from PIL import Image
+
+            stems = sorted(p.stem for p in (data_dir / "control").glob("*.png"))
+            control = Image.open(data_dir / "control" / f"{stems[0]}.png").convert("RGB")
+            if layout == "edit-plus":
+                control = [control, Image.open(data_dir / "control_2" / f"{stems[0]}.png").convert("RGB")]
+        grid = sample_grid(model_dir, family, DEMO_PROMPTS, 64, 4, seed, control)
+        path = out_dir / "samples_base.png"
+        grid.save(path)
+        res.files["samples_base"] = str(path)
+        return f"{len(DEMO_PROMPTS)} samples from the untrained base -> {path.name}"
+
+    stage("build tiny pipeline", build)
+    stage("demo dataset", data)
+    stage("doctor", doctor)
+    stage("config", config)
+    stage("sample (stock diffusers pipeline)", sample)
+    (out_dir / "demo.json").write_text(json.dumps(res.to_dict(), indent=2))
+    return res

@@ -1,0 +1,147 @@
+"""`lorakit doctor` as a library: facts -> checks (ok / warn / fail, each with a fix hint)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from lorakit.hardware.probe import Facts, code_support
+
+OK, WARN, FAIL, INFO = "ok", "warn", "fail", "info"
+
+
+@dataclass
+class Check:
+    name: str
+    status: str  # ok | warn | fail | info
+    detail: str
+    hint: str = ""
+
+
+def _ver_tuple(v: str | None) -> tuple:
+    out = []
+    for part in (v or "0").split("+")[0].split("."):
+        digits = "".join(ch for ch in part if ch.isdigit())
+        out.append(int(digits) if digits else 0)
+    return tuple(out)
+
+
+def checks(facts: Facts, choice=None, attention=None) -> list[Check]:
+    """Turn probe facts (plus the profile choice and attention self-test) into checks."""
+    out: list[Check] = []
+    add = out.append
+    py = _ver_tuple(facts.python)
+    add(Check("python", OK if py >= (3, 10) else FAIL, facts.python,
+              "" if py >= (3, 10) else "lorakit needs Python 3.10 or newer"))
+    add(Check("platform", INFO, f"{facts.os} {facts.arch}, {facts.cpu_count} cores, {facts.ram_gib:.0f} GiB RAM"))
+    if facts.torch is None:
+        add(Check("torch", FAIL, "not installed", "pip install torch (see README: GPU install notes)"))
+        return out
+    add(Check("torch", OK, f"{facts.torch} (CUDA {facts.torch_cuda or 'none'}, cuDNN {facts.cudnn or 'none'})"))
+    pk = facts.packages
+    for name, minimum in (("diffusers", (0, 42)), ("transformers", (4, 51)), ("peft", (0, 15)),
+                          ("accelerate", (1, 0)), ("safetensors", (0, 4))):
+        v = pk.get(name)
+        if v is None:
+            add(Check(name, FAIL, "not installed", f"pip install '{name}>={'.'.join(map(str, minimum))}'"))
+        elif _ver_tuple(v) < minimum:
+            add(Check(name, FAIL, v, f"lorakit needs {name} >= {'.'.join(map(str, minimum))}: pip install -U {name}"))
+        else:
+            add(Check(name, OK, v))
+    gpu_checks(facts, add)
+    add(Check("disk", WARN if (facts.disk_free_gib or 0) < 50 else OK,
+              f"{facts.disk_free_gib} GiB free at {facts.disk_path}",
+              "" if (facts.disk_free_gib or 0) >= 50 else "a 20 B model plus caches and checkpoints wants 50+ GiB"))
+    loader_checks(facts, add)
+    quant_checks(facts, add)
+    if choice is not None:
+        add(Check("profile", WARN if choice.warnings else OK, f"{choice.profile.name}: {choice.reason}",
+                  "; ".join(choice.warnings)))
+    if attention is not None:
+        attention_checks(attention, add)
+    return out
+
+
+def gpu_checks(facts: Facts, add) -> None:
+    if not facts.gpus:
+        hint = ("this torch has no CUDA support: install a CUDA build (README: GPU install notes)"
+                if not facts.torch_cuda else "no GPU visible: check the driver (nvidia-smi) and CUDA_VISIBLE_DEVICES")
+        add(Check("gpu", WARN, "no CUDA GPU found: the cpu profile runs tiny models only", hint))
+        return
+    add(Check("driver", OK if facts.driver else WARN, facts.driver or "unknown",
+              "" if facts.driver else "could not read the NVIDIA driver version"))
+    for g in facts.gpus:
+        mem = "unified (shared with the CPU)" if g.unified else "discrete"
+        add(Check(f"gpu{g.index}", OK, f"{g.name}, {g.sm}, {g.total_gib:.0f} GiB, {mem}"))
+        cs = code_support(facts, g)
+        status = {"exact": OK, "compatible": OK, "ptx": WARN, "none": FAIL, "unknown": WARN}[cs["kind"]]
+        hint = ""
+        if cs["kind"] in ("ptx", "none"):
+            hint = (f"GPU {g.sm} but this torch has no matching code: install a build with {g.sm} "
+                    f"(e.g. the cu130 wheels: pip install torch --index-url https://download.pytorch.org/whl/cu130)")
+        add(Check(f"gpu{g.index} code", status, cs["detail"], hint))
+        add(Check(f"gpu{g.index} bf16", OK if g.bf16 else FAIL, "supported" if g.bf16 else "not supported",
+                  "" if g.bf16 else "lorakit trains in bf16: this GPU (pre-Ampere) is not supported"))
+        add(Check(f"gpu{g.index} fp8", OK if g.fp8 else INFO, "supported (sm_89+)" if g.fp8 else
+                  "not supported: fp8 base storage falls back to qfloat8/8-bit"))
+    if facts.gpus and not facts.cudnn:
+        add(Check("cudnn", WARN, "not found", "cuDNN not found: install the nvidia-cudnn wheel matching torch's CUDA"))
+
+
+def loader_checks(facts: Facts, add) -> None:
+    v = facts.packages.get("fastsafetensors")
+    if v is None:
+        add(Check("fastsafetensors", WARN, "not installed", "pip install fastsafetensors (faster cold loads)"))
+    elif facts.gpus and facts.fastsafetensors_gpu is False:
+        add(Check("fastsafetensors", WARN, f"{v}, cannot reach the GPU runtime",
+                  "fastsafetensors cannot find libcudart: it loads to the CPU only; lorakit's own loader is used"))
+    else:
+        where = "GPU runtime found" if facts.fastsafetensors_gpu else "CPU only"
+        add(Check("fastsafetensors", OK, f"{v} ({where})"))
+    if facts.gpus:
+        add(Check("gpudirect storage", OK if facts.gds else INFO, facts.gds_reason or "available",
+                  "" if facts.gds else "optional: loads use page-cache reads + pinned copies instead"))
+
+
+def quant_checks(facts: Facts, add) -> None:
+    q = facts.packages.get("optimum-quanto")
+    add(Check("optimum-quanto", OK if q else WARN, q or "not installed",
+              "" if q else "needed by the rtx4090 profile (qfloat8 base): pip install 'lorakit[quant]'"))
+    b = facts.packages.get("bitsandbytes")
+    if b is None:
+        add(Check("bitsandbytes", WARN, "not installed",
+                  "needed for 8-bit AdamW and nf4 (rtx4090 profile): pip install 'lorakit[quant]'"))
+    elif facts.gpus:
+        add(Check("bitsandbytes", OK, b))
+    else:
+        add(Check("bitsandbytes", INFO, f"{b} (CPU: 8-bit optimizers need a GPU)"))
+    extras = [n for n in ("flash-attn", "flash_attn_3", "xformers") if facts.packages.get(n)]
+    add(Check("extra attention kernels", INFO, ", ".join(f"{n} {facts.packages[n]}" for n in extras) or "none"))
+
+
+def attention_checks(report, add) -> None:
+    by_backend: dict[str, list] = {}
+    for r in report.results:
+        by_backend.setdefault(r.backend, []).append(r)
+    for backend, rs in by_backend.items():
+        bad = [r for r in rs if not r.ok]
+        if not bad:
+            ms = ", ".join(f"{r.case} {r.ms:.2f} ms" for r in rs)
+            add(Check(f"sdpa {backend}", OK, f"forward+backward pass: {ms}"))
+        else:
+            first = bad[0]
+            add(Check(f"sdpa {backend}", WARN,
+                      f"fails at {', '.join(r.case for r in bad)}: {first.error}",
+                      "lorakit does not use this backend where it fails"))
+    none = [f for f, b in report.choice.items() if b is None]
+    detail = ", ".join(f"{f}: {b}" for f, b in report.choice.items())
+    add(Check("attention choice", FAIL if none else OK, detail,
+              f"no SDPA backend passed forward+backward for {', '.join(none)}" if none else ""))
+
+
+def summary(checks_: list[Check]) -> dict:
+    counts = {s: sum(c.status == s for c in checks_) for s in (OK, WARN, FAIL, INFO)}
+    return counts
+
+
+def to_dicts(checks_: list[Check]) -> list[dict]:
+    return [asdict(c) for c in checks_]

@@ -1,0 +1,38 @@
+"""Keep third-party chatter (progress bars, deprecation notes, optional-kernel notices) off the console.
+
+lorakit shows its own progress; LORAKIT_DEBUG=1 leaves the libraries' output alone.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import warnings
+
+
+def quiet_libraries() -> None:
+    """Silence diffusers/transformers/huggingface_hub/bitsandbytes below errors (idempotent)."""
+    if os.environ.get("LORAKIT_DEBUG", "") not in ("", "0"):
+        return
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("DIFFUSERS_VERBOSITY", "error")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # lorakit never downloads weights at run time
+    for name in ("bitsandbytes", "diffusers", "transformers", "huggingface_hub", "peft", "accelerate"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    warnings.filterwarnings("ignore", message=".*torch_dtype.*")
+    try:
+        from diffusers.utils import logging as dlog
+
+        dlog.set_verbosity_error()
+        dlog.disable_progress_bar()
+    except ImportError:
+        pass
+    try:
+        from transformers.utils import logging as tlog
+
+        tlog.set_verbosity_error()
+        tlog.disable_progress_bar()
+    except ImportError:
+        pass
