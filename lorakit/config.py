@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import copy
 import difflib
+import re
 from pathlib import Path
-from typing import Any, Literal, Union
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -91,7 +92,7 @@ class LoraConfig(_Section):
     rank: int = Field(16, ge=1, le=1024, description="LoRA rank")
     alpha: float | None = Field(None, gt=0, description="LoRA alpha (default: equal to rank, i.e. scale 1)")
     dropout: float = Field(0.0, ge=0.0, lt=1.0, description="LoRA dropout")
-    targets: Union[TargetPreset, list[str]] = Field(
+    targets: TargetPreset | list[str] = Field(
         "attention", description="a preset (attention, attention_mlp, all_linear) or a list of module names")
     init: Literal["default", "gaussian"] = Field("default", description="LoRA weight initialisation")
     dora: bool = Field(False, description="train DoRA (weight-decomposed LoRA)")
@@ -233,6 +234,9 @@ def load_yaml(path: Path) -> dict:
     return data
 
 
+_SCI = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
+
+
 def parse_overrides(items: list[str]) -> tuple[dict, list[str]]:
     """Turn `a.b=c` strings into a nested dict; values are parsed as YAML (numbers, lists, null).
 
@@ -251,6 +255,8 @@ def parse_overrides(items: list[str]) -> tuple[dict, list[str]]:
             value = yaml.safe_load(raw) if raw.strip() else ""
         except yaml.YAMLError:
             value = raw
+        if isinstance(value, str) and _SCI.fullmatch(value.strip()):
+            value = float(value)  # YAML 1.1 reads 2e-4 as a string
         node = out
         parts = key.split(".")
         for p in parts[:-1]:
@@ -332,10 +338,14 @@ def resolve(config_path: Path | None = None, overrides: list[str] | None = None,
     if not isinstance(name, str):
         problems.append(f"profile: must be a profile name, got {name!r}")
         name = "auto"
+    source = str(config_path) if config_path else None
+    # The user's own layer is checked first: its mistakes are reported without probing the machine
+    # (which imports torch). Profiles only supply defaults, so they cannot mend a user mistake.
+    validate({k: v for k, v in layered.items() if k != "profile"}, source=source, extra_problems=problems)
     choice = prof.choose(name, probe_facts)
     merged = deep_merge(choice.profile.defaults, layered)
     merged["profile"] = choice.profile.name
-    cfg = validate(merged, source=str(config_path) if config_path else None, extra_problems=problems)
+    cfg = validate(merged, source=source)
     return cfg, {"profile": choice.profile.name, "reason": choice.reason, "warnings": choice.warnings}
 
 

@@ -103,4 +103,6 @@ def main() -> None:
     try:
         app()
     except LorakitError as e:  # raised outside a command (e.g. while parsing)
+        if _debug():
+            raise
         sys.exit(report_error(e, "--json" in sys.argv))

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
 
 import typer
 
@@ -18,8 +17,8 @@ HELP = """Encode a dataset once: text embeddings and VAE latents into a content-
 
 def cache(
     config: Path = typer.Argument(..., help="run config (YAML)", show_default=False),
-    sets: Optional[list[str]] = SetOpt,
-    profile: Optional[str] = ProfileOpt,
+    sets: list[str] | None = SetOpt,
+    profile: str | None = ProfileOpt,
     check: bool = typer.Option(False, "--check", help="validate the dataset only"),
     strict: bool = typer.Option(False, "--strict", help="fail on any bad item instead of skipping it"),
     verify: bool = typer.Option(False, "--verify", help="check every stored file"),

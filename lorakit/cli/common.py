@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Callable
 from contextvars import ContextVar
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any
 
 import typer
 from rich.console import Console
@@ -33,7 +34,7 @@ def json_requested() -> bool:
     return _json_requested.get()
 
 
-def emit(as_json: bool, data: Any, render: Optional[Callable[[], None]] = None) -> None:
+def emit(as_json: bool, data: Any, render: Callable[[], None] | None = None) -> None:
     """Print `data` as JSON, or call `render` for people."""
     if as_json:
         sys.stdout.write(json.dumps(data, indent=2, default=_json_default) + "\n")
@@ -49,7 +50,7 @@ def _json_default(o: Any) -> Any:
     return str(o)
 
 
-def resolve_config(config: Optional[Path], sets: Optional[list[str]], profile: Optional[str]):
+def resolve_config(config: Path | None, sets: list[str] | None, profile: str | None):
     """Config file + --set + --profile -> (Config, provenance). Imports stay light (no torch)."""
     from lorakit.config import resolve
 

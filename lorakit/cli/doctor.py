@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
 
 import typer
 
@@ -19,7 +18,7 @@ _MARK = {"ok": "[green]✓[/]", "warn": "[yellow]⚠[/]", "fail": "[red]✗[/]",
 
 
 def doctor(
-    profile: Optional[str] = ProfileOpt,
+    profile: str | None = ProfileOpt,
     quick: bool = typer.Option(False, "--quick", help="skip the attention kernel self-test"),
     retest: bool = typer.Option(False, "--retest", help="re-run the attention self-test (ignore the cache)"),
     disk: Path = typer.Option(Path("."), "--disk", help="where outputs go (free space is checked there)"),

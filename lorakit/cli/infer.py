@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
 
 import typer
 
@@ -17,14 +16,14 @@ Example: lorakit infer ./FLUX.1-dev --lora out/lora.safetensors:0.8 -p "a red ci
 
 def infer(
     model: Path = typer.Argument(..., help="diffusers model folder or single-file checkpoint", show_default=False),
-    lora: Optional[list[str]] = typer.Option(None, "--lora", "-l", help="LoRA file, optionally :scale (repeatable)"),
-    prompt: Optional[list[str]] = typer.Option(None, "--prompt", "-p", help="prompt (repeatable)"),
-    prompts_file: Optional[Path] = typer.Option(None, "--prompts", help="file with one prompt per line"),
-    image: Optional[list[Path]] = typer.Option(None, "--image", help="control image(s) for edit families"),
+    lora: list[str] | None = typer.Option(None, "--lora", "-l", help="LoRA file, optionally :scale (repeatable)"),
+    prompt: list[str] | None = typer.Option(None, "--prompt", "-p", help="prompt (repeatable)"),
+    prompts_file: Path | None = typer.Option(None, "--prompts", help="file with one prompt per line"),
+    image: list[Path] | None = typer.Option(None, "--image", help="control image(s) for edit families"),
     seed: int = typer.Option(0, "--seed"),
     steps: int = typer.Option(28, "--steps"),
     out: Path = typer.Option(Path("out"), "--out", "-o"),
-    profile: Optional[str] = ProfileOpt,
+    profile: str | None = ProfileOpt,
     as_json: bool = JsonOpt,
 ) -> None:
     use_json(as_json)

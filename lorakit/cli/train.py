@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
 
 import typer
 
@@ -17,10 +16,10 @@ The config merges, lowest first: built-in defaults < hardware profile < CONFIG <
 
 def train(
     config: Path = typer.Argument(..., help="run config (YAML)", show_default=False),
-    sets: Optional[list[str]] = SetOpt,
-    profile: Optional[str] = ProfileOpt,
+    sets: list[str] | None = SetOpt,
+    profile: str | None = ProfileOpt,
     dry_run: bool = typer.Option(False, "--dry-run", help="print the resolved config and stop"),
-    resume: Optional[str] = typer.Option(None, "--resume", help="latest or a checkpoint folder"),
+    resume: str | None = typer.Option(None, "--resume", help="latest or a checkpoint folder"),
     as_json: bool = JsonOpt,
 ) -> None:
     use_json(as_json)

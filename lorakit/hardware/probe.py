@@ -76,7 +76,7 @@ class Facts:
 
     def to_dict(self) -> dict:
         d = asdict(self)
-        for g, gd in zip(self.gpus, d["gpus"]):
+        for g, gd in zip(self.gpus, d["gpus"], strict=True):
             gd.update(sm=g.sm, bf16=g.bf16, tf32=g.tf32, fp8=g.fp8, code=code_support(self, g))
         return d
 

@@ -227,8 +227,12 @@ def _flux(seed: int, variant: str):
 
 
 def _qwen(seed: int, variant: str):
-    from diffusers import (QwenImageEditPipeline, QwenImageEditPlusPipeline, QwenImagePipeline,
-                           QwenImageTransformer2DModel)
+    from diffusers import (
+        QwenImageEditPipeline,
+        QwenImageEditPlusPipeline,
+        QwenImagePipeline,
+        QwenImageTransformer2DModel,
+    )
 
     tok = _qwen_tokenizer()
     _seeded(seed + 10)

@@ -1,0 +1,44 @@
+# lorakit — `make demo` and `make test` set everything up on a fresh machine.
+#
+#   make setup   virtual environment + torch + lorakit (editable, with dev and quant extras)
+#   make demo    the whole path on tiny offline models (no downloads)
+#   make test    the test suite (CPU; GPU tests run where a GPU is present)
+#   make lint    ruff
+#
+# torch: the default pins are the pair tested on x86_64 (a CUDA 13.0 build that also runs on the CPU).
+# Another build: make setup TORCH_SPEC="torch torchvision" TORCH_INDEX=https://download.pytorch.org/whl/cu130
+
+PYTHON      ?= python3
+VENV        ?= .venv
+TORCH_SPEC  ?= torch==2.14.1 torchvision==0.29.1
+TORCH_INDEX ?=
+BIN         := $(VENV)/bin
+STAMP       := $(VENV)/.lorakit-installed
+DEMO_OUT    ?= demo-out
+PYTEST_ARGS ?=
+
+.PHONY: setup demo test test-fast lint clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -c "import torch, torchvision" 2>/dev/null || \
+	  $(BIN)/python -m pip install -q $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) $(TORCH_SPEC)
+	$(BIN)/python -m pip install -q -e ".[dev,quant]"
+	touch $(STAMP)
+
+demo: setup
+	$(BIN)/lorakit demo --out $(DEMO_OUT)
+
+test: setup
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+test-fast: setup
+	$(BIN)/python -m pytest -q -m "not slow" $(PYTEST_ARGS)
+
+lint: setup
+	$(BIN)/ruff check lorakit tests scripts
+
+clean:
+	rm -rf $(DEMO_OUT) .pytest_cache .ruff_cache build *.egg-info

@@ -1,0 +1,130 @@
+"""The CLI as users meet it: in-process (CliRunner) and as a real subprocess."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from lorakit.cli.app import app
+
+COMMANDS = ["doctor", "cache", "train", "convert", "bench", "infer", "demo"]
+runner = CliRunner()
+
+
+def run(*args):
+    return runner.invoke(app, list(args))
+
+
+def test_help_lists_the_seven_commands_with_descriptions():
+    r = run("--help")
+    assert r.exit_code == 0
+    for c in COMMANDS:
+        line = next(ln for ln in r.output.splitlines() if ln.strip().startswith(c + " "))
+        assert len(line.split(None, 1)[1]) > 10  # a one-line description
+
+
+def test_version():
+    r = run("--version")
+    assert r.exit_code == 0 and r.output.startswith("lorakit ")
+
+
+@pytest.mark.parametrize("cmd", [["doctor"], ["cache"], ["train"], ["infer"], ["demo"], ["convert", "lora"],
+                                 ["convert", "cache"], ["convert", "model"], ["convert", "merge"],
+                                 ["bench", "load"], ["bench", "step"]])
+def test_every_command_has_help_and_json(cmd):
+    r = run(*cmd, "--help")
+    assert r.exit_code == 0 and "--json" in r.output
+
+
+def _subprocess(*args, env=None, timeout=60):
+    e = dict(os.environ, **(env or {}))
+    return subprocess.run([sys.executable, "-m", "lorakit", *args], capture_output=True, text=True,
+                          timeout=timeout, env=e)
+
+
+def test_python_m_lorakit_and_cold_help_is_fast():
+    _subprocess("--help")  # first run compiles bytecode
+    best = min(_timed(lambda: _subprocess("train", "--help")) for _ in range(3))
+    assert best < 1.5, f"`lorakit train --help` took {best:.2f}s"
+    r = _subprocess("--help")
+    assert r.returncode == 0 and "train" in r.stdout
+
+
+def _timed(fn):
+    t0 = time.perf_counter()
+    r = fn()
+    assert r.returncode == 0, r.stderr
+    return time.perf_counter() - t0
+
+
+def test_help_does_not_import_torch():
+    code = ("import sys; from typer.testing import CliRunner; from lorakit.cli.app import app; "
+            "CliRunner().invoke(app, ['train', '--help']); print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == "False"
+
+
+@pytest.fixture
+def bad_config(tmp_path):
+    p = tmp_path / "bad.yaml"
+    p.write_text(yaml.safe_dump({"model": {"family": "flux"}, "lora": {"rnk": 4, "rank": "big"}}))
+    return p
+
+
+def test_config_error_one_report_exit_2(bad_config):
+    r = _subprocess("train", str(bad_config), "--dry-run")
+    assert r.returncode == 2
+    assert "2 problems" in r.stderr and "lora.rnk" in r.stderr and "lora.rank" in r.stderr
+    assert "Traceback" not in r.stderr and "hint:" in r.stderr
+
+
+def test_config_error_as_json(bad_config):
+    r = _subprocess("train", str(bad_config), "--dry-run", "--json")
+    assert r.returncode == 2
+    data = json.loads(r.stdout)
+    assert data["error"] == "ConfigError" and len(data["problems"]) == 2
+
+
+def test_traceback_only_with_lorakit_debug(bad_config):
+    r = _subprocess("train", str(bad_config), "--dry-run", env={"LORAKIT_DEBUG": "1"})
+    assert r.returncode != 0 and "Traceback" in r.stderr and "ConfigError" in r.stderr
+
+
+def test_unknown_profile_suggests(tmp_path):
+    p = tmp_path / "ok.yaml"
+    p.write_text("model:\n  family: flux\n")
+    r = run("train", str(p), "--profile", "rtx4909", "--dry-run")
+    assert r.exit_code == 2 and "did you mean 'rtx4090'" in r.output
+
+
+def test_dry_run_prints_resolved_config(tmp_path):
+    p = tmp_path / "ok.yaml"
+    p.write_text("model:\n  family: qwen-image\nlora:\n  rank: 8\n")
+    r = run("train", str(p), "--dry-run", "--set", "lora.rank=32", "--profile", "cpu", "--json")
+    assert r.exit_code == 0, r.output
+    data = json.loads(r.output)
+    assert data["config"]["lora"]["rank"] == 32 and data["profile"]["profile"] == "cpu"
+    r = run("train", str(p), "--dry-run", "--profile", "cpu")
+    assert "rank: 8" in r.output and "profile: cpu" in r.output
+
+
+def test_commands_not_yet_landed_say_so_plainly(tmp_path):
+    r = run("bench", "load", "--json")
+    assert r.exit_code == 1
+    data = json.loads(r.output)
+    assert data["error"] == "NotAvailableError" and "issue #4" in data["message"]
+
+
+def test_doctor_on_cpu_exits_0_with_cpu_profile():
+    r = run("doctor", "--quick", "--json")
+    assert r.exit_code == 0, r.output
+    data = json.loads(r.output)
+    assert data["profile"]["name"] == "cpu" and data["summary"]["fail"] == 0
+    assert any(c["name"] == "gpu" and c["status"] == "warn" for c in data["checks"])
+    r = run("doctor", "--quick")
+    assert "profile: cpu" in r.output and "ready" in r.output

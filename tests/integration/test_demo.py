@@ -1,0 +1,25 @@
+import json
+
+from PIL import Image
+from typer.testing import CliRunner
+
+from lorakit.cli.app import app
+
+
+def test_demo_runs_end_to_end_offline(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    out = tmp_path / "demo"
+    r = CliRunner().invoke(app, ["demo", "--out", str(out), "--json"])
+    assert r.exit_code == 0, r.output
+    data = json.loads(r.output)
+    assert [s["name"] for s in data["stages"]][:4] == ["build tiny pipeline", "demo dataset", "doctor", "config"]
+    with Image.open(data["files"]["samples_base"]) as im:
+        assert im.size == (256, 128)
+    assert (out / "config.resolved.yaml").read_text().startswith("profile: cpu")
+    assert json.loads((out / "doctor.json").read_text())["summary"]["fail"] == 0
+    assert len(list((out / "data").glob("*.txt"))) == 4
+
+
+def test_demo_unknown_family(tmp_path):
+    r = CliRunner().invoke(app, ["demo", "--out", str(tmp_path), "--family", "flux2"])
+    assert r.exit_code == 2 and "did you mean 'flux'" in r.output

@@ -1,0 +1,100 @@
+"""The attention choice must hold in forward, backward AND the recompute of checkpointed blocks."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.checkpoint import CheckpointError, checkpoint
+
+from lorakit.hardware import attention as att
+
+
+class OpLog(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+def block(x):
+    return F.scaled_dot_product_attention(x, x, x).relu()
+
+
+@pytest.fixture(autouse=True)
+def _restore_switches():
+    prev = att.apply(None)
+    yield
+    att.restore(prev)
+
+
+def _backward_ops():
+    x = torch.randn(1, 2, 16, 8, requires_grad=True)
+    y = checkpoint(block, x, use_reentrant=False)
+    with OpLog() as log:  # the recompute of `block` runs inside backward
+        y.sum().backward()
+    assert x.grad is not None and torch.isfinite(x.grad).all()
+    return log.ops
+
+
+def test_chosen_backend_is_in_force_during_recompute():
+    att.apply("flash")
+    assert "_scaled_dot_product_flash_attention_for_cpu" in _backward_ops()
+    att.apply("math")
+    ops = _backward_ops()
+    assert "_scaled_dot_product_flash_attention_for_cpu" not in ops
+    assert "bmm" in ops or "matmul" in ops  # math SDPA decomposes into matrix products
+
+
+def test_a_scoped_choice_alone_breaks_recompute():
+    """The failure lorakit avoids: `with sdpa_kernel(...)` around the forward only."""
+    att.apply(None)  # PyTorch defaults: flash enabled on CPU
+    x = torch.randn(1, 2, 16, 8, requires_grad=True)
+    with sdpa_kernel([SDPBackend.MATH]):
+        y = checkpoint(block, x, use_reentrant=False)
+    with pytest.raises(CheckpointError):
+        y.sum().backward()
+
+
+def test_apply_sets_exactly_one_backend_and_restore_undoes_it():
+    prev = att.apply("efficient")
+    b = torch.backends.cuda
+    assert (b.flash_sdp_enabled(), b.mem_efficient_sdp_enabled(), b.cudnn_sdp_enabled(),
+            b.math_sdp_enabled()) == (False, True, False, False)
+    att.restore(prev)
+    assert b.math_sdp_enabled() == prev["math"]
+
+
+def test_unknown_backend_is_refused():
+    from lorakit.errors import UnknownNameError
+
+    with pytest.raises(UnknownNameError):
+        att.apply("flashy")
+
+
+def test_choose_picks_fastest_backend_that_passed_all_relevant_cases():
+    R = att.CaseResult
+    rep = att.AttentionReport(fingerprint={}, results=[
+        R("cudnn", "512px", True, 1.0), R("cudnn", "1024px", False, error="mha_graph"),
+        R("flash", "512px", True, 2.0), R("flash", "1024px", True, 5.0),
+        R("flash", "512px+mask", False, error="No available kernel"),
+        R("flash", "1024px+mask", False, error="No available kernel"),
+        R("efficient", "512px", True, 3.0), R("efficient", "1024px", True, 9.0),
+        R("efficient", "512px+mask", True, 3.0), R("efficient", "1024px+mask", True, 9.0),
+    ])
+    assert att.choose(rep, "flux") == "flash"  # cuDNN is faster at 512 but fails at 1024
+    assert att.choose(rep, "qwen-image") == "efficient"  # flash refuses masks
+    assert att.choose(att.AttentionReport(fingerprint={}), "flux") is None
+
+
+def test_self_test_runs_and_caches_on_cpu(monkeypatch):
+    cases = (("tiny", 64, False), ("tiny+mask", 64, True))
+    rep = att.self_test("cpu", repeats=1, heads=2, head_dim=16, cases=cases)
+    assert not rep.cached
+    math_rows = [r for r in rep.results if r.backend == "math"]
+    assert math_rows and all(r.ok for r in math_rows)
+    again = att.self_test("cpu", repeats=1, heads=2, head_dim=16, cases=cases)
+    assert again.cached and [r.ok for r in again.results] == [r.ok for r in rep.results]

@@ -1,0 +1,49 @@
+from lorakit.hardware.attention import AttentionReport, CaseResult
+from lorakit.hardware.doctor import checks, summary
+from lorakit.hardware.probe import GpuFacts
+from lorakit.hardware.profiles import choose
+from tests.machines import CPU_ONLY, CU121_ARCHES, DGX_SPARK, H100, machine
+
+
+def by_name(cs):
+    return {c.name: c for c in cs}
+
+
+def test_cpu_machine_is_ready_with_a_gpu_warning():
+    cs = by_name(checks(CPU_ONLY, choose("auto", CPU_ONLY)))
+    assert cs["gpu"].status == "warn"
+    assert cs["profile"].status == "ok" and "cpu" in cs["profile"].detail
+    assert summary(list(cs.values()))["fail"] == 0
+
+
+def test_gb10_with_old_torch_fails_with_install_hint():
+    f = machine(GpuFacts(0, "NVIDIA GB10", (12, 1), 119.7, integrated=True, unified=True), arch="aarch64",
+                arches=CU121_ARCHES)
+    cs = by_name(checks(f, choose("auto", f)))
+    assert cs["gpu0 code"].status == "fail"
+    assert "sm_121" in cs["gpu0 code"].hint and "cu130" in cs["gpu0 code"].hint
+
+
+def test_dgx_spark_is_ready():
+    cs = checks(DGX_SPARK, choose("auto", DGX_SPARK))
+    d = by_name(cs)
+    assert d["gpu0 code"].status == "ok" and "unified" in d["gpu0"].detail
+    assert summary(cs)["fail"] == 0
+
+
+def test_missing_diffusers_fails():
+    f = machine(None)
+    f.packages["diffusers"] = None
+    assert by_name(checks(f))["diffusers"].status == "fail"
+    f.packages["diffusers"] = "0.30.0"
+    assert "0.42" in by_name(checks(f))["diffusers"].hint
+
+
+def test_attention_results_show_failing_backend_and_choice():
+    rep = AttentionReport(fingerprint={}, results=[
+        CaseResult("cudnn", "1024px", False, error="RuntimeError: mha_graph.execute failed"),
+        CaseResult("flash", "1024px", True, ms=3.0)], choice={"flux": "flash", "qwen-image": None})
+    d = by_name(checks(H100, choose("auto", H100), rep))
+    assert d["sdpa cudnn"].status == "warn" and "mha_graph" in d["sdpa cudnn"].detail
+    assert d["sdpa flash"].status == "ok"
+    assert d["attention choice"].status == "fail" and "qwen-image" in d["attention choice"].hint

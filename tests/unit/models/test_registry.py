@@ -1,0 +1,21 @@
+import pytest
+
+from lorakit.errors import UnknownNameError
+from lorakit.models.registry import family_info, family_names
+
+
+def test_six_family_variants():
+    assert family_names() == ["flux", "qwen-image", "qwen-image-edit", "qwen-image-edit-plus",
+                              "kandinsky5-t2i", "kandinsky5-t2v"]
+
+
+def test_variants_are_flags_of_one_adapter():
+    mods = {family_info(n).module for n in family_names() if n.startswith("qwen")}
+    assert mods == {"qwen_image"}
+    assert family_info("qwen-image-edit-plus").variant == "edit-plus"
+
+
+def test_typo_suggests_closest():
+    with pytest.raises(UnknownNameError) as ei:
+        family_info("qwen-imag")
+    assert "did you mean 'qwen-image'?" in ei.value.hint
