@@ -92,13 +92,22 @@ def _cache_file(fp: dict) -> Path:
 
 def _run_case(backend: str, seq: int, masked: bool, device: str, dtype, heads: int, head_dim: int,
               repeats: int) -> CaseResult:
+    """Forward + backward of one backend, with tensors laid out as the diffusers transformers lay them out.
+
+    diffusers projects q/k/v to (batch, seq, heads, head_dim) and permutes them to (batch, heads, seq,
+    head_dim) for SDPA, then permutes the output back and flattens the heads: the kernels see strided
+    inputs and a strided output gradient. Contiguous tensors would pass where the real model fails.
+    """
+    import warnings
+
     import torch
     import torch.nn.functional as F
     from torch.nn.attention import sdpa_kernel
 
     g = torch.Generator(device=device).manual_seed(0)
-    q, k, v = (torch.randn(1, heads, seq, head_dim, device=device, dtype=dtype, generator=g, requires_grad=True)
-               for _ in range(3))
+    base = [torch.randn(1, seq, heads, head_dim, device=device, dtype=dtype, generator=g, requires_grad=True)
+            for _ in range(3)]
+    weight = torch.randn(1, seq, heads * head_dim, device=device, dtype=torch.float32, generator=g)
     mask = None
     if masked:  # the last 10% of keys are padding, as with padded text
         keep = torch.ones(seq, dtype=torch.bool, device=device)
@@ -106,20 +115,23 @@ def _run_case(backend: str, seq: int, masked: bool, device: str, dtype, heads: i
         mask = keep[None, None, None, :]
     times = []
     try:
-        with sdpa_kernel([_sdp_backend(backend)]):
+        with sdpa_kernel([_sdp_backend(backend)]), warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "kernel not used because ..." is what we record
             for i in range(repeats + 1):
                 if device.startswith("cuda"):
                     torch.cuda.synchronize(device)
                 t0 = time.perf_counter()
+                q, k, v = (t.permute(0, 2, 1, 3) for t in base)
                 out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-                out.float().square().mean().backward()
+                out = out.permute(0, 2, 1, 3).reshape(1, seq, heads * head_dim)
+                (out.float() * weight).mean().backward()
                 if device.startswith("cuda"):
                     torch.cuda.synchronize(device)
-                if i:  # first run is warm-up
+                if i:  # the first run is warm-up
                     times.append((time.perf_counter() - t0) * 1e3)
-                if not all(torch.isfinite(t.grad).all() for t in (q, k, v)):
+                if not all(torch.isfinite(t.grad).all() for t in base):
                     return CaseResult(backend, "", False, error="non-finite gradients")
-                for t in (q, k, v):
+                for t in base:
                     t.grad = None
     except Exception as e:  # noqa: BLE001 - a failing kernel is a result
         msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__

@@ -224,12 +224,15 @@ def probe(disk_path: str | os.PathLike = ".") -> Facts:
 
 
 def _fastsafetensors_gpu() -> bool | None:
+    """Can fastsafetensors load the GPU runtime (libcudart) the way its loader does?"""
     try:
         from fastsafetensors.common import is_gpu_found
+        from fastsafetensors.copier.nogds import load_library_func
+        from fastsafetensors.frameworks import get_framework_op
     except Exception:  # noqa: BLE001 - a broken install is a fact, not a crash
         return None
     try:
+        load_library_func(get_framework_op("pytorch"))  # dlopens the runtime, as a load would
         return bool(is_gpu_found())
-    except Exception:  # noqa: BLE001
+    except Exception:  # noqa: BLE001 - it raises when the runtime is missing
         return False
-

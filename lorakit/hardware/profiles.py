@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from importlib import resources
+from pathlib import Path
 from typing import Any
 
 import yaml
@@ -29,7 +30,10 @@ class Choice:
 
 
 def _profile_files() -> dict[str, Any]:
-    root = resources.files("lorakit.profiles")
+    try:  # installed: the top-level profiles/ ships as the package lorakit.profiles
+        root = resources.files("lorakit.profiles")
+    except ModuleNotFoundError:  # running from a source checkout that is not installed
+        root = Path(__file__).resolve().parents[2] / "profiles"
     return {p.name[:-5]: p for p in root.iterdir() if p.name.endswith(".yaml")}
 
 

@@ -40,3 +40,11 @@ def test_wheel_ships_profiles_and_console_script(tmp_path):
     for prof in ("dgx-spark", "rtx4090", "rtx5090", "datacenter", "cpu"):
         assert f"lorakit/profiles/{prof}.yaml" in names
     assert "lorakit/cli/app.py" in names and not any(n.startswith("tests/") for n in names)
+
+
+def test_pyproject_lists_every_package():
+    import tomllib
+
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {".".join(p.parent.relative_to(ROOT).parts) for p in (ROOT / "lorakit").rglob("__init__.py")}
+    assert found | {"lorakit.profiles"} == listed

@@ -98,3 +98,33 @@ def test_self_test_runs_and_caches_on_cpu(monkeypatch):
     assert math_rows and all(r.ok for r in math_rows)
     again = att.self_test("cpu", repeats=1, heads=2, head_dim=16, cases=cases)
     assert again.cached and [r.ok for r in again.results] == [r.ok for r in rep.results]
+
+
+_KERNEL_OP = {"flash": "_scaled_dot_product_flash_attention", "efficient": "_scaled_dot_product_efficient_attention",
+              "cudnn": "_scaled_dot_product_cudnn_attention"}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", ["flux", "qwen-image"])
+def test_gpu_choice_holds_in_forward_backward_and_recompute(family):
+    rep = att.self_test("cuda", repeats=2)
+    backend = rep.choice[family]
+    assert backend is not None, rep.to_dict()
+    att.apply(backend)
+    masked = att.FAMILY_MASKED[family]
+    q = torch.randn(1, 24, 1536, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    mask = torch.ones(1, 1, 1, 1536, device="cuda", dtype=torch.bool) if masked else None
+
+    def blk(x):
+        return F.scaled_dot_product_attention(x, x, x, attn_mask=mask)
+
+    with OpLog() as fwd:
+        y = checkpoint(blk, q, use_reentrant=False)
+    with OpLog() as bwd:
+        y.float().sum().backward()
+    assert torch.isfinite(q.grad).all()
+    if backend in _KERNEL_OP:
+        assert _KERNEL_OP[backend] in fwd.ops
+        assert _KERNEL_OP[backend] in bwd.ops  # the recompute ran the same kernel
+    other = [op for b, op in _KERNEL_OP.items() if b != backend]
+    assert not any(op in bwd.ops for op in other)
