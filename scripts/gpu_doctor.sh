@@ -10,3 +10,4 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT
 python3 -m lorakit doctor --json --disk /tmp > "$OUT/doctor.json"; echo "doctor --json rc=$?"
 python3 -m lorakit doctor --disk /tmp 2>&1 | tee "$OUT/doctor.txt"; echo "doctor rc=${PIPESTATUS[0]}"
 python3 -m pytest -q -p no:cacheprovider -m gpu tests 2>&1 | tail -15 | tee "$OUT/pytest-gpu.txt"
+python3 scripts/attention_in_model.py --blocks 2 --json "$OUT/attention_in_model.json" 2>&1 | grep -v Warning | tee "$OUT/attention_in_model.txt"

@@ -22,14 +22,26 @@ from pathlib import Path
 
 BACKENDS = ("flash", "efficient", "cudnn", "math")
 
-# (name, sequence length, masked) — head_dim 128, 24 heads, as FLUX/Qwen-Image/Kandinsky 5 use.
+# (name, sequence length, masked, layout) — head_dim 128, 24 heads, as FLUX/Qwen-Image/Kandinsky 5 use.
 # 512² training: 1024 image tokens + 512 text; 1024²: 4096 + 512.
-CASES = (("512px", 1536, False), ("1024px", 4608, False), ("512px+mask", 1536, True), ("1024px+mask", 4608, True))
+# layout "joint": the output feeds its own projection (dual-stream blocks), so the output gradient is
+# contiguous; "single": the output is concatenated with the MLP branch before one projection (FLUX's
+# single-stream blocks), so the output gradient is a strided slice of a wider tensor.
+CASES = (("512px", 1536, False, "joint"), ("1024px", 4608, False, "joint"),
+         ("512px single", 1536, False, "single"), ("1024px single", 4608, False, "single"),
+         ("512px+mask", 1536, True, "joint"), ("1024px+mask", 4608, True, "joint"))
 
-# Which cases matter for which family: Qwen-Image passes an attention mask (text padding); FLUX and
-# Kandinsky 5 do not.
-FAMILY_MASKED = {"flux": False, "qwen-image": True, "qwen-image-edit": True, "qwen-image-edit-plus": True,
-                 "kandinsky5-t2i": False, "kandinsky5-t2v": False}
+# The cases that matter for each family: Qwen-Image passes an attention mask (text padding) and has
+# only dual-stream blocks; FLUX has no mask and both block kinds; Kandinsky 5 has no mask.
+FAMILY_CASES = {
+    "flux": ("512px", "1024px", "512px single", "1024px single"),
+    "qwen-image": ("512px+mask", "1024px+mask"),
+    "qwen-image-edit": ("512px+mask", "1024px+mask"),
+    "qwen-image-edit-plus": ("512px+mask", "1024px+mask"),
+    "kandinsky5-t2i": ("512px", "1024px"),
+    "kandinsky5-t2v": ("512px", "1024px"),
+}
+FAMILY_MASKED = {f: any("mask" in c for c in cases) for f, cases in FAMILY_CASES.items()}
 
 
 @dataclass
@@ -90,8 +102,8 @@ def _cache_file(fp: dict) -> Path:
     return Path(base) / "attention" / f"{key}.json"
 
 
-def _run_case(backend: str, seq: int, masked: bool, device: str, dtype, heads: int, head_dim: int,
-              repeats: int) -> CaseResult:
+def _run_case(backend: str, seq: int, masked: bool, layout: str, device: str, dtype, heads: int,
+              head_dim: int, repeats: int) -> CaseResult:
     """Forward + backward of one backend, with tensors laid out as the diffusers transformers lay them out.
 
     diffusers projects q/k/v to (batch, seq, heads, head_dim) and permutes them to (batch, heads, seq,
@@ -107,7 +119,9 @@ def _run_case(backend: str, seq: int, masked: bool, device: str, dtype, heads: i
     g = torch.Generator(device=device).manual_seed(0)
     base = [torch.randn(1, seq, heads, head_dim, device=device, dtype=dtype, generator=g, requires_grad=True)
             for _ in range(3)]
-    weight = torch.randn(1, seq, heads * head_dim, device=device, dtype=torch.float32, generator=g)
+    width = heads * head_dim * (5 if layout == "single" else 1)  # single: attention (1x) + MLP (4x)
+    weight = torch.randn(1, seq, width, device=device, dtype=torch.float32, generator=g)
+    mlp = torch.randn(1, seq, width - heads * head_dim, device=device, dtype=dtype, generator=g)
     mask = None
     if masked:  # the last 10% of keys are padding, as with padded text
         keep = torch.ones(seq, dtype=torch.bool, device=device)
@@ -124,6 +138,8 @@ def _run_case(backend: str, seq: int, masked: bool, device: str, dtype, heads: i
                 q, k, v = (t.permute(0, 2, 1, 3) for t in base)
                 out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
                 out = out.permute(0, 2, 1, 3).reshape(1, seq, heads * head_dim)
+                if layout == "single":
+                    out = torch.cat([out, mlp], dim=2)
                 (out.float() * weight).mean().backward()
                 if device.startswith("cuda"):
                     torch.cuda.synchronize(device)
@@ -140,29 +156,70 @@ def _run_case(backend: str, seq: int, masked: bool, device: str, dtype, heads: i
     return CaseResult(backend, "", True, ms=round(times[len(times) // 2], 3))
 
 
-def self_test(device: str = "cuda", use_cache: bool = True, repeats: int = 5, heads: int = 24,
-              head_dim: int = 128, cases=CASES) -> AttentionReport:
-    """Run forward+backward of every SDPA backend at the families' shapes; cached per fingerprint."""
+def _run_backend(backend: str, device: str, repeats: int, heads: int, head_dim: int, cases) -> list[CaseResult]:
+    """All cases of one backend in this process. After a CUDA error the context is unusable, so the
+    remaining cases are recorded as not run rather than attempted."""
     import torch
 
+    out: list[CaseResult] = []
+    lost = None
+    for name, seq, masked, layout in cases:
+        if lost:
+            out.append(CaseResult(backend, name, False, error=f"not run: the CUDA context was lost at {lost}"))
+            continue
+        r = _run_case(backend, seq, masked, layout, device, torch.bfloat16, heads, head_dim, repeats)
+        r.case = name
+        out.append(r)
+        if not r.ok and ("CUDA error" in (r.error or "") or "AcceleratorError" in (r.error or "")):
+            lost = name
+        if device.startswith("cuda") and not lost:
+            torch.cuda.empty_cache()
+    return out
+
+
+def _run_backend_isolated(backend: str, device: str, repeats: int, heads: int, head_dim: int,
+                          cases) -> list[CaseResult]:
+    """One backend in a child process: a kernel that corrupts the GPU context (illegal memory access,
+    as cuDNN attention does inside FLUX on some stacks) cannot take the other results down with it."""
+    import subprocess
+    import sys
+
+    args = json.dumps({"backend": backend, "device": device, "repeats": repeats, "heads": heads,
+                       "head_dim": head_dim, "cases": [list(c) for c in cases]})
+    try:
+        p = subprocess.run([sys.executable, "-m", "lorakit.hardware.attention", args], capture_output=True,
+                           text=True, timeout=600)
+    except subprocess.TimeoutExpired:
+        return [CaseResult(backend, c[0], False, error="timed out (10 min)") for c in cases]
+    try:
+        return [CaseResult(**r) for r in json.loads(p.stdout.strip().splitlines()[-1])]
+    except (ValueError, IndexError, TypeError):
+        tail = (p.stderr.strip().splitlines() or ["no output"])[-1][:300]
+        return [CaseResult(backend, c[0], False, error=f"test process died (exit {p.returncode}): {tail}")
+                for c in cases]
+
+
+def self_test(device: str = "cuda", use_cache: bool = True, repeats: int = 5, heads: int = 24,
+              head_dim: int = 128, cases=CASES, isolate: bool | None = None) -> AttentionReport:
+    """Run forward+backward of every SDPA backend at the families' shapes; cached per fingerprint.
+
+    Args:
+        isolate: run each backend in a child process (default: on for CUDA).
+    """
     fp = fingerprint(device)
-    fp.update(heads=heads, head_dim=head_dim, cases=[c[0] for c in cases])
+    fp.update(heads=heads, head_dim=head_dim, cases=[list(c) for c in cases], version=2)
     path = _cache_file(fp)
     if use_cache and path.is_file():
         try:
             return AttentionReport.from_dict(json.loads(path.read_text()))
         except (ValueError, KeyError, TypeError):
             pass  # a damaged cache is simply re-measured
-    dtype = torch.bfloat16
+    isolate = device.startswith("cuda") if isolate is None else isolate
+    run = _run_backend_isolated if isolate else _run_backend
     report = AttentionReport(fingerprint=fp)
     for backend in BACKENDS:
-        for name, seq, masked in cases:
-            r = _run_case(backend, seq, masked, device, dtype, heads, head_dim, repeats)
-            r.case = name
-            report.results.append(r)
-            if device.startswith("cuda"):
-                torch.cuda.empty_cache()
-    report.choice = {fam: choose(report, fam) for fam in FAMILY_MASKED}
+        report.results += run(backend, device, repeats, heads, head_dim, cases)
+    report.choice = {fam: choose(report, fam) for fam in FAMILY_CASES}
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
@@ -175,12 +232,11 @@ def self_test(device: str = "cuda", use_cache: bool = True, repeats: int = 5, he
 
 def choose(report: AttentionReport, family: str) -> str | None:
     """Fastest backend that passed every case relevant to a family (None if none did)."""
-    masked = FAMILY_MASKED.get(family, False)
-    relevant = {c[0] for c in CASES if c[2] == masked}
+    relevant = set(FAMILY_CASES.get(family, FAMILY_CASES["flux"]))
     best, best_ms = None, None
     for backend in BACKENDS:
         rs = [r for r in report.results if r.backend == backend and r.case in relevant]
-        if not rs or not all(r.ok for r in rs):
+        if len(rs) < len(relevant) or not all(r.ok for r in rs):
             continue
         total = sum(r.ms or 0.0 for r in rs)
         if best_ms is None or total < best_ms:
@@ -221,3 +277,12 @@ def restore(prev: dict) -> None:
     b.enable_mem_efficient_sdp(prev["efficient"])
     b.enable_cudnn_sdp(prev["cudnn"])
     b.enable_math_sdp(prev["math"])
+
+
+if __name__ == "__main__":  # the child process of _run_backend_isolated
+    import sys
+
+    _a = json.loads(sys.argv[1])
+    _res = _run_backend(_a["backend"], _a["device"], _a["repeats"], _a["heads"], _a["head_dim"],
+                        [tuple(c) for c in _a["cases"]])
+    print(json.dumps([asdict(r) for r in _res]))

@@ -77,27 +77,40 @@ def test_unknown_backend_is_refused():
 
 def test_choose_picks_fastest_backend_that_passed_all_relevant_cases():
     R = att.CaseResult
+    ok = {"512px": 2.0, "1024px": 5.0, "512px single": 2.0, "1024px single": 5.0}
     rep = att.AttentionReport(fingerprint={}, results=[
-        R("cudnn", "512px", True, 1.0), R("cudnn", "1024px", False, error="mha_graph"),
-        R("flash", "512px", True, 2.0), R("flash", "1024px", True, 5.0),
+        # cuDNN: fastest, passes the dual-stream layout but fails FLUX's single-stream one
+        R("cudnn", "512px", True, 1.0), R("cudnn", "1024px", True, 2.0), R("cudnn", "512px single", True, 1.0),
+        R("cudnn", "1024px single", False, error="AcceleratorError: CUDA error: an illegal memory access"),
+        R("cudnn", "512px+mask", True, 1.0), R("cudnn", "1024px+mask", True, 3.0),
+        *[R("flash", c, True, ms) for c, ms in ok.items()],
         R("flash", "512px+mask", False, error="No available kernel"),
         R("flash", "1024px+mask", False, error="No available kernel"),
-        R("efficient", "512px", True, 3.0), R("efficient", "1024px", True, 9.0),
+        *[R("efficient", c, True, 3 * ms) for c, ms in ok.items()],
         R("efficient", "512px+mask", True, 3.0), R("efficient", "1024px+mask", True, 9.0),
     ])
-    assert att.choose(rep, "flux") == "flash"  # cuDNN is faster at 512 but fails at 1024
-    assert att.choose(rep, "qwen-image") == "efficient"  # flash refuses masks
+    assert att.choose(rep, "flux") == "flash"  # cuDNN fails one FLUX case
+    assert att.choose(rep, "qwen-image") == "cudnn"  # all Qwen cases pass there, and it is fastest
+    assert att.choose(rep, "kandinsky5-t2i") == "cudnn"
     assert att.choose(att.AttentionReport(fingerprint={}), "flux") is None
 
 
-def test_self_test_runs_and_caches_on_cpu(monkeypatch):
-    cases = (("tiny", 64, False), ("tiny+mask", 64, True))
-    rep = att.self_test("cpu", repeats=1, heads=2, head_dim=16, cases=cases)
+CPU_CASES = (("tiny", 64, False, "joint"), ("tiny single", 64, False, "single"), ("tiny+mask", 64, True, "joint"))
+
+
+def test_self_test_runs_and_caches_on_cpu():
+    rep = att.self_test("cpu", repeats=1, heads=2, head_dim=16, cases=CPU_CASES)
     assert not rep.cached
     math_rows = [r for r in rep.results if r.backend == "math"]
-    assert math_rows and all(r.ok for r in math_rows)
-    again = att.self_test("cpu", repeats=1, heads=2, head_dim=16, cases=cases)
+    assert len(math_rows) == 3 and all(r.ok and r.ms > 0 for r in math_rows)
+    assert not any(r.ok for r in rep.results if r.backend == "cudnn")  # no cuDNN attention on the CPU
+    again = att.self_test("cpu", repeats=1, heads=2, head_dim=16, cases=CPU_CASES)
     assert again.cached and [r.ok for r in again.results] == [r.ok for r in rep.results]
+
+
+def test_isolated_backend_runs_in_a_child_process():
+    rows = att._run_backend_isolated("math", "cpu", 1, 2, 16, CPU_CASES[:1])
+    assert len(rows) == 1 and rows[0].ok and rows[0].case == "tiny"
 
 
 _KERNEL_OP = {"flash": "_scaled_dot_product_flash_attention", "efficient": "_scaled_dot_product_efficient_attention",
