@@ -32,14 +32,16 @@ CASES = (("512px", 1536, False, "joint"), ("1024px", 4608, False, "joint"),
          ("512px+mask", 1536, True, "joint"), ("1024px+mask", 4608, True, "joint"))
 
 # The cases that matter for each family: Qwen-Image passes an attention mask (text padding) and has
-# only dual-stream blocks; FLUX has no mask and both block kinds; Kandinsky 5 has no mask.
+# only dual-stream blocks; FLUX has no mask and both block kinds. On CUDA each family also needs its
+# real transformer to pass ("model ..." cases, lorakit.hardware.attention_model); Kandinsky 5 (no mask,
+# head_dim 128) borrows FLUX's model check.
 FAMILY_CASES = {
-    "flux": ("512px", "1024px", "512px single", "1024px single"),
-    "qwen-image": ("512px+mask", "1024px+mask"),
-    "qwen-image-edit": ("512px+mask", "1024px+mask"),
-    "qwen-image-edit-plus": ("512px+mask", "1024px+mask"),
-    "kandinsky5-t2i": ("512px", "1024px"),
-    "kandinsky5-t2v": ("512px", "1024px"),
+    "flux": ("512px", "1024px", "512px single", "1024px single", "model flux"),
+    "qwen-image": ("512px+mask", "1024px+mask", "model qwen-image"),
+    "qwen-image-edit": ("512px+mask", "1024px+mask", "model qwen-image"),
+    "qwen-image-edit-plus": ("512px+mask", "1024px+mask", "model qwen-image"),
+    "kandinsky5-t2i": ("512px", "1024px", "model flux"),
+    "kandinsky5-t2v": ("512px", "1024px", "model flux"),
 }
 FAMILY_MASKED = {f: any("mask" in c for c in cases) for f, cases in FAMILY_CASES.items()}
 
@@ -156,21 +158,29 @@ def _run_case(backend: str, seq: int, masked: bool, layout: str, device: str, dt
     return CaseResult(backend, "", True, ms=round(times[len(times) // 2], 3))
 
 
-def _run_backend(backend: str, device: str, repeats: int, heads: int, head_dim: int, cases) -> list[CaseResult]:
-    """All cases of one backend in this process. After a CUDA error the context is unusable, so the
-    remaining cases are recorded as not run rather than attempted."""
+def _run_backend(backend: str, device: str, repeats: int, heads: int, head_dim: int, cases,
+                 models: tuple = ()) -> list[CaseResult]:
+    """All cases of one backend in this process (then the real-model cases). After a CUDA error the
+    context is unusable, so the remaining cases are recorded as not run rather than attempted."""
     import torch
+
+    from lorakit.hardware.attention_model import run_model_case
 
     out: list[CaseResult] = []
     lost = None
-    for name, seq, masked, layout in cases:
+    todo = [(c[0], c) for c in cases] + [(m, None) for m in models]
+    for name, raw in todo:
         if lost:
             out.append(CaseResult(backend, name, False, error=f"not run: the CUDA context was lost at {lost}"))
             continue
-        r = _run_case(backend, seq, masked, layout, device, torch.bfloat16, heads, head_dim, repeats)
+        if raw is not None:
+            _, seq, masked, layout = raw
+            r = _run_case(backend, seq, masked, layout, device, torch.bfloat16, heads, head_dim, repeats)
+        else:
+            r = run_model_case(name, backend, device, repeats=min(repeats, 2))
         r.case = name
         out.append(r)
-        if not r.ok and ("CUDA error" in (r.error or "") or "AcceleratorError" in (r.error or "")):
+        if not r.ok and any(s in (r.error or "") for s in ("CUDA error", "AcceleratorError", "CUBLAS_STATUS")):
             lost = name
         if device.startswith("cuda") and not lost:
             torch.cuda.empty_cache()
@@ -178,36 +188,41 @@ def _run_backend(backend: str, device: str, repeats: int, heads: int, head_dim: 
 
 
 def _run_backend_isolated(backend: str, device: str, repeats: int, heads: int, head_dim: int,
-                          cases) -> list[CaseResult]:
+                          cases, models: tuple = ()) -> list[CaseResult]:
     """One backend in a child process: a kernel that corrupts the GPU context (illegal memory access,
     as cuDNN attention does inside FLUX on some stacks) cannot take the other results down with it."""
     import subprocess
     import sys
 
     args = json.dumps({"backend": backend, "device": device, "repeats": repeats, "heads": heads,
-                       "head_dim": head_dim, "cases": [list(c) for c in cases]})
+                       "head_dim": head_dim, "cases": [list(c) for c in cases], "models": list(models)})
     try:
         p = subprocess.run([sys.executable, "-m", "lorakit.hardware.attention", args], capture_output=True,
                            text=True, timeout=600)
     except subprocess.TimeoutExpired:
-        return [CaseResult(backend, c[0], False, error="timed out (10 min)") for c in cases]
+        return [CaseResult(backend, n, False, error="timed out (10 min)") for n in [c[0] for c in cases] + list(models)]
     try:
         return [CaseResult(**r) for r in json.loads(p.stdout.strip().splitlines()[-1])]
     except (ValueError, IndexError, TypeError):
         tail = (p.stderr.strip().splitlines() or ["no output"])[-1][:300]
-        return [CaseResult(backend, c[0], False, error=f"test process died (exit {p.returncode}): {tail}")
-                for c in cases]
+        return [CaseResult(backend, n, False, error=f"test process died (exit {p.returncode}): {tail}")
+                for n in [c[0] for c in cases] + list(models)]
 
 
 def self_test(device: str = "cuda", use_cache: bool = True, repeats: int = 5, heads: int = 24,
-              head_dim: int = 128, cases=CASES, isolate: bool | None = None) -> AttentionReport:
+              head_dim: int = 128, cases=CASES, isolate: bool | None = None,
+              models: tuple | None = None) -> AttentionReport:
     """Run forward+backward of every SDPA backend at the families' shapes; cached per fingerprint.
 
     Args:
         isolate: run each backend in a child process (default: on for CUDA).
+        models: real-transformer cases to run too (default: all of them on CUDA, none on the CPU).
     """
+    from lorakit.hardware.attention_model import MODEL_CASES
+
+    models = (MODEL_CASES if device.startswith("cuda") else ()) if models is None else tuple(models)
     fp = fingerprint(device)
-    fp.update(heads=heads, head_dim=head_dim, cases=[list(c) for c in cases], version=2)
+    fp.update(heads=heads, head_dim=head_dim, cases=[list(c) for c in cases], models=list(models), version=3)
     path = _cache_file(fp)
     if use_cache and path.is_file():
         try:
@@ -218,7 +233,7 @@ def self_test(device: str = "cuda", use_cache: bool = True, repeats: int = 5, he
     run = _run_backend_isolated if isolate else _run_backend
     report = AttentionReport(fingerprint=fp)
     for backend in BACKENDS:
-        report.results += run(backend, device, repeats, heads, head_dim, cases)
+        report.results += run(backend, device, repeats, heads, head_dim, cases, models)
     report.choice = {fam: choose(report, fam) for fam in FAMILY_CASES}
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -231,12 +246,13 @@ def self_test(device: str = "cuda", use_cache: bool = True, repeats: int = 5, he
 
 
 def choose(report: AttentionReport, family: str) -> str | None:
-    """Fastest backend that passed every case relevant to a family (None if none did)."""
-    relevant = set(FAMILY_CASES.get(family, FAMILY_CASES["flux"]))
+    """Fastest backend that passed every case relevant to a family and measured (None if none did)."""
+    measured = {r.case for r in report.results}
+    relevant = set(FAMILY_CASES.get(family, FAMILY_CASES["flux"])) & measured
     best, best_ms = None, None
     for backend in BACKENDS:
         rs = [r for r in report.results if r.backend == backend and r.case in relevant]
-        if len(rs) < len(relevant) or not all(r.ok for r in rs):
+        if not relevant or len(rs) < len(relevant) or not all(r.ok for r in rs):
             continue
         total = sum(r.ms or 0.0 for r in rs)
         if best_ms is None or total < best_ms:
@@ -284,5 +300,5 @@ if __name__ == "__main__":  # the child process of _run_backend_isolated
 
     _a = json.loads(sys.argv[1])
     _res = _run_backend(_a["backend"], _a["device"], _a["repeats"], _a["heads"], _a["head_dim"],
-                        [tuple(c) for c in _a["cases"]])
+                        [tuple(c) for c in _a["cases"]], tuple(_a.get("models", ())))
     print(json.dumps([asdict(r) for r in _res]))

@@ -90,7 +90,9 @@ def test_choose_picks_fastest_backend_that_passed_all_relevant_cases():
         R("efficient", "512px+mask", True, 3.0), R("efficient", "1024px+mask", True, 9.0),
     ])
     assert att.choose(rep, "flux") == "flash"  # cuDNN fails one FLUX case
-    assert att.choose(rep, "qwen-image") == "cudnn"  # all Qwen cases pass there, and it is fastest
+    rep.results += [R("cudnn", "model qwen-image", False, error="RuntimeError: CUBLAS_STATUS_EXECUTION_FAILED"),
+                    R("efficient", "model qwen-image", True, 40.0)]
+    assert att.choose(rep, "qwen-image") == "efficient"  # passing bare SDPA is not enough: the model must pass
     assert att.choose(rep, "kandinsky5-t2i") == "cudnn"
     assert att.choose(att.AttentionReport(fingerprint={}), "flux") is None
 
@@ -123,6 +125,8 @@ def test_gpu_choice_holds_in_forward_backward_and_recompute(family):
     rep = att.self_test("cuda", repeats=2)
     backend = rep.choice[family]
     assert backend is not None, rep.to_dict()
+    model_case = "model flux" if family == "flux" else "model qwen-image"
+    assert [r.ok for r in rep.results if r.backend == backend and r.case == model_case] == [True]
     att.apply(backend)
     masked = att.FAMILY_MASKED[family]
     q = torch.randn(1, 24, 1536, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
