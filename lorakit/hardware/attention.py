@@ -177,7 +177,7 @@ def _run_backend(backend: str, device: str, repeats: int, heads: int, head_dim: 
             _, seq, masked, layout = raw
             r = _run_case(backend, seq, masked, layout, device, torch.bfloat16, heads, head_dim, repeats)
         else:
-            r = run_model_case(name, backend, device, repeats=min(repeats, 2))
+            r = run_model_case(name, backend, device, repeats=repeats)
         r.case = name
         out.append(r)
         if not r.ok and any(s in (r.error or "") for s in ("CUDA error", "AcceleratorError", "CUBLAS_STATUS")):
@@ -222,7 +222,7 @@ def self_test(device: str = "cuda", use_cache: bool = True, repeats: int = 5, he
 
     models = (MODEL_CASES if device.startswith("cuda") else ()) if models is None else tuple(models)
     fp = fingerprint(device)
-    fp.update(heads=heads, head_dim=head_dim, cases=[list(c) for c in cases], models=list(models), version=3)
+    fp.update(heads=heads, head_dim=head_dim, cases=[list(c) for c in cases], models=list(models), version=4)
     path = _cache_file(fp)
     if use_cache and path.is_file():
         try:
@@ -233,7 +233,13 @@ def self_test(device: str = "cuda", use_cache: bool = True, repeats: int = 5, he
     run = _run_backend_isolated if isolate else _run_backend
     report = AttentionReport(fingerprint=fp)
     for backend in BACKENDS:
-        report.results += run(backend, device, repeats, heads, head_dim, cases, models)
+        report.results += run(backend, device, repeats, heads, head_dim, cases)
+        # Each real-model case runs twice, each time first in a fresh process: a kernel that fails only
+        # now and then (cuDNN inside FLUX on the H100 does) gets two chances to show it.
+        for model_case in models:
+            tries = [run(backend, device, 5, heads, head_dim, (), (model_case,))[0] for _ in range(2)]
+            bad = [t for t in tries if not t.ok]
+            report.results.append(bad[0] if bad else min(tries, key=lambda t: t.ms or 0.0))
     report.choice = {fam: choose(report, fam) for fam in FAMILY_CASES}
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -245,6 +251,24 @@ def self_test(device: str = "cuda", use_cache: bool = True, repeats: int = 5, he
     return report
 
 
+# Backends lorakit will not train with on a stack, whatever one self-test run says, because they were
+# seen failing there intermittently (a kernel that passes once can still corrupt memory later).
+KNOWN_BAD = (
+    {"backend": "cudnn", "cudnn_prefix": "919", "capability": "9.0",
+     "reason": "cuDNN 9.19 attention backward on sm_90: non-finite gradients / illegal memory access inside "
+               "the FLUX transformer in some runs (seen on an H100, 2026-11-22)"},
+)
+
+
+def known_bad(fingerprint_: dict, backend: str) -> str | None:
+    """Why a backend is excluded on this stack (None when it is not)."""
+    for rule in KNOWN_BAD:
+        if (rule["backend"] == backend and str(fingerprint_.get("cudnn") or "").startswith(rule["cudnn_prefix"])
+                and fingerprint_.get("capability") == rule["capability"]):
+            return rule["reason"]
+    return None
+
+
 def choose(report: AttentionReport, family: str) -> str | None:
     """Fastest backend that passed every case relevant to a family and measured (None if none did)."""
     measured = {r.case for r in report.results}
@@ -253,6 +277,8 @@ def choose(report: AttentionReport, family: str) -> str | None:
     for backend in BACKENDS:
         rs = [r for r in report.results if r.backend == backend and r.case in relevant]
         if not relevant or len(rs) < len(relevant) or not all(r.ok for r in rs):
+            continue
+        if known_bad(report.fingerprint, backend):
             continue
         total = sum(r.ms or 0.0 for r in rs)
         if best_ms is None or total < best_ms:

@@ -122,9 +122,15 @@ def attention_checks(report, add) -> None:
     by_backend: dict[str, list] = {}
     for r in report.results:
         by_backend.setdefault(r.backend, []).append(r)
+    from lorakit.hardware.attention import known_bad
+
     for backend, rs in by_backend.items():
         bad = [r for r in rs if not r.ok]
-        if not bad:
+        excluded = known_bad(report.fingerprint, backend)
+        if excluded:
+            add(Check(f"sdpa {backend}", WARN, f"excluded on this stack: {excluded}",
+                      "lorakit does not train with it here; a newer cuDNN may lift this"))
+        elif not bad:
             ms = ", ".join(f"{r.case} {r.ms:.2f} ms" for r in rs)
             add(Check(f"sdpa {backend}", OK, f"forward+backward pass: {ms}"))
         else:
