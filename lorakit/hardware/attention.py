@@ -253,19 +253,23 @@ def self_test(device: str = "cuda", use_cache: bool = True, repeats: int = 5, he
 
 # Backends lorakit will not train with on a stack, whatever one self-test run says, because they were
 # seen failing there intermittently (a kernel that passes once can still corrupt memory later).
+# Scoped to the families whose real transformer showed the failure (FLUX; Kandinsky 5 borrows its check).
 KNOWN_BAD = (
     {"backend": "cudnn", "cudnn_prefix": "919", "capability": "9.0",
+     "families": ("flux", "kandinsky5-t2i", "kandinsky5-t2v"),
      "reason": "cuDNN 9.19 attention backward on sm_90: non-finite gradients / illegal memory access inside "
                "the FLUX transformer in some runs (seen on an H100, 2026-11-22)"},
 )
 
 
-def known_bad(fingerprint_: dict, backend: str) -> str | None:
-    """Why a backend is excluded on this stack (None when it is not)."""
+def known_bad(fingerprint_: dict, backend: str, family: str | None = None) -> str | None:
+    """Why a backend is excluded on this stack for a family (any family when None); None when it is not."""
     for rule in KNOWN_BAD:
         if (rule["backend"] == backend and str(fingerprint_.get("cudnn") or "").startswith(rule["cudnn_prefix"])
-                and fingerprint_.get("capability") == rule["capability"]):
-            return rule["reason"]
+                and fingerprint_.get("capability") == rule["capability"]
+                and (family is None or family in rule["families"])):
+            fams = ", ".join(rule["families"])
+            return f"{rule['reason']} (for {fams})"
     return None
 
 
@@ -278,7 +282,7 @@ def choose(report: AttentionReport, family: str) -> str | None:
         rs = [r for r in report.results if r.backend == backend and r.case in relevant]
         if not relevant or len(rs) < len(relevant) or not all(r.ok for r in rs):
             continue
-        if known_bad(report.fingerprint, backend):
+        if known_bad(report.fingerprint, backend, family):
             continue
         total = sum(r.ms or 0.0 for r in rs)
         if best_ms is None or total < best_ms:

@@ -119,25 +119,23 @@ def quant_checks(facts: Facts, add) -> None:
 
 
 def attention_checks(report, add) -> None:
+    from lorakit.hardware.attention import known_bad
+
     by_backend: dict[str, list] = {}
     for r in report.results:
         by_backend.setdefault(r.backend, []).append(r)
-    from lorakit.hardware.attention import known_bad
-
     for backend, rs in by_backend.items():
         bad = [r for r in rs if not r.ok]
-        excluded = known_bad(report.fingerprint, backend)
-        if excluded:
-            add(Check(f"sdpa {backend}", WARN, f"excluded on this stack: {excluded}",
-                      "lorakit does not train with it here; a newer cuDNN may lift this"))
-        elif not bad:
+        if bad:
+            add(Check(f"sdpa {backend}", WARN, f"fails at {', '.join(r.case for r in bad)}: {bad[0].error}",
+                      "lorakit does not use this backend where it fails"))
+        else:
             ms = ", ".join(f"{r.case} {r.ms:.2f} ms" for r in rs)
             add(Check(f"sdpa {backend}", OK, f"forward+backward pass: {ms}"))
-        else:
-            first = bad[0]
-            add(Check(f"sdpa {backend}", WARN,
-                      f"fails at {', '.join(r.case for r in bad)}: {first.error}",
-                      "lorakit does not use this backend where it fails"))
+        excluded = known_bad(report.fingerprint, backend)
+        if excluded:
+            add(Check(f"sdpa {backend} rule", WARN, f"excluded on this stack: {excluded}",
+                      "lorakit does not train those families with it here; a newer cuDNN may lift this"))
     none = [f for f, b in report.choice.items() if b is None]
     detail = ", ".join(f"{f}: {b}" for f, b in report.choice.items())
     add(Check("attention choice", FAIL if none else OK, detail,

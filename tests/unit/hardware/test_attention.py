@@ -126,6 +126,9 @@ def test_known_bad_stack_excludes_backend_even_when_it_passed():
                               results=[R("cudnn", c, True, 1.0) for c in cases] +
                                       [R("flash", c, True, 2.0) for c in cases])
     assert att.choose(rep, "flux") == "flash"
+    qcases = att.FAMILY_CASES["qwen-image"]
+    rep.results += [R("cudnn", c, True, 1.0) for c in qcases] + [R("efficient", c, True, 2.0) for c in qcases]
+    assert att.choose(rep, "qwen-image") == "cudnn"  # the rule is scoped to the families that failed
     rep.fingerprint = {"cudnn": 92000, "capability": "9.0"}
     assert att.choose(rep, "flux") == "cudnn"
 
