@@ -22,16 +22,27 @@ def doctor(
     quick: bool = typer.Option(False, "--quick", help="skip the attention kernel self-test"),
     retest: bool = typer.Option(False, "--retest", help="re-run the attention self-test (ignore the cache)"),
     disk: Path = typer.Option(Path("."), "--disk", help="where outputs go (free space is checked there)"),
+    from_file: Path | None = typer.Option(None, "--from", help="re-read a `doctor --json` report (e.g. "
+                                             "from a bug report) instead of probing this machine"),
     as_json: bool = JsonOpt,
 ) -> None:
     use_json(as_json)
     from lorakit.hardware import doctor as doc
-    from lorakit.hardware.probe import probe
+    from lorakit.hardware.attention import AttentionReport, choose as choose_attention
+    from lorakit.hardware.probe import Facts, probe
     from lorakit.hardware.profiles import choose
 
-    facts = probe(disk)
-    choice = choose(profile or "auto", facts)
     attention = None
+    if from_file is not None:
+        saved = _read_report(from_file)
+        facts = Facts.from_dict(saved["facts"])
+        if saved.get("attention"):
+            attention = AttentionReport.from_dict(saved["attention"])
+            attention.choice = {f: choose_attention(attention, f) for f in attention.choice}
+        quick = True
+    else:
+        facts = probe(disk)
+    choice = choose(profile or "auto", facts)
     if not quick and facts.gpus:
         from lorakit.hardware.attention import self_test
 
@@ -44,9 +55,23 @@ def doctor(
                                            "warnings": choice.warnings},
             "checks": doc.to_dicts(results), "facts": facts.to_dict(),
             "attention": attention.to_dict() if attention else None}
-    emit(as_json, data, lambda: _render(results, choice, attention, facts))
+    emit(as_json, data, lambda: _render(results, choice, attention, facts, from_file))
     if counts["fail"]:
         raise typer.Exit(1)
+
+
+def _read_report(path: Path) -> dict:
+    import json
+
+    from lorakit.errors import InputError
+
+    try:
+        data = json.loads(Path(path).read_text())
+        assert isinstance(data, dict) and isinstance(data["facts"], dict)
+        return data
+    except (OSError, ValueError, AssertionError, KeyError) as e:
+        raise InputError(f"--from {path}: not a `lorakit doctor --json` report ({type(e).__name__})",
+                         "produce one with: lorakit doctor --json > report.json") from None
 
 
 class _null:
@@ -57,7 +82,7 @@ class _null:
         return False
 
 
-def _render(results, choice, attention, facts) -> None:
+def _render(results, choice, attention, facts, from_file=None) -> None:
     from rich.table import Table
 
     t = Table(title="lorakit doctor", show_lines=False, title_justify="left")
@@ -74,6 +99,8 @@ def _render(results, choice, attention, facts) -> None:
     if attention is not None:
         pretty = ", ".join(f"{f}={b or 'none'}" for f, b in attention.choice.items())
         cached = " (cached result; --retest to measure again)" if attention.cached else ""
+        if from_file is not None:
+            cached = f" (measurements from {from_file}, choice by this lorakit)"
         console.print(f"[bold]attention:[/] {pretty}{cached}")
     elif not facts.gpus:
         console.print("[bold]attention:[/] CPU - PyTorch's SDPA (math / CPU flash); no GPU self-test needed")

@@ -188,7 +188,7 @@ def _run_backend(backend: str, device: str, repeats: int, heads: int, head_dim: 
 
 
 def _run_backend_isolated(backend: str, device: str, repeats: int, heads: int, head_dim: int,
-                          cases, models: tuple = ()) -> list[CaseResult]:
+                          cases, models: tuple = (), timeout: float | None = None) -> list[CaseResult]:
     """One backend in a child process: a kernel that corrupts the GPU context (illegal memory access,
     as cuDNN attention does inside FLUX on some stacks) cannot take the other results down with it."""
     import subprocess
@@ -196,11 +196,15 @@ def _run_backend_isolated(backend: str, device: str, repeats: int, heads: int, h
 
     args = json.dumps({"backend": backend, "device": device, "repeats": repeats, "heads": heads,
                        "head_dim": head_dim, "cases": [list(c) for c in cases], "models": list(models)})
+    # A kernel that corrupts memory can also hang the process: a few minutes is far beyond any healthy run
+    # (about 10 s here), so a child that has not answered by then is a failure, not something to wait on.
+    timeout = timeout if timeout is not None else 60 + 20 * (len(cases) + 2 * len(models))
     try:
         p = subprocess.run([sys.executable, "-m", "lorakit.hardware.attention", args], capture_output=True,
-                           text=True, timeout=600)
+                           text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
-        return [CaseResult(backend, n, False, error="timed out (10 min)") for n in [c[0] for c in cases] + list(models)]
+        return [CaseResult(backend, n, False, error=f"hung: no answer in {timeout:.0f} s")
+                for n in [c[0] for c in cases] + list(models)]
     try:
         return [CaseResult(**r) for r in json.loads(p.stdout.strip().splitlines()[-1])]
     except (ValueError, IndexError, TypeError):

@@ -128,3 +128,26 @@ def test_doctor_on_cpu_exits_0_with_cpu_profile():
     assert any(c["name"] == "gpu" and c["status"] == "warn" for c in data["checks"])
     r = run("doctor", "--quick")
     assert "profile: cpu" in r.output and "ready" in r.output
+
+
+def test_doctor_rereads_a_saved_h100_report():
+    from pathlib import Path
+
+    report = Path(__file__).resolve().parents[2] / "docs" / "h100" / "doctor-2026-11-22.json"
+    r = run("doctor", "--from", str(report), "--json")
+    assert r.exit_code == 0, r.output
+    data = json.loads(r.output)
+    assert data["profile"]["name"] == "datacenter"
+    assert data["facts"]["gpus"][0]["unified"] is False  # a discrete H100 is not unified memory
+    choice = data["attention"]["choice"]
+    assert choice["flux"] == "flash"  # cuDNN failed inside the FLUX transformer there
+    assert choice["qwen-image"] in ("cudnn", "efficient")  # flash cannot take Qwen's mask
+    cudnn = next(c for c in data["checks"] if c["name"] == "sdpa cudnn")
+    assert cudnn["status"] == "warn" and "model flux" in cudnn["detail"]
+
+
+def test_doctor_from_a_file_that_is_not_a_report(tmp_path):
+    p = tmp_path / "x.json"
+    p.write_text("[1, 2]")
+    r = run("doctor", "--from", str(p))
+    assert r.exit_code == 2 and "not a `lorakit doctor --json` report" in r.output

@@ -115,6 +115,11 @@ def test_isolated_backend_runs_in_a_child_process():
     assert len(rows) == 1 and rows[0].ok and rows[0].case == "tiny"
 
 
+def test_a_hung_child_is_a_failure_not_a_wait():
+    rows = att._run_backend_isolated("math", "cpu", 1, 2, 16, CPU_CASES, timeout=0.05)
+    assert [r.ok for r in rows] == [False] * 3 and all(r.error.startswith("hung") for r in rows)
+
+
 _KERNEL_OP = {"flash": "_scaled_dot_product_flash_attention", "efficient": "_scaled_dot_product_efficient_attention",
               "cudnn": "_scaled_dot_product_cudnn_attention"}
 
