@@ -19,7 +19,7 @@ _MARK = {"ok": "[green]✓[/]", "warn": "[yellow]⚠[/]", "fail": "[red]✗[/]",
 
 def doctor(
     profile: str | None = ProfileOpt,
-    quick: bool = typer.Option(False, "--quick", help="skip the attention kernel self-test"),
+    quick: bool = typer.Option(False, "--quick", help="skip the attention self-test and the library trials"),
     retest: bool = typer.Option(False, "--retest", help="re-run the attention self-test (ignore the cache)"),
     disk: Path = typer.Option(Path("."), "--disk", help="where outputs go (free space is checked there)"),
     from_file: Path | None = typer.Option(None, "--from", help="re-read a `doctor --json` report (e.g. "
@@ -28,7 +28,8 @@ def doctor(
 ) -> None:
     use_json(as_json)
     from lorakit.hardware import doctor as doc
-    from lorakit.hardware.attention import AttentionReport, choose as choose_attention
+    from lorakit.hardware.attention import AttentionReport
+    from lorakit.hardware.attention import choose as choose_attention
     from lorakit.hardware.probe import Facts, probe
     from lorakit.hardware.profiles import choose
 
@@ -49,7 +50,14 @@ def doctor(
         with console.status("attention self-test (forward + backward of each SDPA backend)...") \
                 if not as_json else _null():
             attention = self_test("cuda", use_cache=not retest)
-    results = doc.checks(facts, choice, attention)
+    libs = None
+    if not quick:
+        from lorakit.hardware.libs import CHECKS, run_check
+
+        device = "cuda" if facts.gpus else "cpu"
+        with console.status("trying optimum-quanto and bitsandbytes on this device...") if not as_json else _null():
+            libs = {n: run_check(n, device) for n in CHECKS if facts.packages.get(n)}
+    results = doc.checks(facts, choice, attention, libs)
     counts = doc.summary(results)
     data = {"summary": counts, "profile": {"name": choice.profile.name, "reason": choice.reason,
                                            "warnings": choice.warnings},

@@ -25,8 +25,12 @@ def _ver_tuple(v: str | None) -> tuple:
     return tuple(out)
 
 
-def checks(facts: Facts, choice=None, attention=None) -> list[Check]:
-    """Turn probe facts (plus the profile choice and attention self-test) into checks."""
+def checks(facts: Facts, choice=None, attention=None, libs: dict | None = None) -> list[Check]:
+    """Turn probe facts (plus the profile choice, attention self-test and library checks) into checks.
+
+    Args:
+        libs: name -> `libs.LibResult` from running each optional library for real (None: not run).
+    """
     out: list[Check] = []
     add = out.append
     py = _ver_tuple(facts.python)
@@ -52,7 +56,7 @@ def checks(facts: Facts, choice=None, attention=None) -> list[Check]:
               f"{facts.disk_free_gib} GiB free at {facts.disk_path}",
               "" if (facts.disk_free_gib or 0) >= 50 else "a 20 B model plus caches and checkpoints wants 50+ GiB"))
     loader_checks(facts, add)
-    quant_checks(facts, add)
+    quant_checks(facts, add, libs or {})
     if choice is not None:
         add(Check("profile", WARN if choice.warnings else OK, f"{choice.profile.name}: {choice.reason}",
                   "; ".join(choice.warnings)))
@@ -102,18 +106,21 @@ def loader_checks(facts: Facts, add) -> None:
                   "" if facts.gds else "optional: loads use page-cache reads + pinned copies instead"))
 
 
-def quant_checks(facts: Facts, add) -> None:
-    q = facts.packages.get("optimum-quanto")
-    add(Check("optimum-quanto", OK if q else WARN, q or "not installed",
-              "" if q else "needed by the rtx4090 profile (qfloat8 base): pip install 'lorakit[quant]'"))
-    b = facts.packages.get("bitsandbytes")
-    if b is None:
-        add(Check("bitsandbytes", WARN, "not installed",
-                  "needed for 8-bit AdamW and nf4 (rtx4090 profile): pip install 'lorakit[quant]'"))
-    elif facts.gpus:
-        add(Check("bitsandbytes", OK, b))
-    else:
-        add(Check("bitsandbytes", INFO, f"{b} (CPU: 8-bit optimizers need a GPU)"))
+def quant_checks(facts: Facts, add, libs: dict) -> None:
+    needs = {"optimum-quanto": "needed by the rtx4090 profile (qfloat8 base)",
+             "bitsandbytes": "needed for 8-bit AdamW and nf4 (rtx4090 profile)"}
+    for name, why in needs.items():
+        v = facts.packages.get(name)
+        res = libs.get(name)
+        if v is None:
+            add(Check(name, WARN, "not installed", f"{why}: pip install 'lorakit[quant]'"))
+        elif res is None:
+            add(Check(name, INFO, f"{v} (installed; not exercised: run doctor without --quick)"))
+        elif res.ok:
+            add(Check(name, OK, f"{v}: {res.detail}"))
+        else:
+            add(Check(name, WARN, f"{v} is installed but fails here: {res.detail}",
+                      f"{why}; reinstall a build for this platform or use --profile with base_quant none"))
     extras = [n for n in ("flash-attn", "flash_attn_3", "xformers") if facts.packages.get(n)]
     add(Check("extra attention kernels", INFO, ", ".join(f"{n} {facts.packages[n]}" for n in extras) or "none"))
 

@@ -47,3 +47,15 @@ def test_attention_results_show_failing_backend_and_choice():
     assert d["sdpa cudnn"].status == "warn" and "mha_graph" in d["sdpa cudnn"].detail
     assert d["sdpa flash"].status == "ok"
     assert d["attention choice"].status == "fail" and "qwen-image" in d["attention choice"].hint
+
+
+def test_installed_but_broken_library_is_a_warning_with_a_hint():
+    from lorakit.hardware.libs import LibResult
+
+    libs = {"bitsandbytes": LibResult("bitsandbytes", False, "RuntimeError: no kernels for sm_121"),
+            "optimum-quanto": LibResult("optimum-quanto", True, "qfloat8 Linear forward on cuda")}
+    d = by_name(checks(DGX_SPARK, choose("auto", DGX_SPARK), libs=libs))
+    assert d["bitsandbytes"].status == "warn" and "sm_121" in d["bitsandbytes"].detail
+    assert "lorakit[quant]" not in d["bitsandbytes"].hint and d["bitsandbytes"].hint
+    assert d["optimum-quanto"].status == "ok" and "qfloat8" in d["optimum-quanto"].detail
+    assert by_name(checks(DGX_SPARK))["bitsandbytes"].status == "info"  # not exercised with --quick

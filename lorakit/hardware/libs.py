@@ -1,0 +1,78 @@
+"""Do the optional libraries really work on this device? (doctor's functional checks)
+
+Installed is not usable: bitsandbytes may lack kernels for this GPU or platform, optimum-quanto may fail
+to build or find its kernels. Each check runs the smallest real use, in a child process (a library that
+crashes or hangs while loading its native code cannot take doctor down), and reports works/fails.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from dataclasses import asdict, dataclass
+
+
+@dataclass
+class LibResult:
+    name: str
+    ok: bool
+    detail: str
+
+
+def _quanto(device: str) -> str:
+    import torch
+    from optimum.quanto import freeze, qfloat8, quantize
+
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64)).to(device)
+    quantize(model, weights=qfloat8)
+    freeze(model)
+    y = model(torch.randn(2, 64, device=device))
+    assert torch.isfinite(y).all(), "non-finite output"
+    return f"qfloat8 Linear forward on {device}"
+
+
+def _bnb(device: str) -> str:
+    import bitsandbytes as bnb
+    import torch
+
+    p = torch.nn.Parameter(torch.randn(64, 64, device=device))
+    before = p.detach().clone()
+    opt = bnb.optim.AdamW8bit([p], lr=1e-2, min_8bit_size=0)
+    p.grad = torch.randn_like(p)
+    opt.step()
+    assert not torch.equal(before, p.detach()), "the step changed nothing"
+    kinds = {str(v.dtype) for v in opt.state[p].values() if torch.is_tensor(v)}
+    assert "torch.uint8" in kinds, f"states are not 8-bit: {sorted(kinds)}"
+    return f"AdamW8bit step on {device} with 8-bit states"
+
+
+CHECKS = {"optimum-quanto": _quanto, "bitsandbytes": _bnb}
+
+
+def run_check(name: str, device: str, timeout: float = 120) -> LibResult:
+    """One library's smallest real use, in a child process."""
+    code = f"from lorakit.hardware.libs import _child; _child({name!r}, {device!r})"
+    try:
+        p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return LibResult(name, False, f"hung: no answer in {timeout:.0f} s")
+    try:
+        return LibResult(**json.loads(p.stdout.strip().splitlines()[-1]))
+    except (ValueError, IndexError, TypeError):
+        tail = (p.stderr.strip().splitlines() or ["no output"])[-1][:200]
+        return LibResult(name, False, f"crashed (exit {p.returncode}): {tail}")
+
+
+def _child(name: str, device: str) -> None:
+    import logging
+    import warnings
+
+    logging.disable(logging.WARNING)
+    warnings.filterwarnings("ignore")
+    try:
+        res = LibResult(name, True, CHECKS[name](device))
+    except Exception as e:  # noqa: BLE001 - the failure is the result
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        res = LibResult(name, False, f"{type(e).__name__}: {msg[:200]}")
+    print(json.dumps(asdict(res)))
