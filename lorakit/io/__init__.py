@@ -1,0 +1,8 @@
+"""Every weight read and write in lorakit goes through here (see reader.py, writer.py, header.py)."""
+
+from lorakit.io.header import Header, TensorInfo, read_header
+from lorakit.io.reader import BACKENDS, load, resolve_files
+from lorakit.io.writer import atomic_path, save, save_sharded
+
+__all__ = ["BACKENDS", "Header", "TensorInfo", "atomic_path", "load", "read_header", "resolve_files", "save",
+           "save_sharded"]

@@ -1,0 +1,293 @@
+"""One entry point for reading safetensors: a file, a list, or a (sharded) folder -> tensors.
+
+Backends:
+- `lorakit`: every header validated first (`header.py`); to the CPU, many threads `pread` each tensor
+  straight into its own final storage (no staging copy); to a GPU, threads `pread` chunks into pairs of
+  pinned buffers and copy them to the GPU asynchronously on per-thread streams, so disk/page-cache reads
+  and host-to-device copies overlap. Peak GPU memory is the checkpoint itself.
+- `safetensors`: `safetensors.torch.load_file`.
+- `fastsafetensors`: `fastsafe_open` (nogds; GDS where `gds=True` and available). Its tensors share one
+  buffer per file (freed when the last tensor of that file dies).
+- `auto`: `lorakit`, except where another fits better (each fallback is logged with its reason).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from lorakit.errors import FileFormatError, InputError, UnknownNameError
+from lorakit.io.header import Header, read_header
+
+log = logging.getLogger("lorakit.io")
+
+BACKENDS = ("auto", "lorakit", "safetensors", "fastsafetensors")
+CHUNK = 32 * 2**20  # bytes per read / host-to-device copy
+
+
+def resolve_files(source) -> list[Path]:
+    """A file, a list of files, or a folder (sharded via `*.safetensors.index.json`) -> shard paths."""
+    if isinstance(source, (list, tuple)):
+        out: list[Path] = []
+        for s in source:
+            out += resolve_files(s)
+        return out
+    p = Path(source)
+    if p.is_file():
+        if p.name.endswith(".index.json"):
+            return _from_index(p)
+        return [p]
+    if not p.exists():
+        raise InputError(f"no such file or folder: {p}")
+    if (p / "model_index.json").is_file():
+        comps = sorted(d.name for d in p.iterdir() if d.is_dir() and any(d.glob("*.safetensors")))
+        raise InputError(f"{p} is a whole pipeline folder; name one component",
+                         f"e.g. {p / comps[0]}" if comps else None)
+    indexes = sorted(p.glob("*.safetensors.index.json"))
+    if len(indexes) > 1:
+        raise InputError(f"{p} holds several shard indexes: {', '.join(i.name for i in indexes)}",
+                         "name the index file you mean")
+    if indexes:
+        return _from_index(indexes[0])
+    files = sorted(p.glob("*.safetensors"))
+    if not files:
+        raise InputError(f"no .safetensors files in {p}")
+    return files
+
+
+def _from_index(index: Path) -> list[Path]:
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+        assert isinstance(weight_map, dict)
+    except (OSError, ValueError, KeyError, AssertionError):
+        raise FileFormatError(f"{index}: not a valid shard index (no weight_map)") from None
+    names = list(dict.fromkeys(weight_map.values()))
+    files = [index.parent / n for n in names]
+    missing = [f.name for f in files if not f.is_file()]
+    if missing:
+        raise FileFormatError(f"{index}: shards missing: {', '.join(missing)}", "the download is incomplete")
+    return files
+
+
+def load(source, device: str = "cpu", dtype=None, backend: str = "auto", keys=None, threads: int | None = None,
+         unified_memory: bool = False) -> dict:
+    """Read tensors.
+
+    Args:
+        source: file, list of files, or folder.
+        device: "cpu" or "cuda[:N]".
+        dtype: cast floating-point tensors to this torch dtype (None: as stored).
+        backend: one of BACKENDS.
+        keys: only these tensor names (None: all).
+        threads: reader threads (default: 8 for the GPU path, min(8, cores) for the CPU).
+        unified_memory: the GPU shares memory with the CPU (DGX Spark): no pinned staging.
+
+    Returns:
+        name -> tensor on `device`.
+    """
+    if backend not in BACKENDS:
+        raise UnknownNameError("loader backend", backend, list(BACKENDS))
+    files = resolve_files(source)
+    headers = [read_header(f) for f in files]  # validate everything before reading anything
+    wanted = _select(headers, keys)
+    chosen = _choose(backend, device, unified_memory)
+    if chosen == "safetensors":
+        out = _load_safetensors(headers, wanted, device)
+    elif chosen == "fastsafetensors":
+        out = _load_fastsafetensors(headers, wanted, device)
+    elif device == "cpu" or unified_memory:
+        out = _load_cpu(headers, wanted, threads)
+        if device != "cpu":
+            out = {k: v.to(device) for k, v in out.items()}
+    else:
+        out = _load_gpu(headers, wanted, device, threads or 8)
+    if dtype is not None:
+        out = {k: (v.to(dtype) if v.is_floating_point() and v.dtype != dtype else v) for k, v in out.items()}
+    return out
+
+
+def _select(headers: list[Header], keys) -> dict[str, list[str]]:
+    """path -> names to read (duplicates across shards and unknown keys are errors)."""
+    owner: dict[str, str] = {}
+    for h in headers:
+        for name in h.tensors:
+            if name in owner:
+                raise FileFormatError(f"tensor {name!r} is in both {owner[name]} and {h.path}")
+            owner[name] = h.path
+    if keys is not None:
+        keys = list(keys)
+        unknown = [k for k in keys if k not in owner]
+        if unknown:
+            raise InputError(f"tensors not in the files: {', '.join(unknown[:5])}"
+                             + (f" and {len(unknown) - 5} more" if len(unknown) > 5 else ""))
+    sel: dict[str, list[str]] = {h.path: [] for h in headers}
+    for name in (keys if keys is not None else owner):
+        sel[owner[name]].append(name)
+    return sel
+
+
+def _choose(backend: str, device: str, unified: bool) -> str:
+    if backend != "auto":
+        if backend == "fastsafetensors" and not _fastsafetensors_ok():
+            raise InputError("loader backend fastsafetensors is not installed", "pip install fastsafetensors")
+        return backend
+    if device != "cpu" and not unified:
+        import torch
+
+        if not torch.cuda.is_available():
+            log.info("loader: no CUDA runtime, falling back from the GPU path to safetensors")
+            return "safetensors"
+    return "lorakit"
+
+
+def _fastsafetensors_ok() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("fastsafetensors") is not None
+
+
+# --------------------------------------------------------------------------- backends
+
+
+def _load_safetensors(headers, wanted, device) -> dict:
+    from safetensors import safe_open
+
+    out = {}
+    for h in headers:
+        with safe_open(h.path, framework="pt", device=device if device != "cpu" else "cpu") as f:
+            for name in wanted[h.path]:
+                out[name] = f.get_tensor(name)
+    return out
+
+
+def _load_fastsafetensors(headers, wanted, device) -> dict:
+    from fastsafetensors import fastsafe_open
+
+    files = [h.path for h in headers if wanted[h.path]]
+    out = {}
+    if not files:
+        return out
+    with fastsafe_open(files, framework="pt", device=device, nogds=True) as f:
+        for names in wanted.values():
+            for name in names:
+                out[name] = f.get_tensor(name)
+    return out
+
+
+def _read_into(fd: int, mv: memoryview, offset: int, path: str) -> None:
+    done = 0
+    while done < len(mv):
+        n = os.preadv(fd, [mv[done:]], offset + done)
+        if n <= 0:
+            raise FileFormatError(f"{path}: file ended while reading (truncated during the read?)")
+        done += n
+
+
+def _empty_bytes(info):
+    import torch
+
+    return torch.empty(info.nbytes, dtype=torch.uint8)
+
+
+def _typed(buf, info):
+    import torch
+
+    if info.nbytes == 0:
+        return torch.empty(info.shape, dtype=info.torch_dtype, device=buf.device)
+    return buf.view(info.torch_dtype).reshape(info.shape)
+
+
+def _load_cpu(headers, wanted, threads) -> dict:
+    """Each tensor gets its own storage; threads pread straight into it (large tensors in chunks)."""
+    jobs = []
+    bufs = {}
+    for h in headers:
+        for name in wanted[h.path]:
+            info = h.tensors[name]
+            buf = _empty_bytes(info)
+            bufs[name] = (buf, info)
+            mv = memoryview(buf.numpy()) if info.nbytes else None
+            for a in range(0, info.nbytes, CHUNK):
+                b = min(a + CHUNK, info.nbytes)
+                jobs.append((h, mv, a, b, h.data_start + info.begin + a))
+    fds = {h.path: os.open(h.path, os.O_RDONLY) for h in headers if wanted[h.path]}
+    try:
+        with ThreadPoolExecutor(max_workers=threads or min(8, os.cpu_count() or 1)) as ex:
+            for f in [ex.submit(_read_into, fds[h.path], mv[a:b], off, h.path) for h, mv, a, b, off in jobs]:
+                f.result()
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+    return {name: _typed(buf, info) for name, (buf, info) in bufs.items()}
+
+
+class _Staging:
+    """Per-thread pinned double buffers and a CUDA stream, kept between loads."""
+
+    _pool: dict = {}
+    _lock = threading.Lock()
+
+    @classmethod
+    def get(cls, device, slot: int):
+        import torch
+
+        key = (str(device), slot)
+        with cls._lock:
+            if key not in cls._pool:
+                bufs = [torch.empty(CHUNK, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
+                cls._pool[key] = (bufs, torch.cuda.Stream(device=device), [None, None])
+            return cls._pool[key]
+
+
+def _load_gpu(headers, wanted, device, threads) -> dict:
+    """pread into pinned double buffers, async host-to-device copies on per-thread streams."""
+    import torch
+
+    dev = torch.device(device)
+    bufs, work = {}, []
+    for h in headers:
+        for name in wanted[h.path]:
+            info = h.tensors[name]
+            buf = torch.empty(info.nbytes, dtype=torch.uint8, device=dev)
+            bufs[name] = (buf, info)
+            for a in range(0, info.nbytes, CHUNK):
+                work.append((h, buf, a, min(a + CHUNK, info.nbytes), h.data_start + info.begin + a))
+    work.sort(key=lambda w: (w[0].path, w[4]))  # sequential within a file: friendlier to the disk
+    fds = {h.path: os.open(h.path, os.O_RDONLY) for h in headers if wanted[h.path]}
+    errors: list[BaseException] = []
+
+    def worker(slot: int) -> None:
+        staging, stream, events = _Staging.get(dev, slot)
+        try:
+            for i, (h, dst, a, b, off) in enumerate(work[slot::threads]):
+                k = i % 2
+                if events[k] is not None:
+                    events[k].synchronize()  # the previous copy out of this buffer is done
+                n = b - a
+                _read_into(fds[h.path], memoryview(staging[k].numpy())[:n], off, h.path)
+                with torch.cuda.stream(stream):
+                    dst[a:b].copy_(staging[k][:n], non_blocking=True)
+                    ev = torch.cuda.Event()
+                    ev.record(stream)
+                events[k] = ev
+            stream.synchronize()
+        except BaseException as e:  # noqa: BLE001 - re-raised in the caller
+            errors.append(e)
+
+    try:
+        ts = [threading.Thread(target=worker, args=(s,), daemon=True) for s in range(threads)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join()
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+    if errors:
+        raise errors[0]
+    torch.cuda.synchronize(dev)
+    return {name: _typed(buf, info) for name, (buf, info) in bufs.items()}

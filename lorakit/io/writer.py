@@ -1,0 +1,133 @@
+"""Writing safetensors: atomic (temporary file, fsync, rename), with metadata, sharded above a size.
+
+Files are byte-compatible with the safetensors format (8-byte header length, JSON header padded to a
+multiple of 8 bytes, then the data in header order), streamed tensor by tensor: no second in-memory copy
+of the whole checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import tempfile
+from pathlib import Path
+
+from lorakit.errors import InputError
+from lorakit.io.header import TORCH_TO_ST
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+class atomic_path:
+    """`with atomic_path(target) as tmp:` write tmp; on success it is fsynced and renamed onto target."""
+
+    def __init__(self, target: str | os.PathLike):
+        self.target = Path(target)
+
+    def __enter__(self) -> Path:
+        self.target.parent.mkdir(parents=True, exist_ok=True)
+        fd, name = tempfile.mkstemp(prefix=f".{self.target.name}.", suffix=".tmp", dir=self.target.parent)
+        os.close(fd)
+        self.tmp = Path(name)
+        return self.tmp
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        if exc_type is not None:
+            self.tmp.unlink(missing_ok=True)
+            return False
+        with open(self.tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(self.tmp, self.target)
+        _fsync_dir(self.target.parent)
+        return False
+
+
+def _header(tensors: dict, metadata: dict | None) -> tuple[bytes, list]:
+    doc: dict = {}
+    if metadata:
+        bad = [k for k, v in metadata.items() if not isinstance(k, str) or not isinstance(v, str)]
+        if bad:
+            raise InputError(f"safetensors metadata must map strings to strings; not: {bad[:3]}")
+        doc["__metadata__"] = dict(metadata)
+    order = []
+    pos = 0
+    for name, t in tensors.items():
+        if not isinstance(name, str):
+            raise InputError(f"tensor names must be strings, got {name!r}")
+        st = TORCH_TO_ST.get(str(t.dtype).removeprefix("torch."))
+        if st is None:
+            raise InputError(f"tensor {name!r}: dtype {t.dtype} cannot be stored in safetensors")
+        n = t.numel() * t.element_size()
+        doc[name] = {"dtype": st, "shape": list(t.shape), "data_offsets": [pos, pos + n]}
+        order.append((name, t))
+        pos += n
+    raw = json.dumps(doc, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    return raw, order
+
+
+def save(tensors: dict, path: str | os.PathLike, metadata: dict | None = None) -> Path:
+    """Write one safetensors file atomically. Tensors may live on any device; shared storage is fine."""
+    import torch
+
+    raw, order = _header(tensors, metadata)
+    with atomic_path(path) as tmp, open(tmp, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)))
+        f.write(raw)
+        for _, t in order:
+            if t.numel() == 0:
+                continue
+            flat = t.detach().contiguous().reshape(-1).view(torch.uint8)
+            if flat.device.type != "cpu":
+                flat = flat.cpu()
+            f.write(memoryview(flat.numpy()))
+    return Path(path)
+
+
+def save_sharded(tensors: dict, folder: str | os.PathLike, base: str = "diffusion_pytorch_model",
+                 max_shard_bytes: int = 5 * 2**30, metadata: dict | None = None) -> list[Path]:
+    """Write `folder/base.safetensors`, or shards + a diffusers-compatible `base.safetensors.index.json`
+    when the tensors exceed `max_shard_bytes`. Shards fill in insertion order; a tensor larger than the
+    limit gets a shard of its own. Stale shards of an earlier save with the same base are removed."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    shards: list[dict] = [{}]
+    size = 0
+    total = 0
+    for name, t in tensors.items():
+        n = t.numel() * t.element_size()
+        total += n
+        if shards[-1] and size + n > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = t
+        size += n
+    old = set(folder.glob(f"{base}*.safetensors")) | set(folder.glob(f"{base}.safetensors.index.json"))
+    if len(shards) == 1:
+        out = [save(shards[0], folder / f"{base}.safetensors", metadata)]
+    else:
+        k = len(shards)
+        out, weight_map = [], {}
+        for i, shard in enumerate(shards, 1):
+            name = f"{base}-{i:05d}-of-{k:05d}.safetensors"
+            out.append(save(shard, folder / name, metadata))
+            weight_map.update({t: name for t in shard})
+        index = folder / f"{base}.safetensors.index.json"
+        with atomic_path(index) as tmp:
+            tmp.write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+        out.append(index)
+    for stale in old - set(out):
+        stale.unlink(missing_ok=True)
+    return out
