@@ -1,8 +1,9 @@
 """One entry point for reading safetensors: a file, a list, or a (sharded) folder -> tensors.
 
 Backends:
-- `lorakit`: every header validated first (`header.py`); to the CPU, many threads `pread` each tensor
-  straight into its own final storage (no staging copy); to a GPU, threads `pread` chunks into pairs of
+- `lorakit`: every header validated first (`header.py`); to the CPU, tensors over a private
+  copy-on-write map of the file (no copy; with `copy=True`, many threads `pread` each tensor straight
+  into its own storage); to a GPU, threads `pread` chunks into pairs of
   pinned buffers and copy them to the GPU asynchronously on per-thread streams, so disk/page-cache reads
   and host-to-device copies overlap. Peak GPU memory is the checkpoint itself.
 - `safetensors`: `safetensors.torch.load_file`.
@@ -74,7 +75,7 @@ def _from_index(index: Path) -> list[Path]:
 
 
 def load(source, device: str = "cpu", dtype=None, backend: str = "auto", keys=None, threads: int | None = None,
-         unified_memory: bool = False) -> dict:
+         unified_memory: bool = False, copy: bool = False) -> dict:
     """Read tensors.
 
     Args:
@@ -85,6 +86,8 @@ def load(source, device: str = "cpu", dtype=None, backend: str = "auto", keys=No
         keys: only these tensor names (None: all).
         threads: reader threads (default: 8 for the GPU path, min(8, cores) for the CPU).
         unified_memory: the GPU shares memory with the CPU (DGX Spark): no pinned staging.
+        copy: to the CPU, read into private memory instead of mapping the file (copy-on-write); use it
+            when the file may be rewritten in place while the tensors live.
 
     Returns:
         name -> tensor on `device`.
@@ -99,6 +102,8 @@ def load(source, device: str = "cpu", dtype=None, backend: str = "auto", keys=No
         out = _load_safetensors(headers, wanted, device)
     elif chosen == "fastsafetensors":
         out = _load_fastsafetensors(headers, wanted, device)
+    elif device == "cpu" and not copy:
+        out = _load_mapped(headers, wanted)
     elif device == "cpu" or unified_memory:
         out = _load_cpu(headers, wanted, threads)
         if device != "cpu":
@@ -199,6 +204,33 @@ def _typed(buf, info):
     if info.nbytes == 0:
         return torch.empty(info.shape, dtype=info.torch_dtype, device=buf.device)
     return buf.view(info.torch_dtype).reshape(info.shape)
+
+
+def _load_mapped(headers, wanted) -> dict:
+    """Tensors over a private (copy-on-write) map of each validated file: no copy, pages come from the
+    page cache on first touch; writing to a tensor never changes the file."""
+    import mmap
+
+    import torch
+
+    out = {}
+    for h in headers:
+        names = wanted[h.path]
+        if not names:
+            continue
+        if h.data_size == 0:
+            out.update({n: _typed(torch.empty(0, dtype=torch.uint8), h.tensors[n]) for n in names})
+            continue
+        with open(h.path, "rb") as f:
+            m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+        for name in names:
+            info = h.tensors[name]
+            if info.nbytes == 0:
+                out[name] = _typed(torch.empty(0, dtype=torch.uint8), info)
+                continue
+            buf = torch.frombuffer(m, dtype=torch.uint8, count=info.nbytes, offset=h.data_start + info.begin)
+            out[name] = _typed(buf, info)  # each tensor keeps the map alive
+    return out
 
 
 def _load_cpu(headers, wanted, threads) -> dict:

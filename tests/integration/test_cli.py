@@ -114,10 +114,10 @@ def test_dry_run_prints_resolved_config(tmp_path):
 
 
 def test_commands_not_yet_landed_say_so_plainly(tmp_path):
-    r = run("bench", "load", "--json")
+    r = run("bench", "step", "--json")
     assert r.exit_code == 1
     data = json.loads(r.output)
-    assert data["error"] == "NotAvailableError" and "issue #4" in data["message"]
+    assert data["error"] == "NotAvailableError" and "issue #8" in data["message"]
 
 
 def test_doctor_on_cpu_exits_0_with_cpu_profile():

@@ -40,6 +40,24 @@ def test_bit_exact_with_safetensors_for_every_dtype(tmp_path, backend, monkeypat
     same(load(tmp_path / "ref.safetensors", backend=backend), st.load_file(tmp_path / "ref.safetensors"))
 
 
+def test_private_copies_are_bit_exact_too(tmp_path, monkeypatch):
+    import lorakit.io.reader as reader
+
+    monkeypatch.setattr(reader, "CHUNK", 4096)
+    ref = sample(2)
+    st.save_file(ref, tmp_path / "ref.safetensors")
+    same(load(tmp_path / "ref.safetensors", copy=True, threads=3), ref)
+
+
+def test_writing_a_mapped_tensor_never_changes_the_file(tmp_path):
+    st.save_file({"a": torch.zeros(1000)}, tmp_path / "f.safetensors")
+    before = (tmp_path / "f.safetensors").read_bytes()
+    t = load(tmp_path / "f.safetensors")["a"]
+    t += 1
+    assert (tmp_path / "f.safetensors").read_bytes() == before
+    assert float(load(tmp_path / "f.safetensors")["a"].sum()) == 0.0
+
+
 def test_fastsafetensors_backend_to_cpu(tmp_path):
     ref = {k: v for k, v in sample().items() if v.numel() and v.dtype != torch.bool}
     st.save_file(ref, tmp_path / "a.safetensors")

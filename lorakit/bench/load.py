@@ -1,0 +1,224 @@
+"""`lorakit bench load`: weight-loading backends side by side, measured in one run.
+
+For each backend x page cache (warm, cold) x target (cpu, cuda): seconds, GB/s, peak GPU memory above
+the start, peak host RSS growth, and a bit-exact check against a plain safetensors read. CPU figures
+count tensors materialised in memory (every 4 KiB page touched inside the timing), not lazy maps.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import statistics
+import tempfile
+import threading
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from lorakit.errors import InputError
+
+WAYS = ("safetensors", "safetensors+to", "fastsafetensors", "lorakit", "lorakit-copy")
+
+
+@dataclass
+class Row:
+    way: str
+    cache: str
+    target: str
+    seconds: float | None
+    gbps: float | None
+    peak_gpu_gib: float | None
+    rss_growth_gib: float | None
+    exact: bool | None
+    note: str = ""
+
+
+def parse_size(text: str) -> int:
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?)i?b?\s*", text.lower())
+    if not m:
+        raise InputError(f"--synthetic: cannot read size {text!r}", "e.g. 256M, 8G")
+    return int(float(m.group(1)) * 1024 ** " kmgt".index(m.group(2) or " "))
+
+
+def make_synthetic(folder: Path, size: int, shards: int = 2, tensors_per_shard: int = 64) -> list[Path]:
+    """bf16 tensors of random bytes (never zeros), split like a real sharded checkpoint."""
+    import torch
+
+    from lorakit.io import save_sharded
+
+    n = max(shards * tensors_per_shard, 1)
+    per = max(size // n // 2, 1)  # bf16 elements per tensor
+    g = torch.Generator().manual_seed(0)
+    tensors = {f"blocks.{i}.weight": torch.randint(0, 256, (per * 2,), dtype=torch.uint8, generator=g).view(
+        torch.bfloat16) for i in range(n)}
+    out = save_sharded(tensors, folder, base="model", max_shard_bytes=-(-per * 2 * n // shards))
+    return [p for p in out if p.suffix == ".safetensors"]
+
+
+def drop_cache(files: list[Path]) -> str:
+    """Evict the files from the page cache; say how (or that it could not)."""
+    how = []
+    try:
+        os.sync()
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("1\n")
+        how.append("drop_caches")
+    except OSError:
+        pass
+    for p in files:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+    how.append("posix_fadvise(DONTNEED)")
+    return " + ".join(how) + ("" if _really_cold(files[0]) else " (NOT effective here: reads stay at page-cache "
+                                                                  "speed, so 'cold' rows are warm)")
+
+
+def _really_cold(path: Path, probe: int = 32 * 2**20) -> bool:
+    """After a drop, does reading the start of the file run at disk speed (< 3 GB/s)?"""
+    n = min(probe, path.stat().st_size)
+    t0 = time.perf_counter()
+    with open(path, "rb", buffering=0) as f:
+        f.read(n)
+    ok = n / max(time.perf_counter() - t0, 1e-9) < 3e9
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, n, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+    return ok
+
+
+class _RssPeak:
+    def __init__(self):
+        self.start = self.peak = self._rss()
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._run, daemon=True)
+
+    @staticmethod
+    def _rss() -> int:
+        try:
+            with open("/proc/self/statm") as f:
+                return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        except (OSError, ValueError):
+            return 0
+
+    def _run(self):
+        while not self._stop.wait(0.005):
+            self.peak = max(self.peak, self._rss())
+
+    def __enter__(self):
+        self._t.start()
+        return self
+
+    def __exit__(self, *a):
+        self._stop.set()
+        self._t.join()
+        self.peak = max(self.peak, self._rss())
+
+
+def _touch(tensors: dict) -> None:
+    import torch
+
+    for t in tensors.values():
+        if t.device.type == "cpu" and t.numel():
+            t.reshape(-1).view(torch.uint8)[::4096].sum()
+
+
+def _load(way: str, files: list[Path], target: str) -> dict:
+    import torch
+
+    from lorakit.io import load
+
+    if way == "safetensors":
+        return load(files, device=target, backend="safetensors")
+    if way == "safetensors+to":
+        return {k: v.to(target) for k, v in load(files, backend="safetensors").items()}
+    if way == "fastsafetensors":
+        return load(files, device=target, backend="fastsafetensors")
+    out = load(files, device=target, backend="lorakit", copy=way == "lorakit-copy")
+    if target != "cpu":
+        torch.cuda.synchronize()
+    return out
+
+
+def run(files: list[Path], targets=("cpu",), ways=WAYS, caches=("warm", "cold"), repeats: int = 3,
+        progress=None) -> tuple[list[Row], dict]:
+    """Measure every way; returns rows and notes (cache method, sizes)."""
+    import torch
+
+    from lorakit.io import read_header
+
+    size = sum(p.stat().st_size for p in files)
+    ref = {}
+    from safetensors.torch import load_file
+
+    for p in files:
+        ref.update(load_file(p))
+    notes = {"bytes": size, "files": [str(p) for p in files]}
+    rows: list[Row] = []
+    for target in targets:
+        for way in ways:
+            if (way == "safetensors+to" and target == "cpu") or (way == "lorakit-copy" and target != "cpu"):
+                continue
+            for cache in caches:
+                if progress:
+                    progress(f"{way} {cache} -> {target}")
+                times, gpu_peak, rss, exact, note = [], None, None, None, ""
+                for _ in range(repeats):
+                    if cache == "cold":
+                        notes["cold_method"] = drop_cache(files)
+                    else:
+                        _load("safetensors", files, "cpu")  # warm the page cache
+                    if target != "cpu":
+                        torch.cuda.empty_cache()
+                        torch.cuda.reset_peak_memory_stats()
+                        base = torch.cuda.memory_allocated()
+                    try:
+                        with _RssPeak() as r:
+                            t0 = time.perf_counter()
+                            out = _load(way, files, target)
+                            _touch(out)
+                            times.append(time.perf_counter() - t0)
+                    except Exception as e:  # noqa: BLE001 - a failing way is a row
+                        note = f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
+                        break
+                    rss = max(rss or 0, r.peak - r.start)
+                    if target != "cpu":
+                        gpu_peak = max(gpu_peak or 0, torch.cuda.max_memory_allocated() - base)
+                    if exact is None:
+                        exact = all(torch.equal(out[k].cpu().reshape(-1).view(torch.uint8),
+                                                ref[k].reshape(-1).view(torch.uint8)) for k in ref)
+                    del out
+                s = statistics.median(times) if times else None
+                rows.append(Row(way, cache, target, round(s, 4) if s else None,
+                                round(size / s / 1e9, 2) if s else None,
+                                round(gpu_peak / 2**30, 2) if gpu_peak is not None else None,
+                                round(rss / 2**30, 2) if rss is not None else None, exact, note))
+    notes["headers"] = len([read_header(p) for p in files])
+    return rows, notes
+
+
+def bench(path: Path | None, synthetic: str | None, targets, repeats: int, keep: bool, progress=None) -> dict:
+    """The command's library function."""
+    from lorakit.io import resolve_files
+
+    tmp = None
+    if synthetic:
+        tmp = Path(tempfile.mkdtemp(prefix="lorakit-bench-"))
+        files = make_synthetic(tmp, parse_size(synthetic))
+    elif path is not None:
+        files = resolve_files(path)
+    else:
+        raise InputError("bench load needs a PATH or --synthetic SIZE", "e.g. lorakit bench load --synthetic 1G")
+    try:
+        rows, notes = run(files, targets=targets, repeats=repeats, progress=progress)
+    finally:
+        if tmp is not None and not keep:
+            for p in tmp.iterdir():
+                p.unlink()
+            tmp.rmdir()
+    return {"rows": [asdict(r) for r in rows], **notes}
