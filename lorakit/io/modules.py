@@ -1,0 +1,103 @@
+"""Model components built on the meta device and filled from `lorakit.io.load` (assign: no second copy,
+no fp32 detour).
+
+`load_component(folder)` reads `config.json`, builds the diffusers or transformers class with empty
+(meta) parameters, loads the weights straight onto the target device in the target dtype, and assigns
+them. Buffers and plain tensor attributes computed in `__init__` (rotary tables, position ids) are
+built normally, not on meta, so nothing is left unmaterialised. Parameters a class keeps in fp32
+(`_keep_in_fp32_modules`) stay fp32. Where a checkpoint's key names need the library's own conversion
+(older transformers layouts), transformers converts the tensors lorakit read.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from lorakit.errors import FileFormatError, InputError
+
+
+def _class_of(folder: Path):
+    try:
+        cfg = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError):
+        raise InputError(f"{folder}: no readable config.json",
+                         "point at a component folder, e.g. .../transformer") from None
+    if "_class_name" in cfg:
+        import diffusers
+
+        return "diffusers", getattr(diffusers, cfg["_class_name"], None), cfg["_class_name"]
+    arch = (cfg.get("architectures") or [None])[0]
+    if arch:
+        import transformers
+
+        return "transformers", getattr(transformers, arch, None), arch
+    raise FileFormatError(f"{folder}/config.json names no class (_class_name or architectures)")
+
+
+def _empty_model(kind: str, cls, folder: Path):
+    from accelerate import init_empty_weights
+
+    with init_empty_weights(include_buffers=False):
+        if kind == "diffusers":
+            return cls.from_config(cls.load_config(folder))
+        from transformers import AutoConfig
+
+        return cls(AutoConfig.from_pretrained(folder))
+
+
+def _fp32_names(model) -> list[str]:
+    keep = getattr(model, "_keep_in_fp32_modules", None) or []
+    return list(keep)
+
+
+def load_component(folder, device: str = "cpu", dtype=None, backend: str = "auto", unified_memory: bool = False):
+    """Build one pipeline component from its folder.
+
+    Args:
+        folder: component folder (config.json + safetensors, sharded or not).
+        device: target device; dtype: floating-point dtype (None: as stored).
+        backend: `lorakit.io` backend.
+
+    Returns:
+        the module, in eval mode, with requires_grad False.
+    """
+
+    from lorakit.io.reader import load
+
+    folder = Path(folder)
+    kind, cls, name = _class_of(folder)
+    if cls is None:
+        raise FileFormatError(f"{folder}: class {name} is not in the installed {kind}", f"pip install -U {kind}")
+    model = _empty_model(kind, cls, folder)
+    expected = dict(model.state_dict(keep_vars=True))
+    sd = load(folder, device=device, backend=backend, unified_memory=unified_memory)
+    if dtype is not None:
+        keep = _fp32_names(model)
+        sd = {k: (v.to(dtype) if v.is_floating_point() and not any(f in k for f in keep) else v)
+              for k, v in sd.items()}
+    unexpected = [k for k in sd if k not in expected]
+    if unexpected and kind == "transformers":
+        # transformers renames older checkpoint layouts (e.g. Qwen2.5-VL's model.* -> model.language_model.*)
+        # while loading; hand it the tensors lorakit read, so the bytes still come through lorakit.io.
+        del model
+        kw = {"dtype": dtype} if dtype is not None else {}
+        from transformers import AutoConfig
+
+        out = cls.from_pretrained(None, config=AutoConfig.from_pretrained(folder), state_dict=sd, **kw)
+        return out.to(device).eval().requires_grad_(False)
+    if unexpected:
+        raise FileFormatError(f"{folder}: keys the {name} class does not have: {', '.join(unexpected[:5])}",
+                              "the weights belong to another model or version")
+    missing = model.load_state_dict(sd, strict=False, assign=True).missing_keys
+    if hasattr(model, "tie_weights"):
+        model.tie_weights()
+    still_meta = [n for n, p in model.named_parameters() if p.is_meta]
+    if still_meta:
+        raise FileFormatError(f"{folder}: weights missing for {', '.join(still_meta[:5])}"
+                              + (f" and {len(still_meta) - 5} more" if len(still_meta) > 5 else ""),
+                              "the checkpoint is incomplete or for another model")
+    del missing  # tied or non-persistent: filled above
+    model = model.to(device)  # buffers and non-persistent tensors; parameters are already there
+    return model.eval().requires_grad_(False)
+
