@@ -6,8 +6,9 @@ from pathlib import Path
 
 import typer
 
-from lorakit.cli.common import JsonOpt, ProfileOpt, SetOpt, resolve_config, use_json
+from lorakit.cli.common import JsonOpt, ProfileOpt, SetOpt, console, emit, resolve_config, use_json
 from lorakit.cli.pending import not_in_this_build
+from lorakit.errors import InputError
 
 HELP = """Encode a dataset once: text embeddings and VAE latents into a content-addressed store.
 
@@ -26,5 +27,38 @@ def cache(
     as_json: bool = JsonOpt,
 ) -> None:
     use_json(as_json)
-    resolve_config(config, sets, profile)  # config errors are reported now, before anything else
-    raise not_in_this_build("`lorakit cache`", 5, "`lorakit train CONFIG --dry-run` validates the config")
+    cfg, _ = resolve_config(config, sets, profile)  # config errors are reported now, before anything else
+    if not check:
+        raise not_in_this_build("the embedding/latent store of `lorakit cache`", 5,
+                                "`lorakit cache CONFIG --check` validates the datasets today")
+    from lorakit.data.check import check as check_data
+
+    report = check_data(cfg)
+    emit(as_json, report, lambda: _render(report))
+    if strict and report["problems"]:
+        raise InputError(f"{len(report['problems'])} dataset problem(s) and --strict",
+                         "fix the files listed above, or drop --strict to skip those items")
+
+
+def _render(report: dict) -> None:
+    from rich.table import Table
+
+    t = Table(title=f"datasets for {report['family']}", title_justify="left")
+    t.add_column("folder", overflow="fold")
+    for c in ("layout", "items", "problems"):
+        t.add_column(c)
+    for d in report["datasets"]:
+        t.add_row(d["dir"], d["layout"] + (f" ({', '.join(d['controls'])})" if d["controls"] else ""),
+                  str(d["items"]), str(d["problems"]))
+    console.print(t)
+    if report["problems"]:
+        p = Table(title="problems (these items are skipped)", title_justify="left")
+        p.add_column("file", overflow="fold")
+        p.add_column("problem", no_wrap=True)
+        p.add_column("detail")
+        for pr in report["problems"]:
+            p.add_row(pr["path"], pr["code"], pr["message"])
+        console.print(p)
+    if report["buckets"]:
+        console.print("buckets: " + ", ".join(f"{b} x{n}" for b, n in report["buckets"].items()))
+    console.print(f"{report['items']} items ready, {len(report['problems'])} problems")

@@ -151,3 +151,24 @@ def test_doctor_from_a_file_that_is_not_a_report(tmp_path):
     p.write_text("[1, 2]")
     r = run("doctor", "--from", str(p))
     assert r.exit_code == 2 and "not a `lorakit doctor --json` report" in r.output
+
+
+def test_cache_check_lists_every_problem_and_strict_fails(tmp_path):
+    from lorakit.data.demo import make_demo_dataset
+
+    ds = make_demo_dataset(tmp_path / "ds", "edit-plus", count=4, size=64)
+    (ds / "control_2" / "edit_001.png").unlink()
+    (ds / "images" / "edit_002.txt").write_text("")
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text(yaml.safe_dump({"model": {"family": "qwen-image-edit-plus"},
+                                   "data": {"dirs": [str(ds)], "resolution": 64, "bucket_min_side": 32,
+                                            "bucket_max_side": 128}}))
+    r = run("cache", str(cfg), "--check", "--json")
+    assert r.exit_code == 0, r.output
+    data = json.loads(r.output)
+    assert data["items"] == 2 and data["datasets"][0]["controls"] == ["control", "control_2"]
+    assert sorted(p["code"] for p in data["problems"]) == ["empty-caption", "no-control"]
+    assert data["buckets"] == {"64x64": 2}
+    assert run("cache", str(cfg), "--check", "--strict").exit_code == 2
+    r = run("cache", str(cfg), "--json")
+    assert r.exit_code == 1 and "issue #5" in json.loads(r.output)["message"]

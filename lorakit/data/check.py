@@ -1,0 +1,49 @@
+"""Validate a run's datasets (what `lorakit cache --check` prints)."""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+from lorakit.data.buckets import make_buckets, nearest_bucket
+from lorakit.data.dataset import scan
+from lorakit.models.registry import family_info
+
+_LAYOUT = {"qwen-image-edit": "edit", "qwen-image-edit-plus": "edit", "kandinsky5-t2v": "video"}
+
+
+def control_dirs_for(cfg, root: Path) -> list[str]:
+    """Edit-Plus with the default setting uses every control folder present (control/, control_2/, ...)."""
+    dirs = list(cfg.data.control_dirs)
+    if cfg.model.family == "qwen-image-edit-plus" and dirs == ["control"]:
+        found = sorted((p.name for p in root.iterdir() if p.is_dir() and p.name.startswith("control")),
+                       key=lambda n: (len(n), n))
+        return found or dirs
+    return dirs
+
+
+def check(cfg) -> dict:
+    """Scan every dataset folder of a config; returns a JSON-able report."""
+    if not cfg.data.dirs:
+        from lorakit.errors import ConfigError
+
+        raise ConfigError(["data.dirs: no dataset folder given"], hint="--set data.dirs=[./my-dataset]")
+    layout = _LAYOUT.get(cfg.model.family, "flat")
+    patch = family_info(cfg.model.family).patch
+    buckets = make_buckets(cfg.data.resolution, patch, cfg.data.bucket_min_side, cfg.data.bucket_max_side)
+    report = {"family": cfg.model.family, "datasets": [], "problems": [], "buckets": {}, "items": 0}
+    hist: Counter = Counter()
+    for root in cfg.data.dirs:
+        root = Path(root)
+        controls = control_dirs_for(cfg, root) if root.is_dir() else cfg.data.control_dirs
+        s = scan(root, layout=layout, control_dirs=controls, caption_ext=cfg.data.caption_ext,
+                 min_side=cfg.data.bucket_min_side, trigger=cfg.data.trigger)
+        report["datasets"].append({"dir": str(root), "layout": s.layout, "items": len(s.items),
+                                   "problems": len(s.problems), "controls": controls if layout == "edit" else []})
+        report["problems"] += [p.__dict__ for p in s.problems]
+        report["items"] += len(s.items)
+        for it in s.items:
+            if it.size:
+                hist[nearest_bucket(it.size, buckets)] += 1
+    report["buckets"] = {f"{w}x{h}": n for (w, h), n in sorted(hist.items())}
+    return report
