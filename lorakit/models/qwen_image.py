@@ -1,0 +1,69 @@
+"""Qwen-Image, -Edit and -Edit-Plus (variants of one adapter): Qwen2.5-VL hidden states with the
+pipeline's template and dropped prefix (edit: the control image(s) in the prompt); latents normalised
+per channel with the VAE's latents_mean / latents_std."""
+
+from __future__ import annotations
+
+from lorakit.models.base import Adapter
+
+CONDITION_AREA = 384 * 384  # Edit-Plus: prompt images are resized to this area, as the pipeline does
+
+
+def condition_size(width: int, height: int, area: int = CONDITION_AREA) -> tuple[int, int]:
+    """The pipeline's rule: the given area at the image's aspect ratio, sides rounded to 32."""
+    import math
+
+    w = math.sqrt(area * width / height)
+    h = w / (width / height)
+    return round(w / 32) * 32, round(h / 32) * 32
+
+
+class QwenImageAdapter(Adapter):
+    max_sequence_length = 1024
+
+    @property
+    def text_parts(self):
+        base = ("text_encoder", "tokenizer")
+        return base + (("processor",) if self.info.variant else ())
+
+    def encode_prompts(self, texts, controls=None):
+        """controls: per text, a list of PIL control images (edit variants), already at the target size."""
+        import torch
+
+        self.load(self.text_parts)
+        pipe = self.pipeline()
+        out = []
+        with torch.no_grad():
+            for i, text in enumerate(texts):  # one at a time: prompts carry different images
+                kw = {}
+                if self.info.variant == "edit":
+                    kw["image"] = controls[i][0]
+                elif self.info.variant == "edit-plus":
+                    imgs = controls[i]
+                    kw["image"] = [pipe.image_processor.resize(im, *reversed(condition_size(*im.size)))
+                                   for im in imgs]
+                embeds, mask = pipe.encode_prompt(prompt=[text], max_sequence_length=self.max_sequence_length, **kw)
+                n = int(mask[0].sum()) if mask is not None else embeds.shape[1]  # None: no padding
+                out.append({"prompt_embeds": embeds[0, :n]})
+        return out
+
+    def _normalise(self, lat):
+        import torch
+
+        vae = self.parts[self.vae_part]
+        c = vae.config.z_dim
+        mean = torch.tensor(vae.config.latents_mean).view(1, c, 1, 1, 1).to(lat.device, lat.dtype)
+        std = torch.tensor(vae.config.latents_std).view(1, c, 1, 1, 1).to(lat.device, lat.dtype)
+        return (lat - mean) / std
+
+    def encode_images(self, pixels):
+        import torch
+
+        self.load((self.vae_part,))
+        vae = self.parts[self.vae_part]
+        with torch.no_grad():
+            lat = vae.encode(pixels.to(vae.device, vae.dtype).unsqueeze(2)).latent_dist.mode()
+        return self._normalise(lat)[:, :, 0]
+
+
+ADAPTER = QwenImageAdapter

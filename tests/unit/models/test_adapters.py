@@ -1,0 +1,94 @@
+"""The stock diffusers pipeline is the oracle: adapters' text embeddings and latents equal its own."""
+
+import pytest
+import torch
+from PIL import Image
+
+from lorakit.errors import InputError
+from lorakit.models.base import load_adapter
+from lorakit.models.registry import family_names
+
+TEXTS = ["a red circle in the center on a blue background", "make the square green"]
+
+
+def controls():
+    return [[Image.new("RGB", (64, 64), (200, 30, 30)), Image.new("RGB", (64, 64), (30, 30, 200))]] * 2
+
+
+def close(a, b):
+    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("family", family_names())
+def test_text_embeddings_equal_the_pipeline(tiny, family):
+    from diffusers import DiffusionPipeline
+
+    folder = tiny(family)
+    ours = load_adapter(family, folder).encode_prompts(TEXTS, controls=controls())
+    pipe = DiffusionPipeline.from_pretrained(folder)
+    with torch.no_grad():
+        for i, text in enumerate(TEXTS):
+            if family == "flux":
+                e, p, _ = pipe.encode_prompt(prompt=[text], prompt_2=None, max_sequence_length=512)
+                close(ours[i]["prompt_embeds"], e[0])
+                close(ours[i]["pooled"], p[0])
+            elif family.startswith("kandinsky5"):
+                q, c, cu = pipe.encode_prompt(prompt=[text], max_sequence_length=512)
+                close(ours[i]["prompt_embeds"], q[0, : int(cu[1])])
+                close(ours[i]["pooled"], c[0])
+            else:
+                kw = {}
+                if family == "qwen-image-edit":
+                    kw["image"] = controls()[i][0]
+                elif family == "qwen-image-edit-plus":  # the pipeline resizes prompt images to 384² area
+                    kw["image"] = [pipe.image_processor.resize(im, 384, 384) for im in controls()[i]]
+                e, m = pipe.encode_prompt(prompt=[text], **kw)
+                n = int(m[0].sum()) if m is not None else e.shape[1]
+                close(ours[i]["prompt_embeds"], e[0, :n])
+
+
+@pytest.mark.parametrize("family", family_names())
+def test_latents_equal_the_pipeline_convention(tiny, family):
+    from diffusers import DiffusionPipeline
+
+    folder = tiny(family)
+    a = load_adapter(family, folder)
+    pipe = DiffusionPipeline.from_pretrained(folder)
+    g = torch.Generator().manual_seed(0)
+    pix = torch.rand(2, 3, 64, 64, generator=g) * 2 - 1
+    with torch.no_grad():
+        if family.startswith("qwen"):
+            from diffusers import QwenImageEditPipeline
+
+            ref = QwenImageEditPipeline(**{k: v for k, v in pipe.components.items() if k != "processor"},
+                                        processor=None)._encode_vae_image(pix.unsqueeze(2), None)[:, :, 0]
+            close(a.encode_images(pix), ref)
+        elif family == "flux":  # FluxImg2ImgPipeline._encode_vae_image's normalisation, on the mean
+            from diffusers.pipelines.flux.pipeline_flux_img2img import retrieve_latents
+
+            lat = retrieve_latents(pipe.vae.encode(pix), sample_mode="argmax")
+            ref = (lat - pipe.vae.config.shift_factor) * pipe.vae.config.scaling_factor
+            close(a.encode_images(pix), ref)
+        else:  # Kandinsky 5 decodes latents / scaling_factor: encoding is its inverse on the VAE mean
+            vid = family.endswith("t2v")
+            x = pix.unsqueeze(2).repeat(1, 1, 5, 1, 1) if vid else pix
+            lat = a.encode_video(x) if vid else a.encode_images(x)
+            close(lat, pipe.vae.encode(x).latent_dist.mode() * pipe.vae.config.scaling_factor)
+
+
+def test_wrong_model_folder_for_family(tiny):
+    with pytest.raises(InputError, match="QwenImagePipeline"):
+        load_adapter("qwen-image", tiny("flux"))
+
+
+def test_identity_changes_with_the_model_not_the_run(tiny, tmp_path):
+    import shutil
+
+    a = load_adapter("flux", tiny("flux"))
+    assert a.identity() == load_adapter("flux", tiny("flux")).identity()
+    copy = shutil.copytree(tiny("flux"), tmp_path / "m")
+    te = copy / "text_encoder" / "model.safetensors"
+    data = bytearray(te.read_bytes())
+    data[-100] ^= 0xFF
+    te.write_bytes(bytes(data))
+    assert load_adapter("flux", copy).identity() != a.identity()
