@@ -56,7 +56,9 @@ class DataConfig(_Section):
     repeats: int = Field(1, ge=1, description="times each item is seen per epoch")
     control_dirs: list[str] = Field(default_factory=lambda: ["control"],
                                     description="edit families: control image folders beside images/")
-    frames: int = Field(17, ge=1, description="video families: frames per clip")
+    frames: int = Field(17, ge=1, description="video families: frames per clip (cut to 4k+1)")
+    cache_dir: Path | None = Field(None, description="where `lorakit cache` stores embeddings and latents "
+                                                     "(default: <output.dir>/cache)")
 
     @field_validator("dirs", mode="before")
     @classmethod

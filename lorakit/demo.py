@@ -1,7 +1,7 @@
 """`lorakit demo`: the whole path on tiny offline models, on any laptop, without downloads.
 
-Today: tiny pipeline -> demo dataset -> doctor -> config resolution -> a sample grid from the stock
-diffusers pipeline. Each later stage (cache, train, infer after) is added here as it lands.
+Today: tiny pipeline -> demo dataset -> doctor -> config resolution -> cache -> a sample grid from the
+stock diffusers pipeline. Each later stage (train, infer after) is added here as it lands.
 """
 
 from __future__ import annotations
@@ -42,7 +42,8 @@ def demo_config(family: str, model_dir: Path, data_dir: Path, out_dir: Path) -> 
     """The YAML config the demo writes (also a starting point for real runs)."""
     return {
         "model": {"family": family, "path": str(model_dir)},
-        "data": {"dirs": [str(data_dir)], "resolution": 64, "bucket_min_side": 32, "bucket_max_side": 128},
+        "data": {"dirs": [str(data_dir)], "resolution": 64, "bucket_min_side": 32, "bucket_max_side": 128,
+                 "control_dirs": ["control", "control_2"] if family == "qwen-image-edit-plus" else ["control"]},
         "lora": {"rank": 8, "targets": "attention"},
         "optim": {"lr": 1e-3},
         "schedule": {"steps": 60, "warmup_steps": 5},
@@ -149,6 +150,14 @@ def run_demo(out_dir: Path, family: str = "flux", seed: int = 0, progress=None) 
         res.files["resolved_config"] = str(out_dir / "config.resolved.yaml")
         return f"resolved with profile {prov['profile']}"
 
+    def cache():
+        from lorakit.cache.builder import build
+
+        cfg, _ = resolve(out_dir / "config.yaml", [], "auto")
+        s = build(cfg)
+        res.files["cache"] = s.cache_dir
+        return f"{s.items} items ({s.encoded} encoded, {s.reused} reused), {s.bytes / 2**10:.0f} KiB"
+
     def sample():
         control = None
         if layout in ("edit", "edit-plus"):
@@ -168,6 +177,7 @@ def run_demo(out_dir: Path, family: str = "flux", seed: int = 0, progress=None) 
     stage("demo dataset", data)
     stage("doctor", doctor)
     stage("config", config)
+    stage("cache (text embeddings + latents)", cache)
     stage("sample (stock diffusers pipeline)", sample)
     (out_dir / "demo.json").write_text(json.dumps(res.to_dict(), indent=2))
     return res

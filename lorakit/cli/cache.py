@@ -7,7 +7,6 @@ from pathlib import Path
 import typer
 
 from lorakit.cli.common import JsonOpt, ProfileOpt, SetOpt, console, emit, resolve_config, use_json
-from lorakit.cli.pending import not_in_this_build
 from lorakit.errors import InputError
 
 HELP = """Encode a dataset once: text embeddings and VAE latents into a content-addressed store.
@@ -29,8 +28,8 @@ def cache(
     use_json(as_json)
     cfg, _ = resolve_config(config, sets, profile)  # config errors are reported now, before anything else
     if not check:
-        raise not_in_this_build("the embedding/latent store of `lorakit cache`", 5,
-                                "`lorakit cache CONFIG --check` validates the datasets today")
+        _build(cfg, force, verify, strict, as_json)
+        return
     from lorakit.data.check import check as check_data
 
     report = check_data(cfg)
@@ -38,6 +37,41 @@ def cache(
     if strict and report["problems"]:
         raise InputError(f"{len(report['problems'])} dataset problem(s) and --strict",
                          "fix the files listed above, or drop --strict to skip those items")
+
+
+def _build(cfg, force: bool, verify: bool, strict: bool, as_json: bool) -> None:
+    from lorakit.cache.builder import build
+    from lorakit.quiet import quiet_libraries
+
+    quiet_libraries()
+    if as_json:
+        summary = build(cfg, force=force, verify=verify, strict=strict)
+    else:
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+        cols = (TextColumn("caching"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[note]}"),
+                TimeRemainingColumn())
+        with Progress(*cols, console=console, transient=True) as bar:
+            task = bar.add_task("cache", total=None, note="loading encoders")
+
+            def progress(done, total, note):
+                bar.update(task, completed=done, total=total, note=note)
+
+            summary = build(cfg, force=force, verify=verify, strict=strict, progress=progress)
+    emit(as_json, summary.to_dict(), lambda: _render_summary(summary))
+
+
+def _render_summary(s) -> None:
+    console.print(f"[bold]cache[/] {s.cache_dir}: {s.items} items ({s.encoded} encoded, {s.reused} reused"
+                  f"{f', {s.pruned} stale removed' if s.pruned else ''}), {s.bytes / 2**20:.1f} MiB, {s.seconds:.1f} s")
+    if s.buckets:
+        console.print("buckets: " + ", ".join(f"{b} x{n}" for b, n in s.buckets.items()))
+    if s.verified_bad:
+        console.print(f"[yellow]--verify:[/] {len(s.verified_bad)} damaged entries were re-encoded")
+    if s.skipped:
+        console.print(f"[yellow]skipped {len(s.skipped)} item(s):[/]")
+        for p in s.skipped:
+            console.print(f"  - {p['path']}: {p['code']}: {p['message']}", markup=False, soft_wrap=True)
 
 
 def _render(report: dict) -> None:

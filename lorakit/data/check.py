@@ -9,7 +9,7 @@ from lorakit.data.buckets import make_buckets, nearest_bucket
 from lorakit.data.dataset import scan
 from lorakit.models.registry import family_info
 
-_LAYOUT = {"qwen-image-edit": "edit", "qwen-image-edit-plus": "edit", "kandinsky5-t2v": "video"}
+LAYOUT_OF_FAMILY = {"qwen-image-edit": "edit", "qwen-image-edit-plus": "edit", "kandinsky5-t2v": "video"}
 
 
 def control_dirs_for(cfg, root: Path) -> list[str]:
@@ -28,7 +28,7 @@ def check(cfg) -> dict:
         from lorakit.errors import ConfigError
 
         raise ConfigError(["data.dirs: no dataset folder given"], hint="--set data.dirs=[./my-dataset]")
-    layout = _LAYOUT.get(cfg.model.family, "flat")
+    layout = LAYOUT_OF_FAMILY.get(cfg.model.family, "flat")
     patch = family_info(cfg.model.family).patch
     buckets = make_buckets(cfg.data.resolution, patch, cfg.data.bucket_min_side, cfg.data.bucket_max_side)
     report = {"family": cfg.model.family, "datasets": [], "problems": [], "buckets": {}, "items": 0}

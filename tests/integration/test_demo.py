@@ -12,7 +12,9 @@ def test_demo_runs_end_to_end_offline(tmp_path, monkeypatch):
     r = CliRunner().invoke(app, ["demo", "--out", str(out), "--json"])
     assert r.exit_code == 0, r.output
     data = json.loads(r.output)
-    assert [s["name"] for s in data["stages"]][:4] == ["build tiny pipeline", "demo dataset", "doctor", "config"]
+    assert [s["name"] for s in data["stages"]][:5] == ["build tiny pipeline", "demo dataset", "doctor", "config",
+                                                       "cache (text embeddings + latents)"]
+    assert data["stages"][4]["detail"].startswith("4 items (4 encoded")
     with Image.open(data["files"]["samples_base"]) as im:
         assert im.size == (256, 128)
     assert (out / "config.resolved.yaml").read_text().startswith("profile: cpu")
