@@ -1,0 +1,73 @@
+"""The rectified-flow objective: sigma sampling, noising, target and loss weights.
+
+x_t = (1 - sigma) x0 + sigma noise, target = noise - x0 (the velocity every family's Euler sampler
+integrates). Sigmas are drawn as diffusers' training utilities draw them (same RNG calls, so the same
+seed gives the same values), then shifted as the family's scheduler shifts its sampling sigmas.
+"""
+
+from __future__ import annotations
+
+import math
+
+METHODS = ("uniform", "logit_normal", "shift", "resolution_shift")
+
+
+def resolution_mu(image_seq_len: int, scheduler_config: dict) -> float:
+    """The scheduler's dynamic-shift mu for a number of image tokens (linear in the token count)."""
+    base_len = scheduler_config.get("base_image_seq_len", 256)
+    max_len = scheduler_config.get("max_image_seq_len", 4096)
+    base_shift = scheduler_config.get("base_shift", 0.5)
+    max_shift = scheduler_config.get("max_shift", 1.15)
+    m = (max_shift - base_shift) / (max_len - base_len)
+    return image_seq_len * m + (base_shift - m * base_len)
+
+
+def sample_sigmas(n: int, method: str = "uniform", generator=None, *, shift: float = 3.0, logit_mean: float = 0.0,
+                  logit_std: float = 1.0, image_seq_len: int | None = None, scheduler_config: dict | None = None):
+    """n training sigmas in (0, 1).
+
+    Args:
+        method: uniform | logit_normal | shift (fixed `shift`) | resolution_shift (the scheduler's own rule:
+            its dynamic exponential shift for `image_seq_len` tokens, or its fixed `shift`).
+    """
+    import torch
+
+    if method not in METHODS:
+        from lorakit.errors import UnknownNameError
+
+        raise UnknownNameError("timestep sampling", method, list(METHODS))
+    if method == "logit_normal":
+        u = torch.sigmoid(torch.normal(mean=logit_mean, std=logit_std, size=(n,), generator=generator))
+    else:
+        u = torch.rand(size=(n,), generator=generator)
+    if method == "shift":
+        return shift * u / (1 + (shift - 1) * u)
+    if method == "resolution_shift":
+        cfg = scheduler_config or {}
+        if cfg.get("use_dynamic_shifting"):
+            if image_seq_len is None:
+                raise ValueError("resolution_shift needs image_seq_len")
+            mu = resolution_mu(image_seq_len, cfg)
+            if cfg.get("time_shift_type", "exponential") == "linear":
+                return mu / (mu + (1 / u - 1))
+            return math.exp(mu) / (math.exp(mu) + (1 / u - 1))
+        s = float(cfg.get("shift", 1.0))
+        return s * u / (1 + (s - 1) * u)
+    return u
+
+
+def noisy(x0, noise, sigmas):
+    """(x_t, target) for latents x0 (B, ...) and per-item sigmas (B,)."""
+    s = sigmas.view(-1, *([1] * (x0.dim() - 1))).to(x0.dtype)
+    return (1 - s) * x0 + s * noise, noise - x0
+
+
+def loss_weight(sigmas, scheme: str = "none"):
+    """Per-item loss weights (as diffusers' compute_loss_weighting_for_sd3)."""
+    import torch
+
+    if scheme == "sigma_sqrt":
+        return (sigmas ** -2.0).float()
+    if scheme == "cosmap":
+        return 2 / (math.pi * (1 - 2 * sigmas + 2 * sigmas ** 2))
+    return torch.ones_like(sigmas)
