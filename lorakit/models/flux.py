@@ -28,4 +28,22 @@ class FluxAdapter(Adapter):
         return (lat - vae.config.shift_factor) * vae.config.scaling_factor
 
 
+    def predict(self, transformer, x_t, sigmas, text: dict, guidance: float = 1.0, controls=None):
+        """The transformer's velocity for latents x_t (B, 16, h, w) at per-item sigmas, as FluxPipeline
+        calls it: 2x2-packed latents, image/text position ids, timestep = sigma, guidance embedding."""
+        import torch
+        from diffusers import FluxPipeline
+
+        b, c, h, w = x_t.shape
+        dev, dt = x_t.device, x_t.dtype
+        packed = FluxPipeline._pack_latents(x_t, b, c, h, w)
+        img_ids = FluxPipeline._prepare_latent_image_ids(b, h // 2, w // 2, dev, dt)
+        embeds = text["prompt_embeds"].to(dev, dt)
+        txt_ids = torch.zeros(embeds.shape[1], 3, device=dev, dtype=dt)
+        out = transformer(hidden_states=packed, timestep=sigmas.to(dev, dt), guidance=torch.full((b,), guidance, device=dev, dtype=dt),
+                          pooled_projections=text["pooled"].to(dev, dt), encoder_hidden_states=embeds, txt_ids=txt_ids,
+                          img_ids=img_ids, return_dict=False)[0]
+        return FluxPipeline._unpack_latents(out, h * 8, w * 8, 8)
+
+
 ADAPTER = FluxAdapter

@@ -66,4 +66,29 @@ class QwenImageAdapter(Adapter):
         return self._normalise(lat)[:, :, 0]
 
 
+    def predict(self, transformer, x_t, sigmas, text: dict, guidance: float = 1.0, controls=None):
+        """The transformer's velocity for x_t (B, 16, h, w), as the Qwen-Image pipelines call it: 2x2-packed
+        latents, control latents (edit) packed and appended after the target's tokens, img_shapes for the
+        rotary positions, the text mask, timestep = sigma; the output's target tokens only."""
+        from diffusers import QwenImagePipeline
+
+        b, c, h, w = x_t.shape
+        dev, dt = x_t.device, x_t.dtype
+        seq = (h // 2) * (w // 2)
+        tokens = [QwenImagePipeline._pack_latents(x_t, b, c, h, w)]
+        shapes = [(1, h // 2, w // 2)]
+        for ctrl in controls or []:
+            cb, cc, ch, cw = ctrl.shape
+            tokens.append(QwenImagePipeline._pack_latents(ctrl.to(dev, dt), cb, cc, ch, cw))
+            shapes.append((1, ch // 2, cw // 2))
+        import torch
+
+        mask = text.get("prompt_embeds_mask")
+        out = transformer(hidden_states=torch.cat(tokens, dim=1), timestep=sigmas.to(dev, dt),
+                          encoder_hidden_states=text["prompt_embeds"].to(dev, dt),
+                          encoder_hidden_states_mask=None if mask is None else mask.to(dev),
+                          img_shapes=[shapes] * b, return_dict=False)[0][:, :seq]
+        return QwenImagePipeline._unpack_latents(out, h * 8, w * 8, 8)[:, :, 0]
+
+
 ADAPTER = QwenImageAdapter

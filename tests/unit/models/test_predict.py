@@ -1,0 +1,59 @@
+"""lorakit's forward conventions equal the stock pipelines': one Euler step from sigma 1 to 0 gives
+x = noise - v, so the pipeline's own one-step output reveals the velocity its transformer predicted."""
+
+import pytest
+import torch
+from PIL import Image
+
+from lorakit.models.base import load_adapter
+
+
+@pytest.mark.parametrize("family", ["flux", "qwen-image", "qwen-image-edit"])
+def test_velocity_equals_the_pipelines_one_step(tiny, family):
+    from diffusers import DiffusionPipeline
+
+    folder = tiny(family)
+    a = load_adapter(family, folder)
+    pipe = DiffusionPipeline.from_pretrained(folder)
+    pipe.set_progress_bar_config(disable=True)
+    transformer = pipe.transformer
+    # Qwen-Image-Edit encodes its control image at ~1024² whatever the output size: use that size
+    side = 1024 if family == "qwen-image-edit" else 64
+    noise = torch.randn(1, 16, side // 8, side // 8, generator=torch.Generator().manual_seed(0))
+    prompt = "a red circle in the center on a blue background"
+    kw = dict(num_inference_steps=1, output_type="latent", height=side, width=side)
+    control = Image.new("RGB", (side, side), (200, 30, 30))
+    with torch.no_grad():
+        if family == "flux":
+            text = a.encode_prompts([prompt])[0]
+            text = {k: v[None] for k, v in text.items()}
+            packed = pipe._pack_latents(noise, 1, 16, 8, 8)
+            out = pipe(prompt_embeds=text["prompt_embeds"], pooled_prompt_embeds=text["pooled"], latents=packed,
+                       guidance_scale=3.5, **kw).images
+            v_ref = pipe._unpack_latents(packed - out, 64, 64, 8)
+            v = a.predict(transformer, noise, torch.tensor([1.0]), text, guidance=3.5)
+        else:
+            controls = [[control]] if family.endswith("edit") else None
+            e = a.encode_prompts([prompt], controls=controls)[0]["prompt_embeds"][None]
+            text = {"prompt_embeds": e, "prompt_embeds_mask": torch.ones(1, e.shape[1], dtype=torch.long)}
+            packed = pipe._pack_latents(noise, 1, 16, side // 8, side // 8)
+            extra = {"image": control} if controls else {}
+            # Qwen's scheduler stretches sigmas to a terminal value, which needs >= 2 steps: capture the
+            # latents after the first step (sigma 1 -> s1): x1 = noise + (s1 - 1) v
+            seen = {}
+
+            def grab(p, i, t, kw_):
+                seen.setdefault("x1", kw_["latents"].clone())
+                seen.setdefault("s1", float(p.scheduler.sigmas[1]))
+                return kw_
+
+            pipe(prompt_embeds=e, prompt_embeds_mask=text["prompt_embeds_mask"], latents=packed, **extra,
+                 **{**kw, "num_inference_steps": 2}, callback_on_step_end=grab)
+            v_ref = pipe._unpack_latents((packed - seen["x1"]) / (1 - seen["s1"]), side, side, 8)[:, :, 0]
+            ctrl = None
+            if controls:
+                from lorakit.cache.builder import _pixels
+
+                ctrl = [a.encode_images(_pixels([control]))]
+            v = a.predict(transformer, noise, torch.tensor([1.0]), text, controls=ctrl)
+    torch.testing.assert_close(v, v_ref, rtol=1e-5, atol=1e-5)
