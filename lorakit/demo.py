@@ -1,7 +1,8 @@
 """`lorakit demo`: the whole path on tiny offline models, on any laptop, without downloads.
 
-Today: tiny pipeline -> demo dataset -> doctor -> config resolution -> cache -> a sample grid from the
-stock diffusers pipeline. Each later stage (train, infer after) is added here as it lands.
+Today: tiny pipeline -> demo dataset -> doctor -> config resolution -> cache -> train (FLUX, Qwen-Image
+families) -> sample grids from the stock diffusers pipeline without and with the LoRA (loaded by
+load_lora_weights). `lorakit infer` replaces the stock sampling when it lands.
 """
 
 from __future__ import annotations
@@ -44,22 +45,25 @@ def demo_config(family: str, model_dir: Path, data_dir: Path, out_dir: Path) -> 
         "model": {"family": family, "path": str(model_dir)},
         "data": {"dirs": [str(data_dir)], "resolution": 64, "bucket_min_side": 32, "bucket_max_side": 128,
                  "control_dirs": ["control", "control_2"] if family == "qwen-image-edit-plus" else ["control"]},
-        "lora": {"rank": 8, "targets": "attention"},
-        "optim": {"lr": 1e-3},
+        "lora": {"rank": 16, "targets": "attention_mlp"},
+        "optim": {"lr": 5e-3},
         "schedule": {"steps": 60, "warmup_steps": 5},
         "sampling": {"prompts": list(DEMO_PROMPTS), "steps": 4, "size": 64},
         "output": {"dir": str(out_dir / "run")},
     }
 
 
-def sample_grid(model_dir: Path, family: str, prompts, size: int, steps: int, seed: int, control=None):
-    """Images from the stock diffusers pipeline, pasted side by side (a PIL image)."""
+def sample_grid(model_dir: Path, family: str, prompts, size: int, steps: int, seed: int, control=None,
+                lora: Path | None = None):
+    """Images from the stock diffusers pipeline (with a LoRA loaded by load_lora_weights), side by side."""
     import torch
     from diffusers import DiffusionPipeline
     from PIL import Image
 
     pipe = DiffusionPipeline.from_pretrained(model_dir, dtype=torch.float32)
     pipe.set_progress_bar_config(disable=True)
+    if lora is not None:
+        pipe.load_lora_weights(str(lora))
     images = []
     for i, prompt in enumerate(prompts):
         kw = dict(prompt=prompt, num_inference_steps=steps, generator=torch.Generator().manual_seed(seed + i))
@@ -158,6 +162,18 @@ def run_demo(out_dir: Path, family: str = "flux", seed: int = 0, progress=None) 
         res.files["cache"] = s.cache_dir
         return f"{s.items} items ({s.encoded} encoded, {s.reused} reused), {s.bytes / 2**10:.0f} KiB"
 
+    def train():
+        from lorakit.train.loop import PREDICTS, run
+
+        if family_info(family).module not in PREDICTS:
+            return f"skipped: training {family} lands with issue #6"
+        cfg, prov = resolve(out_dir / "config.yaml", [], "auto")
+        r = run(cfg, prov)
+        res.files.update(lora=r["lora"], loss_curve=r["loss_curve"], metrics=r["metrics"])
+        first, last = (json.loads(x)["loss"] for x in (open(r["metrics"]).readline(),
+                                                       open(r["metrics"]).readlines()[-1]))
+        return f"{r['steps']} steps in {r['seconds']:.1f} s, loss {first:.3f} -> {last:.3f}, LoRA {Path(r['lora']).name}"
+
     def sample():
         control = None
         if layout in ("edit", "edit-plus"):
@@ -171,13 +187,20 @@ def run_demo(out_dir: Path, family: str = "flux", seed: int = 0, progress=None) 
         path = out_dir / "samples_base.png"
         grid.save(path)
         res.files["samples_base"] = str(path)
-        return f"{len(DEMO_PROMPTS)} samples from the untrained base -> {path.name}"
+        note = f"{len(DEMO_PROMPTS)} samples from the base -> {path.name}"
+        if "lora" in res.files:
+            after = sample_grid(model_dir, family, DEMO_PROMPTS, 64, 4, seed, control, lora=Path(res.files["lora"]))
+            after.save(out_dir / "samples_lora.png")
+            res.files["samples_lora"] = str(out_dir / "samples_lora.png")
+            note += ", with the LoRA -> samples_lora.png"
+        return note
 
     stage("build tiny pipeline", build)
     stage("demo dataset", data)
     stage("doctor", doctor)
     stage("config", config)
     stage("cache (text embeddings + latents)", cache)
+    stage("train (LoRA)", train)
     stage("sample (stock diffusers pipeline)", sample)
     (out_dir / "demo.json").write_text(json.dumps(res.to_dict(), indent=2))
     return res

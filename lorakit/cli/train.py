@@ -6,7 +6,16 @@ from pathlib import Path
 
 import typer
 
-from lorakit.cli.common import JsonOpt, ProfileOpt, SetOpt, emit, print_resolved, resolve_config, use_json
+from lorakit.cli.common import (
+    JsonOpt,
+    ProfileOpt,
+    SetOpt,
+    console,
+    emit,
+    print_resolved,
+    resolve_config,
+    use_json,
+)
 
 HELP = """Train a LoRA from a config (YAML).
 
@@ -27,7 +36,33 @@ def train(
     if dry_run:
         emit(as_json, {"profile": prov, "config": cfg.to_dict()}, lambda: print_resolved(cfg, prov))
         return
-    from lorakit.train import run
+    from lorakit.quiet import quiet_libraries
+    from lorakit.train.loop import run
 
-    result = run(cfg, prov, resume=resume, as_json=as_json)
-    emit(as_json, result)
+    quiet_libraries()
+    if as_json:
+        result = run(cfg, prov, resume=resume)
+    else:
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+        with Progress(TextColumn("training"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
+                      TimeRemainingColumn(), console=console) as bar:
+            task = bar.add_task("train", total=cfg.schedule.steps, info="caching")
+
+            def progress(step, total, rec):
+                info = f"loss {rec['loss']:.4f}  lr {rec['lr']:.2e}  {rec['s_per_step']:.2f} s/step"
+                if "gpu_gib" in rec:
+                    info += f"  {rec['gpu_gib']:.1f} GiB"
+                bar.update(task, completed=step, info=info)
+
+            result = run(cfg, prov, resume=resume, progress=progress)
+    emit(as_json, result, lambda: _render(result))
+
+
+def _render(r: dict) -> None:
+    state = "interrupted: resume with --resume latest" if r["interrupted"] else "done"
+    console.print(f"[bold]{state}[/] after {r['steps']} steps, {r['seconds']:.1f} s")
+    if r.get("lora"):
+        console.print(f"LoRA: {r['lora']}  (diffusers format: pipe.load_lora_weights(path))")
+        console.print(f"loss curve: {r['loss_curve']}")
+    console.print(f"checkpoint: {r['checkpoint']}\nmetrics: {r['metrics']}")

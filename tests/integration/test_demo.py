@@ -15,6 +15,8 @@ def test_demo_runs_end_to_end_offline(tmp_path, monkeypatch):
     assert [s["name"] for s in data["stages"]][:5] == ["build tiny pipeline", "demo dataset", "doctor", "config",
                                                        "cache (text embeddings + latents)"]
     assert data["stages"][4]["detail"].startswith("4 items (4 encoded")
+    assert data["stages"][5]["name"] == "train (LoRA)" and data["stages"][5]["detail"].startswith("60 steps")
+    assert (out / "samples_lora.png").is_file() and (out / "run" / "loss_curve.png").is_file()
     with Image.open(data["files"]["samples_base"]) as im:
         assert im.size == (256, 128)
     assert (out / "config.resolved.yaml").read_text().startswith("profile: cpu")

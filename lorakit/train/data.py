@@ -1,0 +1,80 @@
+"""Batches from the cache: items of one bucket, text padded with a mask, deterministic order."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from lorakit.cache.store import Store
+from lorakit.data.buckets import batches
+
+
+@dataclass
+class Batch:
+    keys: list[str]
+    latents: object  # (B, C, h, w) or (B, C, T, h, w)
+    text: dict  # prompt_embeds (B, L, D) [+ prompt_embeds_mask (B, L)] [+ pooled (B, D)]
+    controls: list  # per control index: (B, C, h, w)
+
+
+class CachedData:
+    """The items of a built cache, and the batch order of every epoch (a pure function of seed, epoch)."""
+
+    def __init__(self, store: Store, manifest: dict, batch_size: int, seed: int, repeats: int = 1):
+        self.store = store
+        self.items = manifest["items"]
+        self.empty_key = manifest.get("empty_caption")
+        self.batch_size = batch_size
+        self.seed = seed
+        self.bucket_of = {}
+        for it in self.items:
+            for r in range(repeats):
+                self.bucket_of[f"{it['key']}#{r}"] = tuple(it["bucket"])
+        self._epoch_cache: dict[int, list] = {}
+        self._empty = None
+
+    def epoch(self, e: int) -> list[list[str]]:
+        if e not in self._epoch_cache:
+            self._epoch_cache = {e: batches(self.bucket_of, self.batch_size, self.seed * 1000 + e)}
+        return self._epoch_cache[e]
+
+    def batch_at(self, index: int) -> list[str]:
+        """The index-th batch of the endless epoch sequence (resume = same index, same batch)."""
+        e = 0
+        while True:
+            ep = self.epoch(e)
+            if index < len(ep):
+                return [k.split("#")[0] for k in ep[index]]
+            index -= len(ep)
+            e += 1
+
+    def empty(self) -> dict:
+        if self._empty is None and self.empty_key and self.store.has(self.empty_key):
+            self._empty = self.store.get(self.empty_key)
+        return self._empty
+
+    def load(self, keys: list[str], drop: list[bool] | None = None) -> Batch:
+        import torch
+
+        entries = [self.store.get(k) for k in keys]
+        texts = []
+        for i, e in enumerate(entries):
+            t = {k: v for k, v in e.items() if k in ("prompt_embeds", "pooled")}
+            if drop and drop[i]:
+                if "empty_prompt_embeds" in e:
+                    t["prompt_embeds"] = e["empty_prompt_embeds"]
+                elif self.empty() is not None:
+                    t = dict(self.empty())
+            texts.append(t)
+        L = max(t["prompt_embeds"].shape[0] for t in texts)
+        emb = torch.zeros(len(texts), L, texts[0]["prompt_embeds"].shape[-1], dtype=texts[0]["prompt_embeds"].dtype)
+        mask = torch.zeros(len(texts), L, dtype=torch.long)
+        for i, t in enumerate(texts):
+            n = t["prompt_embeds"].shape[0]
+            emb[i, :n] = t["prompt_embeds"]
+            mask[i, :n] = 1
+        text = {"prompt_embeds": emb, "prompt_embeds_mask": mask}
+        if "pooled" in texts[0]:
+            text["pooled"] = torch.stack([t["pooled"] for t in texts])
+        n_ctrl = sum(1 for k in entries[0] if k.startswith("control_latents_"))
+        controls = [torch.stack([e[f"control_latents_{c}"] for e in entries]) for c in range(n_ctrl)]
+        return Batch(keys, torch.stack([e["latents"] for e in entries]), text, controls)

@@ -1,0 +1,42 @@
+"""Pictures of a run: the loss curve (drawn with PIL, no plotting dependency)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+def loss_curve(metrics: Path, out: Path, size=(640, 360)) -> Path:
+    """Loss per step (thin) and its moving average (thick), on a log-free linear axis."""
+    from PIL import Image, ImageDraw
+
+    rows = [json.loads(line) for line in Path(metrics).read_text().splitlines() if line.strip()]
+    w, h = size
+    img = Image.new("RGB", size, "white")
+    d = ImageDraw.Draw(img)
+    pad = 40
+    if not rows:
+        d.text((pad, h // 2), "no steps recorded", fill="black")
+        img.save(out)
+        return out
+    steps = [r["step"] for r in rows]
+    loss = [r["loss"] for r in rows]
+    k = max(1, len(loss) // 20)
+    avg = [sum(loss[max(0, i - k + 1):i + 1]) / len(loss[max(0, i - k + 1):i + 1]) for i in range(len(loss))]
+    lo, hi = min(loss), max(loss)
+    hi = hi if hi > lo else lo + 1e-9
+    s0, s1 = steps[0], max(steps[-1], steps[0] + 1)
+
+    def xy(s, v):
+        return pad + (s - s0) / (s1 - s0) * (w - 2 * pad), h - pad - (v - lo) / (hi - lo) * (h - 2 * pad)
+
+    d.rectangle([pad, pad, w - pad, h - pad], outline=(180, 180, 180))
+    d.line([xy(s, v) for s, v in zip(steps, loss, strict=True)], fill=(160, 190, 230), width=1)
+    d.line([xy(s, v) for s, v in zip(steps, avg, strict=True)], fill=(20, 70, 180), width=3)
+    d.text((pad, 10), f"loss: {loss[0]:.4f} -> {avg[-1]:.4f} (moving average of {k})", fill="black")
+    d.text((pad, h - pad + 8), f"step {s0}", fill="black")
+    d.text((w - pad - 60, h - pad + 8), f"step {steps[-1]}", fill="black")
+    d.text((4, pad), f"{hi:.3g}", fill="black")
+    d.text((4, h - pad - 12), f"{lo:.3g}", fill="black")
+    img.save(out)
+    return out
