@@ -196,6 +196,23 @@ class Trainer:
         self.step = int(state["step"])
 
 
+def check_memory(cfg) -> dict | None:
+    """The memory estimate against the GPU (detected, else the profile's card); None for the cpu profile."""
+    import torch
+
+    from lorakit.hardware.profiles import load_profile
+    from lorakit.train.memory import check
+
+    hw = load_profile(cfg.profile).hardware
+    if not hw.get("gpu"):
+        return None
+    if torch.cuda.is_available():
+        budget = torch.cuda.get_device_properties(0).total_memory / 2**30
+    else:
+        budget = float(hw.get("memory_gib") or hw.get("min_memory_gib") or 0)
+    return check(cfg, budget)
+
+
 def latest_checkpoint(out_dir: Path) -> Path | None:
     cks = sorted(p for p in (out_dir / "checkpoints").glob("step-*") if (p / "state.pt").is_file())
     return cks[-1] if cks else None
@@ -221,10 +238,11 @@ def run(cfg, prov: dict, resume: str | None = None, progress=None, stop_at: int 
         from lorakit.errors import ConfigError
 
         raise ConfigError(["model.path: required to train"], hint="--set model.path=/models/FLUX.1-dev")
+    device, dtype = _device_and_dtype(cfg)
+    memory = check_memory(cfg)  # refuses before any weights load
     out = Path(cfg.output.dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.resolved.yaml").write_text(dump_yaml(cfg))
-    device, dtype = _device_and_dtype(cfg)
     torch.manual_seed(cfg.seed)
     adapter = load_adapter(cfg.model.family, cfg.model.path, device=device, dtype=dtype, backend=cfg.memory.loader)
     cache = build(cfg, adapter=adapter)
@@ -280,7 +298,8 @@ def run(cfg, prov: dict, resume: str | None = None, progress=None, stop_at: int 
     interrupted = tr.stop_requested or tr.step < cfg.schedule.steps
     ck = tr.save(final=not interrupted)
     result = {"steps": tr.step, "interrupted": interrupted, "checkpoint": str(ck), "metrics": str(metrics),
-              "seconds": round(time.perf_counter() - t_start, 2), "cache": cache.to_dict(), "profile": prov}
+              "seconds": round(time.perf_counter() - t_start, 2), "cache": cache.to_dict(), "profile": prov,
+              "memory_estimate": memory}
     if not interrupted:
         import shutil
 

@@ -1,0 +1,62 @@
+"""A run that cannot fit is refused before any weights load, with the estimate and what would fit."""
+
+import json
+
+import pytest
+
+from lorakit.config import validate
+from lorakit.errors import InputError
+from lorakit.train.loop import run
+from lorakit.train.memory import estimate
+
+
+def fake_model(tmp_path, family_cfg: dict, total_size: int):
+    """A model folder with only what the estimate reads (no weights: nothing could be loaded)."""
+    t = tmp_path / "model" / "transformer"
+    t.mkdir(parents=True)
+    (t / "config.json").write_text(json.dumps(family_cfg))
+    (t / "diffusion_pytorch_model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total_size}, "weight_map": {}}))
+    return tmp_path / "model"
+
+
+QWEN = {"_class_name": "QwenImageTransformer2DModel", "num_layers": 60, "num_attention_heads": 24,
+        "attention_head_dim": 128}
+FLUX = {"_class_name": "FluxTransformer2DModel", "num_layers": 19, "num_single_layers": 38,
+        "num_attention_heads": 24, "attention_head_dim": 128}
+
+
+def cfg_for(path, family, profile, res, **mem):
+    from lorakit.config import deep_merge
+    from lorakit.hardware.profiles import load_profile
+
+    raw = deep_merge(load_profile(profile).defaults, {
+        "profile": profile, "model": {"family": family, "path": str(path)},
+        "data": {"dirs": ["/nonexistent"], "resolution": res}, "memory": mem})
+    return validate(raw)
+
+
+def test_estimate_matches_the_measured_baselines(tmp_path):
+    flux = cfg_for(fake_model(tmp_path / "f", FLUX, int(11.9e9 * 2)), "flux", "datacenter", 1024,
+                   gradient_checkpointing=False)
+    assert 44 <= estimate(flux)["gib"] <= 51  # measured: 46.8 GiB (BASELINES.md)
+    qwen = cfg_for(fake_model(tmp_path / "q", QWEN, int(20.4e9 * 2)), "qwen-image", "datacenter", 1024,
+                   gradient_checkpointing=True)
+    assert 39 <= estimate(qwen)["gib"] <= 45  # measured: 40.9 GiB
+
+
+def test_2048_on_rtx4090_is_refused_before_loading_with_a_suggestion(tmp_path):
+    cfg = cfg_for(fake_model(tmp_path, QWEN, int(20.4e9 * 2)), "qwen-image", "rtx4090", 2048)
+    with pytest.raises(InputError) as ei:
+        run(cfg, {})  # the folder holds no weights: getting past the check would fail differently
+    msg, hint = ei.value.message, ei.value.hint
+    assert "needs about" in msg and "rtx4090 profile has 24" in msg and "activations" in msg
+    assert "memory.blocks_to_swap=" in hint
+
+
+def test_a_fitting_config_passes_the_check(tmp_path):
+    from lorakit.train.loop import check_memory
+
+    cfg = cfg_for(fake_model(tmp_path, FLUX, int(11.9e9 * 2)), "flux", "rtx4090", 512)
+    est = check_memory(cfg)
+    assert est["gib"] < 23.6 and est["parts"]["base"] < 12
