@@ -1,7 +1,6 @@
 """`lorakit demo`: the whole path on tiny offline models, on any laptop, without downloads.
 
-Today: tiny pipeline -> demo dataset -> doctor -> config resolution -> cache -> train (FLUX, Qwen-Image
-families) -> sample grids from the stock diffusers pipeline without and with the LoRA (loaded by
+Today: tiny pipeline -> demo dataset -> doctor -> config resolution -> cache -> train -> sample grids from the stock diffusers pipeline without and with the LoRA (loaded by
 load_lora_weights). `lorakit infer` replaces the stock sampling when it lands.
 """
 

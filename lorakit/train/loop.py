@@ -17,7 +17,7 @@ from lorakit.errors import InputError, NotAvailableError
 from lorakit.models.registry import family_info
 from lorakit.train import flow_matching as fm
 
-PREDICTS = ("flux", "qwen_image")  # families whose forward convention is implemented and tested
+PREDICTS = ("flux", "qwen_image", "kandinsky5")  # families whose forward convention is implemented and tested
 
 
 def make_optimizer(params, cfg, device: str):

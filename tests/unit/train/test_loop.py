@@ -1,6 +1,7 @@
 """The training loop on tiny pipelines: it learns, resumes exactly, and its LoRA loads in stock diffusers."""
 
 import json
+import math
 
 import pytest
 import torch
@@ -93,9 +94,18 @@ def test_overfitting_four_items_lowers_the_fixed_sigma_loss(tmp_path, tiny, fami
     assert after < 0.8 * before, (before, after)
 
 
-def test_families_without_a_forward_convention_yet_say_so(tmp_path, tiny):
-    from lorakit.errors import NotAvailableError
+@pytest.mark.parametrize("family", ["kandinsky5-t2i", "kandinsky5-t2v", "qwen-image-edit-plus"])
+def test_every_other_family_trains_from_the_cli(tmp_path, tiny, family):
+    import yaml
+    from typer.testing import CliRunner
 
-    cfg = make_cfg(tmp_path, "kandinsky5-t2i", tiny("kandinsky5-t2i"), steps=2)
-    with pytest.raises(NotAvailableError, match="issue #6"):
-        run(cfg, {})
+    from lorakit.cli.app import app
+
+    cfg = make_cfg(tmp_path, family, tiny(family), steps=3)
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(cfg.to_dict()))
+    r = CliRunner().invoke(app, ["train", str(path), "--json"])
+    assert r.exit_code == 0, r.output
+    res = json.loads(r.output)
+    assert res["steps"] == 3 and not res["interrupted"] and res["lora"].endswith("lora.safetensors")
+    assert all(math.isfinite(x) for x in losses(res["metrics"]))
