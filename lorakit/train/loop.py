@@ -262,8 +262,10 @@ def run(cfg, prov: dict, resume: str | None = None, progress=None, stop_at: int 
             raise InputError(f"--resume latest: no checkpoint in {out / 'checkpoints'}")
         tr.resume(ck)
     metrics = out / "metrics.jsonl"
-    if not resume and metrics.exists():
-        metrics.unlink()
+    if metrics.exists():  # a fresh run starts a new file; a resumed one drops steps past its checkpoint
+        kept = [ln for ln in metrics.read_text().splitlines() if ln.strip() and resume
+                and json.loads(ln)["step"] <= tr.step]
+        metrics.write_text("".join(ln + "\n" for ln in kept))
     old_handlers = {}
 
     def _stop(signum, frame):

@@ -40,6 +40,8 @@ def test_resume_repeats_the_uninterrupted_losses(tmp_path, tiny):
     part = make_cfg(tmp_path / "b", "flux", tiny("flux"))
     rb = run(part, {}, stop_at=5)
     assert rb["interrupted"] and rb["steps"] == 5
+    with open(rb["metrics"], "a") as f:  # as if killed after logging steps the checkpoint does not hold
+        f.write(json.dumps({"step": 6, "loss": 9.9}) + "\n")
     rc = run(part, {}, resume="latest")
     assert rc["steps"] == 12 and not rc["interrupted"]
     a, b = losses(ra["metrics"]), losses(rc["metrics"])
