@@ -111,3 +111,28 @@ def test_every_other_family_trains_from_the_cli(tmp_path, tiny, family):
     res = json.loads(r.output)
     assert res["steps"] == 3 and not res["interrupted"] and res["lora"].endswith("lora.safetensors")
     assert all(math.isfinite(x) for x in losses(res["metrics"]))
+
+
+def test_sigint_saves_a_checkpoint_and_exits_cleanly(tmp_path, tiny):
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import yaml
+
+    cfg = make_cfg(tmp_path, "flux", tiny("flux"), steps=100000)
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(cfg.to_dict()))
+    p = subprocess.Popen([sys.executable, "-m", "lorakit", "train", str(path), "--json"], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    metrics = tmp_path / "out" / "metrics.jsonl"
+    deadline = time.time() + 120
+    while time.time() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 3):
+        time.sleep(0.05)
+    p.send_signal(signal.SIGINT)
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 0, err
+    res = json.loads(out)
+    assert res["interrupted"] and 3 <= res["steps"] < 100000
+    assert (tmp_path / "out" / "checkpoints" / f"step-{res['steps']:06d}" / "state.pt").is_file()
