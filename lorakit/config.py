@@ -164,6 +164,9 @@ class SamplingConfig(_Section):
     guidance: float = Field(3.5, ge=0, description="FLUX guidance / Qwen true-CFG scale")
     seed: int = Field(42, description="sampling seed")
     size: int | None = Field(None, description="sample side in pixels (default: data.resolution)")
+    validation_items: int = Field(0, ge=0, description="items held out of training; their loss at fixed sigmas "
+                                                        "and noise is logged as val_loss")
+    validation_every: int = Field(0, ge=0, description="log val_loss every N steps (0: at the end only)")
 
 
 class OutputConfig(_Section):

@@ -19,9 +19,20 @@ class Batch:
 class CachedData:
     """The items of a built cache, and the batch order of every epoch (a pure function of seed, epoch)."""
 
-    def __init__(self, store: Store, manifest: dict, batch_size: int, seed: int, repeats: int = 1):
+    def __init__(self, store: Store, manifest: dict, batch_size: int, seed: int, repeats: int = 1,
+                 hold_out: int = 0):
+        import random
+
         self.store = store
-        self.items = manifest["items"]
+        items = list(manifest["items"])
+        if hold_out and hold_out >= len(items):
+            from lorakit.errors import ConfigError
+
+            raise ConfigError([f"sampling.validation_items: {hold_out} would leave no item to train on "
+                               f"(the cache has {len(items)})"])
+        held = set(random.Random(seed).sample(range(len(items)), hold_out)) if hold_out else set()
+        self.validation = [it for i, it in enumerate(items) if i in held]  # fixed by the seed
+        self.items = [it for i, it in enumerate(items) if i not in held]
         self.empty_key = manifest.get("empty_caption")
         self.batch_size = batch_size
         self.seed = seed

@@ -247,7 +247,8 @@ def run(cfg, prov: dict, resume: str | None = None, progress=None, stop_at: int 
     adapter = load_adapter(cfg.model.family, cfg.model.path, device=device, dtype=dtype, backend=cfg.memory.loader)
     cache = build(cfg, adapter=adapter)
     store = Store(cache_dir_for(cfg))
-    data = CachedData(store, store.read_manifest(), cfg.schedule.batch_size, cfg.seed, cfg.data.repeats)
+    data = CachedData(store, store.read_manifest(), cfg.schedule.batch_size, cfg.seed, cfg.data.repeats,
+                      hold_out=cfg.sampling.validation_items)
     if device.startswith("cuda"):
         from lorakit.hardware.attention import apply, self_test
 
@@ -288,6 +289,9 @@ def run(cfg, prov: dict, resume: str | None = None, progress=None, stop_at: int 
                    "s_per_step": round(time.perf_counter() - t0, 4)}
             if device.startswith("cuda"):
                 rec["gpu_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+            every = cfg.sampling.validation_every
+            if data.validation and ((every and tr.step % every == 0) or tr.step == cfg.schedule.steps):
+                rec["val_loss"] = tr.eval_loss([it["key"] for it in data.validation])
             with open(metrics, "a") as f:
                 f.write(json.dumps(rec) + "\n")
             if progress:

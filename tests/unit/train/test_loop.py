@@ -136,3 +136,19 @@ def test_sigint_saves_a_checkpoint_and_exits_cleanly(tmp_path, tiny):
     res = json.loads(out)
     assert res["interrupted"] and 3 <= res["steps"] < 100000
     assert (tmp_path / "out" / "checkpoints" / f"step-{res['steps']:06d}" / "state.pt").is_file()
+
+
+def test_held_out_items_get_a_validation_loss_and_are_never_trained_on(tmp_path, tiny):
+    cfg = make_cfg(tmp_path, "flux", tiny("flux"), steps=6, sampling={"validation_items": 1, "validation_every": 3})
+    res = run(cfg, {})
+    rows = [json.loads(line) for line in open(res["metrics"])]
+    assert [r["step"] for r in rows if "val_loss" in r] == [3, 6]
+    assert all(math.isfinite(r["val_loss"]) for r in rows if "val_loss" in r)
+    st = Store(cache_dir_for(cfg))
+    data = CachedData(st, st.read_manifest(), 1, cfg.seed, hold_out=1)
+    held = data.validation[0]["key"]
+    assert all(held not in data.batch_at(i) for i in range(40))
+    from lorakit.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="no item to train on"):
+        CachedData(st, st.read_manifest(), 1, 0, hold_out=4)
