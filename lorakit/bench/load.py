@@ -222,3 +222,43 @@ def bench(path: Path | None, synthetic: str | None, targets, repeats: int, keep:
                 p.unlink()
             tmp.rmdir()
     return {"rows": [asdict(r) for r in rows], **notes}
+
+
+def bench_model_dir(folder: Path, device: str, dtype_name: str = "bf16", repeats: int = 3) -> dict:
+    """Time to "components ready on the device" for a whole pipeline folder: lorakit's way (every weight
+    component built on meta and filled by lorakit.io, as train does) beside diffusers' from_pretrained."""
+    import json as _json
+
+    import torch
+
+    from lorakit.io.modules import load_component
+
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype_name]
+    folder = Path(folder)
+    index = _json.loads((folder / "model_index.json").read_text())
+    comps = [k for k, v in index.items() if isinstance(v, list) and v[0] and (folder / k / "config.json").is_file()
+             and any((folder / k).glob("*.safetensors*"))]
+    if not comps:
+        raise InputError(f"{folder}: no weight components found", "point --model-dir at a diffusers pipeline folder")
+
+    def ours():
+        return {c: load_component(folder / c, device, dtype) for c in comps}
+
+    def stock():
+        from diffusers import DiffusionPipeline
+
+        pipe = DiffusionPipeline.from_pretrained(folder, dtype=dtype)
+        return {c: getattr(pipe, c).to(device) for c in comps}
+
+    rows = []
+    for way, fn in (("diffusers from_pretrained", stock), ("lorakit", ours)):
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            got = fn()
+            if device != "cpu":
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+            del got
+        rows.append({"way": way, "seconds": round(statistics.median(times), 4)})
+    return {"model_dir": str(folder), "components": comps, "device": device, "dtype": dtype_name, "rows": rows}

@@ -22,11 +22,24 @@ def load(path: Path | None = typer.Argument(None, help="a .safetensors file or a
          target: str = typer.Option("auto", "--target", help="cpu, cuda, or auto (both where a GPU exists)"),
          repeats: int = typer.Option(3, "--repeats", min=1, help="runs per cell (median reported)"),
          keep: bool = typer.Option(False, "--keep", help="keep the synthetic files"),
+         model_dir: Path | None = typer.Option(None, "--model-dir", help="time a whole pipeline folder to "
+                                               "'components ready on the device', as train loads it"),
          as_json: bool = JsonOpt) -> None:
     use_json(as_json)
     import torch
 
-    from lorakit.bench.load import bench
+    from lorakit.bench.load import bench, bench_model_dir
+
+    if model_dir is not None:
+        from lorakit.quiet import quiet_libraries
+
+        quiet_libraries()
+        dev = "cuda" if torch.cuda.is_available() and target != "cpu" else "cpu"
+        result = bench_model_dir(model_dir, dev, repeats=repeats)
+        emit(as_json, result, lambda: console.print(
+            f"{result['model_dir']} ({', '.join(result['components'])}) -> {dev}: "
+            + ", ".join(f"{r['way']} {r['seconds']:.3f} s" for r in result["rows"])))
+        return
 
     if target == "auto":
         targets = ("cpu", "cuda") if torch.cuda.is_available() else ("cpu",)

@@ -39,3 +39,12 @@ def test_bench_load_cli_measures_every_way_bit_exact():
 def test_bench_load_needs_input():
     r = CliRunner().invoke(app, ["bench", "load"])
     assert r.exit_code == 2 and "--synthetic" in r.output
+
+
+def test_bench_model_dir_times_a_whole_pipeline(tiny):
+    r = CliRunner().invoke(app, ["bench", "load", "--model-dir", str(tiny("flux")), "--repeats", "1", "--json"])
+    assert r.exit_code == 0, r.output
+    data = json.loads(r.output)
+    assert set(data["components"]) == {"transformer", "vae", "text_encoder", "text_encoder_2"}
+    assert [row["way"] for row in data["rows"]] == ["diffusers from_pretrained", "lorakit"]
+    assert all(row["seconds"] > 0 for row in data["rows"])
