@@ -196,6 +196,15 @@ class Trainer:
         self.step = int(state["step"])
 
 
+def _tensorboard(folder: Path):
+    """A SummaryWriter when TensorBoard is installed (None otherwise: metrics.jsonl always exists)."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        return None
+    return SummaryWriter(log_dir=str(folder))
+
+
 def check_memory(cfg) -> dict | None:
     """The memory estimate against the GPU (detected, else the profile's card); None for the cpu profile."""
     import torch
@@ -277,6 +286,7 @@ def run(cfg, prov: dict, resume: str | None = None, progress=None, stop_at: int 
             old_handlers[sig] = signal.signal(sig, _stop)
         except ValueError:  # not the main thread
             pass
+    tb = _tensorboard(out / "tensorboard")
     losses = []
     t_start = time.perf_counter()
     end = cfg.schedule.steps if stop_at is None else min(stop_at, cfg.schedule.steps)
@@ -294,6 +304,10 @@ def run(cfg, prov: dict, resume: str | None = None, progress=None, stop_at: int 
                 rec["val_loss"] = tr.eval_loss([it["key"] for it in data.validation])
             with open(metrics, "a") as f:
                 f.write(json.dumps(rec) + "\n")
+            if tb is not None:
+                for k, v in rec.items():
+                    if k != "step":
+                        tb.add_scalar(f"train/{k}", v, tr.step)
             if progress:
                 progress(tr.step, cfg.schedule.steps, rec)
             if cfg.output.save_every and tr.step % cfg.output.save_every == 0:
@@ -301,6 +315,8 @@ def run(cfg, prov: dict, resume: str | None = None, progress=None, stop_at: int 
     finally:
         for sig, h in old_handlers.items():
             signal.signal(sig, h)
+        if tb is not None:
+            tb.close()
     interrupted = tr.stop_requested or tr.step < cfg.schedule.steps
     ck = tr.save(final=not interrupted)
     result = {"steps": tr.step, "interrupted": interrupted, "checkpoint": str(ck), "metrics": str(metrics),

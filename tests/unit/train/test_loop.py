@@ -143,6 +143,12 @@ def test_held_out_items_get_a_validation_loss_and_are_never_trained_on(tmp_path,
     res = run(cfg, {})
     rows = [json.loads(line) for line in open(res["metrics"])]
     assert [r["step"] for r in rows if "val_loss" in r] == [3, 6]
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    ev = EventAccumulator(str(tmp_path / "out" / "tensorboard"))
+    ev.Reload()
+    assert [e.step for e in ev.Scalars("train/loss")] == [1, 2, 3, 4, 5, 6]
+    assert [e.step for e in ev.Scalars("train/val_loss")] == [3, 6]
     assert all(math.isfinite(r["val_loss"]) for r in rows if "val_loss" in r)
     st = Store(cache_dir_for(cfg))
     data = CachedData(st, st.read_manifest(), 1, cfg.seed, hold_out=1)
