@@ -75,6 +75,14 @@ class Trainer:
             raise NotAvailableError(f"training {cfg.model.family} is not in this build yet (tracked as issue #6)",
                                     "FLUX and Qwen-Image(-Edit/-Plus) train today")
         self.transformer = transformer
+        self.quantized = 0
+        if cfg.memory.base_quant in ("fp8", "qfloat8"):
+            from lorakit.train.quant import quantize_blocks
+
+            self.quantized = quantize_blocks(transformer, dtype)
+        elif cfg.memory.base_quant == "nf4":
+            raise NotAvailableError("memory.base_quant=nf4 is not in this build yet (tracked as issue #6)",
+                                    "use --set memory.base_quant=fp8 (8-bit e4m3 storage, bf16 compute)")
         self.peft_config = add_lora(transformer, self.info.module, cfg)
         if cfg.memory.gradient_checkpointing:
             transformer.enable_gradient_checkpointing()

@@ -158,3 +158,26 @@ def test_held_out_items_get_a_validation_loss_and_are_never_trained_on(tmp_path,
 
     with pytest.raises(ConfigError, match="no item to train on"):
         CachedData(st, st.read_manifest(), 1, 0, hold_out=4)
+
+
+def test_fp8_base_trains_and_its_lora_still_loads_in_stock_diffusers(tmp_path, tiny):
+    from diffusers import DiffusionPipeline
+
+    from lorakit.train.quant import Float8Linear
+
+    cfg = make_cfg(tmp_path, "flux", tiny("flux"), steps=4, memory={"base_quant": "fp8"})
+    a = load_adapter("flux", tiny("flux"))
+    build(cfg, adapter=a)
+    st = Store(cache_dir_for(cfg))
+    data = CachedData(st, st.read_manifest(), 1, 0)
+    tr = Trainer(cfg, a, load_component(tiny("flux") / "transformer"), data, tmp_path / "o", "cpu", torch.float32)
+    assert tr.quantized > 0
+    fp8 = [m for m in tr.transformer.modules() if isinstance(m, Float8Linear)]
+    assert fp8 and all(m.weight.dtype == torch.float8_e4m3fn for m in fp8)
+    assert all(p.dtype == torch.float32 for p in tr.params)  # the LoRA trains in full precision
+    losses_ = [tr.train_step() for _ in range(4)]
+    assert all(math.isfinite(x) for x in losses_)
+    ck = tr.save(final=True)
+    pipe = DiffusionPipeline.from_pretrained(tiny("flux"))
+    pipe.load_lora_weights(str(ck / "lora.safetensors"))  # same keys as a bf16-base LoRA
+    assert "default_0" in pipe.transformer.peft_config

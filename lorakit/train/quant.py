@@ -1,0 +1,46 @@
+"""8-bit storage of the frozen base: float8 e4m3 weights with a per-output-channel scale, computed in the
+training dtype (bf16 on GPUs). Only the Linear layers inside the transformer blocks are stored in 8 bits;
+embeddings, norms, the output projection and the LoRA weights keep their precision.
+
+`Float8Linear` subclasses `nn.Linear`, so peft wraps it with LoRA like any Linear. Used for
+`memory.base_quant` fp8 (rtx5090) and qfloat8 (rtx4090: the same e4m3 format optimum-quanto's qfloat8 uses).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+E4M3_MAX = 448.0
+
+
+class Float8Linear(torch.nn.Linear):
+    """A frozen Linear whose weight lives in float8_e4m3fn (1 byte/parameter) plus a float32 scale per row."""
+
+    def __init__(self, linear: torch.nn.Linear, compute_dtype: torch.dtype):
+        torch.nn.Module.__init__(self)
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        w = linear.weight.detach().float()
+        scale = (w.abs().amax(dim=1).clamp(min=1e-12) / E4M3_MAX)
+        self.weight = torch.nn.Parameter((w / scale[:, None]).to(torch.float8_e4m3fn), requires_grad=False)
+        self.register_buffer("scale", scale)
+        self.bias = None if linear.bias is None else torch.nn.Parameter(linear.bias.detach().to(compute_dtype),
+                                                                         requires_grad=False)
+        self.compute_dtype = compute_dtype
+
+    def dequantized(self) -> torch.Tensor:
+        return self.weight.to(self.compute_dtype) * self.scale[:, None].to(self.compute_dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x.to(self.compute_dtype), self.dequantized(), self.bias)
+
+
+def quantize_blocks(transformer, compute_dtype: torch.dtype) -> int:
+    """Replace every Linear inside the transformer blocks by a Float8Linear. Returns how many."""
+    targets = [(n, m) for n, m in transformer.named_modules()
+               if type(m) is torch.nn.Linear and "blocks." in n]
+    for name, lin in targets:
+        parent_name, _, child = name.rpartition(".")
+        parent = transformer.get_submodule(parent_name)
+        setattr(parent, child, Float8Linear(lin, compute_dtype))
+    return len(targets)
