@@ -80,7 +80,10 @@ class Trainer:
             from lorakit.train.quant import quantize_blocks
 
             self.quantized = quantize_blocks(transformer, dtype)
-        elif cfg.memory.base_quant == "nf4":
+        if cfg.memory.blocks_to_swap:
+            raise NotAvailableError("memory.blocks_to_swap is not in this build yet (tracked as issue #6)",
+                                    "set it to 0, lower data.resolution, or use --set memory.base_quant=fp8")
+        if cfg.memory.base_quant == "nf4":
             raise NotAvailableError("memory.base_quant=nf4 is not in this build yet (tracked as issue #6)",
                                     "use --set memory.base_quant=fp8 (8-bit e4m3 storage, bf16 compute)")
         self.peft_config = add_lora(transformer, self.info.module, cfg)

@@ -79,16 +79,16 @@ def check(cfg, budget_gib: float) -> dict:
                 "gib"] <= budget_gib:
             tips.append(f"--set data.resolution={res}")
             break
-    for n in range(1, est["blocks"] + 1):
-        trial = cfg.model_copy(update={"memory": cfg.memory.model_copy(update={"blocks_to_swap": n})})
-        if estimate(trial)["gib"] <= budget_gib:
-            tips.append(f"--set memory.blocks_to_swap={n}")
-            break
     if cfg.memory.base_quant == "none":
-        tips.append("--set memory.base_quant=qfloat8")
+        tips.append("--set memory.base_quant=fp8")
+    swap = next((n for n in range(1, est["blocks"] + 1) if estimate(cfg.model_copy(update={
+        "memory": cfg.memory.model_copy(update={"blocks_to_swap": n})}))["gib"] <= budget_gib), None)
+    if not tips:
+        tips.append(f"no setting of this build fits it: swapping {swap} blocks to the CPU would, and block swapping "
+                    f"is not in this build yet (issue #6)" if swap else "a GPU with more memory")
     p = est["parts"]
     raise InputError(
         f"this run needs about {est['gib']} GiB of GPU memory and the {cfg.profile} profile has {budget_gib:.0f} "
         f"(base {p['base']}, LoRA+optimizer {p['lora_and_optimizer']}, activations {p['activations']} at "
         f"{est['tokens']} tokens, overhead {p['overhead']}; from {est['source']})",
-        "try " + (" or ".join(tips) if tips else "a GPU with more memory"))
+        "try " + " or ".join(tips) if not tips[-1].startswith(("no setting", "a GPU")) else tips[-1])

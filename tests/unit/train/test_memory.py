@@ -51,7 +51,17 @@ def test_2048_on_rtx4090_is_refused_before_loading_with_a_suggestion(tmp_path):
         run(cfg, {})  # the folder holds no weights: getting past the check would fail differently
     msg, hint = ei.value.message, ei.value.hint
     assert "needs about" in msg and "rtx4090 profile has 24" in msg and "activations" in msg
-    assert "memory.blocks_to_swap=" in hint
+    assert "swapping" in hint and "blocks" in hint  # says what would fit, and that this build cannot do it yet
+
+
+def test_suggestions_are_settings_this_build_honours(tmp_path):
+    cfg = cfg_for(fake_model(tmp_path, FLUX, int(11.9e9 * 2)), "flux", "datacenter", 2048,
+                  gradient_checkpointing=False)
+    with pytest.raises(InputError) as ei:
+        from lorakit.train.memory import check
+
+        check(cfg, 40.0)
+    assert "memory.gradient_checkpointing=true" in ei.value.hint and "blocks_to_swap" not in ei.value.hint
 
 
 def test_a_fitting_config_passes_the_check(tmp_path):
