@@ -150,8 +150,6 @@ def run(files: list[Path], targets=("cpu",), ways=WAYS, caches=("warm", "cold"),
     """Measure every way; returns rows and notes (cache method, sizes)."""
     import torch
 
-    from lorakit.io import read_header
-
     size = sum(p.stat().st_size for p in files)
     ref = {}
     from safetensors.torch import load_file
@@ -198,7 +196,6 @@ def run(files: list[Path], targets=("cpu",), ways=WAYS, caches=("warm", "cold"),
                                 round(size / s / 1e9, 2) if s else None,
                                 round(gpu_peak / 2**30, 2) if gpu_peak is not None else None,
                                 round(rss / 2**30, 2) if rss is not None else None, exact, note))
-    notes["headers"] = len([read_header(p) for p in files])
     return rows, notes
 
 

@@ -40,7 +40,7 @@ def cache_dir_for(cfg) -> Path:
     return Path(cfg.data.cache_dir) if cfg.data.cache_dir else Path(cfg.output.dir) / "cache"
 
 
-def _device_and_dtype(cfg):
+def device_and_dtype(cfg):
     import torch
 
     device = "cuda" if (cfg.profile != "cpu" and torch.cuda.is_available()) else "cpu"
@@ -110,7 +110,7 @@ def build(cfg, force: bool = False, verify: bool = False, strict: bool = False, 
     if adapter is None:
         from lorakit.models.base import load_adapter
 
-        device, dtype = _device_and_dtype(cfg)
+        device, dtype = device_and_dtype(cfg)
         adapter = load_adapter(family, cfg.model.path, device=device, dtype=dtype, backend=cfg.memory.loader)
     identity = adapter.identity()
     settings = {"family": family, "dtype": cfg.model.dtype, "policy": POLICY, "frames": cfg.data.frames,

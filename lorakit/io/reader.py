@@ -192,12 +192,6 @@ def _read_into(fd: int, mv: memoryview, offset: int, path: str) -> None:
         done += n
 
 
-def _empty_bytes(info):
-    import torch
-
-    return torch.empty(info.nbytes, dtype=torch.uint8)
-
-
 def _typed(buf, info):
     import torch
 
@@ -235,12 +229,14 @@ def _load_mapped(headers, wanted) -> dict:
 
 def _load_cpu(headers, wanted, threads) -> dict:
     """Each tensor gets its own storage; threads pread straight into it (large tensors in chunks)."""
+    import torch
+
     jobs = []
     bufs = {}
     for h in headers:
         for name in wanted[h.path]:
             info = h.tensors[name]
-            buf = _empty_bytes(info)
+            buf = torch.empty(info.nbytes, dtype=torch.uint8)
             bufs[name] = (buf, info)
             mv = memoryview(buf.numpy()) if info.nbytes else None
             for a in range(0, info.nbytes, CHUNK):

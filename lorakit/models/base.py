@@ -75,10 +75,9 @@ class Adapter:
         """The stock pipeline object over the loaded components (transformer and scheduler absent)."""
         if self._pipe is None:
             import importlib
-
-            cls = getattr(importlib.import_module("diffusers"), self.info.pipeline_class)
             import inspect
 
+            cls = getattr(importlib.import_module("diffusers"), self.info.pipeline_class)
             wanted = [p for p in inspect.signature(cls.__init__).parameters if p != "self"]
             self._pipe = cls(**{k: self.parts.get(k) for k in wanted})
         return self._pipe

@@ -96,8 +96,8 @@ class Trainer:
         self.opt = make_optimizer(self.params, cfg, device)
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_lambda(cfg))
         self.step = 0
-        self.sched_cfg = json.loads((Path(cfg.model.path) / "scheduler" / "scheduler_config.json").read_text()) \
-            if cfg.model.path and (Path(cfg.model.path) / "scheduler" / "scheduler_config.json").is_file() else {}
+        sched_file = Path(cfg.model.path or ".") / "scheduler" / "scheduler_config.json"
+        self.sched_cfg = json.loads(sched_file.read_text()) if cfg.model.path and sched_file.is_file() else {}
         self.stop_requested = False
 
     # -------------------------------------------------------------- one step
@@ -247,7 +247,7 @@ def run(cfg, prov: dict, resume: str | None = None, progress=None, stop_at: int 
     """
     import torch
 
-    from lorakit.cache.builder import _device_and_dtype, build, cache_dir_for
+    from lorakit.cache.builder import build, cache_dir_for, device_and_dtype
     from lorakit.cache.store import Store
     from lorakit.config import dump_yaml
     from lorakit.io.modules import load_component
@@ -258,7 +258,7 @@ def run(cfg, prov: dict, resume: str | None = None, progress=None, stop_at: int 
         from lorakit.errors import ConfigError
 
         raise ConfigError(["model.path: required to train"], hint="--set model.path=/models/FLUX.1-dev")
-    device, dtype = _device_and_dtype(cfg)
+    device, dtype = device_and_dtype(cfg)
     memory = check_memory(cfg)  # refuses before any weights load
     out = Path(cfg.output.dir)
     out.mkdir(parents=True, exist_ok=True)
