@@ -7,7 +7,6 @@ from pathlib import Path
 import typer
 
 from lorakit.cli.common import JsonOpt, ProfileOpt, console, emit, use_json
-from lorakit.cli.pending import not_in_this_build
 from lorakit.errors import InputError
 
 HELP = "Measure loading and training speed, side by side with the usual way, in the same run."
@@ -79,9 +78,51 @@ def _render_load(result: dict) -> None:
         console.print(f"cold: page cache dropped with {result['cold_method']}")
 
 
-@app.command("step", help="Time lorakit's training step against plain diffusers + peft.")
-def step(family: str = typer.Option("flux", "--family"), res: int = typer.Option(1024, "--res"),
-         steps: int = typer.Option(10, "--steps"), profile: str | None = ProfileOpt,
+@app.command("step", help="Time lorakit's training step against plain diffusers + peft, in the same run.")
+def step(family: str = typer.Option("flux", "--family", help="flux, qwen-image or qwen-image-edit"),
+         res: int = typer.Option(1024, "--res", help="training resolution (square, pixels)"),
+         steps: int = typer.Option(10, "--steps", min=1, help="timed steps per way (median reported)"),
+         warmup: int = typer.Option(3, "--warmup", min=0, help="untimed steps first (compilation, allocator)"),
+         profile: str | None = ProfileOpt,
+         memory_cap: float | None = typer.Option(None, "--memory-cap", help="GiB: emulate a smaller card"),
+         sets: list[str] = typer.Option([], "--set", help="override lorakit's settings, e.g. memory.compile=false"),
+         ways: str = typer.Option("plain,lorakit", "--ways", help="which ways to run, comma-separated"),
+         attention: str | None = typer.Option(None, "--attention", help="lorakit's SDPA backend "
+                                              "(default: flash for FLUX, efficient for Qwen-Image)"),
+         tiny: bool = typer.Option(False, "--tiny", help="the tiny test architecture (runs on a CPU)"),
+         device: str | None = typer.Option(None, "--device", help="cuda:N or cpu (default: cuda:0 if present)"),
          as_json: bool = JsonOpt) -> None:
     use_json(as_json)
-    raise not_in_this_build("`lorakit bench step`", 8, "see ../shared/BASELINES.md for measured baselines")
+    from lorakit.bench.step import bench
+
+    chosen = tuple(w.strip() for w in ways.split(",") if w.strip())
+    bad = [w for w in chosen if w not in ("plain", "lorakit")]
+    if bad or not chosen:
+        raise InputError(f"--ways: unknown way {bad[0] if bad else ways!r}", "plain, lorakit, or both")
+    kw = dict(family=family, res=res, profile=profile, steps=steps, warmup=warmup, size="tiny" if tiny else "full",
+              device=device, memory_cap=memory_cap, sets=sets, ways=chosen, attention=attention)
+    if as_json:
+        result = bench(**kw)
+    else:
+        with console.status("bench step") as st:
+            result = bench(**kw, progress=lambda w: st.update(f"bench step: {w} (child process)"))
+    emit(as_json, result, lambda: _render_step(result))
+
+
+def _render_step(result: dict) -> None:
+    from rich.table import Table
+
+    env = result["environment"]
+    cap = f", cap {result['memory_cap_gib']} GiB" if result["memory_cap_gib"] else ""
+    t = Table(title=f"bench step: {result['family']} {result['res']}² ({result['size']}), profile "
+                    f"{result['profile']}{cap}, {env['device']}, median of {result['steps']}", title_justify="left")
+    for col in ("way", "s/step", "vs plain", "peak GiB", "MFU", "checkpointing", "note"):
+        t.add_column(col, justify="left" if col in ("way", "note") else "right")
+    for r in result["rows"]:
+        if "error" in r:
+            t.add_row(r["way"], "-", "-", "-", "-", "-", r["error"])
+            continue
+        t.add_row(r["way"], f"{r['s_per_step']:.3f}", f"{r.get('speedup_vs_plain', 1.0):.2f}x",
+                  f"{r['peak_gib']:.1f}" if "peak_gib" in r else "-", f"{r['mfu']:.0%}" if "mfu" in r else "-",
+                  "on" if r.get("checkpointing") else "off", "")
+    console.print(t)

@@ -27,7 +27,15 @@ from lorakit.io.header import Header, read_header
 log = logging.getLogger("lorakit.io")
 
 BACKENDS = ("auto", "lorakit", "safetensors", "fastsafetensors")
-CHUNK = 32 * 2**20  # bytes per read / host-to-device copy
+CHUNK = 32 * 2**20  # bytes per read (CPU path)
+GPU_CHUNK = 16 * 2**20  # bytes per pinned staging buffer (two per thread: 16 threads hold 512 MiB pinned)
+
+
+def gpu_tuning() -> tuple[int, int]:
+    """(threads, chunk bytes) of the GPU path; LORAKIT_IO_THREADS / LORAKIT_IO_CHUNK_MIB override them."""
+    threads = int(os.environ.get("LORAKIT_IO_THREADS") or min(16, max(4, os.cpu_count() or 4)))
+    chunk = int(float(os.environ.get("LORAKIT_IO_CHUNK_MIB") or GPU_CHUNK / 2**20) * 2**20)
+    return max(threads, 1), max(chunk, 2**20)
 
 
 def resolve_files(source) -> list[Path]:
@@ -84,7 +92,7 @@ def load(source, device: str = "cpu", dtype=None, backend: str = "auto", keys=No
         dtype: cast floating-point tensors to this torch dtype (None: as stored).
         backend: one of BACKENDS.
         keys: only these tensor names (None: all).
-        threads: reader threads (default: 8 for the GPU path, min(8, cores) for the CPU).
+        threads: reader threads (default: `gpu_tuning()` for the GPU path, min(8, cores) for the CPU).
         unified_memory: the GPU shares memory with the CPU (DGX Spark): no pinned staging.
         copy: to the CPU, read into private memory instead of mapping the file (copy-on-write); use it
             when the file may be rewritten in place while the tensors live.
@@ -109,7 +117,8 @@ def load(source, device: str = "cpu", dtype=None, backend: str = "auto", keys=No
         if device != "cpu":
             out = {k: v.to(device) for k, v in out.items()}
     else:
-        out = _load_gpu(headers, wanted, device, threads or 8)
+        t, chunk = gpu_tuning()
+        out = _load_gpu(headers, wanted, device, threads or t, chunk)
     if dtype is not None:
         out = {k: (v.to(dtype) if v.is_floating_point() and v.dtype != dtype else v) for k, v in out.items()}
     return out
@@ -260,18 +269,18 @@ class _Staging:
     _lock = threading.Lock()
 
     @classmethod
-    def get(cls, device, slot: int):
+    def get(cls, device, slot: int, chunk: int):
         import torch
 
-        key = (str(device), slot)
+        key = (str(device), slot, chunk)
         with cls._lock:
             if key not in cls._pool:
-                bufs = [torch.empty(CHUNK, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
+                bufs = [torch.empty(chunk, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
                 cls._pool[key] = (bufs, torch.cuda.Stream(device=device), [None, None])
             return cls._pool[key]
 
 
-def _load_gpu(headers, wanted, device, threads) -> dict:
+def _load_gpu(headers, wanted, device, threads, chunk) -> dict:
     """pread into pinned double buffers, async host-to-device copies on per-thread streams."""
     import torch
 
@@ -282,14 +291,14 @@ def _load_gpu(headers, wanted, device, threads) -> dict:
             info = h.tensors[name]
             buf = torch.empty(info.nbytes, dtype=torch.uint8, device=dev)
             bufs[name] = (buf, info)
-            for a in range(0, info.nbytes, CHUNK):
-                work.append((h, buf, a, min(a + CHUNK, info.nbytes), h.data_start + info.begin + a))
+            for a in range(0, info.nbytes, chunk):
+                work.append((h, buf, a, min(a + chunk, info.nbytes), h.data_start + info.begin + a))
     work.sort(key=lambda w: (w[0].path, w[4]))  # sequential within a file: friendlier to the disk
     fds = {h.path: os.open(h.path, os.O_RDONLY) for h in headers if wanted[h.path]}
     errors: list[BaseException] = []
 
     def worker(slot: int) -> None:
-        staging, stream, events = _Staging.get(dev, slot)
+        staging, stream, events = _Staging.get(dev, slot, chunk)
         try:
             for i, (h, dst, a, b, off) in enumerate(work[slot::threads]):
                 k = i % 2

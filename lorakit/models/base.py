@@ -27,6 +27,14 @@ class Adapter:
 
         self.info = family_info(family)
         self.family = family
+        self.device = device
+        self.dtype = dtype or torch.float32
+        self.backend = backend
+        self.parts: dict = {}
+        self._pipe = None
+        if model_dir is None:  # conventions only (predict): bench step's random-weight transformers
+            self.model_dir, self.index = None, {}
+            return
         self.model_dir = Path(model_dir)
         if not (self.model_dir / "model_index.json").is_file():
             raise InputError(f"{self.model_dir} is not a diffusers pipeline folder (no model_index.json)",
@@ -36,11 +44,6 @@ class Adapter:
             raise InputError(f"{self.model_dir} holds a {self.index.get('_class_name')}, not the "
                              f"{self.info.pipeline_class} that family {family} needs",
                              "check model.family and model.path")
-        self.device = device
-        self.dtype = dtype or torch.float32
-        self.backend = backend
-        self.parts: dict = {}
-        self._pipe = None
 
     # ------------------------------------------------------------------ loading
 

@@ -16,6 +16,19 @@ class Batch:
     controls: list  # per control index: (B, C, h, w)
 
 
+def drop_full_mask(batch: Batch) -> Batch:
+    """Leave out a text mask that masks nothing (every prompt of the batch has the same length).
+
+    Attention with no mask is the same computation, and it lets PyTorch use the flash kernel, which refuses
+    any mask (Qwen-Image passes its text mask into attention; at batch 1 it is always all ones).
+    """
+    mask = batch.text.get("prompt_embeds_mask")
+    if mask is None or not bool(mask.all()):
+        return batch
+    return Batch(batch.keys, batch.latents, {k: v for k, v in batch.text.items() if k != "prompt_embeds_mask"},
+                 batch.controls)
+
+
 class CachedData:
     """The items of a built cache, and the batch order of every epoch (a pure function of seed, epoch)."""
 
@@ -88,4 +101,4 @@ class CachedData:
             text["pooled"] = torch.stack([t["pooled"] for t in texts])
         n_ctrl = sum(1 for k in entries[0] if k.startswith("control_latents_"))
         controls = [torch.stack([e[f"control_latents_{c}"] for e in entries]) for c in range(n_ctrl)]
-        return Batch(keys, torch.stack([e["latents"] for e in entries]), text, controls)
+        return drop_full_mask(Batch(keys, torch.stack([e["latents"] for e in entries]), text, controls))

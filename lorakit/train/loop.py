@@ -89,6 +89,10 @@ class Trainer:
         self.peft_config = add_lora(transformer, self.info.module, cfg)
         if cfg.memory.gradient_checkpointing:
             transformer.enable_gradient_checkpointing()
+        self.compiled = bool(cfg.memory.compile and device.startswith("cuda")
+                             and getattr(transformer, "_repeated_blocks", None))
+        if self.compiled:  # regional: each repeated block once (seconds, not minutes), shapes per bucket
+            transformer.compile_repeated_blocks()
         transformer.train()
         self.params = [p for p in transformer.parameters() if p.requires_grad]
         for p in self.params:
@@ -216,21 +220,29 @@ def _tensorboard(folder: Path):
     return SummaryWriter(log_dir=str(folder))
 
 
-def check_memory(cfg) -> dict | None:
-    """The memory estimate against the GPU (detected, else the profile's card); None for the cpu profile."""
+def check_memory(cfg, cap_gib: float | None = None):
+    """Fit the run to the GPU (detected, else the profile's card; `cap_gib` if given): gradient checkpointing
+    turned on where it is needed, then the estimate checked (refused with suggestions when it cannot fit).
+
+    Returns:
+        (cfg, estimate or None for the cpu profile, note or None).
+    """
     import torch
 
     from lorakit.hardware.profiles import load_profile
-    from lorakit.train.memory import check
+    from lorakit.train.memory import check, plan
 
     hw = load_profile(cfg.profile).hardware
     if not hw.get("gpu"):
-        return None
-    if torch.cuda.is_available():
+        return cfg, None, None
+    if cap_gib:
+        budget = cap_gib
+    elif torch.cuda.is_available():
         budget = torch.cuda.get_device_properties(0).total_memory / 2**30
     else:
         budget = float(hw.get("memory_gib") or hw.get("min_memory_gib") or 0)
-    return check(cfg, budget)
+    cfg, note = plan(cfg, budget)
+    return cfg, check(cfg, budget), note
 
 
 def latest_checkpoint(out_dir: Path) -> Path | None:
@@ -259,7 +271,7 @@ def run(cfg, prov: dict, resume: str | None = None, progress=None, stop_at: int 
 
         raise ConfigError(["model.path: required to train"], hint="--set model.path=/models/FLUX.1-dev")
     device, dtype = device_and_dtype(cfg)
-    memory = check_memory(cfg)  # refuses before any weights load
+    cfg, memory, memory_note = check_memory(cfg)  # refuses before any weights load
     out = Path(cfg.output.dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.resolved.yaml").write_text(dump_yaml(cfg))
@@ -332,7 +344,7 @@ def run(cfg, prov: dict, resume: str | None = None, progress=None, stop_at: int 
     ck = tr.save(final=not interrupted)
     result = {"steps": tr.step, "interrupted": interrupted, "checkpoint": str(ck), "metrics": str(metrics),
               "seconds": round(time.perf_counter() - t_start, 2), "cache": cache.to_dict(), "profile": prov,
-              "memory_estimate": memory}
+              "memory_estimate": memory, "memory_note": memory_note}
     if not interrupted:
         import shutil
 

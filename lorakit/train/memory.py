@@ -66,6 +66,19 @@ def estimate(cfg) -> dict:
             "tokens": tokens, "blocks": blocks, "source": source}
 
 
+def plan(cfg, budget_gib: float):
+    """The config with gradient checkpointing turned on when the run would not fit without it (profiles leave
+    it off where memory allows: recomputing costs about a third more compute). Returns (cfg, note or None)."""
+    if cfg.memory.gradient_checkpointing:
+        return cfg, None
+    est = estimate(cfg)["gib"]
+    if est <= budget_gib:
+        return cfg, None
+    on = cfg.model_copy(update={"memory": cfg.memory.model_copy(update={"gradient_checkpointing": True})})
+    return on, (f"gradient checkpointing on: without it this run needs about {est} GiB and the GPU has "
+                f"{budget_gib:.0f}")
+
+
 def check(cfg, budget_gib: float) -> dict:
     """Refuse, with the estimate and what would fit, when the run will not fit in `budget_gib`."""
     est = estimate(cfg)

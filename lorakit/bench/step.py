@@ -1,0 +1,408 @@
+"""`lorakit bench step`: lorakit's training step against the usual diffusers + peft step, same run.
+
+Each way runs in its own child process (so each has its own peak-memory figure, and an out-of-memory in one
+does not end the other) on the same inputs: a transformer of the family's full published architecture (or the
+tiny test one) with random weights built on the device, a synthetic batch of latents and text embeddings at
+the requested resolution, warm-up steps, then timed steps (synchronised, median reported).
+
+- `plain`: what the usual training script does — the bf16 diffusers model, peft LoRA r16 on
+  to_q/to_k/to_v/to_out.0 (bf16 LoRA weights), fused AdamW, one SDPA backend set globally, gradient
+  checkpointing as measured in ../shared/BASELINES.md (off for FLUX, on for Qwen-Image), the text mask
+  passed as the pipelines pass it.
+- `lorakit`: `lorakit.train.loop.Trainer.train_step` — the code `lorakit train` runs — under the profile's
+  settings (plus `--set` overrides), with the same LoRA targets and rank.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+from lorakit.errors import InputError
+
+FAMILIES = ("flux", "qwen-image", "qwen-image-edit")
+REFERENCE_TARGETS = ["to_q", "to_k", "to_v", "to_out.0"]
+TEXT_LEN = 512
+# published architectures of the transformers (diffusers config keys)
+FULL = {
+    "flux": ("FluxTransformer2DModel", dict(patch_size=1, in_channels=64, num_layers=19, num_single_layers=38,
+                                            attention_head_dim=128, num_attention_heads=24, joint_attention_dim=4096,
+                                            pooled_projection_dim=768, guidance_embeds=True,
+                                            axes_dims_rope=(16, 56, 56))),
+    "qwen_image": ("QwenImageTransformer2DModel", dict(patch_size=2, in_channels=64, out_channels=16, num_layers=60,
+                                                       attention_head_dim=128, num_attention_heads=24,
+                                                       joint_attention_dim=3584, guidance_embeds=False,
+                                                       axes_dims_rope=(16, 56, 56))),
+}
+# dense bf16 peak of known GPUs (for model FLOP/s utilisation), by a substring of the device name
+PEAK_BF16 = {"H100": 989e12, "H200": 989e12, "H20": 148e12, "B200": 2250e12, "GB200": 2500e12, "A100": 312e12,
+             "RTX 4090": 165e12, "RTX 5090": 210e12, "GB10": 62e12}
+
+
+def architecture(family: str, size: str) -> tuple[str, dict]:
+    """(class name, config) of the family's transformer: `full` (published) or `tiny` (the test model)."""
+    from lorakit.models.registry import family_info
+
+    module = family_info(family).module
+    if size == "full":
+        if module not in FULL:
+            raise InputError(f"bench step has no full-size architecture for {family}", f"use one of {FAMILIES}")
+        return FULL[module]
+    from lorakit.models.tiny import tiny_pipeline
+
+    cfg = json.loads((tiny_pipeline(family) / "transformer" / "config.json").read_text())
+    return cfg["_class_name"], {k: v for k, v in cfg.items() if not k.startswith("_")}
+
+
+def build_random(family: str, size: str, device: str, dtype, seed: int = 0):
+    """The transformer with random weights made directly on the device (no download, no CPU copy).
+
+    Weights ~ N(0, 0.02), biases 0, norm scales 1: activations stay finite through every block in bf16.
+    """
+    import diffusers
+    import torch
+    from accelerate import init_empty_weights
+
+    name, kwargs = architecture(family, size)
+    cls = getattr(diffusers, name)
+    with init_empty_weights(include_buffers=False):
+        model = cls(**kwargs)
+    g = torch.Generator(device=device).manual_seed(seed)
+    sd = {}
+    for n, p in model.named_parameters():
+        t = torch.empty(p.shape, device=device, dtype=dtype)
+        if n.endswith("bias"):
+            t.zero_()
+        elif "norm" in n and p.dim() == 1:
+            t.fill_(1.0)
+        else:
+            t.normal_(0.0, 0.02, generator=g)
+        sd[n] = t
+    model.load_state_dict(sd, strict=True, assign=True)
+    return model.to(device).eval().requires_grad_(False)
+
+
+def synthetic_batch(family: str, size: str, res: int, seed: int = 0, text_len: int = TEXT_LEN):
+    """One batch (CPU tensors) shaped as the cache gives it: latents (1, C, res/8, res/8), text embeddings
+    (+ pooled for FLUX), one control latent of the same size for Qwen-Image-Edit."""
+    import torch
+
+    from lorakit.models.registry import family_info
+    from lorakit.train.data import Batch
+
+    _, kw = architecture(family, size)
+    info = family_info(family)
+    g = torch.Generator().manual_seed(seed)
+    if info.module == "flux":
+        c, dim = kw["in_channels"] // 4, kw["joint_attention_dim"]
+    else:
+        c, dim = kw.get("out_channels") or kw["in_channels"] // 4, kw["joint_attention_dim"]
+    h = w = res // 8
+    latents = torch.randn(1, c, h, w, generator=g)
+    text = {"prompt_embeds": torch.randn(1, text_len, dim, generator=g),
+            "prompt_embeds_mask": torch.ones(1, text_len, dtype=torch.long)}
+    if info.module == "flux":
+        text["pooled"] = torch.randn(1, kw["pooled_projection_dim"], generator=g)
+    controls = [torch.randn(1, c, h, w, generator=g)] if info.variant == "edit" else []
+    return Batch(["synthetic"], latents, text, controls)
+
+
+class SyntheticData:
+    """The data interface of `train.data.CachedData` over one repeated synthetic batch."""
+
+    validation: list = []
+
+    def __init__(self, batch):
+        self.batch = batch
+
+    def batch_at(self, index: int) -> list[str]:
+        return self.batch.keys
+
+    def load(self, keys, drop=None):
+        from lorakit.train.data import drop_full_mask
+
+        return drop_full_mask(self.batch)
+
+
+# --------------------------------------------------------------------------- the two ways (child side)
+
+
+def _adapter(family: str):
+    from lorakit.models.base import load_adapter
+
+    return load_adapter(family, None)
+
+
+def plain_setup(spec: dict, model, device: str):
+    """The usual way: bf16 LoRA via peft on the attention projections, fused AdamW."""
+    import torch
+    from peft import LoraConfig
+
+    torch.manual_seed(spec["seed"])
+    model.add_adapter(LoraConfig(r=spec["rank"], lora_alpha=spec["rank"], init_lora_weights="gaussian",
+                                 target_modules=REFERENCE_TARGETS))
+    if spec["plain_checkpointing"]:
+        model.enable_gradient_checkpointing()
+    model.train()
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-4, fused=device.startswith("cuda"))
+    return params, opt
+
+
+def plain_loss(adapter, model, batch, sigmas, noise, device, dtype):
+    """The plain step's loss: same conventions (adapter.predict), no autocast, everything in `dtype`."""
+    from lorakit.train import flow_matching as fm
+
+    x0 = batch.latents.to(device, dtype)
+    xt, target = fm.noisy(x0, noise.to(device, dtype), sigmas.to(device))
+    text = {k: (v.to(device, dtype) if v.is_floating_point() else v.to(device)) for k, v in batch.text.items()}
+    v = adapter.predict(model, xt, sigmas.to(device, dtype), text, guidance=1.0,
+                        controls=[c.to(device, dtype) for c in batch.controls])
+    return ((v.float() - target.float()) ** 2).mean()
+
+
+def lorakit_trainer(spec: dict, model, adapter, data, device: str, dtype):
+    import torch
+
+    from lorakit.config import resolve
+    from lorakit.train.loop import Trainer
+
+    sets = [f"model.family={spec['family']}", f"data.resolution={spec['res']}", f"lora.rank={spec['rank']}",
+            f"lora.targets={json.dumps(REFERENCE_TARGETS)}", "lora.dropout=0", f"seed={spec['seed']}",
+            f"schedule.steps={spec['warmup'] + spec['steps']}", "schedule.warmup_steps=0",
+            f"model.dtype={spec['dtype']}", *spec["sets"]]
+    cfg, _ = resolve(None, sets, profile=spec["profile"])
+    if device.startswith("cuda"):
+        from lorakit.train.loop import check_memory
+
+        cfg, _, _ = check_memory(cfg, spec.get("memory_cap"))
+    if device.startswith("cuda"):
+        from lorakit.hardware.attention import apply
+
+        apply(spec["attention"] or None)
+    torch.manual_seed(spec["seed"])
+    return Trainer(cfg, adapter, model, data, None, device, dtype), cfg
+
+
+def run_way(spec: dict) -> dict:
+    """One way, in this process: build, warm up, time. Returns the figures."""
+    import torch
+
+    device = spec["device"]
+    dtype = getattr(torch, {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}[spec["dtype"]])
+    cuda = device.startswith("cuda")
+    if cuda:
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+        if spec.get("memory_cap"):
+            total = torch.cuda.get_device_properties(device).total_memory
+            torch.cuda.set_per_process_memory_fraction(min(spec["memory_cap"] * 2**30 / total, 1.0), device)
+    t0 = time.perf_counter()
+    model = build_random(spec["family"], spec["size"], device, dtype, seed=spec["seed"])
+    build_s = time.perf_counter() - t0
+    adapter = _adapter(spec["family"])
+    batch = synthetic_batch(spec["family"], spec["size"], spec["res"], seed=spec["seed"])
+    info: dict = {"build_s": round(build_s, 2)}
+    if spec["way"] == "plain":
+        if cuda and spec["plain_attention"]:
+            from lorakit.hardware.attention import apply
+
+            apply(spec["plain_attention"])
+        params, opt = plain_setup(spec, model, device)
+        g = torch.Generator().manual_seed(spec["seed"])
+
+        def step() -> torch.Tensor:
+            sig = torch.rand(1, generator=g)
+            noise = torch.randn(batch.latents.shape, generator=g)
+            loss = plain_loss(adapter, model, batch, sig, noise, device, dtype)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            return loss.detach()
+        info["checkpointing"] = spec["plain_checkpointing"]
+    else:
+        tr, cfg = lorakit_trainer(spec, model, adapter, SyntheticData(batch), device, dtype)
+        step = tr.train_step
+        info["checkpointing"] = cfg.memory.gradient_checkpointing
+        info["settings"] = {k: getattr(cfg.memory, k) for k in ("base_quant", "gradient_checkpointing", "compile",
+                                                                   "blocks_to_swap", "optimizer_8bit")}
+        info["optimizer"] = cfg.optim.name
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    times, losses = [], []
+    for i in range(spec["warmup"] + spec["steps"]):
+        t = time.perf_counter()
+        loss = step()
+        if cuda:
+            torch.cuda.synchronize()
+        if i >= spec["warmup"]:
+            times.append(time.perf_counter() - t)
+        losses.append(float(loss))
+    med = statistics.median(times)
+    out = {"way": spec["way"], "s_per_step": round(med, 4), "min_s": round(min(times), 4),
+           "max_s": round(max(times), 4), "steps_timed": len(times), "losses": [round(x, 5) for x in losses], **info}
+    if cuda:
+        out["peak_gib"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
+        out["reserved_gib"] = round(torch.cuda.max_memory_reserved(device) / 2**30, 2)
+        flops = spec.get("model_flops")
+        name = torch.cuda.get_device_name(device)
+        peak = next((v for k, v in PEAK_BF16.items() if k in name), None)
+        if flops and peak:
+            out["mfu"] = round(flops / med / peak, 3)
+    return out
+
+
+def model_flops(family: str, size: str, res: int) -> float:
+    """FLOPs of one LoRA step counted as forward + input-gradient backward of the frozen base (2x the forward),
+    with the forward counted by torch's FlopCounterMode on the meta device (matmuls and attention)."""
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from lorakit.train import flow_matching as fm
+
+    with torch.device("meta"):
+        model = build_meta(family, size)
+        batch = synthetic_batch(family, size, res)
+    adapter = _adapter(family)
+    with FlopCounterMode(display=False) as fc, torch.no_grad():
+        b = batch
+        x0 = b.latents.to("meta")
+        xt, _ = fm.noisy(x0, torch.randn_like(x0), torch.tensor([0.5], device="meta"))
+        adapter.predict(model, xt, torch.tensor([0.5], device="meta"),
+                        {k: v.to("meta") for k, v in b.text.items()}, controls=[c.to("meta") for c in b.controls])
+    return 2.0 * fc.get_total_flops()
+
+
+def build_meta(family: str, size: str):
+    import diffusers
+
+    name, kwargs = architecture(family, size)
+    return getattr(diffusers, name)(**kwargs)
+
+
+def compare_numerics(family: str, size: str = "tiny", res: int = 128, device: str = "cpu", dtype_name: str = "fp32",
+                     sets: list[str] | None = None, sigma: float = 0.6) -> dict:
+    """lorakit's step against the plain step on the same weights, LoRA, inputs, sigma and noise.
+
+    Returns both losses and the largest relative difference of the LoRA gradients (per tensor, by norm).
+    """
+    import torch
+
+    dtype = getattr(torch, {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}[dtype_name])
+    spec = dict(family=family, size=size, res=res, device=device, seed=0, rank=16, steps=1, warmup=0,
+                dtype=dtype_name, profile="datacenter" if device.startswith("cuda") else "cpu", sets=list(sets or []),
+                attention=None, plain_checkpointing=False)
+    adapter = _adapter(family)
+    batch = synthetic_batch(family, size, res, seed=0)
+    noise = torch.randn(batch.latents.shape, generator=torch.Generator().manual_seed(1))
+    sig = torch.tensor([sigma])
+
+    plain = build_random(family, size, device, dtype, seed=0)
+    params, _ = plain_setup(spec, plain, device)
+    loss_p = plain_loss(adapter, plain, batch, sig, noise, device, dtype)
+    loss_p.backward()
+    grads_p = {n: p.grad.float().cpu() for n, p in plain.named_parameters() if p.requires_grad}
+    weights = {n: p.detach().float().cpu() for n, p in plain.named_parameters() if p.requires_grad}
+    del plain, params
+
+    ours = build_random(family, size, device, dtype, seed=0)
+    tr, _ = lorakit_trainer(spec, ours, adapter, SyntheticData(batch), device, dtype)
+    named = {n: p for n, p in ours.named_parameters() if p.requires_grad}
+    if set(named) != set(weights):
+        raise AssertionError(f"LoRA parameters differ: {sorted(set(named) ^ set(weights))[:4]}")
+    with torch.no_grad():
+        for n, p in named.items():
+            p.copy_(weights[n])
+    loss_o = tr.loss_on(SyntheticData(batch).load(batch.keys), sig, noise)
+    loss_o.backward()
+    worst = 0.0
+    for n, p in named.items():
+        ref = grads_p[n]
+        diff = (p.grad.float().cpu() - ref).norm() / ref.norm().clamp(min=1e-12)
+        worst = max(worst, float(diff))
+    return {"loss_plain": float(loss_p.detach()), "loss_lorakit": float(loss_o.detach()), "grad_rel_diff": worst,
+            "tensors": len(named), "compiled": tr.compiled}
+
+
+# --------------------------------------------------------------------------- the parent
+
+
+def _child(spec: dict, timeout: float) -> dict:
+    cmd = [sys.executable, "-m", "lorakit.bench.step", json.dumps(spec)]
+    env = dict(os.environ)
+    if spec.get("expandable_segments"):
+        env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    except subprocess.TimeoutExpired:
+        return {"way": spec["way"], "error": f"no result within {timeout:.0f} s"}
+    for line in reversed(p.stdout.strip().splitlines()):
+        if line.startswith("{"):
+            return json.loads(line)
+    err = (p.stderr.strip().splitlines() or ["exited with code %d" % p.returncode])
+    oom = next((ln for ln in err if "OutOfMemoryError" in ln or "out of memory" in ln), None)
+    return {"way": spec["way"], "error": "out of memory" if oom else err[-1][-300:]}
+
+
+def bench(family: str, res: int, profile: str | None, steps: int = 10, warmup: int = 3, size: str = "full",
+          device: str | None = None, memory_cap: float | None = None, sets: list[str] | None = None,
+          ways: tuple[str, ...] = ("plain", "lorakit"), attention: str | None = None,
+          timeout: float = 900, progress=None) -> dict:
+    """Run each way in a child process; the figures side by side with the ratio to `plain`."""
+    import torch
+
+    from lorakit.models.registry import family_info
+
+    if family not in FAMILIES:
+        raise InputError(f"bench step: family must be one of {', '.join(FAMILIES)}, got {family!r}")
+    if res % 16:
+        raise InputError(f"--res must be a multiple of 16, got {res}")
+    device = device or ("cuda:0" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise InputError("--device cuda, but no CUDA GPU is visible", "use --device cpu with --tiny")
+    if device == "cpu" and size == "full":
+        raise InputError("a full-size step on the CPU would take hours", "add --tiny, or run on a GPU")
+    module = family_info(family).module
+    cuda = device.startswith("cuda")
+    if attention is None and cuda:
+        attention = "flash" if module == "flux" else "efficient"
+    flops = model_flops(family, size, res) if cuda else None
+    base = dict(family=family, size=size, res=res, device=device, seed=0, rank=16, steps=steps, warmup=warmup,
+                dtype="bf16" if cuda else "fp32", profile=profile or ("datacenter" if cuda else "cpu"),
+                sets=list(sets or []), memory_cap=memory_cap, model_flops=flops, attention=attention,
+                plain_attention=("flash" if module == "flux" else "efficient") if cuda else None,
+                plain_checkpointing=module != "flux", expandable_segments=cuda)
+    rows = []
+    for way in ways:
+        if progress:
+            progress(way)
+        rows.append(_child({**base, "way": way}, timeout))
+    ref = next((r for r in rows if r["way"] == "plain" and "s_per_step" in r), None)
+    for r in rows:
+        if ref and "s_per_step" in r:
+            r["speedup_vs_plain"] = round(ref["s_per_step"] / r["s_per_step"], 3)
+    env = {"torch": torch.__version__, "device": torch.cuda.get_device_name(device) if cuda else "cpu"}
+    try:
+        import diffusers
+        import peft
+
+        env.update(diffusers=diffusers.__version__, peft=peft.__version__)
+    except ImportError:
+        pass
+    if cuda:
+        env["cuda"] = torch.version.cuda
+        env["cudnn"] = torch.backends.cudnn.version()
+    return {"family": family, "res": res, "size": size, "profile": base["profile"], "memory_cap_gib": memory_cap,
+            "steps": steps, "warmup": warmup, "model_flops_per_step": flops, "environment": env, "rows": rows}
+
+
+if __name__ == "__main__":  # child process: one way
+    from lorakit.quiet import quiet_libraries
+
+    quiet_libraries()
+    print(json.dumps(run_way(json.loads(sys.argv[1]))), flush=True)

@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# On a lent GPU machine (docs/benchmarks.md): install the carried wheels, then run the named stages;
+# every result goes to $OUT. Stages: tests, load, flux, qwen, edit, caps, profile-qwen.
+#   bash scripts/gpu_bench.sh tests flux load
+set -uo pipefail
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+  && export PYTHONPATH=/tmp/site:$PWD || exit 1
+export LORAKIT_CACHE=/tmp/lorakit-cache COLUMNS=160 PYTHONUNBUFFERED=1
+OUT=${OUT:-out}; mkdir -p "$OUT"
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader >> "$OUT/log.txt"
+step() {  # step NAME TIMEOUT ARGS...: one bench step run, JSON kept, table-ish summary logged
+  local name=$1 t=$2; shift 2
+  timeout "$t" python3 -m lorakit bench step --json "$@" > "$OUT/step-$name.json" 2>> "$OUT/stderr.txt"
+  echo "== $name rc=$? :: $*" >> "$OUT/log.txt"
+  python3 - "$OUT/step-$name.json" >> "$OUT/log.txt" 2>&1 <<'PY'
+import json, sys
+d = json.load(open(sys.argv[1]))
+for r in d["rows"]:
+    print("  ", r["way"], {k: r.get(k) for k in ("s_per_step", "speedup_vs_plain", "peak_gib", "mfu", "checkpointing",
+                                                 "build_s", "error", "settings")})
+PY
+}
+for stage in "$@"; do
+  echo "### $stage $(date +%T)" >> "$OUT/log.txt"
+  case $stage in
+    tests) timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu tests/unit/io tests/unit/bench 2>&1 \
+             | tail -15 >> "$OUT/log.txt" ;;
+    load) timeout 330 python3 -m lorakit bench load --synthetic 8G --repeats 2 --json > "$OUT/load.json" \
+             2>> "$OUT/stderr.txt"; echo "load rc=$?" >> "$OUT/log.txt" ;;
+    flux) step flux-1024 300 --family flux --res 1024 --profile datacenter ;;
+    flux-nocompile) step flux-1024-nocompile 200 --family flux --res 1024 --profile datacenter \
+             --ways lorakit --set memory.compile=false ;;
+    qwen) step qwen-1024 330 --family qwen-image --res 1024 --profile datacenter
+          step qwen-512 240 --family qwen-image --res 512 --profile datacenter ;;
+    edit) step edit-1024 330 --family qwen-image-edit --res 1024 --profile datacenter ;;
+    caps) step flux-4090 300 --family flux --res 1024 --profile rtx4090 --memory-cap 24 --ways lorakit
+          step qwen-4090 300 --family qwen-image --res 1024 --profile rtx4090 --memory-cap 24 --ways lorakit ;;
+  esac
+done
+echo "### done $(date +%T)" >> "$OUT/log.txt"

@@ -1,0 +1,65 @@
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from lorakit.bench.step import compare_numerics, model_flops, synthetic_batch
+from lorakit.cli.app import app
+from lorakit.train.data import drop_full_mask
+
+
+@pytest.mark.parametrize("family", ["flux", "qwen-image-edit"])
+def test_lorakit_step_equals_plain_step_on_cpu(family):
+    # same weights, LoRA, inputs, sigma and noise: lorakit's loss_on (fp32 LoRA, autocast off on CPU, the mask
+    # dropped when it masks nothing) gives the plain diffusers + peft loss and LoRA gradients
+    r = compare_numerics(family)
+    assert r["tensors"] >= 8
+    assert r["loss_lorakit"] == pytest.approx(r["loss_plain"], rel=1e-5)
+    assert r["grad_rel_diff"] < 1e-4
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", ["flux", "qwen-image"])
+def test_optimised_step_matches_plain_step_in_bf16(family):
+    # on the GPU: compiled blocks, fp32 LoRA under bf16 autocast vs the plain bf16 step
+    r = compare_numerics(family, device="cuda:0", dtype_name="bf16", sets=["memory.compile=true"])
+    assert r["compiled"]
+    assert r["loss_lorakit"] == pytest.approx(r["loss_plain"], rel=2e-2)
+    assert r["grad_rel_diff"] < 5e-2
+
+
+def test_full_size_flops_are_the_published_architectures():
+    # FLUX.1-dev at 1024²: ~74 TFLOP forward (12 B parameters, 4608 tokens, attention included)
+    f = model_flops("flux", "full", 1024)
+    assert 1.3e14 < f < 1.7e14
+    assert model_flops("qwen-image", "full", 512) < model_flops("qwen-image", "full", 1024) / 2
+
+
+def test_full_mask_is_dropped_only_when_it_masks_nothing():
+    b = synthetic_batch("qwen-image", "tiny", 64)
+    assert "prompt_embeds_mask" not in drop_full_mask(b).text
+    b.text["prompt_embeds_mask"][0, -3:] = 0
+    assert "prompt_embeds_mask" in drop_full_mask(b).text
+
+
+def test_bench_step_cli_on_tiny_model():
+    r = CliRunner().invoke(app, ["bench", "step", "--tiny", "--family", "qwen-image", "--res", "64", "--steps", "2",
+                                 "--warmup", "1", "--json"])
+    assert r.exit_code == 0, r.output
+    data = json.loads(r.output[r.output.index("{"):])
+    assert [row["way"] for row in data["rows"]] == ["plain", "lorakit"]
+    for row in data["rows"]:
+        assert row["s_per_step"] > 0 and len(row["losses"]) == 3, row
+        assert all(x == x for x in row["losses"])  # finite
+    assert data["rows"][1]["speedup_vs_plain"] > 0
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--family", "kandinsky5-t2v", "--tiny"], "family must be one of"),
+    (["--tiny", "--ways", "fast"], "unknown way"),
+    (["--tiny", "--res", "100"], "multiple of 16"),
+    (["--device", "cpu"], "would take hours"),
+])
+def test_bench_step_bad_input(args, words):
+    r = CliRunner().invoke(app, ["bench", "step", *args])
+    assert r.exit_code == 2 and words in r.output, r.output
