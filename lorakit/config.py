@@ -150,8 +150,9 @@ class MemoryConfig(_Section):
     cache_in_memory: bool = Field(False, description="keep the latent/text cache in memory")
     free_encoders_after_cache: bool = Field(True, description="free text encoders and VAE once cached")
     compile: bool = Field(False, description="torch.compile the repeated transformer blocks")
-    attention: Literal["auto", "flash", "efficient", "cudnn", "math"] = Field(
-        "auto", description="SDPA backend (auto: doctor's self-test)")
+    attention: Literal["auto", "flash", "efficient", "cudnn", "math", "flash+efficient"] = Field(
+        "auto", description="SDPA backend (auto: doctor's self-test; flash+efficient: flash for unmasked "
+                            "batches, efficient for masked)")
     loader: Literal["auto", "safetensors", "fastsafetensors", "lorakit"] = Field(
         "auto", description="weight loading backend")
     optimizer_8bit: bool = Field(False, description="8-bit optimizer states (bitsandbytes)")

@@ -23,15 +23,19 @@ PY
 for stage in "$@"; do
   echo "### $stage $(date +%T)" >> "$OUT/log.txt"
   case $stage in
-    tests) timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu tests/unit/io tests/unit/bench 2>&1 \
+    tests) timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu tests/unit/io tests/unit/bench \
+             2>&1 \
              | tail -15 >> "$OUT/log.txt" ;;
-    load) timeout 330 python3 -m lorakit bench load --synthetic 8G --repeats 2 --json > "$OUT/load.json" \
+    load) df -T "$PWD" /tmp >> "$OUT/log.txt"
+          timeout 330 python3 -m lorakit bench load --synthetic 8G --repeats 2 --json --dir "$PWD/.bench" > "$OUT/load.json" \
              2>> "$OUT/stderr.txt"; echo "load rc=$?" >> "$OUT/log.txt" ;;
     flux) step flux-1024 300 --family flux --res 1024 --profile datacenter ;;
     flux-nocompile) step flux-1024-nocompile 200 --family flux --res 1024 --profile datacenter \
              --ways lorakit --set memory.compile=false ;;
     qwen) step qwen-1024 330 --family qwen-image --res 1024 --profile datacenter
-          step qwen-512 240 --family qwen-image --res 512 --profile datacenter ;;
+          step qwen-512 240 --family qwen-image --res 512 --profile datacenter --trace "$OUT" ;;
+    flux-trace) step flux-trace 200 --family flux --res 1024 --profile datacenter --ways lorakit --steps 3 \
+             --warmup 2 --trace "$OUT" ;;
     edit) step edit-1024 330 --family qwen-image-edit --res 1024 --profile datacenter ;;
     caps) step flux-4090 300 --family flux --res 1024 --profile rtx4090 --memory-cap 24 --ways lorakit
           step qwen-4090 300 --family qwen-image --res 1024 --profile rtx4090 --memory-cap 24 --ways lorakit ;;

@@ -73,23 +73,53 @@ def drop_cache(files: list[Path]) -> str:
         finally:
             os.close(fd)
     how.append("posix_fadvise(DONTNEED)")
-    return " + ".join(how) + ("" if _really_cold(files[0]) else " (NOT effective here: reads stay at page-cache "
-                                                                  "speed, so 'cold' rows are warm)")
+    left = max(resident_fraction(p) for p in files)
+    fs = filesystem_of(files[0])
+    if fs in ("tmpfs", "ramfs") or left > 0.05:
+        why = f"the files are on {fs} (memory)" if fs in ("tmpfs", "ramfs") else f"{left:.0%} still resident"
+        return " + ".join(how) + f" (NOT effective: {why}, so 'cold' rows are warm; use --dir on a disk)"
+    return " + ".join(how) + f" ({left:.1%} resident after the drop)"
 
 
-def _really_cold(path: Path, probe: int = 32 * 2**20) -> bool:
-    """After a drop, does reading the start of the file run at disk speed (< 3 GB/s)?"""
-    n = min(probe, path.stat().st_size)
-    t0 = time.perf_counter()
-    with open(path, "rb", buffering=0) as f:
-        f.read(n)
-    ok = n / max(time.perf_counter() - t0, 1e-9) < 3e9
-    fd = os.open(path, os.O_RDONLY)
+def resident_fraction(path: Path) -> float:
+    """Fraction of the file's pages in the page cache (mincore on a read-only map)."""
+    import ctypes
+    import mmap
+
+    size = path.stat().st_size
+    if size == 0:
+        return 0.0
+    page = os.sysconf("SC_PAGE_SIZE")
+    libc = ctypes.CDLL(None, use_errno=True)
+    with open(path, "rb") as f:
+        m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)  # private, never written: file pages
     try:
-        os.posix_fadvise(fd, 0, n, os.POSIX_FADV_DONTNEED)
+        buf = (ctypes.c_char * 1).from_buffer(m)
+        addr = ctypes.addressof(buf)
+        n = (size + page - 1) // page
+        vec = (ctypes.c_ubyte * n)()
+        if libc.mincore(ctypes.c_void_p(addr), ctypes.c_size_t(size), vec) != 0:
+            return 0.0
+        del buf
+        return sum(v & 1 for v in vec) / n
     finally:
-        os.close(fd)
-    return ok
+        m.close()
+
+
+def filesystem_of(path: Path) -> str:
+    """The type of the filesystem holding a path (from /proc/mounts; "?" when unknown)."""
+    best, kind = "", "?"
+    try:
+        real = str(Path(path).resolve())
+        with open("/proc/mounts") as f:
+            for line in f:
+                parts = line.split()
+                if len(parts) > 2 and (real == parts[1] or real.startswith(parts[1].rstrip("/") + "/")) \
+                        and len(parts[1]) >= len(best):
+                    best, kind = parts[1], parts[2]
+    except OSError:
+        pass
+    return kind
 
 
 class _RssPeak:
@@ -199,13 +229,16 @@ def run(files: list[Path], targets=("cpu",), ways=WAYS, caches=("warm", "cold"),
     return rows, notes
 
 
-def bench(path: Path | None, synthetic: str | None, targets, repeats: int, keep: bool, progress=None) -> dict:
-    """The command's library function."""
+def bench(path: Path | None, synthetic: str | None, targets, repeats: int, keep: bool, progress=None,
+          where: Path | None = None) -> dict:
+    """The command's library function (`where`: the folder for synthetic files)."""
     from lorakit.io import resolve_files
 
     tmp = None
     if synthetic:
-        tmp = Path(tempfile.mkdtemp(prefix="lorakit-bench-"))
+        if where is not None:
+            where.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix="lorakit-bench-", dir=where))
         files = make_synthetic(tmp, parse_size(synthetic))
     elif path is not None:
         files = resolve_files(path)
@@ -218,7 +251,7 @@ def bench(path: Path | None, synthetic: str | None, targets, repeats: int, keep:
             for p in tmp.iterdir():
                 p.unlink()
             tmp.rmdir()
-    return {"rows": [asdict(r) for r in rows], **notes}
+    return {"rows": [asdict(r) for r in rows], "filesystem": filesystem_of(files[0]), **notes}
 
 
 def bench_model_dir(folder: Path, device: str, dtype_name: str = "bf16", repeats: int = 3) -> dict:

@@ -188,8 +188,8 @@ def lorakit_trainer(spec: dict, model, adapter, data, device: str, dtype):
     return Trainer(cfg, adapter, model, data, None, device, dtype), cfg
 
 
-def run_way(spec: dict) -> dict:
-    """One way, in this process: build, warm up, time. Returns the figures."""
+def prepare(spec: dict):
+    """Build one way in this process. Returns (step function returning the loss, facts)."""
     import torch
 
     device = spec["device"]
@@ -203,10 +203,9 @@ def run_way(spec: dict) -> dict:
             torch.cuda.set_per_process_memory_fraction(min(spec["memory_cap"] * 2**30 / total, 1.0), device)
     t0 = time.perf_counter()
     model = build_random(spec["family"], spec["size"], device, dtype, seed=spec["seed"])
-    build_s = time.perf_counter() - t0
+    info: dict = {"build_s": round(time.perf_counter() - t0, 2)}
     adapter = _adapter(spec["family"])
     batch = synthetic_batch(spec["family"], spec["size"], spec["res"], seed=spec["seed"])
-    info: dict = {"build_s": round(build_s, 2)}
     if spec["way"] == "plain":
         if cuda and spec["plain_attention"]:
             from lorakit.hardware.attention import apply
@@ -224,13 +223,25 @@ def run_way(spec: dict) -> dict:
             opt.zero_grad(set_to_none=True)
             return loss.detach()
         info["checkpointing"] = spec["plain_checkpointing"]
+        info["attention"] = spec["plain_attention"]
     else:
         tr, cfg = lorakit_trainer(spec, model, adapter, SyntheticData(batch), device, dtype)
         step = tr.train_step
         info["checkpointing"] = cfg.memory.gradient_checkpointing
+        info["attention"] = spec["attention"]
         info["settings"] = {k: getattr(cfg.memory, k) for k in ("base_quant", "gradient_checkpointing", "compile",
                                                                    "blocks_to_swap", "optimizer_8bit")}
         info["optimizer"] = cfg.optim.name
+    return step, info
+
+
+def run_way(spec: dict) -> dict:
+    """One way, in this process: build, warm up, time. Returns the figures."""
+    import torch
+
+    device = spec["device"]
+    cuda = device.startswith("cuda")
+    step, info = prepare(spec)
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
@@ -243,6 +254,8 @@ def run_way(spec: dict) -> dict:
         if i >= spec["warmup"]:
             times.append(time.perf_counter() - t)
         losses.append(float(loss))
+    if spec.get("trace_dir"):
+        info["trace"] = trace(step, spec, cuda)
     med = statistics.median(times)
     out = {"way": spec["way"], "s_per_step": round(med, 4), "min_s": round(min(times), 4),
            "max_s": round(max(times), 4), "steps_timed": len(times), "losses": [round(x, 5) for x in losses], **info}
@@ -255,6 +268,34 @@ def run_way(spec: dict) -> dict:
         if flops and peak:
             out["mfu"] = round(flops / med / peak, 3)
     return out
+
+
+def trace(step, spec: dict, cuda: bool, steps: int = 2) -> str:
+    """Profile a few more steps; write the busiest kernels and the GPU's idle share to TRACE_DIR/<way>.txt."""
+    from pathlib import Path
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    t0 = time.perf_counter()
+    with profile(activities=acts) as prof:
+        for _ in range(steps):
+            step()
+        if cuda:
+            torch.cuda.synchronize()
+    wall = time.perf_counter() - t0
+    ev = prof.key_averages()
+    key = "self_device_time_total" if cuda else "self_cpu_time_total"
+    busy = sum(getattr(e, key, 0) for e in ev if getattr(e, "device_type", None) is not None
+               and str(e.device_type).endswith("CUDA")) / 1e6 if cuda else None
+    lines = [f"{spec['way']} {spec['family']} {spec['res']}: {steps} steps, wall {wall:.3f} s"
+             + (f", kernels busy {busy:.3f} s ({busy / wall:.0%} of wall)" if busy else ""),
+             ev.table(sort_by=key, row_limit=30, max_name_column_width=70)]
+    out = Path(spec["trace_dir"]) / f"{spec['way']}-{spec['family']}-{spec['res']}.txt"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text("\n".join(lines) + "\n")
+    return str(out)
 
 
 def model_flops(family: str, size: str, res: int) -> float:
@@ -294,9 +335,14 @@ def compare_numerics(family: str, size: str = "tiny", res: int = 128, device: st
     import torch
 
     dtype = getattr(torch, {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}[dtype_name])
+    cuda = device.startswith("cuda")
     spec = dict(family=family, size=size, res=res, device=device, seed=0, rank=16, steps=1, warmup=0,
-                dtype=dtype_name, profile="datacenter" if device.startswith("cuda") else "cpu", sets=list(sets or []),
-                attention=None, plain_checkpointing=False)
+                dtype=dtype_name, profile="datacenter" if cuda else "cpu", sets=list(sets or []),
+                attention="flash+efficient" if cuda else None, plain_checkpointing=False)
+    if cuda:  # both ways on kernels that work here (PyTorch's default pick, cuDNN, fails in backward on H100)
+        from lorakit.hardware.attention import apply
+
+        apply("flash+efficient")
     adapter = _adapter(family)
     batch = synthetic_batch(family, size, res, seed=0)
     noise = torch.randn(batch.latents.shape, generator=torch.Generator().manual_seed(1))
@@ -352,7 +398,7 @@ def _child(spec: dict, timeout: float) -> dict:
 def bench(family: str, res: int, profile: str | None, steps: int = 10, warmup: int = 3, size: str = "full",
           device: str | None = None, memory_cap: float | None = None, sets: list[str] | None = None,
           ways: tuple[str, ...] = ("plain", "lorakit"), attention: str | None = None,
-          timeout: float = 900, progress=None) -> dict:
+          timeout: float = 900, progress=None, trace_dir: str | None = None) -> dict:
     """Run each way in a child process; the figures side by side with the ratio to `plain`."""
     import torch
 
@@ -370,13 +416,13 @@ def bench(family: str, res: int, profile: str | None, steps: int = 10, warmup: i
     module = family_info(family).module
     cuda = device.startswith("cuda")
     if attention is None and cuda:
-        attention = "flash" if module == "flux" else "efficient"
+        attention = "flash" if module == "flux" else "flash+efficient"
     flops = model_flops(family, size, res) if cuda else None
     base = dict(family=family, size=size, res=res, device=device, seed=0, rank=16, steps=steps, warmup=warmup,
                 dtype="bf16" if cuda else "fp32", profile=profile or ("datacenter" if cuda else "cpu"),
                 sets=list(sets or []), memory_cap=memory_cap, model_flops=flops, attention=attention,
                 plain_attention=("flash" if module == "flux" else "efficient") if cuda else None,
-                plain_checkpointing=module != "flux", expandable_segments=cuda)
+                plain_checkpointing=module != "flux", expandable_segments=cuda, trace_dir=trace_dir)
     rows = []
     for way in ways:
         if progress:

@@ -21,6 +21,8 @@ def load(path: Path | None = typer.Argument(None, help="a .safetensors file or a
          target: str = typer.Option("auto", "--target", help="cpu, cuda, or auto (both where a GPU exists)"),
          repeats: int = typer.Option(3, "--repeats", min=1, help="runs per cell (median reported)"),
          keep: bool = typer.Option(False, "--keep", help="keep the synthetic files"),
+         where: Path | None = typer.Option(None, "--dir", help="where to write synthetic files (default: the "
+                                           "temp folder; put them on the disk you load from, not tmpfs)"),
          model_dir: Path | None = typer.Option(None, "--model-dir", help="time a whole pipeline folder to "
                                                "'components ready on the device', as train loads it"),
          as_json: bool = JsonOpt) -> None:
@@ -49,10 +51,11 @@ def load(path: Path | None = typer.Argument(None, help="a .safetensors file or a
     if "cuda" in targets and not torch.cuda.is_available():
         raise InputError("--target cuda, but no CUDA GPU is visible", "use --target cpu")
     if as_json:
-        result = bench(path, synthetic, targets, repeats, keep)
+        result = bench(path, synthetic, targets, repeats, keep, where=where)
     else:
         with console.status("bench load") as st:
-            result = bench(path, synthetic, targets, repeats, keep, progress=lambda s: st.update(f"bench load: {s}"))
+            result = bench(path, synthetic, targets, repeats, keep, progress=lambda s: st.update(f"bench load: {s}"),
+                           where=where)
     emit(as_json, result, lambda: _render_load(result))
 
 
@@ -91,6 +94,7 @@ def step(family: str = typer.Option("flux", "--family", help="flux, qwen-image o
                                               "(default: flash for FLUX, efficient for Qwen-Image)"),
          tiny: bool = typer.Option(False, "--tiny", help="the tiny test architecture (runs on a CPU)"),
          device: str | None = typer.Option(None, "--device", help="cuda:N or cpu (default: cuda:0 if present)"),
+         trace: Path | None = typer.Option(None, "--trace", help="also profile 2 steps per way; summaries here"),
          as_json: bool = JsonOpt) -> None:
     use_json(as_json)
     from lorakit.bench.step import bench
@@ -100,7 +104,8 @@ def step(family: str = typer.Option("flux", "--family", help="flux, qwen-image o
     if bad or not chosen:
         raise InputError(f"--ways: unknown way {bad[0] if bad else ways!r}", "plain, lorakit, or both")
     kw = dict(family=family, res=res, profile=profile, steps=steps, warmup=warmup, size="tiny" if tiny else "full",
-              device=device, memory_cap=memory_cap, sets=sets, ways=chosen, attention=attention)
+              device=device, memory_cap=memory_cap, sets=sets, ways=chosen, attention=attention,
+              trace_dir=str(trace.resolve()) if trace else None)
     if as_json:
         result = bench(**kw)
     else:

@@ -185,6 +185,10 @@ def _load_fastsafetensors(headers, wanted, device) -> dict:
     out = {}
     if not files:
         return out
+    if device.startswith("cuda") and ":" not in device:  # fastsafetensors wants an index
+        import torch
+
+        device = f"cuda:{torch.cuda.current_device()}"
     with fastsafe_open(files, framework="pt", device=device, nogds=True) as f:
         for names in wanted.values():
             for name in names:

@@ -73,6 +73,20 @@ def test_unknown_backend_is_refused():
 
     with pytest.raises(UnknownNameError):
         att.apply("flashy")
+    with pytest.raises(UnknownNameError):
+        att.apply("flash+fast")
+
+
+def test_a_pair_of_backends_enables_both():
+    import torch
+
+    prev = att.apply("flash+efficient")
+    try:
+        b = torch.backends.cuda
+        assert b.flash_sdp_enabled() and b.mem_efficient_sdp_enabled()
+        assert not b.cudnn_sdp_enabled() and not b.math_sdp_enabled()
+    finally:
+        att.restore(prev)
 
 
 def test_choose_picks_fastest_backend_that_passed_all_relevant_cases():
@@ -92,7 +106,8 @@ def test_choose_picks_fastest_backend_that_passed_all_relevant_cases():
     assert att.choose(rep, "flux") == "flash"  # cuDNN fails one FLUX case
     rep.results += [R("cudnn", "model qwen-image", False, error="RuntimeError: CUBLAS_STATUS_EXECUTION_FAILED"),
                     R("efficient", "model qwen-image", True, 40.0)]
-    assert att.choose(rep, "qwen-image") == "efficient"  # passing bare SDPA is not enough: the model must pass
+    # passing bare SDPA is not enough: the model must pass; efficient takes masked batches, flash the unmasked
+    assert att.choose(rep, "qwen-image") == "flash+efficient"
     assert att.choose(rep, "kandinsky5-t2i") == "cudnn"
     assert att.choose(att.AttentionReport(fingerprint={}), "flux") is None
 
@@ -154,8 +169,10 @@ def test_gpu_choice_holds_in_forward_backward_and_recompute(family, gpu_report):
     backend = rep.choice[family]
     assert backend is not None, rep.to_dict()
     model_case = "model flux" if family == "flux" else "model qwen-image"
-    assert [r.ok for r in rep.results if r.backend == backend and r.case == model_case] == [True]
+    # with a pair (flash+efficient), the masked model case ran on the second
+    assert [r.ok for r in rep.results if r.backend == backend.split("+")[-1] and r.case == model_case] == [True]
     att.apply(backend)
+    backend = backend.split("+")[-1] if masked else backend.split("+")[0]  # the kernel this input gets
     masked = att.FAMILY_MASKED[family]
     q = torch.randn(1, 24, 1536, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     mask = torch.ones(1, 1, 1, 1536, device="cuda", dtype=torch.bool) if masked else None
