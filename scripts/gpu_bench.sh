@@ -37,8 +37,10 @@ for stage in "$@"; do
     flux-trace) step flux-trace 200 --family flux --res 1024 --profile datacenter --ways lorakit --steps 3 \
              --warmup 2 --trace "$OUT" ;;
     edit) step edit-1024 330 --family qwen-image-edit --res 1024 --profile datacenter ;;
-    caps) step flux-4090 300 --family flux --res 1024 --profile rtx4090 --memory-cap 24 --ways lorakit
-          step qwen-4090 300 --family qwen-image --res 1024 --profile rtx4090 --memory-cap 24 --ways lorakit ;;
+    caps) step flux-4090 200 --family flux --res 1024 --profile rtx4090 --memory-cap 24 --ways lorakit
+          step qwen-4090 100 --family qwen-image --res 1024 --profile rtx4090 --memory-cap 24 --ways lorakit
+          step qwen-5090 200 --family qwen-image --res 1024 --profile rtx5090 --memory-cap 32 --ways lorakit ;;
+    spark) step flux-spark 200 --family flux --res 1024 --profile dgx-spark --ways lorakit ;;
   esac
 done
 echo "### done $(date +%T)" >> "$OUT/log.txt"
