@@ -27,8 +27,15 @@ for stage in "$@"; do
              2>&1 \
              | tail -15 >> "$OUT/log.txt" ;;
     load) df -T "$PWD" /tmp >> "$OUT/log.txt"
-          timeout 330 python3 -m lorakit bench load --synthetic 8G --repeats 2 --json --dir "$PWD/.bench" > "$OUT/load.json" \
-             2>> "$OUT/stderr.txt"; echo "load rc=$?" >> "$OUT/log.txt" ;;
+          timeout 330 python3 -m lorakit bench load --synthetic 8G --repeats 2 --json --dir "$PWD/.bench" --keep \
+             > "$OUT/load.json" 2>> "$OUT/stderr.txt"; echo "load rc=$?" >> "$OUT/log.txt"
+          d=$(python3 -c "import json,os;print(os.path.dirname(json.load(open('$OUT/load.json'))['files'][0]))")
+          for tc in 16:16 16:32 24:16 16:64; do  # threads:chunk MiB, warm page cache to the GPU
+            LORAKIT_IO_THREADS=${tc%:*} LORAKIT_IO_CHUNK_MIB=${tc#*:} timeout 60 python3 -m lorakit bench load "$d" \
+              --target cuda --cache warm --repeats 3 --json 2>/dev/null | python3 -c "import json,sys
+for r in json.load(sys.stdin)['rows']: print('  tune $tc', r['way'], r['seconds'], r['gbps'], r['rss_growth_gib'])" \
+              >> "$OUT/log.txt"
+          done ;;
     flux) step flux-1024 300 --family flux --res 1024 --profile datacenter ;;
     flux-nocompile) step flux-1024-nocompile 200 --family flux --res 1024 --profile datacenter \
              --ways lorakit --set memory.compile=false ;;

@@ -184,8 +184,8 @@ def run(files: list[Path], targets=("cpu",), ways=WAYS, caches=("warm", "cold"),
     ref = {}
     from safetensors.torch import load_file
 
-    for p in files:
-        ref.update(load_file(p))
+    for p in files:  # private copies: a reference that maps the files would pin their pages in the cache
+        ref.update({k: v.clone() for k, v in load_file(p).items()})
     notes = {"bytes": size, "files": [str(p) for p in files]}
     rows: list[Row] = []
     for target in targets:
@@ -230,7 +230,7 @@ def run(files: list[Path], targets=("cpu",), ways=WAYS, caches=("warm", "cold"),
 
 
 def bench(path: Path | None, synthetic: str | None, targets, repeats: int, keep: bool, progress=None,
-          where: Path | None = None) -> dict:
+          where: Path | None = None, caches=("warm", "cold")) -> dict:
     """The command's library function (`where`: the folder for synthetic files)."""
     from lorakit.io import resolve_files
 
@@ -245,7 +245,7 @@ def bench(path: Path | None, synthetic: str | None, targets, repeats: int, keep:
     else:
         raise InputError("bench load needs a PATH or --synthetic SIZE", "e.g. lorakit bench load --synthetic 1G")
     try:
-        rows, notes = run(files, targets=targets, repeats=repeats, progress=progress)
+        rows, notes = run(files, targets=targets, repeats=repeats, progress=progress, caches=caches)
     finally:
         if tmp is not None and not keep:
             for p in tmp.iterdir():

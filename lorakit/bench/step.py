@@ -58,8 +58,9 @@ def architecture(family: str, size: str) -> tuple[str, dict]:
     return cfg["_class_name"], {k: v for k, v in cfg.items() if not k.startswith("_")}
 
 
-def build_random(family: str, size: str, device: str, dtype, seed: int = 0):
-    """The transformer with random weights made directly on the device (no download, no CPU copy).
+def build_random(family: str, size: str, device: str, dtype, seed: int = 0, keep_on: str | None = None):
+    """The transformer with random weights made on the device (no download), kept there or on `keep_on`
+    (the CPU, for an 8-bit base that must not sit on a small card in bf16 first, as `train` loads it).
 
     Weights ~ N(0, 0.02), biases 0, norm scales 1: activations stay finite through every block in bf16.
     """
@@ -81,9 +82,9 @@ def build_random(family: str, size: str, device: str, dtype, seed: int = 0):
             t.fill_(1.0)
         else:
             t.normal_(0.0, 0.02, generator=g)
-        sd[n] = t
+        sd[n] = t if keep_on is None else t.to(keep_on)
     model.load_state_dict(sd, strict=True, assign=True)
-    return model.to(device).eval().requires_grad_(False)
+    return model.to(keep_on or device).eval().requires_grad_(False)
 
 
 def synthetic_batch(family: str, size: str, res: int, seed: int = 0, text_len: int = TEXT_LEN):
@@ -165,11 +166,9 @@ def plain_loss(adapter, model, batch, sigmas, noise, device, dtype):
     return ((v.float() - target.float()) ** 2).mean()
 
 
-def lorakit_trainer(spec: dict, model, adapter, data, device: str, dtype):
-    import torch
-
+def lorakit_config(spec: dict, device: str):
+    """The run's config (profile + the bench's settings + --set), fitted to the GPU as `train` fits it."""
     from lorakit.config import resolve
-    from lorakit.train.loop import Trainer
 
     sets = [f"model.family={spec['family']}", f"data.resolution={spec['res']}", f"lora.rank={spec['rank']}",
             f"lora.targets={json.dumps(REFERENCE_TARGETS)}", "lora.dropout=0", f"seed={spec['seed']}",
@@ -179,7 +178,16 @@ def lorakit_trainer(spec: dict, model, adapter, data, device: str, dtype):
     if device.startswith("cuda"):
         from lorakit.train.loop import check_memory
 
-        cfg, _, _ = check_memory(cfg, spec.get("memory_cap"))
+        cfg, _, _ = check_memory(cfg, spec.get("memory_cap"))  # refuses before anything is built
+    return cfg
+
+
+def lorakit_trainer(spec: dict, model, adapter, data, device: str, dtype, cfg=None):
+    import torch
+
+    from lorakit.train.loop import Trainer
+
+    cfg = cfg or lorakit_config(spec, device)
     if device.startswith("cuda"):
         from lorakit.hardware.attention import apply
 
@@ -201,8 +209,11 @@ def prepare(spec: dict):
         if spec.get("memory_cap"):
             total = torch.cuda.get_device_properties(device).total_memory
             torch.cuda.set_per_process_memory_fraction(min(spec["memory_cap"] * 2**30 / total, 1.0), device)
+    cfg = lorakit_config(spec, device) if spec["way"] == "lorakit" else None
+    eight_bit = cfg is not None and cfg.memory.base_quant in ("fp8", "qfloat8") and cuda
     t0 = time.perf_counter()
-    model = build_random(spec["family"], spec["size"], device, dtype, seed=spec["seed"])
+    model = build_random(spec["family"], spec["size"], device, dtype, seed=spec["seed"],
+                         keep_on="cpu" if eight_bit else None)
     info: dict = {"build_s": round(time.perf_counter() - t0, 2)}
     adapter = _adapter(spec["family"])
     batch = synthetic_batch(spec["family"], spec["size"], spec["res"], seed=spec["seed"])
@@ -225,7 +236,7 @@ def prepare(spec: dict):
         info["checkpointing"] = spec["plain_checkpointing"]
         info["attention"] = spec["plain_attention"]
     else:
-        tr, cfg = lorakit_trainer(spec, model, adapter, SyntheticData(batch), device, dtype)
+        tr, cfg = lorakit_trainer(spec, model, adapter, SyntheticData(batch), device, dtype, cfg)
         step = tr.train_step
         info["checkpointing"] = cfg.memory.gradient_checkpointing
         info["attention"] = spec["attention"]
@@ -451,4 +462,9 @@ if __name__ == "__main__":  # child process: one way
     from lorakit.quiet import quiet_libraries
 
     quiet_libraries()
-    print(json.dumps(run_way(json.loads(sys.argv[1]))), flush=True)
+    _spec = json.loads(sys.argv[1])
+    try:
+        _out = run_way(_spec)
+    except InputError as _e:  # refused (e.g. the memory check): the reason is the row
+        _out = {"way": _spec["way"], "error": f"refused: {_e.message}" + (f" ({_e.hint})" if _e.hint else "")}
+    print(json.dumps(_out), flush=True)

@@ -21,6 +21,7 @@ def load(path: Path | None = typer.Argument(None, help="a .safetensors file or a
          target: str = typer.Option("auto", "--target", help="cpu, cuda, or auto (both where a GPU exists)"),
          repeats: int = typer.Option(3, "--repeats", min=1, help="runs per cell (median reported)"),
          keep: bool = typer.Option(False, "--keep", help="keep the synthetic files"),
+         cache: str = typer.Option("both", "--cache", help="warm, cold or both"),
          where: Path | None = typer.Option(None, "--dir", help="where to write synthetic files (default: the "
                                            "temp folder; put them on the disk you load from, not tmpfs)"),
          model_dir: Path | None = typer.Option(None, "--model-dir", help="time a whole pipeline folder to "
@@ -48,14 +49,17 @@ def load(path: Path | None = typer.Argument(None, help="a .safetensors file or a
         targets = (target,)
     else:
         raise InputError(f"--target must be cpu, cuda or auto, got {target!r}")
+    if cache not in ("warm", "cold", "both"):
+        raise InputError(f"--cache must be warm, cold or both, got {cache!r}")
+    caches = ("warm", "cold") if cache == "both" else (cache,)
     if "cuda" in targets and not torch.cuda.is_available():
         raise InputError("--target cuda, but no CUDA GPU is visible", "use --target cpu")
     if as_json:
-        result = bench(path, synthetic, targets, repeats, keep, where=where)
+        result = bench(path, synthetic, targets, repeats, keep, where=where, caches=caches)
     else:
         with console.status("bench load") as st:
             result = bench(path, synthetic, targets, repeats, keep, progress=lambda s: st.update(f"bench load: {s}"),
-                           where=where)
+                           where=where, caches=caches)
     emit(as_json, result, lambda: _render_load(result))
 
 

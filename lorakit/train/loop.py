@@ -79,7 +79,8 @@ class Trainer:
         if cfg.memory.base_quant in ("fp8", "qfloat8"):
             from lorakit.train.quant import quantize_blocks
 
-            self.quantized = quantize_blocks(transformer, dtype)
+            self.quantized = quantize_blocks(transformer, dtype, device)
+        transformer.to(device)  # what was not quantized (loaded to the CPU for an 8-bit base)
         if cfg.memory.blocks_to_swap:
             raise NotAvailableError("memory.blocks_to_swap is not in this build yet (tracked as issue #6)",
                                     "set it to 0, lower data.resolution, or use --set memory.base_quant=fp8")
@@ -287,7 +288,10 @@ def run(cfg, prov: dict, resume: str | None = None, progress=None, stop_at: int 
         choice = cfg.memory.attention if cfg.memory.attention != "auto" else self_test(device).choice.get(
             cfg.model.family)
         apply(choice)
-    transformer = load_component(Path(cfg.model.path) / "transformer", device, dtype, cfg.memory.loader)
+    # an 8-bit base is loaded to the CPU (mapped, no copy) and reaches the GPU layer by layer in 8 bits
+    eight_bit = cfg.memory.base_quant in ("fp8", "qfloat8") and device != "cpu"
+    transformer = load_component(Path(cfg.model.path) / "transformer", "cpu" if eight_bit else device, dtype,
+                                 cfg.memory.loader)
     tr = Trainer(cfg, adapter, transformer, data, out, device, dtype)
     if resume:
         ck = latest_checkpoint(out) if resume == "latest" else Path(resume)

@@ -54,7 +54,8 @@ def estimate(cfg) -> dict:
     bpp = BYTES_PER_PARAM[cfg.memory.base_quant] or {"bf16": 2, "fp16": 2, "fp32": 4}[cfg.model.dtype]
     swapped = min(cfg.memory.blocks_to_swap, blocks)
     base = params * bpp * (1 - swapped / blocks)
-    lora = params * 0.004 * cfg.lora.rank / 16 * (4 + 4 + 8)  # ~0.4% of the base at r16: fp32 weight, grad, Adam
+    adam = 2 if (cfg.memory.optimizer_8bit or cfg.optim.name == "adamw8bit") else 8
+    lora = params * 0.004 * cfg.lora.rank / 16 * (4 + 4 + adam)  # ~0.4% of the base at r16: fp32 weight, grad, Adam
     tokens = (cfg.data.resolution // 16) ** 2
     if cfg.model.family.startswith("qwen-image-edit"):
         tokens *= 1 + (2 if cfg.model.family.endswith("plus") else 1)

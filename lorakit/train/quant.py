@@ -35,12 +35,20 @@ class Float8Linear(torch.nn.Linear):
         return F.linear(x.to(self.compute_dtype), self.dequantized(), self.bias)
 
 
-def quantize_blocks(transformer, compute_dtype: torch.dtype) -> int:
-    """Replace every Linear inside the transformer blocks by a Float8Linear. Returns how many."""
+def quantize_blocks(transformer, compute_dtype: torch.dtype, device=None) -> int:
+    """Replace every Linear inside the transformer blocks by a Float8Linear, one layer at a time on `device`
+    (default: where the layer is). A base loaded to the CPU thus reaches the GPU already in 8 bits: a 12 B
+    transformer never needs its 24 GB bf16 form on a 24 GB card. Returns how many layers."""
     targets = [(n, m) for n, m in transformer.named_modules()
                if type(m) is torch.nn.Linear and "blocks." in n]
     for name, lin in targets:
         parent_name, _, child = name.rpartition(".")
         parent = transformer.get_submodule(parent_name)
+        if device is not None and lin.weight.device != torch.device(device):
+            lin = torch.nn.Linear(lin.in_features, lin.out_features, bias=lin.bias is not None, device="meta")
+            src = getattr(parent, child)
+            lin.weight = torch.nn.Parameter(src.weight.detach().to(device), requires_grad=False)
+            if src.bias is not None:
+                lin.bias = torch.nn.Parameter(src.bias.detach().to(device), requires_grad=False)
         setattr(parent, child, Float8Linear(lin, compute_dtype))
     return len(targets)

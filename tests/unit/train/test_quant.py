@@ -20,3 +20,18 @@ def test_fp8_blocks_keep_predictions_close_and_quarter_the_block_bytes(tiny):
     assert float((v_ref - v_q).norm() / v_ref.norm()) < 0.01
     lin = next(m for m in q.modules() if isinstance(m, Float8Linear))
     assert lin.weight.element_size() == 1 and not lin.weight.requires_grad
+
+
+def test_layers_are_quantized_one_by_one_onto_the_target_device():
+    # a base loaded to the CPU reaches the device already in 8 bits (meta stands in for the GPU here)
+    import torch
+
+    from lorakit.train.quant import Float8Linear, quantize_blocks
+
+    m = torch.nn.Module()
+    m.blocks = torch.nn.ModuleList([torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 8))])
+    m.head = torch.nn.Linear(8, 2)
+    assert quantize_blocks(m, torch.float32, device="meta") == 2
+    for lin in m.blocks[0]:
+        assert isinstance(lin, Float8Linear) and lin.weight.is_meta and lin.weight.dtype == torch.float8_e4m3fn
+    assert type(m.head) is torch.nn.Linear and not m.head.weight.is_meta  # outside the blocks: untouched
