@@ -30,7 +30,7 @@ for stage in "$@"; do
           timeout 330 python3 -m lorakit bench load --synthetic 8G --repeats 2 --json --dir "$PWD/.bench" --keep \
              > "$OUT/load.json" 2>> "$OUT/stderr.txt"; echo "load rc=$?" >> "$OUT/log.txt"
           d=$(python3 -c "import json,os;print(os.path.dirname(json.load(open('$OUT/load.json'))['files'][0]))")
-          for tc in 16:16 16:32 24:16 16:64; do  # threads:chunk MiB, warm page cache to the GPU
+          for tc in ${LOAD_TUNE:-}; do  # threads:chunk MiB, warm page cache to the GPU
             LORAKIT_IO_THREADS=${tc%:*} LORAKIT_IO_CHUNK_MIB=${tc#*:} timeout 60 python3 -m lorakit bench load "$d" \
               --target cuda --cache warm --repeats 3 --json 2>/dev/null | python3 -c "import json,sys
 for r in json.load(sys.stdin)['rows']: print('  tune $tc', r['way'], r['seconds'], r['gbps'], r['rss_growth_gib'])" \
@@ -44,8 +44,9 @@ for r in json.load(sys.stdin)['rows']: print('  tune $tc', r['way'], r['seconds'
     flux-trace) step flux-trace 200 --family flux --res 1024 --profile datacenter --ways lorakit --steps 3 \
              --warmup 2 --trace "$OUT" ;;
     edit) step edit-1024 330 --family qwen-image-edit --res 1024 --profile datacenter ;;
+    qwen-4090) step qwen-4090 230 --family qwen-image --res 1024 --profile rtx4090 --memory-cap 24 --ways lorakit ;;
     caps) step flux-4090 200 --family flux --res 1024 --profile rtx4090 --memory-cap 24 --ways lorakit
-          step qwen-4090 100 --family qwen-image --res 1024 --profile rtx4090 --memory-cap 24 --ways lorakit
+          step qwen-4090 230 --family qwen-image --res 1024 --profile rtx4090 --memory-cap 24 --ways lorakit
           step qwen-5090 200 --family qwen-image --res 1024 --profile rtx5090 --memory-cap 32 --ways lorakit ;;
     spark) step flux-spark 200 --family flux --res 1024 --profile dgx-spark --ways lorakit ;;
   esac
