@@ -6,7 +6,7 @@ from pathlib import Path
 
 import typer
 
-from lorakit.cli.common import JsonOpt, use_json
+from lorakit.cli.common import JsonOpt, console, emit, use_json
 from lorakit.cli.pending import not_in_this_build
 
 HELP = "Convert LoRA formats (diffusers/peft/kohya/ComfyUI), legacy .pt caches and model files."
@@ -14,12 +14,46 @@ HELP = "Convert LoRA formats (diffusers/peft/kohya/ComfyUI), legacy .pt caches a
 app = typer.Typer(no_args_is_help=True, add_completion=False, rich_markup_mode=None)
 
 
-@app.command("lora", help="Convert a LoRA between diffusers, peft, kohya and ComfyUI key layouts.")
-def lora(src: Path = typer.Argument(..., show_default=False), dst: Path = typer.Argument(..., show_default=False),
+DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+@app.command("lora", help="Convert a LoRA between diffusers, peft, kohya and ComfyUI key layouts (exactly).")
+def lora(src: Path = typer.Argument(..., show_default=False, help="LoRA file (.safetensors) or peft folder"),
+         dst: Path = typer.Argument(..., show_default=False, help="output file (peft: a folder)"),
          to: str = typer.Option("diffusers", "--to", help="diffusers | peft | kohya | comfyui"),
+         family: str | None = typer.Option(None, "--family", help="flux or qwen-image (when the keys cannot "
+                                           "tell, e.g. an attention-only LoRA going to kohya/ComfyUI)"),
+         dtype: str | None = typer.Option(None, "--dtype", help="fp32 | bf16 | fp16 (default: as stored)"),
          as_json: bool = JsonOpt) -> None:
     use_json(as_json)
-    raise not_in_this_build("`lorakit convert lora`", 7, "train writes diffusers-format LoRAs")
+    from lorakit.errors import InputError
+
+    if to not in ("diffusers", "peft", "kohya", "comfyui"):
+        raise InputError(f"--to must be one of diffusers, peft, kohya, comfyui; got {to!r}")
+    if dtype is not None and dtype not in DTYPES:
+        raise InputError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    if src.exists() and dst.exists() and src.resolve() == dst.resolve():
+        raise InputError(f"{dst} would overwrite its input", "name another output")
+    if not src.exists():
+        raise InputError(f"no such file or folder: {src}")
+    import torch
+
+    from lorakit.convert import lora as L
+    from lorakit.models.registry import family_info
+
+    fam = family_info(family).module if family else None
+    pieces, facts = L.read(src, family=fam)
+    out = L.write(pieces, dst, to, fam or facts["family"], dtype=getattr(torch, DTYPES[dtype]) if dtype else None)
+    back, out_facts = L.read(out)
+    exact, why = L.deltas_equal(pieces, back, rtol=1e-6 if dtype in (None, "fp32") else 1e-2)
+    result = {"input": {"path": str(src), **facts}, "output": {"path": str(out), **out_facts},
+              "deltas_equal": exact, "check": why}
+    emit(as_json, result, lambda: console.print(
+        f"{src} ({facts['format']}, {facts['family'] or 'family unknown'}, {facts['modules']} modules, "
+        f"rank {'/'.join(map(str, facts['ranks']))}) -> {out} ({to}); deltas "
+        + ("equal" if exact else f"DIFFER: {why}")))
+    if not exact:
+        raise typer.Exit(1)
 
 
 @app.command("cache", help="Migrate a legacy .pt cache (read with weights_only=True) to lorakit's store.")

@@ -113,11 +113,11 @@ def test_dry_run_prints_resolved_config(tmp_path):
     assert "rank: 8" in r.output and "profile: cpu" in r.output
 
 
-def test_commands_not_yet_landed_say_so_plainly(tmp_path):
+def test_full_size_bench_step_without_a_gpu_says_so_plainly(tmp_path):
     r = run("bench", "step", "--json")
-    assert r.exit_code == 1
+    assert r.exit_code == 2
     data = json.loads(r.output)
-    assert data["error"] == "NotAvailableError" and "issue #8" in data["message"]
+    assert data["error"] == "InputError" and "--tiny" in data["hint"]
 
 
 def test_doctor_on_cpu_exits_0_with_cpu_profile():

@@ -1,0 +1,1 @@
+"""Conversions: LoRA layouts (lora.py), LoRA merging (merge.py)."""

@@ -1,0 +1,451 @@
+"""LoRA files in the layouts people use, converted exactly.
+
+Every format is read into one canonical form — diffusers module name -> `Piece(A, B, alpha)`, whose effect on
+the layer is `alpha / rank * B @ A` — and written from it. Formats:
+
+- `diffusers`: `transformer.<module>.lora_A.weight` / `lora_B.weight`; alpha and rank in the file's
+  `lora_adapter_metadata` (what `pipe.load_lora_weights` reads), else alpha = rank.
+- `peft`: a folder with `adapter_model.safetensors` (`base_model.model.<module>.lora_A.weight`) and
+  `adapter_config.json` (r, lora_alpha, rank_pattern, alpha_pattern).
+- `kohya` (sd-scripts): `lora_unet_<native name with _>.lora_down.weight` / `lora_up.weight` / `.alpha`.
+- `comfyui`: `diffusion_model.<native name>.lora_A.weight` / `lora_B.weight` / `.alpha`.
+
+"Native" names are the original checkpoints' module names: for Qwen-Image the diffusers names; for FLUX the
+Black Forest Labs names, whose fused projections (img_attn.qkv = to_q|to_k|to_v; single blocks' linear1 =
+to_q|to_k|to_v|proj_mlp) are handled exactly: fusing stacks the A matrices and places the B matrices block-
+diagonally (rank adds up, every delta is unchanged); splitting gives each projection its rows of B and, when B
+is block-diagonal (as fusing made it), only its own columns — so a round trip returns the original tensors.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from lorakit.errors import FileFormatError, InputError
+
+FORMATS = ("diffusers", "peft", "kohya", "comfyui")
+LORA_FAMILIES = ("flux", "qwen_image", "kandinsky5")
+
+
+@dataclass
+class Piece:
+    A: object  # (rank, in)
+    B: object  # (out, rank)
+    alpha: float
+
+    @property
+    def rank(self) -> int:
+        return int(self.A.shape[0])
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
+
+    def delta(self):
+        return (self.B.double() @ self.A.double()) * self.scale
+
+
+# --------------------------------------------------------------------------- module names per family
+
+_FLUX_DOUBLE = [("img_attn.qkv", ["attn.to_q", "attn.to_k", "attn.to_v"]), ("img_attn.proj", ["attn.to_out.0"]),
+                ("txt_attn.qkv", ["attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj"]),
+                ("txt_attn.proj", ["attn.to_add_out"]), ("img_mlp.0", ["ff.net.0.proj"]), ("img_mlp.2", ["ff.net.2"]),
+                ("txt_mlp.0", ["ff_context.net.0.proj"]), ("txt_mlp.2", ["ff_context.net.2"]),
+                ("img_mod.lin", ["norm1.linear"]), ("txt_mod.lin", ["norm1_context.linear"])]
+_FLUX_SINGLE = [("linear1", ["attn.to_q", "attn.to_k", "attn.to_v", "proj_mlp"]), ("linear2", ["proj_out"]),
+                ("modulation.lin", ["norm.linear"])]
+_FLUX_TOP = [("img_in", ["x_embedder"]), ("txt_in", ["context_embedder"]), ("final_layer.linear", ["proj_out"]),
+             ("time_in.in_layer", ["time_text_embed.timestep_embedder.linear_1"]),
+             ("time_in.out_layer", ["time_text_embed.timestep_embedder.linear_2"]),
+             ("vector_in.in_layer", ["time_text_embed.text_embedder.linear_1"]),
+             ("vector_in.out_layer", ["time_text_embed.text_embedder.linear_2"]),
+             ("guidance_in.in_layer", ["time_text_embed.guidance_embedder.linear_1"]),
+             ("guidance_in.out_layer", ["time_text_embed.guidance_embedder.linear_2"])]
+_QWEN_BLOCK = ["attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "attn.add_q_proj", "attn.add_k_proj",
+               "attn.add_v_proj", "attn.to_add_out", "img_mlp.net.0.proj", "img_mlp.net.2", "txt_mlp.net.0.proj",
+               "txt_mlp.net.2", "img_mod.1", "txt_mod.1"]
+_QWEN_TOP = ["img_in", "txt_in", "proj_out", "norm_out.linear", "time_text_embed.timestep_embedder.linear_1",
+             "time_text_embed.timestep_embedder.linear_2"]
+_K5_MARK = ("visual_transformer_blocks", "text_transformer_blocks")
+
+
+def guess_family(modules) -> str | None:
+    """flux | qwen_image | kandinsky5 from diffusers module names (None when they say nothing)."""
+    mods = list(modules)
+    if any(m.startswith(_K5_MARK) for m in mods):
+        return "kandinsky5"
+    if any(m.startswith("single_transformer_blocks.") or ".ff.net." in m or ".norm1.linear" in m for m in mods):
+        return "flux"
+    if any(re.search(r"\.(img|txt)_(mlp|mod)\.", m) for m in mods):
+        return "qwen_image"
+    if any(m.startswith("transformer_blocks.") for m in mods):
+        return None  # attention-only LoRAs have the same names in FLUX and Qwen-Image
+    return None
+
+
+def _flux_groups():
+    """(native name pattern, [diffusers names]) with {i} for the block index."""
+    out = [(f"double_blocks.{{i}}.{n}", [f"transformer_blocks.{{i}}.{d}" for d in ds]) for n, ds in _FLUX_DOUBLE]
+    out += [(f"single_blocks.{{i}}.{n}", [f"single_transformer_blocks.{{i}}.{d}" for d in ds])
+            for n, ds in _FLUX_SINGLE]
+    return out + [(n, ds) for n, ds in _FLUX_TOP]
+
+
+def _flat(name: str) -> str:
+    return name.replace(".", "_")
+
+
+# --------------------------------------------------------------------------- reading
+
+
+def detect_format(keys) -> str:
+    keys = list(keys)
+    if any(k.startswith("lora_unet_") for k in keys):
+        return "kohya"
+    if any(k.startswith("diffusion_model.") for k in keys):
+        return "comfyui"
+    if any(k.startswith("base_model.model.") for k in keys):
+        return "peft"
+    if any(k.startswith("transformer.") and ".lora_A." in k for k in keys):
+        return "diffusers"
+    if any(".lora_A." in k or ".lora_down." in k for k in keys):
+        return "peft"
+    raise InputError("no LoRA weights in this file (no lora_A/lora_B or lora_down/lora_up keys)",
+                     "is it a model checkpoint rather than a LoRA?")
+
+
+def read(path, family: str | None = None) -> tuple[dict[str, Piece], dict]:
+    """Read a LoRA in any supported layout. Returns (pieces by diffusers module name, facts)."""
+    from lorakit.io import load, read_header
+
+    path = Path(path)
+    config = None
+    if path.is_dir():
+        cfg_file, weights = path / "adapter_config.json", path / "adapter_model.safetensors"
+        if not weights.is_file():
+            raise InputError(f"{path}: no adapter_model.safetensors (a peft adapter folder has one)")
+        config = json.loads(cfg_file.read_text()) if cfg_file.is_file() else None
+        path = weights
+    elif path.suffix in (".pt", ".pth", ".bin", ".ckpt"):
+        raise InputError(f"{path}: pickled files are not read (they can run code)",
+                         "convert it to .safetensors with the tool that wrote it")
+    header = read_header(path)
+    tensors = load(path, copy=True)
+    if not tensors:
+        raise InputError(f"{path}: the file holds no tensors")
+    fmt = detect_format(tensors)
+    meta = header.metadata or {}
+    if fmt == "diffusers":
+        pieces = _read_ab(tensors, "transformer.", _peft_alpha(meta))
+    elif fmt == "peft":
+        prefix = "base_model.model." if any(k.startswith("base_model.model.") for k in tensors) else ""
+        pieces = _read_ab(tensors, prefix, _config_alpha(config))
+    else:
+        prefix = "lora_unet_" if fmt == "kohya" else "diffusion_model."
+        native = _read_native(tensors, prefix, flat=fmt == "kohya")
+        fam = family or _native_family(native)
+        pieces = _from_native(native, fam, flat=fmt == "kohya")
+    fam = family or guess_family(pieces)
+    if family and guess_family(pieces) not in (None, family):
+        raise InputError(f"{path}: this LoRA's modules belong to {guess_family(pieces)}, not {family}",
+                         "check --family / the model the LoRA was trained for")
+    ranks = sorted({p.rank for p in pieces.values()})
+    return pieces, {"format": fmt, "family": fam, "modules": len(pieces), "ranks": ranks,
+                    "dtype": str(next(iter(pieces.values())).A.dtype).removeprefix("torch.")}
+
+
+def _peft_alpha(meta: dict):
+    """module -> alpha from diffusers' lora_adapter_metadata (rank/alpha patterns honoured)."""
+    raw = meta.get("lora_adapter_metadata")
+    cfg = {}
+    if raw:
+        try:
+            cfg = {k.removeprefix("transformer."): v for k, v in json.loads(raw).items()}
+        except ValueError:
+            raise FileFormatError("lora_adapter_metadata is not JSON") from None
+    return _config_alpha(cfg or None)
+
+
+def _config_alpha(cfg: dict | None):
+    def alpha(module: str, rank: int) -> float:
+        if not cfg:
+            return float(rank)
+        for pat, a in (cfg.get("alpha_pattern") or {}).items():
+            if module == pat or module.endswith("." + pat) or re.fullmatch(pat, module):
+                return float(a)
+        if cfg.get("lora_alpha") is None:
+            return float(rank)
+        r = cfg.get("r") or rank
+        for pat, rr in (cfg.get("rank_pattern") or {}).items():
+            if module == pat or module.endswith("." + pat):
+                r = rr
+        # peft scales by lora_alpha / r; keep that scale for this module's actual rank
+        return float(cfg["lora_alpha"]) * rank / r if r != rank else float(cfg["lora_alpha"])
+    return alpha
+
+
+def _read_ab(tensors: dict, prefix: str, alpha_of) -> dict[str, Piece]:
+    pieces = {}
+    for k, a in tensors.items():
+        if not k.endswith(".lora_A.weight"):
+            continue
+        mod = k.removeprefix(prefix).removesuffix(".lora_A.weight").replace(".default", "")
+        bkey = k.replace(".lora_A.weight", ".lora_B.weight")
+        if bkey not in tensors:
+            raise FileFormatError(f"{k} has no matching lora_B")
+        alpha_key = k.replace(".lora_A.weight", ".alpha")
+        alpha = float(tensors[alpha_key]) if alpha_key in tensors else alpha_of(mod, a.shape[0])
+        pieces[mod] = _checked(mod, a, tensors[bkey], alpha)
+    orphans = [k for k in tensors if k.endswith(".lora_B.weight")
+               and k.replace(".lora_B.weight", ".lora_A.weight") not in tensors]
+    if orphans:
+        raise FileFormatError(f"{orphans[0]} has no matching lora_A")
+    return pieces
+
+
+def _checked(mod, a, b, alpha) -> Piece:
+    if a.dim() != 2 or b.dim() != 2 or a.shape[0] != b.shape[1]:
+        raise FileFormatError(f"{mod}: LoRA shapes do not fit (A {tuple(a.shape)}, B {tuple(b.shape)})",
+                              "only Linear-layer LoRAs are supported (no conv / LoKr / LoHa)")
+    return Piece(a, b, alpha)
+
+
+def _read_native(tensors: dict, prefix: str, flat: bool) -> dict[str, Piece]:
+    down, up = (".lora_down.weight", ".lora_up.weight")
+    pieces = {}
+    for k, a in tensors.items():
+        for d, u in ((down, up), (".lora_A.weight", ".lora_B.weight")):
+            if k.endswith(d):
+                name = k.removeprefix(prefix).removesuffix(d)
+                bk = k.removesuffix(d) + u
+                if bk not in tensors:
+                    raise FileFormatError(f"{k} has no matching {u.strip('.')}")
+                ak = k.removesuffix(d) + ".alpha"
+                alpha = float(tensors[ak]) if ak in tensors else float(a.shape[0])
+                pieces[name] = _checked(name, a, tensors[bk], alpha)
+    if any(k.startswith(("lora_te", "lora_te1_", "lora_te2_")) for k in tensors):
+        raise InputError("this LoRA also trains a text encoder (lora_te* keys); lorakit converts transformer LoRAs",
+                         "drop the text-encoder part first")
+    return pieces
+
+
+def _native_family(native: dict) -> str:
+    names = list(native)
+    if any(n.startswith(("double_blocks", "single_blocks")) for n in names):
+        return "flux"
+    if any(re.search(r"(img|txt)_(mlp|mod)", n) for n in names) or any("transformer_blocks" in n for n in names):
+        return "qwen_image"
+    raise InputError("cannot tell which model this LoRA is for from its keys", "pass --family")
+
+
+def _native_map(family: str, n_blocks: int = 80):
+    """native name (or its flat form) -> list of diffusers names (several for a fused projection)."""
+    table = {}
+    if family == "flux":
+        for pat, ds in _flux_groups():
+            if "{i}" in pat:
+                for i in range(n_blocks):
+                    table[pat.format(i=i)] = [d.format(i=i) for d in ds]
+            else:
+                table[pat] = ds
+    elif family == "qwen_image":
+        for i in range(n_blocks):
+            for m in _QWEN_BLOCK:
+                table[f"transformer_blocks.{i}.{m}"] = [f"transformer_blocks.{i}.{m}"]
+        for m in _QWEN_TOP:
+            table[m] = [m]
+    else:
+        raise InputError(f"kohya/ComfyUI layouts are not defined for {family} in this build",
+                         "convert between diffusers and peft, which need no renaming")
+    return table
+
+
+def _from_native(native: dict, family: str, flat: bool) -> dict[str, Piece]:
+    table = _native_map(family)
+    if flat:
+        table = {_flat(k): v for k, v in table.items()}
+    out = {}
+    unknown = [n for n in native if n not in table]
+    if unknown:
+        raise InputError(f"unknown {family} module in this LoRA: {unknown[0]}"
+                         + (f" and {len(unknown) - 1} more" if len(unknown) > 1 else ""),
+                         "is it for another model? (pass --family to say which)")
+    for name, piece in native.items():
+        targets = table[name]
+        if len(targets) == 1:
+            out[targets[0]] = piece
+        else:
+            out.update(_split(piece, targets))
+    return out
+
+
+def _chunks(targets: list[str], piece: Piece) -> list[int]:
+    hidden = int(piece.A.shape[1])
+    if targets[-1].endswith("proj_mlp"):  # FLUX linear1: q, k, v (hidden each) then the MLP input
+        return [hidden] * 3 + [int(piece.B.shape[0]) - 3 * hidden]
+    n = int(piece.B.shape[0])
+    if n % len(targets):
+        raise FileFormatError(f"fused LoRA of {len(targets)} projections has {n} output rows")
+    return [n // len(targets)] * len(targets)
+
+
+def _split(piece: Piece, targets: list[str]) -> dict[str, Piece]:
+    import torch
+
+    sizes = _chunks(targets, piece)
+    if sum(sizes) != piece.B.shape[0] or min(sizes) <= 0:
+        raise FileFormatError(f"fused LoRA rows {piece.B.shape[0]} do not split as {sizes}")
+    rows = torch.split(piece.B, sizes, dim=0)
+    cols = [torch.nonzero(r.abs().sum(0)).flatten() for r in rows]
+    seen = torch.cat(cols) if cols else torch.empty(0, dtype=torch.long)
+    block_diagonal = len(seen) == len(set(seen.tolist()))
+    out = {}
+    for t, r, c in zip(targets, rows, cols):
+        if len(c) == 0:
+            continue  # this projection had no LoRA
+        if block_diagonal:
+            a, b = piece.A[c], r[:, c]
+        else:
+            a, b = piece.A, r
+        out[t] = Piece(a.contiguous(), b.contiguous(), piece.scale * a.shape[0])
+    return out
+
+
+# --------------------------------------------------------------------------- writing
+
+
+def _to_native(pieces: dict[str, Piece], family: str) -> dict[str, Piece]:
+    import torch
+
+    table = _native_map(family)
+    owner = {}
+    for native, ds in table.items():
+        for d in ds:
+            owner.setdefault(d, []).append(native)
+    out, used = {}, set()
+    for mod in pieces:
+        if mod not in owner:
+            raise InputError(f"{mod} has no {family} native name in this build", "keep the diffusers format")
+    for native, ds in table.items():
+        present = [d for d in ds if d in pieces]
+        if not present:
+            continue
+        if len(ds) == 1:
+            out[native] = pieces[ds[0]]
+            continue
+        ps = [pieces.get(d) for d in ds]
+        ref = next(p for p in ps if p is not None)
+        scale = ref.scale
+        same = all(p is None or abs(p.scale - scale) <= 1e-12 * abs(scale) for p in ps)
+        hidden = int(ref.A.shape[1])
+        sizes = [hidden] * 3 + [4 * hidden] if ds[-1].endswith("proj_mlp") else [hidden] * len(ds)
+        for d, p, n in zip(ds, ps, sizes):
+            if p is not None:
+                sizes[ds.index(d)] = int(p.B.shape[0])
+        a_parts, b_blocks, total = [], [], sum(p.rank for p in ps if p is not None)
+        dtype = ref.A.dtype
+        col = 0
+        b = torch.zeros(sum(sizes), total, dtype=ref.B.dtype)
+        row = 0
+        for p, n in zip(ps, sizes):
+            if p is not None:
+                a_parts.append(p.A)
+                blk = p.B if same else (p.B.double() * (p.scale / scale)).to(p.B.dtype)
+                b[row:row + n, col:col + p.rank] = blk
+                col += p.rank
+            row += n
+        out[native] = Piece(torch.cat(a_parts).to(dtype), b, scale * total)
+        used.update(present)
+    return out
+
+
+def write(pieces: dict[str, Piece], dst, fmt: str, family: str | None, dtype=None,
+          extra_metadata: dict | None = None) -> Path:
+    """Write pieces in a format (atomically). Returns the written path."""
+    import torch
+
+    from lorakit.io import save
+
+    if fmt not in FORMATS:
+        raise InputError(f"--to must be one of {', '.join(FORMATS)}, got {fmt!r}")
+    dst = Path(dst)
+
+    def cast(t):
+        return t.to(dtype).contiguous() if dtype is not None else t.contiguous()
+
+    meta = {"format": "pt", **(extra_metadata or {})}
+    if fmt in ("diffusers", "peft"):
+        cfg = _peft_config(pieces)
+        if fmt == "diffusers":
+            sd = {}
+            for m, p in pieces.items():
+                sd[f"transformer.{m}.lora_A.weight"] = cast(p.A)
+                sd[f"transformer.{m}.lora_B.weight"] = cast(p.B)
+            meta["lora_adapter_metadata"] = json.dumps({f"transformer.{k}": v for k, v in cfg.items()},
+                                                       sort_keys=True)
+            return save(sd, dst, metadata=meta)
+        dst.mkdir(parents=True, exist_ok=True)
+        sd = {}
+        for m, p in pieces.items():
+            sd[f"base_model.model.{m}.lora_A.weight"] = cast(p.A)
+            sd[f"base_model.model.{m}.lora_B.weight"] = cast(p.B)
+        save(sd, dst / "adapter_model.safetensors", metadata=meta)
+        from lorakit.io import atomic_path
+
+        with atomic_path(dst / "adapter_config.json") as tmp:
+            Path(tmp).write_text(json.dumps({"peft_type": "LORA", **cfg}, indent=2, sort_keys=True))
+        return dst
+    if family is None:
+        raise InputError("cannot tell whether this LoRA is for FLUX or Qwen-Image (attention-only keys)",
+                         "pass --family flux or --family qwen-image")
+    native = _to_native(pieces, family)
+    sd = {}
+    for name, p in native.items():
+        if fmt == "kohya":
+            k = "lora_unet_" + _flat(name)
+            sd[f"{k}.lora_down.weight"], sd[f"{k}.lora_up.weight"] = cast(p.A), cast(p.B)
+        else:
+            k = "diffusion_model." + name
+            sd[f"{k}.lora_A.weight"], sd[f"{k}.lora_B.weight"] = cast(p.A), cast(p.B)
+        sd[f"{k}.alpha"] = torch.tensor(p.alpha, dtype=torch.float32)
+    return save(sd, dst, metadata=meta)
+
+
+def _peft_config(pieces: dict[str, Piece]) -> dict:
+    """A peft LoraConfig dict that gives every module its rank and alpha (the commonest as defaults)."""
+    from collections import Counter
+
+    ranks = Counter(p.rank for p in pieces.values())
+    r = ranks.most_common(1)[0][0]
+    alphas = Counter(p.alpha for p in pieces.values() if p.rank == r)
+    alpha = alphas.most_common(1)[0][0]
+    rank_pattern = {m: p.rank for m, p in pieces.items() if p.rank != r}
+    alpha_pattern = {m: p.alpha for m, p in pieces.items() if p.alpha != alpha}
+    return {"r": r, "lora_alpha": alpha, "rank_pattern": rank_pattern, "alpha_pattern": alpha_pattern,
+            "target_modules": sorted(pieces), "lora_dropout": 0.0, "bias": "none", "use_dora": False,
+            "init_lora_weights": True, "use_rslora": False}
+
+
+def deltas_equal(a: dict[str, Piece], b: dict[str, Piece], rtol: float = 1e-6, probes: int = 8) -> tuple[bool, str]:
+    """Do two LoRAs change every layer the same way? Compared through random probes (delta @ x), so a
+    full-size layer's delta never has to be materialised."""
+    import torch
+
+    if set(a) != set(b):
+        diff = sorted(set(a) ^ set(b))
+        return False, f"modules differ: {diff[:3]}"
+    g = torch.Generator().manual_seed(0)
+    for m in a:
+        pa, pb = a[m], b[m]
+        if pa.B.shape[0] != pb.B.shape[0] or pa.A.shape[1] != pb.A.shape[1]:
+            return False, f"{m}: shapes differ"
+        x = torch.randn(pa.A.shape[1], probes, generator=g, dtype=torch.float64)
+        ya = pa.B.double() @ (pa.A.double() @ x) * pa.scale
+        yb = pb.B.double() @ (pb.A.double() @ x) * pb.scale
+        err = float((ya - yb).norm() / ya.norm().clamp(min=1e-30))
+        if err > rtol:
+            return False, f"{m}: relative difference {err:.2e}"
+    return True, "equal"

@@ -1,0 +1,140 @@
+import json
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from lorakit.cli.app import app
+from lorakit.convert import lora as L
+from lorakit.errors import InputError
+
+
+def _trained_like(tiny, family, tmp_path, targets="all_linear", alpha=8):
+    """A LoRA file as lorakit train writes it, with non-zero B so every delta is non-trivial."""
+    from peft import LoraConfig
+
+    import lorakit.train.lora as tl
+    from lorakit.io.modules import load_component
+    from lorakit.models.registry import family_info
+
+    tr = load_component(tiny(family) / "transformer")
+    names = tl.target_modules(tr, family_info(family).module, targets)
+    cfg = LoraConfig(r=4, lora_alpha=alpha, target_modules=names, init_lora_weights="gaussian")
+    tr.add_adapter(cfg)
+    g = torch.Generator().manual_seed(0)
+    for n, p in tr.named_parameters():
+        if "lora_B" in n:
+            p.data = torch.randn(p.shape, generator=g)
+    return tl.save_lora(tr, tmp_path / "orig.safetensors", cfg.to_dict())
+
+
+def _same_tensors(a, b):
+    return all(torch.equal(a[m].A, b[m].A) and torch.equal(a[m].B, b[m].B) and a[m].alpha == b[m].alpha for m in a)
+
+
+@pytest.mark.parametrize("family", ["flux", "qwen-image"])
+@pytest.mark.parametrize("fmt", ["kohya", "comfyui", "peft"])
+def test_round_trips_are_lossless(tiny, tmp_path, family, fmt):
+    src = _trained_like(tiny, family, tmp_path)
+    orig, facts = L.read(src)
+    assert facts["format"] == "diffusers" and facts["modules"] > 10
+    mid = L.write(orig, tmp_path / ("mid" if fmt == "peft" else "mid.safetensors"), fmt, facts["family"])
+    back, f2 = L.read(mid)
+    assert f2["format"] == fmt
+    end, _ = L.read(L.write(back, tmp_path / "end.safetensors", "diffusers", f2["family"]))
+    assert L.deltas_equal(orig, end, rtol=1e-6)[0] and _same_tensors(orig, end)
+
+
+def _oracle_pieces(sd: dict) -> dict:
+    """diffusers' converted state dict (alpha already folded in) as pieces."""
+    return {k.removeprefix("transformer.").removesuffix(".lora_A.weight"):
+            L.Piece(v, sd[k.replace("lora_A", "lora_B")], float(v.shape[0]))
+            for k, v in sd.items() if k.endswith(".lora_A.weight")}
+
+
+@pytest.mark.parametrize("fmt", ["kohya", "comfyui"])
+def test_qwen_files_load_through_diffusers_own_converter(tiny, tmp_path, fmt):
+    from diffusers import QwenImagePipeline
+
+    orig, facts = L.read(_trained_like(tiny, "qwen-image", tmp_path, alpha=16))
+    out = L.write(orig, tmp_path / f"{fmt}.safetensors", fmt, "qwen_image")
+    ok, why = L.deltas_equal(orig, _oracle_pieces(QwenImagePipeline.lora_state_dict(str(out))), rtol=1e-6)
+    assert ok, why
+
+
+def test_flux_kohya_file_loads_through_diffusers_own_converter(tmp_path):
+    # diffusers' FLUX kohya converter knows only the full-size layout (3072 wide, MLP 12288), so the LoRA
+    # is made at that width for one double and one single block — with fused qkv and linear1
+    g = torch.Generator().manual_seed(1)
+
+    def piece(out, inp, r=4, alpha=8.0):
+        return L.Piece(torch.randn(r, inp, generator=g), torch.randn(out, r, generator=g), alpha)
+
+    h = 3072
+    orig = {f"transformer_blocks.0.attn.{m}": piece(h, h) for m in ("to_q", "to_k", "to_v", "to_out.0",
+                                                                      "add_q_proj", "add_k_proj", "add_v_proj")}
+    orig["transformer_blocks.0.ff.net.2"] = piece(h, 4 * h)
+    orig.update({f"single_transformer_blocks.0.attn.{m}": piece(h, h, alpha=2.0) for m in ("to_q", "to_k", "to_v")})
+    orig["single_transformer_blocks.0.proj_mlp"] = piece(4 * h, h, alpha=2.0)
+    orig["single_transformer_blocks.0.proj_out"] = piece(h, 5 * h)
+    out = L.write(orig, tmp_path / "k.safetensors", "kohya", "flux")
+    from diffusers import FluxPipeline
+
+    ok, why = L.deltas_equal(orig, _oracle_pieces(FluxPipeline.lora_state_dict(str(out))), rtol=1e-6)
+    assert ok, why
+    back, facts = L.read(out)
+    assert facts["format"] == "kohya" and _same_tensors(orig, back)
+
+
+def test_fusing_unequal_scales_keeps_every_delta(tmp_path):
+    g = torch.Generator().manual_seed(2)
+    orig = {f"transformer_blocks.0.attn.to_{c}": L.Piece(torch.randn(r, 16, generator=g),
+                                                        torch.randn(16, r, generator=g), a)
+            for c, r, a in (("q", 2, 2.0), ("k", 4, 1.0), ("v", 3, 12.0))}
+    back, _ = L.read(L.write(orig, tmp_path / "k.safetensors", "kohya", "flux"))
+    assert L.deltas_equal(orig, back, rtol=1e-6)[0]
+
+
+def test_cli_converts_and_names_the_input_format(tiny, tmp_path):
+    src = _trained_like(tiny, "flux", tmp_path)
+    r = CliRunner().invoke(app, ["convert", "lora", str(src), str(tmp_path / "k.safetensors"), "--to", "kohya",
+                                 "--json"])
+    assert r.exit_code == 0, r.output
+    data = json.loads(r.output)
+    assert data["input"]["format"] == "diffusers" and data["input"]["family"] == "flux"
+    assert data["output"]["format"] == "kohya" and data["deltas_equal"] is True
+    r = CliRunner().invoke(app, ["convert", "lora", str(tmp_path / "k.safetensors"), str(tmp_path / "b.safetensors"),
+                                 "--to", "diffusers", "--dtype", "bf16"])
+    assert r.exit_code == 0 and "kohya" in r.output, r.output
+    assert L.read(tmp_path / "b.safetensors")[1]["dtype"] == "bfloat16"
+
+
+def test_bad_inputs_get_a_clear_message_and_write_nothing(tiny, tmp_path):
+    from safetensors.torch import save_file
+
+    save_file({"weight": torch.zeros(4, 4)}, tmp_path / "model.safetensors")
+    torch.save({"a": 1}, tmp_path / "pickle.pt")
+    lora_file = _trained_like(tiny, "qwen-image", tmp_path)
+    (tmp_path / "junk.safetensors").write_bytes(b"not a safetensors file at all")
+    cases = [
+        (["model.safetensors", "o1.safetensors"], "no LoRA weights"),
+        (["pickle.pt", "o2.safetensors"], "pickled"),
+        (["junk.safetensors", "o3.safetensors"], "junk.safetensors"),
+        ([lora_file.name, "o4.safetensors", "--family", "flux", "--to", "kohya"], "not flux"),
+        ([lora_file.name, "o5.safetensors", "--to", "onnx"], "--to must be one of"),
+        ([lora_file.name, lora_file.name], "would overwrite its input"),
+    ]
+    for args, words in cases:
+        r = CliRunner().invoke(app, ["convert", "lora", *[str(tmp_path / a) if i < 2 else a
+                                                          for i, a in enumerate(args)]])
+        assert r.exit_code == 2 and words in r.output, (args, r.output)
+    assert not any(tmp_path.glob("o[0-9].safetensors"))
+
+
+def test_unknown_native_keys_are_refused(tmp_path):
+    from safetensors.torch import save_file
+
+    save_file({"lora_unet_mystery_block_0.lora_down.weight": torch.zeros(2, 4),
+               "lora_unet_mystery_block_0.lora_up.weight": torch.zeros(4, 2)}, tmp_path / "k.safetensors")
+    with pytest.raises(InputError):
+        L.read(tmp_path / "k.safetensors", family="flux")
