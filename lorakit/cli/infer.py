@@ -6,8 +6,7 @@ from pathlib import Path
 
 import typer
 
-from lorakit.cli.common import JsonOpt, ProfileOpt, use_json
-from lorakit.cli.pending import not_in_this_build
+from lorakit.cli.common import JsonOpt, console, emit, use_json
 
 HELP = """Generate images (or a clip) with a base model and LoRAs.
 
@@ -15,17 +14,51 @@ Example: lorakit infer ./FLUX.1-dev --lora out/lora.safetensors:0.8 -p "a red ci
 
 
 def infer(
-    model: Path = typer.Argument(..., help="diffusers model folder or single-file checkpoint", show_default=False),
-    lora: list[str] | None = typer.Option(None, "--lora", "-l", help="LoRA file, optionally :scale (repeatable)"),
+    model: Path = typer.Argument(..., help="diffusers model folder", show_default=False),
+    lora: list[str] | None = typer.Option(None, "--lora", "-l", help="LoRA file (any layout), optionally "
+                                          "PATH:scale (repeatable)"),
     prompt: list[str] | None = typer.Option(None, "--prompt", "-p", help="prompt (repeatable)"),
     prompts_file: Path | None = typer.Option(None, "--prompts", help="file with one prompt per line"),
+    negative: str | None = typer.Option(None, "--negative", help="negative prompt"),
     image: list[Path] | None = typer.Option(None, "--image", help="control image(s) for edit families"),
-    seed: int = typer.Option(0, "--seed"),
-    steps: int = typer.Option(28, "--steps"),
-    out: Path = typer.Option(Path("out"), "--out", "-o"),
-    profile: str | None = ProfileOpt,
+    seed: int = typer.Option(0, "--seed", help="seed of the first image; image k uses seed + k"),
+    steps: int = typer.Option(28, "--steps", min=1),
+    guidance: float | None = typer.Option(None, "--guidance", help="FLUX guidance / Qwen true-CFG scale"),
+    width: int | None = typer.Option(None, "--width"),
+    height: int | None = typer.Option(None, "--height"),
+    batch: int = typer.Option(1, "--batch", min=1, help="images per prompt"),
+    frames: int = typer.Option(17, "--frames", help="frames per clip (video families)"),
+    dtype: str | None = typer.Option(None, "--dtype", help="bf16 | fp16 | fp32 (default: bf16 on GPU)"),
+    device: str | None = typer.Option(None, "--device", help="cuda[:N] or cpu"),
+    out: Path = typer.Option(Path("out"), "--out", "-o", help="folder for the images"),
     as_json: bool = JsonOpt,
 ) -> None:
     use_json(as_json)
-    raise not_in_this_build("`lorakit infer`", 7, "the tiny pipelines load with stock diffusers: "
-                            "DiffusionPipeline.from_pretrained(folder)")
+    from lorakit.errors import InputError
+    from lorakit.infer import Request, generate, parse_lora
+
+    texts = list(prompt or [])
+    if prompts_file is not None:
+        if not prompts_file.is_file():
+            raise InputError(f"--prompts: no such file: {prompts_file}")
+        texts += [ln.strip() for ln in prompts_file.read_text().splitlines() if ln.strip()]
+    if dtype is not None and dtype not in ("bf16", "fp16", "fp32"):
+        raise InputError(f"--dtype must be bf16, fp16 or fp32, got {dtype!r}")
+    for side in (width, height):
+        if side is not None and side % 16:
+            raise InputError(f"--width/--height must be multiples of 16, got {side}")
+    loras = [parse_lora(s) for s in (lora or [])]
+    req = Request(prompts=texts, seed=seed, steps=steps, guidance=guidance, negative=negative, width=width,
+                  height=height, batch=batch, images=list(image or []), frames=frames)
+    from lorakit.quiet import quiet_libraries
+
+    quiet_libraries()
+    if as_json:
+        result = generate(model, req, loras, out, device=device, dtype_name=dtype)
+    else:
+        with console.status("infer") as st:
+            result = generate(model, req, loras, out, device=device, dtype_name=dtype,
+                              progress=lambda k, n: st.update(f"infer: {k}/{n} images"))
+    emit(as_json, result, lambda: console.print(
+        "\n".join(result["files"]) + (f"\ncontact sheet: {result['contact_sheet']}" if result["contact_sheet"]
+                                      else "")))

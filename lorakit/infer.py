@@ -1,0 +1,226 @@
+"""Generation with a base model and LoRAs: the family's stock diffusers pipeline, assembled from components
+loaded through `lorakit.io`, LoRAs in any supported layout (read by `convert.lora`, handed to diffusers'
+own LoRA loader with their rank and alpha), each image from its own seeded generator so any one of them can
+be made again alone. PNGs carry prompt, seed, steps, guidance, model and LoRA hashes in text chunks.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from lorakit.errors import InputError
+
+
+@dataclass
+class Request:
+    prompts: list[str]
+    seed: int = 0
+    steps: int = 28
+    guidance: float | None = None
+    negative: str | None = None
+    width: int | None = None
+    height: int | None = None
+    batch: int = 1
+    images: list[Path] = field(default_factory=list)
+    frames: int = 17
+
+
+def parse_lora(spec: str) -> tuple[Path, float]:
+    """"path" or "path:scale"."""
+    path, _, scale = spec.rpartition(":") if ":" in spec and not Path(spec).exists() else (spec, "", "")
+    try:
+        s = float(scale) if scale else 1.0
+    except ValueError:
+        raise InputError(f"--lora {spec!r}: the scale after ':' must be a number", "e.g. --lora my.safetensors:0.8")
+    p = Path(path)
+    if not p.exists():
+        raise InputError(f"--lora: no such file: {p}")
+    return p, s
+
+
+def file_hash(path: Path) -> str:
+    h = hashlib.sha256()
+    files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
+    for f in files:
+        with open(f, "rb") as fh:
+            for chunk in iter(lambda: fh.read(2**22), b""):
+                h.update(chunk)
+    return h.hexdigest()[:16]
+
+
+def assemble(model_dir: Path, device: str, dtype, backend: str = "auto"):
+    """The stock pipeline over components loaded by lorakit.io (tokenizers, scheduler: their own classes)."""
+    import importlib
+
+    import diffusers
+
+    from lorakit.io.modules import load_component
+
+    model_dir = Path(model_dir)
+    if model_dir.is_file():
+        raise InputError(f"{model_dir} is a single file; infer takes a diffusers model folder",
+                         "point at the folder downloaded from the hub (model_index.json inside)")
+    index_file = model_dir / "model_index.json"
+    if not index_file.is_file():
+        raise InputError(f"{model_dir} is not a diffusers model folder (no model_index.json)")
+    index = json.loads(index_file.read_text())
+    cls = getattr(diffusers, index.get("_class_name", ""), None)
+    if cls is None:
+        raise InputError(f"{model_dir}: pipeline class {index.get('_class_name')!r} is not in diffusers "
+                         f"{diffusers.__version__}")
+    parts = {}
+    for name, entry in index.items():
+        if name.startswith("_") or not isinstance(entry, list) or entry[0] is None:
+            parts[name] = None if isinstance(entry, list) else parts.get(name)
+            continue
+        folder = model_dir / name
+        if (folder / "config.json").is_file() and any(folder.glob("*.safetensors*")):
+            parts[name] = load_component(folder, device, dtype, backend)
+        else:
+            parts[name] = getattr(importlib.import_module(entry[0]), entry[1]).from_pretrained(folder)
+    import inspect
+
+    wanted = [p for p in inspect.signature(cls.__init__).parameters if p != "self"]
+    pipe = cls(**{k: parts.get(k) for k in wanted if k in parts})
+    pipe.set_progress_bar_config(disable=True)
+    return pipe, index["_class_name"]
+
+
+def add_loras(pipe, loras: list[tuple[Path, float]], family_module: str | None) -> list[dict]:
+    """Load each LoRA (any layout) into the pipeline's transformer as its own adapter, at its scale."""
+    import torch
+
+    from lorakit.convert import lora as L
+
+    names, scales, facts = [], [], []
+    for i, (path, scale) in enumerate(loras):
+        pieces, f = L.read(path)
+        if f["family"] and family_module and f["family"] != family_module:
+            raise InputError(f"{path} is a {f['family']} LoRA; the model is {family_module}",
+                             "use a LoRA trained for this model")
+        cfg = L._peft_config(pieces)
+        sd = {}
+        for m, p in pieces.items():
+            sd[f"transformer.{m}.lora_A.weight"] = p.A.to(torch.float32)
+            sd[f"transformer.{m}.lora_B.weight"] = p.B.to(torch.float32)
+        name = f"lora{i}"
+        try:
+            # the transformer's own peft loader, given rank and alpha as diffusers reads them from a file
+            pipe.transformer.load_lora_adapter(sd, prefix="transformer", network_alphas=None, adapter_name=name,
+                                               metadata={f"transformer.{k}": v for k, v in cfg.items()},
+                                               _pipeline=pipe)
+        except (ValueError, RuntimeError, KeyError) as e:
+            raise InputError(f"{path}: does not fit this model's transformer ({str(e).splitlines()[0][:160]})",
+                             "is the LoRA for another model size or family?") from None
+        names.append(name)
+        scales.append(scale)
+        facts.append({"path": str(path), "scale": scale, "sha256_16": file_hash(path), **f})
+    if names:
+        pipe.set_adapters(names, adapter_weights=scales)
+    return facts
+
+
+def _to_pil(img):
+    from PIL import Image
+
+    if isinstance(img, Image.Image):
+        return img
+    import numpy as np
+
+    return Image.fromarray((np.asarray(img) * 255).clip(0, 255).astype("uint8"))
+
+
+def generate(model_dir: Path, req: Request, loras: list[tuple[Path, float]], out_dir: Path, device: str | None = None,
+             dtype_name: str | None = None, progress=None) -> dict:
+    """Make every image of the request; returns what was written."""
+    import torch
+    from PIL import Image
+    from PIL.PngImagePlugin import PngInfo
+
+    from lorakit import __version__
+    from lorakit.models.registry import family_names, family_info
+
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype_name = dtype_name or ("bf16" if device.startswith("cuda") else "fp32")
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype_name]
+    if not req.prompts:
+        raise InputError("no prompt", "give --prompt TEXT (repeatable) or --prompts FILE")
+    controls = []
+    for p in req.images:
+        try:
+            controls.append(Image.open(p).convert("RGB"))
+        except (OSError, ValueError):
+            raise InputError(f"--image {p}: not a readable image") from None
+    pipe, cls_name = assemble(model_dir, device, dtype)
+    family = next((f for f in family_names() if family_info(f).pipeline_class == cls_name), None)
+    module = family_info(family).module if family else None
+    variant = family_info(family).variant if family else ""
+    if variant in ("edit", "edit-plus") and not controls:
+        raise InputError(f"{cls_name} edits an image", "give --image PATH (Edit-Plus: several)")
+    if controls and variant not in ("edit", "edit-plus"):
+        raise InputError(f"{cls_name} takes no --image")
+    lora_facts = add_loras(pipe, loras, module)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model_hash = file_hash(Path(model_dir) / "model_index.json")
+    files, images, k = [], [], 0
+    total = len(req.prompts) * req.batch
+    for prompt in req.prompts:
+        for _ in range(req.batch):
+            seed = req.seed + k
+            kw = dict(prompt=prompt, num_inference_steps=req.steps, generator=torch.Generator().manual_seed(seed))
+            if req.width:
+                kw["width"] = req.width
+            if req.height:
+                kw["height"] = req.height
+            if req.negative is not None:
+                kw["negative_prompt"] = req.negative
+            if req.guidance is not None:
+                kw["true_cfg_scale" if module == "qwen_image" else "guidance_scale"] = req.guidance
+            if controls:
+                kw["image"] = controls[0] if variant == "edit" else controls
+            if variant == "t2v":
+                kw["num_frames"] = req.frames
+            result = pipe(**kw)
+            info = PngInfo()
+            meta = {"prompt": prompt, "negative_prompt": req.negative or "", "seed": seed, "steps": req.steps,
+                    "guidance": req.guidance, "model": str(model_dir), "model_sha256_16": model_hash,
+                    "loras": [{"sha256_16": f["sha256_16"], "scale": f["scale"], "path": f["path"]}
+                              for f in lora_facts], "lorakit": __version__}
+            for key, v in meta.items():
+                info.add_text(f"lorakit:{key}", v if isinstance(v, str) else json.dumps(v))
+            if variant == "t2v":
+                frames = [_to_pil(f) for f in result.frames[0]]
+                path = out_dir / f"{k:04d}-seed{seed}.gif"
+                frames[0].save(path, save_all=True, append_images=frames[1:], duration=100, loop=0)
+                img = frames[len(frames) // 2]
+            else:
+                img = _to_pil(result.images[0])
+                path = out_dir / f"{k:04d}-seed{seed}.png"
+                img.save(path, pnginfo=info)
+            files.append(str(path))
+            images.append(img)
+            k += 1
+            if progress:
+                progress(k, total)
+    sheet = None
+    if len(images) > 1:
+        sheet = out_dir / "contact_sheet.png"
+        contact_sheet(images).save(sheet)
+    return {"files": files, "contact_sheet": str(sheet) if sheet else None, "model": str(model_dir),
+            "family": family, "device": device, "dtype": dtype_name, "loras": lora_facts}
+
+
+def contact_sheet(images, columns: int = 4):
+    from PIL import Image
+
+    w = max(i.width for i in images)
+    h = max(i.height for i in images)
+    cols = min(columns, len(images))
+    rows = -(-len(images) // cols)
+    sheet = Image.new("RGB", (cols * w, rows * h), "white")
+    for n, im in enumerate(images):
+        sheet.paste(im, ((n % cols) * w, (n // cols) * h))
+    return sheet
