@@ -34,7 +34,8 @@ def parse_lora(spec: str) -> tuple[Path, float]:
     try:
         s = float(scale) if scale else 1.0
     except ValueError:
-        raise InputError(f"--lora {spec!r}: the scale after ':' must be a number", "e.g. --lora my.safetensors:0.8")
+        raise InputError(f"--lora {spec!r}: the scale after ':' must be a number",
+                         "e.g. --lora my.safetensors:0.8") from None
     p = Path(path)
     if not p.exists():
         raise InputError(f"--lora: no such file: {p}")
@@ -141,7 +142,7 @@ def generate(model_dir: Path, req: Request, loras: list[tuple[Path, float]], out
     from PIL.PngImagePlugin import PngInfo
 
     from lorakit import __version__
-    from lorakit.models.registry import family_names, family_info
+    from lorakit.models.registry import family_info, family_names
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype_name = dtype_name or ("bf16" if device.startswith("cuda") else "fp32")

@@ -401,7 +401,7 @@ def _child(spec: dict, timeout: float) -> dict:
     for line in reversed(p.stdout.strip().splitlines()):
         if line.startswith("{"):
             return json.loads(line)
-    err = (p.stderr.strip().splitlines() or ["exited with code %d" % p.returncode])
+    err = p.stderr.strip().splitlines() or [f"exited with code {p.returncode}"]
     oom = next((ln for ln in err if "OutOfMemoryError" in ln or "out of memory" in ln), None)
     return {"way": spec["way"], "error": "out of memory" if oom else err[-1][-300:]}
 

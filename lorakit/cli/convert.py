@@ -69,10 +69,15 @@ def model(src: Path = typer.Argument(..., show_default=False), dst: Path = typer
     raise not_in_this_build("`lorakit convert model`", 7, "diffusers' save_pretrained reshards folders")
 
 
-@app.command("merge", help="Bake a LoRA into the base weights at a scale.")
-def merge(model_dir: Path = typer.Argument(..., show_default=False),
-          lora_file: Path = typer.Argument(..., show_default=False),
-          dst: Path = typer.Argument(..., show_default=False), scale: float = typer.Option(1.0, "--scale"),
-          as_json: bool = JsonOpt) -> None:
+@app.command("merge", help="Bake a LoRA into the base weights at a scale (a new model folder).")
+def merge(model_dir: Path = typer.Argument(..., show_default=False, help="diffusers model folder"),
+          lora_file: Path = typer.Argument(..., show_default=False, help="LoRA (any layout)"),
+          dst: Path = typer.Argument(..., show_default=False, help="new folder for the merged model"),
+          scale: float = typer.Option(1.0, "--scale"), as_json: bool = JsonOpt) -> None:
     use_json(as_json)
-    raise not_in_this_build("`lorakit convert merge`", 7, "diffusers' pipe.fuse_lora() merges in memory")
+    from lorakit.convert.merge import merge as do_merge
+
+    result = do_merge(model_dir, lora_file, dst, scale)
+    emit(as_json, result, lambda: console.print(
+        f"{result['lora']} ({result['lora_format']}, {result['modules']} modules) x {scale} baked into "
+        f"{result['model']} -> {result['output']}"))

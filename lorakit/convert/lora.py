@@ -303,7 +303,7 @@ def _split(piece: Piece, targets: list[str]) -> dict[str, Piece]:
     seen = torch.cat(cols) if cols else torch.empty(0, dtype=torch.long)
     block_diagonal = len(seen) == len(set(seen.tolist()))
     out = {}
-    for t, r, c in zip(targets, rows, cols):
+    for t, r, c in zip(targets, rows, cols, strict=True):
         if len(c) == 0:
             continue  # this projection had no LoRA
         if block_diagonal:
@@ -325,7 +325,7 @@ def _to_native(pieces: dict[str, Piece], family: str) -> dict[str, Piece]:
     for native, ds in table.items():
         for d in ds:
             owner.setdefault(d, []).append(native)
-    out, used = {}, set()
+    out = {}
     for mod in pieces:
         if mod not in owner:
             raise InputError(f"{mod} has no {family} native name in this build", "keep the diffusers format")
@@ -342,15 +342,15 @@ def _to_native(pieces: dict[str, Piece], family: str) -> dict[str, Piece]:
         same = all(p is None or abs(p.scale - scale) <= 1e-12 * abs(scale) for p in ps)
         hidden = int(ref.A.shape[1])
         sizes = [hidden] * 3 + [4 * hidden] if ds[-1].endswith("proj_mlp") else [hidden] * len(ds)
-        for d, p, n in zip(ds, ps, sizes):
+        for j, p in enumerate(ps):
             if p is not None:
-                sizes[ds.index(d)] = int(p.B.shape[0])
-        a_parts, b_blocks, total = [], [], sum(p.rank for p in ps if p is not None)
+                sizes[j] = int(p.B.shape[0])
+        a_parts, total = [], sum(p.rank for p in ps if p is not None)
         dtype = ref.A.dtype
         col = 0
         b = torch.zeros(sum(sizes), total, dtype=ref.B.dtype)
         row = 0
-        for p, n in zip(ps, sizes):
+        for p, n in zip(ps, sizes, strict=True):
             if p is not None:
                 a_parts.append(p.A)
                 blk = p.B if same else (p.B.double() * (p.scale / scale)).to(p.B.dtype)
@@ -358,7 +358,6 @@ def _to_native(pieces: dict[str, Piece], family: str) -> dict[str, Piece]:
                 col += p.rank
             row += n
         out[native] = Piece(torch.cat(a_parts).to(dtype), b, scale * total)
-        used.update(present)
     return out
 
 
@@ -449,3 +448,9 @@ def deltas_equal(a: dict[str, Piece], b: dict[str, Piece], rtol: float = 1e-6, p
         if err > rtol:
             return False, f"{m}: relative difference {err:.2e}"
     return True, "equal"
+
+
+def file_sha(path) -> str:
+    from lorakit.infer import file_hash
+
+    return file_hash(Path(path))

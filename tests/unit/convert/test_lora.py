@@ -138,3 +138,45 @@ def test_unknown_native_keys_are_refused(tmp_path):
                "lora_unet_mystery_block_0.lora_up.weight": torch.zeros(4, 2)}, tmp_path / "k.safetensors")
     with pytest.raises(InputError):
         L.read(tmp_path / "k.safetensors", family="flux")
+
+
+def test_merge_bakes_the_lora_in_exactly(tiny, tmp_path):
+    from diffusers import FluxTransformer2DModel
+
+    from lorakit.io.modules import load_component
+    from lorakit.models.base import load_adapter
+    from lorakit.train.lora import load_lora_into
+
+    folder = tiny("flux")
+    src = _trained_like(tiny, "flux", tmp_path, targets="attention")
+    r = CliRunner().invoke(app, ["convert", "merge", str(folder), str(src), str(tmp_path / "merged"), "--json"])
+    assert r.exit_code == 0, r.output
+    merged = load_component(tmp_path / "merged" / "transformer")
+    assert isinstance(merged, FluxTransformer2DModel) and (tmp_path / "merged" / "vae").is_dir()
+    base = load_component(folder / "transformer")
+    from peft import LoraConfig
+
+    import lorakit.train.lora as tl
+
+    base.add_adapter(LoraConfig(r=4, lora_alpha=8, target_modules=tl.target_modules(base, "flux", "attention")))
+    load_lora_into(base, src)
+    ad = load_adapter("flux", None)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(1, 16, 8, 8, generator=g)
+    text = {"prompt_embeds": torch.randn(1, 7, 32, generator=g), "pooled": torch.randn(1, 32, generator=g)}
+    with torch.no_grad():
+        a = ad.predict(merged, x, torch.tensor([0.5]), text)
+        b = ad.predict(base, x, torch.tensor([0.5]), text)
+    assert torch.allclose(a, b, atol=1e-5, rtol=1e-4)
+    r = CliRunner().invoke(app, ["convert", "merge", str(folder), str(src), str(tmp_path / "merged")])
+    assert r.exit_code == 2 and "exists" in r.output
+    # at a scale: W' = W + scale * alpha/r * B @ A
+    r = CliRunner().invoke(app, ["convert", "merge", str(folder), str(src), str(tmp_path / "half"), "--scale", "0.5"])
+    assert r.exit_code == 0, r.output
+    from lorakit.io import load
+
+    pieces, _ = L.read(src)
+    w0, w1 = load(folder / "transformer"), load(tmp_path / "half" / "transformer")
+    m = "transformer_blocks.0.attn.to_q"
+    want = (w0[f"{m}.weight"].double() + 0.5 * pieces[m].delta()).float()
+    assert torch.equal(w1[f"{m}.weight"], want)

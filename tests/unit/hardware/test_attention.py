@@ -172,8 +172,8 @@ def test_gpu_choice_holds_in_forward_backward_and_recompute(family, gpu_report):
     # with a pair (flash+efficient), the masked model case ran on the second
     assert [r.ok for r in rep.results if r.backend == backend.split("+")[-1] and r.case == model_case] == [True]
     att.apply(backend)
-    backend = backend.split("+")[-1] if masked else backend.split("+")[0]  # the kernel this input gets
     masked = att.FAMILY_MASKED[family]
+    backend = backend.split("+")[-1] if masked else backend.split("+")[0]  # the kernel this input gets
     q = torch.randn(1, 24, 1536, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     mask = torch.ones(1, 1, 1, 1536, device="cuda", dtype=torch.bool) if masked else None
 

@@ -1,0 +1,62 @@
+"""Bake a LoRA into a model's transformer weights: W' = W + scale * alpha/rank * B @ A, in float64, stored back
+in the weight's own dtype. The output is a complete model folder (other components copied), written to a
+temporary sibling and renamed, so a failure leaves nothing half-written."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from pathlib import Path
+
+from lorakit.errors import InputError
+
+
+def merge(model_dir, lora_path, dst, scale: float = 1.0) -> dict:
+    from lorakit.convert import lora as L
+    from lorakit.io import load, resolve_files, save_sharded
+    from lorakit.models.registry import family_info, family_names
+
+    model_dir, dst = Path(model_dir), Path(dst)
+    index_file = model_dir / "model_index.json"
+    if not index_file.is_file():
+        raise InputError(f"{model_dir} is not a diffusers model folder (no model_index.json)")
+    if dst.exists():
+        raise InputError(f"{dst} exists", "name a new folder for the merged model")
+    cls = json.loads(index_file.read_text()).get("_class_name")
+    family = next((f for f in family_names() if family_info(f).pipeline_class == cls), None)
+    pieces, facts = L.read(lora_path)
+    if family and facts["family"] and facts["family"] != family_info(family).module:
+        raise InputError(f"{lora_path} is a {facts['family']} LoRA; {model_dir} is {cls}")
+    tdir = model_dir / "transformer"
+    weights = load(tdir, copy=True)
+    missing = [m for m in pieces if f"{m}.weight" not in weights]
+    if missing:
+        raise InputError(f"{lora_path}: modules the model does not have: {', '.join(missing[:3])}",
+                         "is the LoRA for another model?")
+    for m, p in pieces.items():
+        w = weights[f"{m}.weight"]
+        if tuple(w.shape) != (p.B.shape[0], p.A.shape[1]):
+            raise InputError(f"{m}: LoRA delta {tuple(p.B.shape[0:1]) + tuple(p.A.shape[1:])} does not fit the "
+                             f"weight {tuple(w.shape)}")
+        weights[f"{m}.weight"] = (w.double() + p.delta() * scale).to(w.dtype)
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", dir=dst.parent))
+    try:
+        for item in model_dir.iterdir():
+            if item.name != "transformer":
+                (shutil.copytree if item.is_dir() else shutil.copy2)(item, tmp / item.name)
+        (tmp / "transformer").mkdir()
+        for f in tdir.iterdir():
+            if f.is_file() and ".safetensors" not in f.name:
+                shutil.copy2(f, tmp / "transformer" / f.name)
+        size = max(f.stat().st_size for f in resolve_files(tdir))
+        save_sharded(weights, tmp / "transformer", max_shard_bytes=size + 1 if len(resolve_files(tdir)) == 1
+                     else size, metadata={"format": "pt", "lorakit_merged_lora": L.file_sha(lora_path),
+                                          "lorakit_merge_scale": str(scale)})
+        tmp.rename(dst)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return {"model": str(model_dir), "lora": str(lora_path), "scale": scale, "output": str(dst),
+            "modules": len(pieces), "lora_format": facts["format"]}
