@@ -70,6 +70,15 @@ _QWEN_BLOCK = ["attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "attn.add
 _QWEN_TOP = ["img_in", "txt_in", "proj_out", "norm_out.linear", "time_text_embed.timestep_embedder.linear_1",
              "time_text_embed.timestep_embedder.linear_2"]
 _K5_MARK = ("visual_transformer_blocks", "text_transformer_blocks")
+# Kandinsky 5: the original checkpoints' module names are the diffusers names (the port kept them)
+_K5_ATTN = ["to_query", "to_key", "to_value", "out_layer"]
+_K5_VISUAL = ([f"self_attention.{m}" for m in _K5_ATTN] + [f"cross_attention.{m}" for m in _K5_ATTN]
+              + ["feed_forward.in_layer", "feed_forward.out_layer", "visual_modulation.out_layer"])
+_K5_TEXT = [f"self_attention.{m}" for m in _K5_ATTN] + ["feed_forward.in_layer", "feed_forward.out_layer",
+                                                        "text_modulation.out_layer"]
+_K5_TOP = ["time_embeddings.in_layer", "time_embeddings.out_layer", "text_embeddings.in_layer",
+           "pooled_text_embeddings.in_layer", "visual_embeddings.in_layer", "out_layer.modulation.out_layer",
+           "out_layer.out_layer"]
 
 
 def guess_family(modules) -> str | None:
@@ -236,6 +245,8 @@ def _native_family(native: dict) -> str:
     names = list(native)
     if any(n.startswith(("double_blocks", "single_blocks")) for n in names):
         return "flux"
+    if any(n.startswith(_K5_MARK) for n in names) or any(_flat(m) in n for m in _K5_MARK for n in names):
+        return "kandinsky5"
     if any(re.search(r"(img|txt)_(mlp|mod)", n) for n in names) or any("transformer_blocks" in n for n in names):
         return "qwen_image"
     raise InputError("cannot tell which model this LoRA is for from its keys", "pass --family")
@@ -256,6 +267,14 @@ def _native_map(family: str, n_blocks: int = 80):
             for m in _QWEN_BLOCK:
                 table[f"transformer_blocks.{i}.{m}"] = [f"transformer_blocks.{i}.{m}"]
         for m in _QWEN_TOP:
+            table[m] = [m]
+    elif family == "kandinsky5":
+        for i in range(n_blocks):
+            for m in _K5_VISUAL:
+                table[f"visual_transformer_blocks.{i}.{m}"] = [f"visual_transformer_blocks.{i}.{m}"]
+            for m in _K5_TEXT:
+                table[f"text_transformer_blocks.{i}.{m}"] = [f"text_transformer_blocks.{i}.{m}"]
+        for m in _K5_TOP:
             table[m] = [m]
     else:
         raise InputError(f"kohya/ComfyUI layouts are not defined for {family} in this build",
