@@ -62,11 +62,21 @@ def cache(src: Path = typer.Argument(..., show_default=False), as_json: bool = J
     raise not_in_this_build("`lorakit convert cache`", 7, "rebuild the cache with `lorakit cache`")
 
 
-@app.command("model", help="Diffusers folder <-> single file, dtype casts, resharding.")
-def model(src: Path = typer.Argument(..., show_default=False), dst: Path = typer.Argument(..., show_default=False),
+@app.command("model", help="Component weights: folder <-> single file, dtype cast (fp8: per-tensor scales), "
+                          "resharding with index.json.")
+def model(src: Path = typer.Argument(..., show_default=False, help="component folder (e.g. .../transformer) or file"),
+          dst: Path = typer.Argument(..., show_default=False, help="NAME.safetensors (one file) or a new folder"),
+          dtype: str = typer.Option("keep", "--dtype", help="keep | fp32 | bf16 | fp16 | fp8"),
+          shard_gb: float | None = typer.Option(None, "--shard-gb", help="folder output: max shard size (GiB, "
+                                                "default 5)"),
           as_json: bool = JsonOpt) -> None:
     use_json(as_json)
-    raise not_in_this_build("`lorakit convert model`", 7, "diffusers' save_pretrained reshards folders")
+    from lorakit.convert.model import convert_model
+
+    result = convert_model(src, dst, dtype, shard_gb)
+    emit(as_json, result, lambda: console.print(
+        f"{result['input']} -> {result['output']} ({result['tensors']} tensors, {result['bytes'] / 2**30:.2f} GiB, "
+        f"dtype {dtype}, {len(result['files'])} file(s))"))
 
 
 @app.command("merge", help="Bake a LoRA into the base weights at a scale (a new model folder).")
