@@ -7,7 +7,6 @@ from pathlib import Path
 import typer
 
 from lorakit.cli.common import JsonOpt, console, emit, use_json
-from lorakit.cli.pending import not_in_this_build
 
 HELP = "Convert LoRA formats (diffusers/peft/kohya/ComfyUI), legacy .pt caches and model files."
 
@@ -57,9 +56,16 @@ def lora(src: Path = typer.Argument(..., show_default=False, help="LoRA file (.s
 
 
 @app.command("cache", help="Migrate a legacy .pt cache (read with weights_only=True) to lorakit's store.")
-def cache(src: Path = typer.Argument(..., show_default=False), as_json: bool = JsonOpt) -> None:
+def cache(src: Path = typer.Argument(..., show_default=False, help="folder of .pt files (one per item)"),
+          dst: Path | None = typer.Option(None, "--out", help="store folder (default: SRC/lorakit-cache)"),
+          family: str | None = typer.Option(None, "--family", help="record the model family in the manifest"),
+          as_json: bool = JsonOpt) -> None:
     use_json(as_json)
-    raise not_in_this_build("`lorakit convert cache`", 7, "rebuild the cache with `lorakit cache`")
+    from lorakit.convert.cache import migrate
+
+    result = migrate(src, dst, family)
+    emit(as_json, result, lambda: console.print(
+        f"{result['items']} items from {result['input']} -> {result['output']} ({', '.join(result['tensors'])})"))
 
 
 @app.command("model", help="Component weights: folder <-> single file, dtype cast (fp8: per-tensor scales), "
