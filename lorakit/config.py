@@ -355,6 +355,13 @@ def resolve(config_path: Path | None = None, overrides: list[str] | None = None,
     return cfg, {"profile": choice.profile.name, "reason": choice.reason, "warnings": choice.warnings}
 
 
+def torch_dtype(name: str):
+    """bf16 | fp16 | fp32 -> the torch dtype (the names configs and command options use)."""
+    import torch
+
+    return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[name]
+
+
 def dump_yaml(cfg: Config) -> str:
     """The resolved config as YAML (what --dry-run prints and what runs save)."""
     return yaml.safe_dump(cfg.to_dict(), sort_keys=False, default_flow_style=False)

@@ -11,6 +11,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from lorakit.config import torch_dtype
 from lorakit.errors import InputError
 
 
@@ -53,12 +54,10 @@ def file_hash(path: Path) -> str:
 
 
 def assemble(model_dir: Path, device: str, dtype, backend: str = "auto"):
-    """The stock pipeline over components loaded by lorakit.io (tokenizers, scheduler: their own classes)."""
-    import importlib
-
-    import diffusers
-
-    from lorakit.io.modules import load_component
+    """The family's stock pipeline over every component, weights loaded through lorakit.io (the family
+    adapter's loading). Returns (pipeline, family)."""
+    from lorakit.models.base import load_adapter
+    from lorakit.models.registry import family_info, family_names
 
     model_dir = Path(model_dir)
     if model_dir.is_file():
@@ -67,27 +66,16 @@ def assemble(model_dir: Path, device: str, dtype, backend: str = "auto"):
     index_file = model_dir / "model_index.json"
     if not index_file.is_file():
         raise InputError(f"{model_dir} is not a diffusers model folder (no model_index.json)")
-    index = json.loads(index_file.read_text())
-    cls = getattr(diffusers, index.get("_class_name", ""), None)
-    if cls is None:
-        raise InputError(f"{model_dir}: pipeline class {index.get('_class_name')!r} is not in diffusers "
-                         f"{diffusers.__version__}")
-    parts = {}
-    for name, entry in index.items():
-        if name.startswith("_") or not isinstance(entry, list) or entry[0] is None:
-            parts[name] = None if isinstance(entry, list) else parts.get(name)
-            continue
-        folder = model_dir / name
-        if (folder / "config.json").is_file() and any(folder.glob("*.safetensors*")):
-            parts[name] = load_component(folder, device, dtype, backend)
-        else:
-            parts[name] = getattr(importlib.import_module(entry[0]), entry[1]).from_pretrained(folder)
-    import inspect
-
-    wanted = [p for p in inspect.signature(cls.__init__).parameters if p != "self"]
-    pipe = cls(**{k: parts.get(k) for k in wanted if k in parts})
+    cls_name = json.loads(index_file.read_text()).get("_class_name")
+    family = next((f for f in family_names() if family_info(f).pipeline_class == cls_name), None)
+    if family is None:
+        raise InputError(f"{model_dir} holds a {cls_name}, which is not a lorakit family",
+                         "FLUX.1-dev, Qwen-Image(-Edit/-Plus) and Kandinsky 5 pipelines are supported")
+    adapter = load_adapter(family, model_dir, device=device, dtype=dtype, backend=backend)
+    adapter.load([k for k in adapter.index if not k.startswith("_")])
+    pipe = adapter.pipeline()
     pipe.set_progress_bar_config(disable=True)
-    return pipe, index["_class_name"]
+    return pipe, family
 
 
 def add_loras(pipe, loras: list[tuple[Path, float]], family_module: str | None) -> list[dict]:
@@ -102,11 +90,8 @@ def add_loras(pipe, loras: list[tuple[Path, float]], family_module: str | None) 
         if f["family"] and family_module and f["family"] != family_module:
             raise InputError(f"{path} is a {f['family']} LoRA; the model is {family_module}",
                              "use a LoRA trained for this model")
-        cfg = L._peft_config(pieces)
-        sd = {}
-        for m, p in pieces.items():
-            sd[f"transformer.{m}.lora_A.weight"] = p.A.to(torch.float32)
-            sd[f"transformer.{m}.lora_B.weight"] = p.B.to(torch.float32)
+        sd, cfg = L.to_peft(pieces)
+        sd = {k: v.to(torch.float32) for k, v in sd.items()}
         name = f"lora{i}"
         try:
             # the transformer's own peft loader, given rank and alpha as diffusers reads them from a file
@@ -142,11 +127,11 @@ def generate(model_dir: Path, req: Request, loras: list[tuple[Path, float]], out
     from PIL.PngImagePlugin import PngInfo
 
     from lorakit import __version__
-    from lorakit.models.registry import family_info, family_names
+    from lorakit.models.registry import family_info
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype_name = dtype_name or ("bf16" if device.startswith("cuda") else "fp32")
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype_name]
+    dtype = torch_dtype(dtype_name)
     if not req.prompts:
         raise InputError("no prompt", "give --prompt TEXT (repeatable) or --prompts FILE")
     controls = []
@@ -155,14 +140,12 @@ def generate(model_dir: Path, req: Request, loras: list[tuple[Path, float]], out
             controls.append(Image.open(p).convert("RGB"))
         except (OSError, ValueError):
             raise InputError(f"--image {p}: not a readable image") from None
-    pipe, cls_name = assemble(model_dir, device, dtype)
-    family = next((f for f in family_names() if family_info(f).pipeline_class == cls_name), None)
-    module = family_info(family).module if family else None
-    variant = family_info(family).variant if family else ""
+    pipe, family = assemble(model_dir, device, dtype)
+    module, variant = family_info(family).module, family_info(family).variant
     if variant in ("edit", "edit-plus") and not controls:
-        raise InputError(f"{cls_name} edits an image", "give --image PATH (Edit-Plus: several)")
+        raise InputError(f"{family} edits an image", "give --image PATH (Edit-Plus: several)")
     if controls and variant not in ("edit", "edit-plus"):
-        raise InputError(f"{cls_name} takes no --image")
+        raise InputError(f"{family} takes no --image")
     lora_facts = add_loras(pipe, loras, module)
     out_dir.mkdir(parents=True, exist_ok=True)
     model_hash = file_hash(Path(model_dir) / "model_index.json")

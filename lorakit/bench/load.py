@@ -16,6 +16,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from lorakit.config import torch_dtype
 from lorakit.errors import InputError
 
 WAYS = ("safetensors", "safetensors+to", "fastsafetensors", "lorakit", "lorakit-copy")
@@ -272,7 +273,7 @@ def bench_model_dir(folder: Path, device: str, dtype_name: str = "bf16", repeats
 
     from lorakit.io.modules import load_component
 
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype_name]
+    dtype = torch_dtype(dtype_name)
     folder = Path(folder)
     index = _json.loads((folder / "model_index.json").read_text())
     comps = [k for k, v in index.items() if isinstance(v, list) and v[0] and (folder / k / "config.json").is_file()

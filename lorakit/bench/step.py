@@ -22,6 +22,7 @@ import subprocess
 import sys
 import time
 
+from lorakit.config import torch_dtype
 from lorakit.errors import InputError
 
 FAMILIES = ("flux", "qwen-image", "qwen-image-edit")
@@ -201,7 +202,7 @@ def prepare(spec: dict):
     import torch
 
     device = spec["device"]
-    dtype = getattr(torch, {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}[spec["dtype"]])
+    dtype = torch_dtype(spec["dtype"])
     cuda = device.startswith("cuda")
     if cuda:
         torch.backends.cuda.matmul.allow_tf32 = True
@@ -345,7 +346,7 @@ def compare_numerics(family: str, size: str = "tiny", res: int = 128, device: st
     """
     import torch
 
-    dtype = getattr(torch, {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}[dtype_name])
+    dtype = torch_dtype(dtype_name)
     cuda = device.startswith("cuda")
     spec = dict(family=family, size=size, res=res, device=device, seed=0, rank=16, steps=1, warmup=0,
                 dtype=dtype_name, profile="datacenter" if cuda else "cpu", sets=list(sets or []),

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from lorakit.cache.store import Store, item_key
+from lorakit.config import torch_dtype
 from lorakit.data.buckets import POLICY, fit, make_buckets, nearest_bucket
 from lorakit.data.check import LAYOUT_OF_FAMILY, control_dirs_for
 from lorakit.data.dataset import IMAGE_EXTS, open_image, scan
@@ -44,7 +45,7 @@ def device_and_dtype(cfg):
     import torch
 
     device = "cuda" if (cfg.profile != "cpu" and torch.cuda.is_available()) else "cpu"
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[cfg.model.dtype]
+    dtype = torch_dtype(cfg.model.dtype)
     return device, dtype
 
 

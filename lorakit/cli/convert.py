@@ -13,9 +13,6 @@ HELP = "Convert LoRA formats (diffusers/peft/kohya/ComfyUI), legacy .pt caches a
 app = typer.Typer(no_args_is_help=True, add_completion=False, rich_markup_mode=None)
 
 
-DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
-
-
 @app.command("lora", help="Convert a LoRA between diffusers, peft, kohya and ComfyUI key layouts (exactly).")
 def lora(src: Path = typer.Argument(..., show_default=False, help="LoRA file (.safetensors) or peft folder"),
          dst: Path = typer.Argument(..., show_default=False, help="output file (peft: a folder)"),
@@ -29,20 +26,19 @@ def lora(src: Path = typer.Argument(..., show_default=False, help="LoRA file (.s
 
     if to not in ("diffusers", "peft", "kohya", "comfyui"):
         raise InputError(f"--to must be one of diffusers, peft, kohya, comfyui; got {to!r}")
-    if dtype is not None and dtype not in DTYPES:
-        raise InputError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    if dtype is not None and dtype not in ("fp32", "bf16", "fp16"):
+        raise InputError(f"--dtype must be one of fp32, bf16, fp16, got {dtype!r}")
     if src.exists() and dst.exists() and src.resolve() == dst.resolve():
         raise InputError(f"{dst} would overwrite its input", "name another output")
     if not src.exists():
         raise InputError(f"no such file or folder: {src}")
-    import torch
-
+    from lorakit.config import torch_dtype
     from lorakit.convert import lora as L
     from lorakit.models.registry import family_info
 
     fam = family_info(family).module if family else None
     pieces, facts = L.read(src, family=fam)
-    out = L.write(pieces, dst, to, fam or facts["family"], dtype=getattr(torch, DTYPES[dtype]) if dtype else None)
+    out = L.write(pieces, dst, to, fam or facts["family"], dtype=torch_dtype(dtype) if dtype else None)
     back, out_facts = L.read(out)
     exact, why = L.deltas_equal(pieces, back, rtol=1e-6 if dtype in (None, "fp32") else 1e-2)
     result = {"input": {"path": str(src), **facts}, "output": {"path": str(out), **out_facts},

@@ -396,20 +396,14 @@ def write(pieces: dict[str, Piece], dst, fmt: str, family: str | None, dtype=Non
 
     meta = {"format": "pt", **(extra_metadata or {})}
     if fmt in ("diffusers", "peft"):
-        cfg = _peft_config(pieces)
+        prefix = "transformer." if fmt == "diffusers" else "base_model.model."
+        sd, cfg = to_peft(pieces, prefix)
+        sd = {k: cast(v) for k, v in sd.items()}
         if fmt == "diffusers":
-            sd = {}
-            for m, p in pieces.items():
-                sd[f"transformer.{m}.lora_A.weight"] = cast(p.A)
-                sd[f"transformer.{m}.lora_B.weight"] = cast(p.B)
             meta["lora_adapter_metadata"] = json.dumps({f"transformer.{k}": v for k, v in cfg.items()},
                                                        sort_keys=True)
             return save(sd, dst, metadata=meta)
         dst.mkdir(parents=True, exist_ok=True)
-        sd = {}
-        for m, p in pieces.items():
-            sd[f"base_model.model.{m}.lora_A.weight"] = cast(p.A)
-            sd[f"base_model.model.{m}.lora_B.weight"] = cast(p.B)
         save(sd, dst / "adapter_model.safetensors", metadata=meta)
         from lorakit.io import atomic_path
 
@@ -430,6 +424,15 @@ def write(pieces: dict[str, Piece], dst, fmt: str, family: str | None, dtype=Non
             sd[f"{k}.lora_A.weight"], sd[f"{k}.lora_B.weight"] = cast(p.A), cast(p.B)
         sd[f"{k}.alpha"] = torch.tensor(p.alpha, dtype=torch.float32)
     return save(sd, dst, metadata=meta)
+
+
+def to_peft(pieces: dict[str, Piece], prefix: str = "transformer.") -> tuple[dict, dict]:
+    """(lora_A/lora_B state dict with `prefix`, the peft LoraConfig dict giving each module its rank and alpha)."""
+    sd = {}
+    for m, p in pieces.items():
+        sd[f"{prefix}{m}.lora_A.weight"] = p.A
+        sd[f"{prefix}{m}.lora_B.weight"] = p.B
+    return sd, _peft_config(pieces)
 
 
 def _peft_config(pieces: dict[str, Piece]) -> dict:
@@ -467,9 +470,3 @@ def deltas_equal(a: dict[str, Piece], b: dict[str, Piece], rtol: float = 1e-6, p
         if err > rtol:
             return False, f"{m}: relative difference {err:.2e}"
     return True, "equal"
-
-
-def file_sha(path) -> str:
-    from lorakit.infer import file_hash
-
-    return file_hash(Path(path))

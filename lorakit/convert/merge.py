@@ -14,6 +14,7 @@ from lorakit.errors import InputError
 
 def merge(model_dir, lora_path, dst, scale: float = 1.0) -> dict:
     from lorakit.convert import lora as L
+    from lorakit.infer import file_hash
     from lorakit.io import load, resolve_files, save_sharded
     from lorakit.models.registry import family_info, family_names
 
@@ -52,7 +53,7 @@ def merge(model_dir, lora_path, dst, scale: float = 1.0) -> dict:
                 shutil.copy2(f, tmp / "transformer" / f.name)
         size = max(f.stat().st_size for f in resolve_files(tdir))
         save_sharded(weights, tmp / "transformer", max_shard_bytes=size + 1 if len(resolve_files(tdir)) == 1
-                     else size, metadata={"format": "pt", "lorakit_merged_lora": L.file_sha(lora_path),
+                     else size, metadata={"format": "pt", "lorakit_merged_lora": file_hash(Path(lora_path)),
                                           "lorakit_merge_scale": str(scale)})
         tmp.rename(dst)
     except BaseException:

@@ -38,7 +38,9 @@ def _cast(sd: dict, dtype: str) -> dict:
     if dtype == "keep":
         return sd
     if dtype in ("fp32", "bf16", "fp16"):
-        dt = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+        from lorakit.config import torch_dtype
+
+        dt = torch_dtype(dtype)
         return {k: v.to(dt) if v.is_floating_point() else v for k, v in sd.items()}
     out = {"scaled_fp8": torch.empty(0, dtype=torch.float8_e4m3fn)}
     for k, v in sd.items():

@@ -75,7 +75,7 @@ class Adapter:
         self._pipe = None
 
     def pipeline(self):
-        """The stock pipeline object over the loaded components (transformer and scheduler absent)."""
+        """The stock pipeline object over the loaded components (those not loaded are None)."""
         if self._pipe is None:
             import importlib
             import inspect

@@ -17,15 +17,15 @@ E4M3_MAX = 448.0
 class Float8Linear(torch.nn.Linear):
     """A frozen Linear whose weight lives in float8_e4m3fn (1 byte/parameter) plus a float32 scale per row."""
 
-    def __init__(self, linear: torch.nn.Linear, compute_dtype: torch.dtype):
+    def __init__(self, linear: torch.nn.Linear, compute_dtype: torch.dtype, device=None):
         torch.nn.Module.__init__(self)
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        w = linear.weight.detach().float()
+        w = linear.weight.detach().to(device).float()  # device None: where the layer is
         scale = (w.abs().amax(dim=1).clamp(min=1e-12) / E4M3_MAX)
         self.weight = torch.nn.Parameter((w / scale[:, None]).to(torch.float8_e4m3fn), requires_grad=False)
         self.register_buffer("scale", scale)
-        self.bias = None if linear.bias is None else torch.nn.Parameter(linear.bias.detach().to(compute_dtype),
-                                                                         requires_grad=False)
+        self.bias = None if linear.bias is None else torch.nn.Parameter(
+            linear.bias.detach().to(device=device, dtype=compute_dtype), requires_grad=False)
         self.compute_dtype = compute_dtype
 
     def dequantized(self) -> torch.Tensor:
@@ -43,12 +43,5 @@ def quantize_blocks(transformer, compute_dtype: torch.dtype, device=None) -> int
                if type(m) is torch.nn.Linear and "blocks." in n]
     for name, lin in targets:
         parent_name, _, child = name.rpartition(".")
-        parent = transformer.get_submodule(parent_name)
-        if device is not None and lin.weight.device != torch.device(device):
-            lin = torch.nn.Linear(lin.in_features, lin.out_features, bias=lin.bias is not None, device="meta")
-            src = getattr(parent, child)
-            lin.weight = torch.nn.Parameter(src.weight.detach().to(device), requires_grad=False)
-            if src.bias is not None:
-                lin.bias = torch.nn.Parameter(src.bias.detach().to(device), requires_grad=False)
-        setattr(parent, child, Float8Linear(lin, compute_dtype))
+        setattr(transformer.get_submodule(parent_name), child, Float8Linear(lin, compute_dtype, device))
     return len(targets)
