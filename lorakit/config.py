@@ -182,6 +182,8 @@ class Config(_Section):
 
     profile: str = Field("auto", description="hardware profile (auto: chosen from the probe)")
     seed: int = Field(0, description="global seed")
+    method: Literal["lora", "full"] = Field(
+        "lora", description="lora: train a LoRA on the frozen base; full: train every weight (FSDP on several GPUs)")
     model: ModelConfig
     data: DataConfig = Field(default_factory=DataConfig)
     lora: LoraConfig = Field(default_factory=LoraConfig)

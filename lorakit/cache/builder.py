@@ -70,13 +70,18 @@ def _frames(folder: Path, bucket, max_frames: int, temporal: int = 4):
 
 
 def build(cfg, force: bool = False, verify: bool = False, strict: bool = False, progress=None,
-          adapter=None) -> Summary:
+          adapter=None, dist=None) -> Summary:
     """Encode every valid item not already in the store.
 
     Args:
         progress: callable(done, total, note) for a progress bar.
         adapter: an already-loaded family adapter (tests, demo); loaded from cfg.model.path otherwise.
+        dist: the ranks of a distributed run (`lorakit.train.dist.Dist`): each encodes its share of the items,
+            rank 0 writes the manifest once all are done.
     """
+    from lorakit.train.dist import Dist
+
+    dist = dist or Dist()
     t0 = time.perf_counter()
     if not cfg.data.dirs:
         raise ConfigError(["data.dirs: no dataset folder given"], hint="--set data.dirs=[./my-dataset]")
@@ -124,13 +129,15 @@ def build(cfg, force: bool = False, verify: bool = False, strict: bool = False, 
         key = item_key([it.target, *it.controls], it.caption, identity, settings, bucket)
         planned.append((it, bucket, key))
     keys = [k for _, _, k in planned]
-    if verify:
+    if verify and dist.main:
         summary.verified_bad = store.verify([k for k in keys if store.path(k).is_file()])
         for k in summary.verified_bad:
             store.path(k).unlink(missing_ok=True)
+    dist.barrier()
     todo = [p for p in planned if force or not store.has(p[2])]
     summary.items = len(planned)
     summary.reused = len(planned) - len(todo)
+    todo = dist.share(todo)
     delay = float(os.environ.get("LORAKIT_CACHE_ITEM_DELAY", "0") or 0)  # testing aid: makes a build interruptible
 
     by_bucket: dict = {}
@@ -149,22 +156,32 @@ def build(cfg, force: bool = False, verify: bool = False, strict: bool = False, 
                 progress(done, len(todo), f"{bucket[0]}x{bucket[1]}")
             if delay:
                 time.sleep(delay)
-    empty = _empty_caption(adapter, store, identity, settings, layout)
-    summary.pruned = store.prune(set(keys) | {empty})
+    dist.barrier()  # every rank's items are in the store
+    empty = _empty_caption(adapter, store, identity, settings, layout) if dist.main else None
+    empty = dist.broadcast(empty)
+    if dist.main:
+        summary.pruned = store.prune(set(keys) | {empty})
     hist: dict = {}
     for _, b, _ in planned:
         hist[f"{b[0]}x{b[1]}"] = hist.get(f"{b[0]}x{b[1]}", 0) + 1
     summary.buckets = dict(sorted(hist.items()))
-    store.write_manifest({
-        "family": family, "identity": identity, "settings": settings, "policy": POLICY, "empty_caption": empty if layout != "edit" else None,
-        "items": [{"stem": it.stem, "key": k, "bucket": list(b), "caption": it.caption, "source": str(it.target),
-                   "controls": [str(c) for c in it.controls]} for it, b, k in planned],
-        "skipped": summary.skipped})
+    if dist.main:
+        _write_manifest(store, family, identity, settings, layout, empty, planned, summary)
+    dist.barrier()
     summary.bytes = sum(store.path(k).stat().st_size for k in set(keys))
     summary.seconds = round(time.perf_counter() - t0, 2)
     if cfg.memory.free_encoders_after_cache:
         adapter.unload(list(adapter.parts))
     return summary
+
+
+def _write_manifest(store, family, identity, settings, layout, empty, planned, summary) -> None:
+    store.write_manifest({
+        "family": family, "identity": identity, "settings": settings, "policy": POLICY,
+        "empty_caption": empty if layout != "edit" else None,
+        "items": [{"stem": it.stem, "key": k, "bucket": list(b), "caption": it.caption, "source": str(it.target),
+                   "controls": [str(c) for c in it.controls]} for it, b, k in planned],
+        "skipped": summary.skipped})
 
 
 def _encode_batch(adapter, store: Store, batch, bucket, layout: str, cfg) -> None:

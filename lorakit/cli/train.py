@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import typer
@@ -17,10 +18,12 @@ from lorakit.cli.common import (
     use_json,
 )
 
-HELP = """Train a LoRA from a config (YAML).
+HELP = """Train a LoRA (or, with method: full, every weight) from a config (YAML).
 
 The config merges, lowest first: built-in defaults < hardware profile < CONFIG < --set.
---dry-run prints the resolved config and stops before any weights load."""
+--dry-run prints the resolved config and stops before any weights load.
+--gpus N runs N processes on this machine (data parallel for LoRA, FSDP for method: full); the same run
+starts with `accelerate launch --multi_gpu --num_processes N -m lorakit train CONFIG` or `torchrun`."""
 
 
 def train(
@@ -29,6 +32,8 @@ def train(
     profile: str | None = ProfileOpt,
     dry_run: bool = typer.Option(False, "--dry-run", help="print the resolved config and stop"),
     resume: str | None = typer.Option(None, "--resume", help="latest or a checkpoint folder"),
+    gpus: int = typer.Option(1, "--gpus", min=1, help="processes on this machine, one per GPU (on a machine "
+                                                       "without GPUs: CPU processes over gloo)"),
     as_json: bool = JsonOpt,
 ) -> None:
     use_json(as_json)
@@ -36,12 +41,17 @@ def train(
     if dry_run:
         emit(as_json, {"profile": prov, "config": cfg.to_dict()}, lambda: print_resolved(cfg, prov))
         return
+    if gpus > 1 and int(os.environ.get("WORLD_SIZE", "1") or 1) == 1:
+        raise typer.Exit(_launch(gpus, config, sets, profile, resume, as_json))
+    rank = int(os.environ.get("RANK", "0") or 0)
     from lorakit.quiet import quiet_libraries
     from lorakit.train.loop import run
 
     quiet_libraries()
-    if as_json:
+    if as_json or rank:
         result = run(cfg, prov, resume=resume)
+        if rank:
+            return
     else:
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
@@ -50,6 +60,16 @@ def train(
             task = bar.add_task("train", total=cfg.schedule.steps, info="caching")
 
             def progress(step, total, rec):
+                if rec.get("start"):
+                    s = cfg.schedule
+                    console.print(f"global batch {rec['global_batch']} = {s.batch_size} per process x "
+                                  f"{rec['world']} process(es) x {s.grad_accum} accumulation")
+                    if rec.get("resumed"):
+                        r = rec["resumed"]
+                        console.print(f"resumed at step {step} (written by {r['from_world']} process(es))"
+                                      + (f"; {r['note']}" if r["note"] else ""))
+                    bar.update(task, completed=step, info="")
+                    return
                 info = f"loss {rec['loss']:.4f}  lr {rec['lr']:.2e}  {rec['s_per_step']:.2f} s/step"
                 if "gpu_gib" in rec:
                     info += f"  {rec['gpu_gib']:.1f} GiB"
@@ -59,10 +79,33 @@ def train(
     emit(as_json, result, lambda: _render(result))
 
 
+def _launch(gpus: int, config: Path, sets, profile, resume, as_json: bool) -> int:
+    """Run this command again in `gpus` processes (torch's elastic launcher) and wait for them."""
+    import subprocess
+
+    from lorakit.train.dist import launch_command
+
+    args = [str(config)]
+    for s in sets or []:
+        args += ["--set", s]
+    if profile:
+        args += ["--profile", profile]
+    if resume:
+        args += ["--resume", resume]
+    if as_json:
+        args.append("--json")
+    if not as_json:
+        console.print(f"launching {gpus} processes: {' '.join(launch_command(gpus, args)[2:])}")
+    return subprocess.call(launch_command(gpus, args))
+
+
 def _render(r: dict) -> None:
     state = "interrupted: resume with --resume latest" if r["interrupted"] else "done"
     console.print(f"[bold]{state}[/] after {r['steps']} steps, {r['seconds']:.1f} s")
     if r.get("lora"):
         console.print(f"LoRA: {r['lora']}  (diffusers format: pipe.load_lora_weights(path))")
+    if r.get("transformer"):
+        console.print(f"transformer: {r['transformer']}  (diffusers component folder)")
+    if r.get("loss_curve"):
         console.print(f"loss curve: {r['loss_curve']}")
     console.print(f"checkpoint: {r['checkpoint']}\nmetrics: {r['metrics']}")

@@ -15,90 +15,66 @@ from pathlib import Path
 
 from lorakit.errors import InputError, NotAvailableError
 from lorakit.models.registry import family_info
+from lorakit.train import dist as dist_mod
 from lorakit.train import flow_matching as fm
+from lorakit.train.optim import lr_lambda, make_optimizer
 
 PREDICTS = ("flux", "qwen_image", "kandinsky5")  # families whose forward convention is implemented and tested
-
-
-def make_optimizer(params, cfg, device: str):
-    import torch
-
-    o = cfg.optim
-    if o.name == "adamw":
-        return torch.optim.AdamW(params, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay,
-                                 fused=device.startswith("cuda"))
-    if o.name == "adamw8bit":
-        import bitsandbytes as bnb
-
-        return bnb.optim.AdamW8bit(params, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
-    if o.name == "adafactor":
-        from transformers.optimization import Adafactor
-
-        return Adafactor(params, lr=o.lr, relative_step=False, scale_parameter=False, warmup_init=False,
-                         weight_decay=o.weight_decay)
-    try:
-        from prodigyopt import Prodigy
-    except ImportError:
-        raise InputError("optim.name=prodigy needs the prodigyopt package", "pip install prodigyopt") from None
-    return Prodigy(params, lr=o.lr, betas=o.betas, weight_decay=o.weight_decay)
-
-
-def lr_lambda(cfg):
-    s = cfg.schedule
-
-    def f(step: int) -> float:
-        if s.warmup_steps and step < s.warmup_steps:
-            return (step + 1) / s.warmup_steps
-        rest = max(s.steps - s.warmup_steps, 1)
-        p = min(max(step - s.warmup_steps, 0) / rest, 1.0)
-        if s.lr_schedule == "linear":
-            return 1.0 - p
-        if s.lr_schedule == "cosine":
-            return 0.5 * (1 + math.cos(math.pi * p))
-        return 1.0
-
-    return f
 
 
 class Trainer:
     """Holds the run's state; `train(until)` advances it, `save`/`resume` persist it."""
 
-    def __init__(self, cfg, adapter, transformer, data, out_dir: Path, device: str, dtype):
+    def __init__(self, cfg, adapter, transformer, data, out_dir: Path, device: str, dtype, dist=None):
         import torch
 
         from lorakit.train.lora import add_lora
 
         self.cfg, self.adapter, self.data, self.out = cfg, adapter, data, out_dir
         self.device, self.dtype = device, dtype
+        self.dist = dist or dist_mod.Dist()
+        self.full = cfg.method == "full"
         self.info = family_info(cfg.model.family)
         if self.info.module not in PREDICTS:
             raise NotAvailableError(f"training {cfg.model.family} is not in this build yet (tracked as issue #6)",
                                     "FLUX and Qwen-Image(-Edit/-Plus) train today")
+        if self.full and cfg.memory.base_quant != "none":
+            raise InputError(f"method=full trains every weight: memory.base_quant={cfg.memory.base_quant} "
+                             "(a frozen 8-bit base) does not apply", "--set memory.base_quant=none")
         self.transformer = transformer
         self.quantized = 0
         if cfg.memory.base_quant in ("fp8", "qfloat8"):
             from lorakit.train.quant import quantize_blocks
 
             self.quantized = quantize_blocks(transformer, dtype, device)
-        transformer.to(device)  # what was not quantized (loaded to the CPU for an 8-bit base)
         if cfg.memory.blocks_to_swap:
             raise NotAvailableError("memory.blocks_to_swap is not in this build yet (tracked as issue #6)",
                                     "set it to 0, lower data.resolution, or use --set memory.base_quant=fp8")
         if cfg.memory.base_quant == "nf4":
             raise NotAvailableError("memory.base_quant=nf4 is not in this build yet (tracked as issue #6)",
                                     "use --set memory.base_quant=fp8 (8-bit e4m3 storage, bf16 compute)")
-        self.peft_config = add_lora(transformer, self.info.module, cfg)
+        self.sharded = self.full and self.dist.enabled
+        if not self.sharded:
+            transformer.to(device)  # what was not quantized (loaded to the CPU for an 8-bit base)
+        if self.full:
+            self.peft_config = None
+            transformer.requires_grad_(True)
+        else:
+            self.peft_config = add_lora(transformer, self.info.module, cfg)
         if cfg.memory.gradient_checkpointing:
             transformer.enable_gradient_checkpointing()
-        self.compiled = bool(cfg.memory.compile and device.startswith("cuda")
+        if self.sharded:  # FSDP: each block's weights, grads and optimizer states split over the ranks
+            _fully_shard(transformer, device)
+        self.compiled = bool(cfg.memory.compile and device.startswith("cuda") and not self.sharded
                              and getattr(transformer, "_repeated_blocks", None))
         if self.compiled:  # regional: each repeated block once (seconds, not minutes), shapes per bucket
             transformer.compile_repeated_blocks()
         transformer.train()
         self.params = [p for p in transformer.parameters() if p.requires_grad]
-        for p in self.params:
-            p.data = p.data.float()  # LoRA weights train in fp32 whatever the base dtype
-        self.opt = make_optimizer(self.params, cfg, device)
+        if not self.full:
+            for p in self.params:
+                p.data = p.data.float()  # LoRA weights train in fp32 whatever the base dtype
+        self.opt = make_optimizer(self.params, cfg, device, full=self.full)
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_lambda(cfg))
         self.step = 0
         sched_file = Path(cfg.model.path or ".") / "scheduler" / "scheduler_config.json"
@@ -112,8 +88,8 @@ class Trainer:
 
         return torch.Generator().manual_seed((self.cfg.seed * 1_000_003 + step * 1009 + micro) % 2**63)
 
-    def loss_on(self, batch, sigmas, noise):
-        """Weighted flow-matching loss of one batch at given sigmas and noise."""
+    def loss_on(self, batch, sigmas, noise, reduce: str = "mean"):
+        """Weighted flow-matching loss of one batch at given sigmas and noise (mean, or sum over items)."""
         import torch
 
         x0 = batch.latents.to(self.device, self.dtype)
@@ -125,29 +101,39 @@ class Trainer:
                                      guidance=1.0, controls=[c.to(self.device, self.dtype) for c in batch.controls])
         per = ((v.float() - target.float()) ** 2).flatten(1).mean(1)
         w = fm.loss_weight(sigmas.to(self.device), self.cfg.schedule.loss_weighting).float()
-        return (per * w).mean()
+        return (per * w).mean() if reduce == "mean" else (per * w).sum()
 
     def train_step(self) -> float:
+        """One optimizer step over the global batch (this rank's share of it); returns the global loss."""
         import torch
 
-        s = self.cfg.schedule
-        total = 0.0
+        s, d = self.cfg.schedule, self.dist
+        mine = 0.0
         for micro in range(s.grad_accum):
             g = self._gen(self.step, micro)
-            keys = self.data.batch_at(self.step * s.grad_accum + micro)
-            drop = (torch.rand(len(keys), generator=g) < self.cfg.data.caption_dropout).tolist()
-            batch = self.data.load(keys, drop)
-            n = batch.latents.shape[0]
+            keys = self.data.batch_at(self.step * s.grad_accum + micro)  # the global micro-batch
+            n = len(keys)
+            drop = (torch.rand(n, generator=g) < self.cfg.data.caption_dropout).tolist()
+            idx = d.share(range(n))
+            weight = 1.0
+            if not idx:  # fewer items than ranks: run one with weight 0 (collectives stay in step)
+                idx, weight = [0], 0.0
+            batch = self.data.load([keys[i] for i in idx], [drop[i] for i in idx])
             seq = (batch.latents.shape[-1] // 2) * (batch.latents.shape[-2] // 2)
             sigmas = fm.sample_sigmas(n, s.timesteps, g, shift=s.shift, logit_mean=s.logit_mean,
                                       logit_std=s.logit_std, image_seq_len=seq, scheduler_config=self.sched_cfg)
-            noise = torch.randn(batch.latents.shape, generator=g)
-            loss = self.loss_on(batch, sigmas, noise) / s.grad_accum
+            noise = torch.randn((n, *batch.latents.shape[1:]), generator=g)
+            # this rank's share of the global mean; FSDP averages gradients over ranks, hence x world there
+            scale = weight / (n * s.grad_accum) * (d.world if self.sharded else 1)
+            loss = self.loss_on(batch, sigmas[idx], noise[idx], reduce="sum") * scale
             loss.backward()
-            total += float(loss.detach())
+            mine += float(loss.detach()) / (d.world if self.sharded else 1)
+        total = d.total(mine)
         if not math.isfinite(total):
             raise InputError(f"the loss became {total} at step {self.step + 1}",
                              "lower optim.lr, or check memory.attention with `lorakit doctor`")
+        if not self.sharded:
+            d.sum_grads(self.params)
         if self.cfg.optim.max_grad_norm:
             torch.nn.utils.clip_grad_norm_(self.params, self.cfg.optim.max_grad_norm)
         self.opt.step()
@@ -175,7 +161,21 @@ class Trainer:
 
     # -------------------------------------------------------------- checkpoints
 
+    def _full_state(self) -> tuple[dict, dict]:
+        """Whole-model weights and optimizer state keyed by parameter name (gathered from the shards on
+        rank 0 under FSDP), so a checkpoint resumes on any number of GPUs."""
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+            get_optimizer_state_dict,
+        )
+
+        opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        return (get_model_state_dict(self.transformer, options=opts),
+                get_optimizer_state_dict(self.transformer, self.opt, options=opts))
+
     def save(self, final: bool = False) -> Path:
+        """Write a checkpoint (rank 0; every rank takes part in gathering FSDP shards)."""
         import torch
 
         from lorakit.io import atomic_path
@@ -183,33 +183,100 @@ class Trainer:
 
         name = "final" if final else f"step-{self.step:06d}"
         ck = self.out / "checkpoints" / name
-        ck.mkdir(parents=True, exist_ok=True)
-        save_lora(self.transformer, ck / "lora.safetensors", self.peft_config, {"lorakit_step": self.step})
-        state = {"step": self.step, "optimizer": self.opt.state_dict(), "scheduler": self.sched.state_dict(),
-                 "torch_rng": torch.get_rng_state()}
-        with atomic_path(ck / "state.pt") as tmp:
-            torch.save(state, tmp)
-        if not final:
-            kept = sorted(p for p in (self.out / "checkpoints").glob("step-*") if p.is_dir())
-            for old in kept[: -self.cfg.output.keep_last]:
-                for f in old.iterdir():
-                    f.unlink()
-                old.rmdir()
+        if self.full:
+            weights, opt_state = self._full_state()
+        if self.dist.main:
+            ck.mkdir(parents=True, exist_ok=True)
+            if self.full:
+                _save_transformer(self.transformer, weights, ck / "transformer", self.dtype)
+            else:
+                save_lora(self.transformer, ck / "lora.safetensors", self.peft_config, {"lorakit_step": self.step})
+                opt_state = self.opt.state_dict()
+            state = {"step": self.step, "optimizer": opt_state, "scheduler": self.sched.state_dict(),
+                     "torch_rng": torch.get_rng_state(), "world": self.dist.world,
+                     "global_batch": self.global_batch}
+            with atomic_path(ck / "state.pt") as tmp:
+                torch.save(state, tmp)
+            if not final:
+                kept = sorted(p for p in (self.out / "checkpoints").glob("step-*") if p.is_dir())
+                for old in kept[: -self.cfg.output.keep_last]:
+                    import shutil
+
+                    shutil.rmtree(old)
+        self.dist.barrier()
         return ck
 
-    def resume(self, ck: Path) -> None:
+    @property
+    def global_batch(self) -> int:
+        s = self.cfg.schedule
+        return s.batch_size * self.dist.world * s.grad_accum
+
+    def resume(self, ck: Path) -> dict:
+        """Continue from a checkpoint (written by any number of ranks). Returns what changed, if anything."""
         import torch
 
         from lorakit.train.lora import load_lora_into
 
-        if not (ck / "lora.safetensors").is_file() or not (ck / "state.pt").is_file():
-            raise InputError(f"{ck} is not a lorakit checkpoint (lora.safetensors + state.pt)")
-        load_lora_into(self.transformer, ck / "lora.safetensors")
+        weights = ck / ("transformer" if self.full else "lora.safetensors")
+        if not weights.exists() or not (ck / "state.pt").is_file():
+            what = "transformer/ + state.pt" if self.full else "lora.safetensors + state.pt"
+            raise InputError(f"{ck} is not a lorakit checkpoint of this method ({what})",
+                             "method=full and method=lora checkpoints do not mix")
         state = torch.load(ck / "state.pt", weights_only=True)
-        self.opt.load_state_dict(state["optimizer"])
+        if self.full:
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+            from lorakit.io import load
+
+            sd = load(weights) if self.dist.main else {}
+            set_state_dict(self.transformer, self.opt, model_state_dict=sd,
+                           optim_state_dict=state["optimizer"] if self.dist.main else {},
+                           options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=self.sharded,
+                                                    strict=True))
+        else:
+            load_lora_into(self.transformer, weights)
+            self.opt.load_state_dict(state["optimizer"])
         self.sched.load_state_dict(state["scheduler"])
         torch.set_rng_state(state["torch_rng"])
         self.step = int(state["step"])
+        was = state.get("global_batch", self.global_batch)
+        return {"from_world": state.get("world", 1), "from_global_batch": was,
+                "note": None if was == self.global_batch else
+                f"the checkpoint was written with a global batch of {was}, this run's is {self.global_batch}: "
+                "the data order continues from the same batch index with the new batch size"}
+
+
+def _fully_shard(transformer, device: str) -> None:
+    """FSDP2 over the transformer: every repeated block its own unit, then the rest."""
+    import torch.distributed as td
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cuda" if device.startswith("cuda") else "cpu", (td.get_world_size(),))
+    names = set(getattr(transformer, "_repeated_blocks", None) or ())
+    for m in list(transformer.modules()):
+        if type(m).__name__ in names:
+            fully_shard(m, mesh=mesh)
+    fully_shard(transformer, mesh=mesh)
+
+
+def _save_transformer(transformer, weights: dict, folder: Path, dtype) -> None:
+    """A fully trained transformer in diffusers layout: config.json + (sharded) safetensors."""
+    from lorakit.io import atomic_path
+    from lorakit.io.writer import save_sharded
+
+    cls = next(c for c in type(transformer).__mro__ if c.__module__.startswith("diffusers."))
+    config = {k: v for k, v in dict(transformer.config).items() if not k.startswith("_")}
+    config["_class_name"] = cls.__name__
+    try:
+        import diffusers
+
+        config["_diffusers_version"] = diffusers.__version__
+    except ImportError:
+        pass
+    save_sharded({k: v.contiguous() for k, v in weights.items()}, folder)
+    with atomic_path(folder / "config.json") as tmp:
+        tmp.write_text(json.dumps(config, indent=2, sort_keys=True, default=list))
 
 
 def _tensorboard(folder: Path):
@@ -221,7 +288,7 @@ def _tensorboard(folder: Path):
     return SummaryWriter(log_dir=str(folder))
 
 
-def check_memory(cfg, cap_gib: float | None = None):
+def check_memory(cfg, cap_gib: float | None = None, world: int = 1):
     """Fit the run to the GPU (detected, else the profile's card; `cap_gib` if given): gradient checkpointing
     turned on where it is needed, then the estimate checked (refused with suggestions when it cannot fit).
 
@@ -242,8 +309,8 @@ def check_memory(cfg, cap_gib: float | None = None):
         budget = torch.cuda.get_device_properties(0).total_memory / 2**30
     else:
         budget = float(hw.get("memory_gib") or hw.get("min_memory_gib") or 0)
-    cfg, note = plan(cfg, budget)
-    return cfg, check(cfg, budget), note
+    cfg, note = plan(cfg, budget, world)
+    return cfg, check(cfg, budget, world), note
 
 
 def latest_checkpoint(out_dir: Path) -> Path | None:
@@ -272,15 +339,18 @@ def run(cfg, prov: dict, resume: str | None = None, progress=None, stop_at: int 
 
         raise ConfigError(["model.path: required to train"], hint="--set model.path=/models/FLUX.1-dev")
     device, dtype = device_and_dtype(cfg)
-    cfg, memory, memory_note = check_memory(cfg)  # refuses before any weights load
+    d = dist_mod.init(device)
+    device = d.device(device)
+    cfg, memory, memory_note = check_memory(cfg, world=d.world)  # refuses before any weights load
     out = Path(cfg.output.dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "config.resolved.yaml").write_text(dump_yaml(cfg))
+    if d.main:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "config.resolved.yaml").write_text(dump_yaml(cfg))
     torch.manual_seed(cfg.seed)
     adapter = load_adapter(cfg.model.family, cfg.model.path, device=device, dtype=dtype, backend=cfg.memory.loader)
-    cache = build(cfg, adapter=adapter)
+    cache = build(cfg, adapter=adapter, dist=d)  # the ranks encode a share of the items each
     store = Store(cache_dir_for(cfg))
-    data = CachedData(store, store.read_manifest(), cfg.schedule.batch_size, cfg.seed, cfg.data.repeats,
+    data = CachedData(store, store.read_manifest(), cfg.schedule.batch_size * d.world, cfg.seed, cfg.data.repeats,
                       hold_out=cfg.sampling.validation_items)
     if device.startswith("cuda"):
         from lorakit.hardware.attention import apply, self_test
@@ -292,14 +362,18 @@ def run(cfg, prov: dict, resume: str | None = None, progress=None, stop_at: int 
     eight_bit = cfg.memory.base_quant in ("fp8", "qfloat8") and device != "cpu"
     transformer = load_component(Path(cfg.model.path) / "transformer", "cpu" if eight_bit else device, dtype,
                                  cfg.memory.loader)
-    tr = Trainer(cfg, adapter, transformer, data, out, device, dtype)
+    tr = Trainer(cfg, adapter, transformer, data, out, device, dtype, dist=d)
+    resumed = None
     if resume:
         ck = latest_checkpoint(out) if resume == "latest" else Path(resume)
         if ck is None:
             raise InputError(f"--resume latest: no checkpoint in {out / 'checkpoints'}")
-        tr.resume(ck)
+        resumed = tr.resume(ck)
+    if progress and d.main:
+        progress(tr.step, cfg.schedule.steps, {"start": True, "global_batch": tr.global_batch, "world": d.world,
+                                                "resumed": resumed})
     metrics = out / "metrics.jsonl"
-    if metrics.exists():  # a fresh run starts a new file; a resumed one drops steps past its checkpoint
+    if metrics.exists() and d.main:  # a fresh run starts a new file; a resumed one drops steps past its checkpoint
         kept = [ln for ln in metrics.read_text().splitlines() if ln.strip() and resume
                 and json.loads(ln)["step"] <= tr.step]
         metrics.write_text("".join(ln + "\n" for ln in kept))
@@ -313,7 +387,7 @@ def run(cfg, prov: dict, resume: str | None = None, progress=None, stop_at: int 
             old_handlers[sig] = signal.signal(sig, _stop)
         except ValueError:  # not the main thread
             pass
-    tb = _tensorboard(out / "tensorboard")
+    tb = _tensorboard(out / "tensorboard") if d.main else None
     losses = []
     t_start = time.perf_counter()
     end = cfg.schedule.steps if stop_at is None else min(stop_at, cfg.schedule.steps)
@@ -329,16 +403,18 @@ def run(cfg, prov: dict, resume: str | None = None, progress=None, stop_at: int 
             every = cfg.sampling.validation_every
             if data.validation and ((every and tr.step % every == 0) or tr.step == cfg.schedule.steps):
                 rec["val_loss"] = tr.eval_loss([it["key"] for it in data.validation])
-            with open(metrics, "a") as f:
-                f.write(json.dumps(rec) + "\n")
-            if tb is not None:
-                for k, v in rec.items():
-                    if k != "step":
-                        tb.add_scalar(f"train/{k}", v, tr.step)
-            if progress:
-                progress(tr.step, cfg.schedule.steps, rec)
+            if d.main:
+                with open(metrics, "a") as f:
+                    f.write(json.dumps(rec) + "\n")
+                if tb is not None:
+                    for k, v in rec.items():
+                        if k != "step":
+                            tb.add_scalar(f"train/{k}", v, tr.step)
+                if progress:
+                    progress(tr.step, cfg.schedule.steps, rec)
             if cfg.output.save_every and tr.step % cfg.output.save_every == 0:
                 tr.save()
+            tr.stop_requested = d.total(float(tr.stop_requested)) > 0  # a signal to any rank stops them all
     finally:
         for sig, h in old_handlers.items():
             signal.signal(sig, h)
@@ -348,17 +424,27 @@ def run(cfg, prov: dict, resume: str | None = None, progress=None, stop_at: int 
     ck = tr.save(final=not interrupted)
     result = {"steps": tr.step, "interrupted": interrupted, "checkpoint": str(ck), "metrics": str(metrics),
               "seconds": round(time.perf_counter() - t_start, 2), "cache": cache.to_dict(), "profile": prov,
-              "memory_estimate": memory, "memory_note": memory_note}
-    if not interrupted:
+              "memory_estimate": memory, "memory_note": memory_note, "method": cfg.method,
+              "processes": d.world, "global_batch": tr.global_batch, "rank": d.rank}
+    if resumed:
+        result["resumed"] = resumed
+    if not interrupted and d.main:
         import shutil
 
         from lorakit.io import atomic_path
 
-        final = out / f"{cfg.output.name}.safetensors"
-        with atomic_path(final) as tmp:
-            shutil.copyfile(ck / "lora.safetensors", tmp)
-        result["lora"] = str(final)
+        if tr.full:
+            final = out / f"{cfg.output.name}-transformer"
+            shutil.rmtree(final, ignore_errors=True)
+            shutil.copytree(ck / "transformer", final)
+            result["transformer"] = str(final)
+        else:
+            final = out / f"{cfg.output.name}.safetensors"
+            with atomic_path(final) as tmp:
+                shutil.copyfile(ck / "lora.safetensors", tmp)
+            result["lora"] = str(final)
         from lorakit.train.report import loss_curve
 
         result["loss_curve"] = str(loss_curve(metrics, out / "loss_curve.png"))
+    d.barrier()
     return result

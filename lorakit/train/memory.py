@@ -48,14 +48,19 @@ def _transformer_facts(cfg) -> tuple[int, int, float, str]:
     return int(hidden), int(blocks), float(params), source
 
 
-def estimate(cfg) -> dict:
-    """Peak GPU memory in GiB, by part."""
+def estimate(cfg, world: int = 1) -> dict:
+    """Peak GPU memory in GiB, by part (per GPU; `world` GPUs share a full fine-tune's states under FSDP)."""
     hidden, blocks, params, source = _transformer_facts(cfg)
     bpp = BYTES_PER_PARAM[cfg.memory.base_quant] or {"bf16": 2, "fp16": 2, "fp32": 4}[cfg.model.dtype]
     swapped = min(cfg.memory.blocks_to_swap, blocks)
     base = params * bpp * (1 - swapped / blocks)
     adam = 2 if (cfg.memory.optimizer_8bit or cfg.optim.name == "adamw8bit") else 8
     lora = params * 0.004 * cfg.lora.rank / 16 * (4 + 4 + adam)  # ~0.4% of the base at r16: fp32 weight, grad, Adam
+    if cfg.method == "full":  # every weight trains: weight + grad + moments (bf16: AdamWBf16, 8 bytes in all)
+        per = 8 if cfg.model.dtype == "bf16" else (bpp + bpp + 8)
+        base, lora = params * per / world, 0.0
+        if world > 1:
+            base += 2 * params * bpp / blocks  # FSDP gathers a block (and prefetches the next) in full
     tokens = (cfg.data.resolution // 16) ** 2
     if cfg.model.family.startswith("qwen-image-edit"):
         tokens *= 1 + (2 if cfg.model.family.endswith("plus") else 1)
@@ -67,12 +72,12 @@ def estimate(cfg) -> dict:
             "tokens": tokens, "blocks": blocks, "source": source}
 
 
-def plan(cfg, budget_gib: float):
+def plan(cfg, budget_gib: float, world: int = 1):
     """The config with gradient checkpointing turned on when the run would not fit without it (profiles leave
     it off where memory allows: recomputing costs about a third more compute). Returns (cfg, note or None)."""
     if cfg.memory.gradient_checkpointing:
         return cfg, None
-    est = estimate(cfg)["gib"]
+    est = estimate(cfg, world)["gib"]
     if est <= budget_gib:
         return cfg, None
     on = cfg.model_copy(update={"memory": cfg.memory.model_copy(update={"gradient_checkpointing": True})})
@@ -80,29 +85,31 @@ def plan(cfg, budget_gib: float):
                 f"{budget_gib:.0f}")
 
 
-def check(cfg, budget_gib: float) -> dict:
+def check(cfg, budget_gib: float, world: int = 1) -> dict:
     """Refuse, with the estimate and what would fit, when the run will not fit in `budget_gib`."""
-    est = estimate(cfg)
+    est = estimate(cfg, world)
     if est["gib"] <= budget_gib:
         return est
     tips = []
     if not cfg.memory.gradient_checkpointing:
         tips.append("--set memory.gradient_checkpointing=true")
     for res in (cfg.data.resolution * 3 // 4 // 16 * 16, cfg.data.resolution // 2 // 16 * 16):
-        if res >= 256 and estimate(cfg.model_copy(update={"data": cfg.data.model_copy(update={"resolution": res})}))[
+        if res >= 256 and estimate(cfg.model_copy(update={"data": cfg.data.model_copy(update={"resolution": res})}), world)[
                 "gib"] <= budget_gib:
             tips.append(f"--set data.resolution={res}")
             break
-    if cfg.memory.base_quant == "none":
+    if cfg.method == "full":
+        tips.append("more GPUs (--gpus N: FSDP shards weights, gradients and optimizer states)")
+    elif cfg.memory.base_quant == "none":
         tips.append("--set memory.base_quant=fp8")
     swap = next((n for n in range(1, est["blocks"] + 1) if estimate(cfg.model_copy(update={
-        "memory": cfg.memory.model_copy(update={"blocks_to_swap": n})}))["gib"] <= budget_gib), None)
+        "memory": cfg.memory.model_copy(update={"blocks_to_swap": n})}), world)["gib"] <= budget_gib), None)
     if not tips:
         tips.append(f"no setting of this build fits it: swapping {swap} blocks to the CPU would, and block swapping "
                     f"is not in this build yet (issue #6)" if swap else "a GPU with more memory")
     p = est["parts"]
     raise InputError(
         f"this run needs about {est['gib']} GiB of GPU memory and the {cfg.profile} profile has {budget_gib:.0f} "
-        f"(base {p['base']}, LoRA+optimizer {p['lora_and_optimizer']}, activations {p['activations']} at "
+        f"(base{' + gradients + optimizer' if cfg.method == 'full' else ''} {p['base']}, LoRA+optimizer {p['lora_and_optimizer']}, activations {p['activations']} at "
         f"{est['tokens']} tokens, overhead {p['overhead']}; from {est['source']})",
         "try " + " or ".join(tips) if not tips[-1].startswith(("no setting", "a GPU")) else tips[-1])

@@ -25,7 +25,7 @@ def make_cfg(tmp_path, family, model, steps=12, **over):
            "optim": {"lr": 5e-3}, "schedule": {"steps": steps, "warmup_steps": 2, "lr_schedule": "cosine"},
            "output": {"dir": str(tmp_path / "out"), "save_every": 4, "keep_last": 2}}
     for k, v in over.items():
-        raw[k] = {**raw.get(k, {}), **v}
+        raw[k] = {**raw.get(k, {}), **v} if isinstance(v, dict) else v
     return validate(raw)
 
 

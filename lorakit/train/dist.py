@@ -1,0 +1,142 @@
+"""Several processes, one run: the process group, which rank does what, and how gradients meet.
+
+A run is distributed when the launcher set WORLD_SIZE > 1 (`lorakit train --gpus N`, `torchrun`,
+`accelerate launch` all do). Every rank computes the same global batch order and the same random draws
+(sigmas, noise, caption dropout) and takes its own slice of the items, so a run on N processes sees exactly
+what a 1-process run with the same global batch sees. Each rank's loss is its items' share of the global
+mean (sum over its items / global item count), and gradients are summed across ranks: the result equals
+the 1-process gradient whatever the split, also when a bucket's last batch does not divide evenly.
+
+LoRA training replicates the (small) trainable weights and sums their gradients in one flat all-reduce per
+optimizer step (after accumulation, so accumulating costs no extra communication). Full fine-tuning shards
+parameters, gradients and optimizer states with FSDP (`fully_shard` on every transformer block).
+Only rank 0 writes checkpoints, samples, metrics and logs.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+
+@dataclass
+class Dist:
+    """This process's place in the run (rank 0 of 1 when not distributed)."""
+
+    rank: int = 0
+    world: int = 1
+    local_rank: int = 0
+    backend: str | None = None
+
+    @property
+    def enabled(self) -> bool:
+        return self.world > 1
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+    def device(self, device: str) -> str:
+        """The device of this rank: cuda:<local_rank> when the run is on CUDA."""
+        return f"cuda:{self.local_rank}" if self.enabled and device.startswith("cuda") else device
+
+    def barrier(self) -> None:
+        if self.enabled:
+            import torch.distributed as td
+
+            td.barrier()
+
+    def share(self, part: range | list) -> list:
+        """This rank's slice of a list (every world-th element from its rank)."""
+        return list(part)[self.rank::self.world]
+
+    def sum_grads(self, params) -> None:
+        """Sum the gradients of replicated parameters over ranks, in one flat buffer."""
+        if not self.enabled:
+            return
+        import torch
+        import torch.distributed as td
+
+        grads = []
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            grads.append(p.grad)
+        flat = torch.cat([g.reshape(-1).float() for g in grads])
+        td.all_reduce(flat)
+        at = 0
+        for g in grads:
+            n = g.numel()
+            g.copy_(flat[at:at + n].view_as(g))
+            at += n
+
+    def total(self, value: float) -> float:
+        """The sum of a number over ranks (the global loss from each rank's share)."""
+        if not self.enabled:
+            return value
+        import torch
+        import torch.distributed as td
+
+        t = torch.tensor([value], dtype=torch.float64, device=self._comm_device())
+        td.all_reduce(t)
+        return float(t.item())
+
+    def broadcast(self, obj):
+        """Rank 0's value of a picklable object, on every rank."""
+        if not self.enabled:
+            return obj
+        import torch.distributed as td
+
+        box = [obj]
+        td.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def _comm_device(self) -> str:
+        return f"cuda:{self.local_rank}" if self.backend == "nccl" else "cpu"
+
+    def close(self) -> None:
+        if self.enabled:
+            import torch.distributed as td
+
+            if td.is_initialized():
+                td.destroy_process_group()
+
+
+_CURRENT = Dist()
+
+
+def current() -> Dist:
+    return _CURRENT
+
+
+def init(device: str) -> Dist:
+    """Join the process group the launcher described (env:// — torchrun and accelerate set the same
+    variables); a plain 1-process Dist when WORLD_SIZE is 1 or unset."""
+    global _CURRENT
+    world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    if world <= 1:
+        _CURRENT = Dist()
+        return _CURRENT
+    import torch
+    import torch.distributed as td
+
+    rank = int(os.environ["RANK"])
+    local = int(os.environ.get("LOCAL_RANK", rank))
+    cuda = device.startswith("cuda")
+    backend = "nccl" if cuda else "gloo"
+    if cuda:
+        torch.cuda.set_device(local)
+    if not td.is_initialized():
+        kw = {"device_id": torch.device("cuda", local)} if cuda else {}
+        td.init_process_group(backend, **kw)
+    _CURRENT = Dist(rank=td.get_rank(), world=td.get_world_size(), local_rank=local, backend=backend)
+    return _CURRENT
+
+
+def launch_command(gpus: int, args: list[str]) -> list[str]:
+    """The command `lorakit train --gpus N` runs: N local processes through torch's elastic launcher (what
+    `accelerate launch --multi_gpu` uses on one machine), each running `lorakit train` with `args`."""
+    import sys
+
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={gpus}",
+            "-m", "lorakit", "train", *args]

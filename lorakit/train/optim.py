@@ -1,0 +1,124 @@
+"""Optimizers and learning-rate schedules.
+
+Full fine-tuning keeps the weights in bf16 (a 20 B model: 41 GB of weights instead of 82). Plain AdamW on bf16
+weights loses every update smaller than half a bf16 step (lr 1e-5 on weights of 0.02 is 400x below it), so
+`AdamWBf16` does the arithmetic in fp32 and rounds the new weight to bf16 stochastically (unbiased: small
+updates land with the right probability). Its moments are bf16 too: 8 bytes per parameter in all.
+FSDP-sharded parameters are DTensors; the optimizers here work on each rank's local shard.
+"""
+
+from __future__ import annotations
+
+import math
+
+from lorakit.errors import InputError
+
+
+def local(t):
+    """The rank-local tensor of a DTensor (shares storage), the tensor itself otherwise."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def round_stochastic(x, generator=None):
+    """fp32 -> bf16, rounding up with probability equal to the distance to the lower bf16 value."""
+    import torch
+
+    bits = x.contiguous().view(torch.int32)
+    noise = torch.randint(0, 1 << 16, bits.shape, dtype=torch.int32, device=x.device, generator=generator)
+    return ((bits + noise) & -65536).view(torch.float32).to(torch.bfloat16)
+
+
+class AdamWBf16:
+    """Decoupled-weight-decay Adam for bf16 weights: fp32 math, bf16 moments, stochastic rounding."""
+
+    def __new__(cls, params, lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, seed=0):
+        import torch
+
+        class _Opt(torch.optim.Optimizer):
+            def __init__(self):
+                super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
+                self._gen = {}
+
+            def _generator(self, device):
+                if device not in self._gen:
+                    self._gen[device] = torch.Generator(device=device).manual_seed(seed)
+                return self._gen[device]
+
+            @torch.no_grad()
+            def step(self, closure=None):
+                for group in self.param_groups:
+                    b1, b2 = group["betas"]
+                    for p in group["params"]:
+                        if p.grad is None:
+                            continue
+                        w, g = local(p), local(p.grad).float()
+                        st = self.state[p]
+                        if not st:
+                            st["step"] = torch.zeros((), dtype=torch.float32)
+                            st["exp_avg"] = torch.zeros_like(w, dtype=torch.bfloat16)
+                            st["exp_avg_sq"] = torch.zeros_like(w, dtype=torch.bfloat16)
+                        st["step"] += 1
+                        t = float(st["step"])
+                        m = local(st["exp_avg"]).float().mul_(b1).add_(g, alpha=1 - b1)
+                        v = local(st["exp_avg_sq"]).float().mul_(b2).addcmul_(g, g, value=1 - b2)
+                        local(st["exp_avg"]).copy_(m)
+                        local(st["exp_avg_sq"]).copy_(v)
+                        denom = (v / (1 - b2 ** t)).sqrt_().add_(group["eps"])
+                        new = w.float().mul_(1 - group["lr"] * group["weight_decay"])
+                        new.addcdiv_(m, denom, value=-group["lr"] / (1 - b1 ** t))
+                        if w.dtype == torch.bfloat16:
+                            w.copy_(round_stochastic(new, self._generator(w.device)))
+                        else:
+                            w.copy_(new)
+
+        return _Opt()
+
+
+def make_optimizer(params, cfg, device: str, full: bool = False):
+    """The configured optimizer. `full`: the weights themselves train (bf16 weights get AdamWBf16)."""
+    import torch
+
+    o = cfg.optim
+    params = list(params)
+    eight_bit = o.name == "adamw8bit" or (o.name == "adamw" and cfg.memory.optimizer_8bit
+                                          and device.startswith("cuda"))
+    if o.name == "adamw" and not eight_bit:
+        if full and cfg.model.dtype == "bf16":
+            return AdamWBf16(params, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay, seed=cfg.seed)
+        return torch.optim.AdamW(params, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay,
+                                 fused=device.startswith("cuda"))
+    if eight_bit and any(hasattr(p, "to_local") for p in params):
+        raise InputError("8-bit optimizer states are not available on FSDP-sharded weights in this build",
+                         "use optim.name=adamw: bf16 weights train with bf16 moments and stochastic rounding "
+                         "(8 bytes per parameter)")
+    if eight_bit:
+        import bitsandbytes as bnb
+
+        return bnb.optim.AdamW8bit(params, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
+    if o.name == "adafactor":
+        from transformers.optimization import Adafactor
+
+        return Adafactor(params, lr=o.lr, relative_step=False, scale_parameter=False, warmup_init=False,
+                         weight_decay=o.weight_decay)
+    try:
+        from prodigyopt import Prodigy
+    except ImportError:
+        raise InputError("optim.name=prodigy needs the prodigyopt package", "pip install prodigyopt") from None
+    return Prodigy(params, lr=o.lr, betas=o.betas, weight_decay=o.weight_decay)
+
+
+def lr_lambda(cfg):
+    s = cfg.schedule
+
+    def f(step: int) -> float:
+        if s.warmup_steps and step < s.warmup_steps:
+            return (step + 1) / s.warmup_steps
+        rest = max(s.steps - s.warmup_steps, 1)
+        p = min(max(step - s.warmup_steps, 0) / rest, 1.0)
+        if s.lr_schedule == "linear":
+            return 1.0 - p
+        if s.lr_schedule == "cosine":
+            return 0.5 * (1 + math.cos(math.pi * p))
+        return 1.0
+
+    return f

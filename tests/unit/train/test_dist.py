@@ -1,0 +1,93 @@
+"""Several processes on the CPU (gloo): the same run as one process with the same global batch."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from tests.unit.train.test_loop import losses, make_cfg
+
+
+def _write(tmp_path, cfg, name="run.yaml"):
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump(cfg.to_dict()))
+    return path
+
+
+def _train(path, *extra, gpus=1):
+    r = subprocess.run([sys.executable, "-m", "lorakit", "train", str(path), "--json", "--gpus", str(gpus), *extra],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(r.stdout)  # rank 0 alone prints
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["qwen-image"])
+def test_two_processes_match_one_with_the_same_global_batch(tmp_path, tiny, family):
+    common = {"lora": {"dropout": 0.0}, "data": {"caption_dropout": 0.2}}
+    one = make_cfg(tmp_path / "one", family, tiny(family), steps=20, schedule={"batch_size": 2}, **common)
+    two = make_cfg(tmp_path / "two", family, tiny(family), steps=20, schedule={"batch_size": 1},
+                   output={"save_every": 10}, **common)
+    r1 = _train(_write(tmp_path, one, "one.yaml"))
+    r2 = _train(_write(tmp_path, two, "two.yaml"), gpus=2)
+    assert (r1["processes"], r1["global_batch"]) == (1, 2)
+    assert (r2["processes"], r2["global_batch"]) == (2, 2)
+    a, b = losses(r1["metrics"]), losses(r2["metrics"])
+    assert len(a) == len(b) == 20
+    assert a == pytest.approx(b, rel=0, abs=1e-4)  # every step
+    assert a[0] != pytest.approx(a[-1], abs=1e-3)  # and it trained
+    # rank 0 alone wrote: one metrics row per step, one set of checkpoints
+    out = tmp_path / "two" / "out"
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["final", "step-000010", "step-000020"]
+    # the 2-process checkpoint resumes in 1 process (same global batch: batch_size 2) and continues exactly
+    cont = make_cfg(tmp_path / "two", family, tiny(family), steps=20, schedule={"batch_size": 2},
+                    output={"save_every": 10}, **common)
+    r3 = _train(_write(tmp_path, cont, "cont.yaml"), "--resume", str(out / "checkpoints" / "step-000010"))
+    assert r3["resumed"]["from_world"] == 2 and r3["resumed"]["note"] is None
+    assert losses(r3["metrics"]) == pytest.approx(a, rel=0, abs=1e-4)
+
+
+@pytest.mark.slow
+def test_full_fine_tune_shards_with_fsdp_and_resumes_on_another_process_count(tmp_path, tiny):
+    from lorakit.io import load
+
+    family = "flux"
+    kw = {"lora": {"dropout": 0.0}, "optim": {"lr": 1e-3}}
+    ref = make_cfg(tmp_path / "ref", family, tiny(family), steps=6, schedule={"batch_size": 2}, method="full", **kw)
+    r1 = _train(_write(tmp_path, ref, "ref.yaml"))
+    two = make_cfg(tmp_path / "two", family, tiny(family), steps=6, schedule={"batch_size": 1},
+                   output={"save_every": 3}, method="full", **kw)
+    r2 = _train(_write(tmp_path, two, "two.yaml"), gpus=2)
+    assert r2["method"] == "full" and r2["processes"] == 2
+    assert losses(r2["metrics"]) == pytest.approx(losses(r1["metrics"]), rel=0, abs=1e-4)
+    final = tmp_path / "two" / "out" / "lora-transformer"
+    assert (final / "config.json").is_file()
+    a, b = load(final), load(tmp_path / "ref" / "out" / "lora-transformer")
+    base = load(tiny(family) / "transformer")
+    assert a.keys() == b.keys() == base.keys()  # the whole model, plain diffusers names
+    assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-4
+    assert max((a[k] - base[k]).abs().max().item() for k in a) > 1e-4  # the weights themselves trained
+    from diffusers import FluxTransformer2DModel
+
+    m = FluxTransformer2DModel.from_pretrained(final)  # stock diffusers loads the saved folder
+    assert sum(p.numel() for p in m.parameters()) == sum(v.numel() for v in base.values())
+    # written by 2 processes, resumed by 1: the same losses as the uninterrupted runs
+    one = make_cfg(tmp_path / "two", family, tiny(family), steps=6, schedule={"batch_size": 2},
+                   output={"save_every": 3}, method="full", **kw)
+    r3 = _train(_write(tmp_path, one, "one.yaml"), "--resume", str(tmp_path / "two" / "out" / "checkpoints" /
+                                                                   "step-000003"))
+    assert r3["resumed"]["from_world"] == 2
+    assert losses(r3["metrics"]) == pytest.approx(losses(r1["metrics"]), rel=0, abs=1e-4)
+    c = load(final)
+    assert max((c[k] - b[k]).abs().max().item() for k in c) < 1e-4
+
+
+def test_a_full_fine_tune_does_not_take_an_8_bit_base(tmp_path, tiny):
+    from lorakit.errors import InputError
+    from lorakit.train.loop import run
+
+    cfg = make_cfg(tmp_path, "flux", tiny("flux"), steps=2, method="full", memory={"base_quant": "fp8"})
+    with pytest.raises(InputError, match="method=full"):
+        run(cfg, {})
