@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # On a lent GPU machine (docs/benchmarks.md): install the carried wheels, then run the named stages;
-# every result goes to $OUT. Stages: tests, load, flux, qwen, edit, caps, profile-qwen.
+# every result goes to $OUT. Stages: tests, load, flux, flux-nocompile, flux-trace, qwen, edit, caps, qwen-4090,
+# spark, spark-qwen, edit-caps, ddp (2 GPUs), fsdp (2 GPUs; CKPT_DIR for the checkpoint, ~115 GiB).
 #   bash scripts/gpu_bench.sh tests flux load
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -16,8 +17,9 @@ step() {  # step NAME TIMEOUT ARGS...: one bench step run, JSON kept, table-ish 
 import json, sys
 d = json.load(open(sys.argv[1]))
 for r in d["rows"]:
-    print("  ", r["way"], {k: r.get(k) for k in ("s_per_step", "speedup_vs_plain", "peak_gib", "mfu", "checkpointing",
-                                                 "build_s", "error", "settings")})
+    print("  ", r["way"], {k: r.get(k) for k in ("gpus", "s_per_step", "speedup_vs_plain", "throughput_vs_1gpu",
+                                                 "peak_gib", "mfu", "checkpointing", "build_s", "error", "settings",
+                                                 "checkpoint")})
 PY
 }
 for stage in "$@"; do
@@ -49,6 +51,15 @@ for r in json.load(sys.stdin)['rows']: print('  tune $tc', r['way'], r['seconds'
           step qwen-4090 230 --family qwen-image --res 1024 --profile rtx4090 --memory-cap 24 --ways lorakit
           step qwen-5090 200 --family qwen-image --res 1024 --profile rtx5090 --memory-cap 32 --ways lorakit ;;
     spark) step flux-spark 200 --family flux --res 1024 --profile dgx-spark --ways lorakit ;;
+    spark-qwen) step qwen-spark 230 --family qwen-image --res 1024 --profile dgx-spark --ways lorakit ;;
+    edit-caps) step edit-4090 230 --family qwen-image-edit --res 1024 --profile rtx4090 --memory-cap 24 --ways lorakit
+          step edit-5090 230 --family qwen-image-edit --res 1024 --profile rtx5090 --memory-cap 32 --ways lorakit
+          step edit-spark 230 --family qwen-image-edit --res 1024 --profile dgx-spark --ways lorakit ;;
+    ddp) step flux-ddp 560 --family flux --res 1024 --profile datacenter --ways lorakit --gpus 2 ;;
+    fsdp) df -h "$PWD" /tmp /dev/shm >> "$OUT/log.txt"; free -g >> "$OUT/log.txt"
+          step qwen-full-fsdp 580 --family qwen-image --res 1024 --profile datacenter --ways lorakit --gpus 2 \
+             --set method=full --checkpoint-dir "${CKPT_DIR:-$PWD/.ckpt}"
+          rm -rf "${CKPT_DIR:-$PWD/.ckpt}" ;;
   esac
 done
 echo "### done $(date +%T)" >> "$OUT/log.txt"

@@ -118,11 +118,12 @@ class SyntheticData:
 
     validation: list = []
 
-    def __init__(self, batch):
+    def __init__(self, batch, copies: int = 1):
         self.batch = batch
+        self.copies = copies  # the global batch of a multi-GPU run: one copy per process
 
     def batch_at(self, index: int) -> list[str]:
-        return self.batch.keys
+        return self.batch.keys * self.copies
 
     def load(self, keys, drop=None):
         from lorakit.train.data import drop_full_mask
@@ -179,11 +180,12 @@ def lorakit_config(spec: dict, device: str):
     if device.startswith("cuda"):
         from lorakit.train.loop import check_memory
 
-        cfg, _, _ = check_memory(cfg, spec.get("memory_cap"))  # refuses before anything is built
+        world = spec.get("gpus", 1)
+        cfg, _, _ = check_memory(cfg, spec.get("memory_cap"), world)  # refuses before anything is built
     return cfg
 
 
-def lorakit_trainer(spec: dict, model, adapter, data, device: str, dtype, cfg=None):
+def lorakit_trainer(spec: dict, model, adapter, data, device: str, dtype, cfg=None, dist=None):
     import torch
 
     from lorakit.train.loop import Trainer
@@ -194,14 +196,20 @@ def lorakit_trainer(spec: dict, model, adapter, data, device: str, dtype, cfg=No
 
         apply(spec["attention"] or None)
     torch.manual_seed(spec["seed"])
-    return Trainer(cfg, adapter, model, data, None, device, dtype), cfg
+    from pathlib import Path
+
+    out = Path(spec["checkpoint_dir"]) if spec.get("checkpoint_dir") else None
+    return Trainer(cfg, adapter, model, data, out, device, dtype, dist=dist), cfg
 
 
 def prepare(spec: dict):
     """Build one way in this process. Returns (step function returning the loss, facts)."""
     import torch
 
-    device = spec["device"]
+    from lorakit.train import dist as dist_mod
+
+    d = dist_mod.init(spec["device"])  # several processes when launched with --gpus N
+    device = spec["device"] = d.device(spec["device"])
     dtype = torch_dtype(spec["dtype"])
     cuda = device.startswith("cuda")
     if cuda:
@@ -237,8 +245,10 @@ def prepare(spec: dict):
         info["checkpointing"] = spec["plain_checkpointing"]
         info["attention"] = spec["plain_attention"]
     else:
-        tr, cfg = lorakit_trainer(spec, model, adapter, SyntheticData(batch), device, dtype, cfg)
+        tr, cfg = lorakit_trainer(spec, model, adapter, SyntheticData(batch, d.world), device, dtype, cfg, d)
         step = tr.train_step
+        info["trainer"] = tr
+        info["method"] = cfg.method
         info["checkpointing"] = cfg.memory.gradient_checkpointing
         info["attention"] = spec["attention"]
         info["settings"] = {k: getattr(cfg.memory, k) for k in ("base_quant", "gradient_checkpointing", "compile",
@@ -251,9 +261,10 @@ def run_way(spec: dict) -> dict:
     """One way, in this process: build, warm up, time. Returns the figures."""
     import torch
 
+    step, info = prepare(spec)
     device = spec["device"]
     cuda = device.startswith("cuda")
-    step, info = prepare(spec)
+    tr = info.pop("trainer", None)
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
@@ -268,9 +279,16 @@ def run_way(spec: dict) -> dict:
         losses.append(float(loss))
     if spec.get("trace_dir"):
         info["trace"] = trace(step, spec, cuda)
+    if spec.get("checkpoint_dir") and tr is not None:
+        try:
+            info["checkpoint"] = checkpoint_check(tr, cuda)
+        except Exception as e:  # noqa: BLE001 - the timings above stand; say why the check failed
+            info["checkpoint"] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
     med = statistics.median(times)
-    out = {"way": spec["way"], "s_per_step": round(med, 4), "min_s": round(min(times), 4),
-           "max_s": round(max(times), 4), "steps_timed": len(times), "losses": [round(x, 5) for x in losses], **info}
+    gpus = spec.get("gpus", 1)
+    out = {"way": spec["way"], "gpus": gpus, "s_per_step": round(med, 4), "items_per_s": round(gpus / med, 4),
+           "min_s": round(min(times), 4), "max_s": round(max(times), 4), "steps_timed": len(times),
+           "losses": [round(x, 5) for x in losses], **info}
     if cuda:
         out["peak_gib"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
         out["reserved_gib"] = round(torch.cuda.max_memory_reserved(device) / 2**30, 2)
@@ -280,6 +298,30 @@ def run_way(spec: dict) -> dict:
         if flops and peak:
             out["mfu"] = round(flops / med / peak, 3)
     return out
+
+
+def checkpoint_check(tr, cuda: bool, steps: int = 2) -> dict:
+    """Save a checkpoint, take `steps` more steps, resume from the checkpoint and take them again: the run
+    continues from what was written (timings of both, and the losses side by side)."""
+    import torch
+
+    def sync():
+        if cuda:
+            torch.cuda.synchronize()
+
+    t = time.perf_counter()
+    ck = tr.save()
+    sync()
+    save_s = time.perf_counter() - t
+    after = [tr.train_step() for _ in range(steps)]
+    t = time.perf_counter()
+    tr.resume(ck)
+    sync()
+    resume_s = time.perf_counter() - t
+    again = [tr.train_step() for _ in range(steps)]
+    size = sum(f.stat().st_size for f in ck.rglob("*") if f.is_file()) if tr.dist.main else 0
+    return {"save_s": round(save_s, 1), "resume_s": round(resume_s, 1), "gib": round(size / 2**30, 1),
+            "losses_after_save": [round(x, 5) for x in after], "losses_after_resume": [round(x, 5) for x in again]}
 
 
 def trace(step, spec: dict, cuda: bool, steps: int = 2) -> str:
@@ -392,6 +434,9 @@ def compare_numerics(family: str, size: str = "tiny", res: int = 128, device: st
 
 def _child(spec: dict, timeout: float) -> dict:
     cmd = [sys.executable, "-m", "lorakit.bench.step", json.dumps(spec)]
+    if spec.get("gpus", 1) > 1:
+        cmd[1:3] = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={spec['gpus']}",
+                    "-m", "lorakit.bench.step"]
     env = dict(os.environ)
     if spec.get("expandable_segments"):
         env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
@@ -410,8 +455,12 @@ def _child(spec: dict, timeout: float) -> dict:
 def bench(family: str, res: int, profile: str | None, steps: int = 10, warmup: int = 3, size: str = "full",
           device: str | None = None, memory_cap: float | None = None, sets: list[str] | None = None,
           ways: tuple[str, ...] = ("plain", "lorakit"), attention: str | None = None,
-          timeout: float = 900, progress=None, trace_dir: str | None = None) -> dict:
-    """Run each way in a child process; the figures side by side with the ratio to `plain`."""
+          timeout: float = 900, progress=None, trace_dir: str | None = None, gpus: int = 1,
+          checkpoint_dir: str | None = None) -> dict:
+    """Run each way in a child process; the figures side by side with the ratio to `plain`.
+
+    gpus > 1 adds lorakit on that many GPUs (one process each: data parallel, FSDP for method=full), with its
+    throughput against lorakit on one GPU. checkpoint_dir: the lorakit rows also save, resume and continue."""
     import torch
 
     from lorakit.models.registry import family_info
@@ -434,16 +483,23 @@ def bench(family: str, res: int, profile: str | None, steps: int = 10, warmup: i
                 dtype="bf16" if cuda else "fp32", profile=profile or ("datacenter" if cuda else "cpu"),
                 sets=list(sets or []), memory_cap=memory_cap, model_flops=flops, attention=attention,
                 plain_attention=("flash" if module == "flux" else "efficient") if cuda else None,
-                plain_checkpointing=module != "flux", expandable_segments=cuda, trace_dir=trace_dir)
+                plain_checkpointing=module != "flux", expandable_segments=cuda, trace_dir=trace_dir,
+                checkpoint_dir=checkpoint_dir)
+    if gpus > 1 and cuda and torch.cuda.device_count() < gpus:
+        raise InputError(f"--gpus {gpus}, but {torch.cuda.device_count()} CUDA GPU(s) are visible")
+    runs = [(w, 1) for w in ways] + ([("lorakit", gpus)] if gpus > 1 else [])
     rows = []
-    for way in ways:
+    for way, n in runs:
         if progress:
-            progress(way)
-        rows.append(_child({**base, "way": way}, timeout))
+            progress(way if n == 1 else f"{way} on {n} GPUs")
+        rows.append(_child({**base, "way": way, "gpus": n}, timeout))
     ref = next((r for r in rows if r["way"] == "plain" and "s_per_step" in r), None)
+    one = next((r for r in rows if r["way"] == "lorakit" and r.get("gpus", 1) == 1 and "s_per_step" in r), None)
     for r in rows:
-        if ref and "s_per_step" in r:
+        if ref and "s_per_step" in r and r.get("gpus", 1) == 1:
             r["speedup_vs_plain"] = round(ref["s_per_step"] / r["s_per_step"], 3)
+        if one and "items_per_s" in r and r.get("gpus", 1) > 1:
+            r["throughput_vs_1gpu"] = round(r["items_per_s"] / one["items_per_s"], 3)
     env = {"torch": torch.__version__, "device": torch.cuda.get_device_name(device) if cuda else "cpu"}
     try:
         import diffusers
@@ -468,4 +524,5 @@ if __name__ == "__main__":  # child process: one way
         _out = run_way(_spec)
     except InputError as _e:  # refused (e.g. the memory check): the reason is the row
         _out = {"way": _spec["way"], "error": f"refused: {_e.message}" + (f" ({_e.hint})" if _e.hint else "")}
-    print(json.dumps(_out), flush=True)
+    if int(os.environ.get("RANK", "0") or 0) == 0:  # one row per way, from rank 0
+        print(json.dumps(_out), flush=True)

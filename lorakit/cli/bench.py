@@ -99,6 +99,10 @@ def step(family: str = typer.Option("flux", "--family", help="flux, qwen-image o
          tiny: bool = typer.Option(False, "--tiny", help="the tiny test architecture (runs on a CPU)"),
          device: str | None = typer.Option(None, "--device", help="cuda:N or cpu (default: cuda:0 if present)"),
          trace: Path | None = typer.Option(None, "--trace", help="also profile 2 steps per way; summaries here"),
+         gpus: int = typer.Option(1, "--gpus", min=1, help="also run lorakit on N GPUs (one process each; "
+                                  "on a CPU: N processes over gloo), throughput against 1 GPU"),
+         checkpoint_dir: Path | None = typer.Option(None, "--checkpoint-dir", help="lorakit rows also save a "
+                                                    "checkpoint here, resume from it and continue (timed)"),
          as_json: bool = JsonOpt) -> None:
     use_json(as_json)
     from lorakit.bench.step import bench
@@ -109,7 +113,8 @@ def step(family: str = typer.Option("flux", "--family", help="flux, qwen-image o
         raise InputError(f"--ways: unknown way {bad[0] if bad else ways!r}", "plain, lorakit, or both")
     kw = dict(family=family, res=res, profile=profile, steps=steps, warmup=warmup, size="tiny" if tiny else "full",
               device=device, memory_cap=memory_cap, sets=sets, ways=chosen, attention=attention,
-              trace_dir=str(trace.resolve()) if trace else None)
+              trace_dir=str(trace.resolve()) if trace else None, gpus=gpus,
+              checkpoint_dir=str(checkpoint_dir.resolve()) if checkpoint_dir else None)
     if as_json:
         result = bench(**kw)
     else:
@@ -125,13 +130,20 @@ def _render_step(result: dict) -> None:
     cap = f", cap {result['memory_cap_gib']} GiB" if result["memory_cap_gib"] else ""
     t = Table(title=f"bench step: {result['family']} {result['res']}² ({result['size']}), profile "
                     f"{result['profile']}{cap}, {env['device']}, median of {result['steps']}", title_justify="left")
-    for col in ("way", "s/step", "vs plain", "peak GiB", "MFU", "checkpointing", "note"):
+    for col in ("way", "GPUs", "s/step", "items/s", "vs plain", "vs 1 GPU", "peak GiB", "MFU", "checkpointing",
+                "note"):
         t.add_column(col, justify="left" if col in ("way", "note") else "right")
     for r in result["rows"]:
+        n = str(r.get("gpus", 1))
         if "error" in r:
-            t.add_row(r["way"], "-", "-", "-", "-", "-", r["error"])
+            t.add_row(r["way"], n, "-", "-", "-", "-", "-", "-", "-", r["error"])
             continue
-        t.add_row(r["way"], f"{r['s_per_step']:.3f}", f"{r.get('speedup_vs_plain', 1.0):.2f}x",
+        ck = r.get("checkpoint")
+        note = "" if not ck else (f"checkpoint: {ck['error']}" if "error" in ck else
+                                  f"checkpoint {ck['gib']} GiB: save {ck['save_s']} s, resume {ck['resume_s']} s")
+        t.add_row(r["way"], n, f"{r['s_per_step']:.3f}", f"{r['items_per_s']:.2f}",
+                  f"{r['speedup_vs_plain']:.2f}x" if "speedup_vs_plain" in r else "-",
+                  f"{r['throughput_vs_1gpu']:.2f}x" if "throughput_vs_1gpu" in r else "-",
                   f"{r['peak_gib']:.1f}" if "peak_gib" in r else "-", f"{r['mfu']:.0%}" if "mfu" in r else "-",
-                  "on" if r.get("checkpointing") else "off", "")
+                  "on" if r.get("checkpointing") else "off", note)
     console.print(t)

@@ -224,15 +224,21 @@ class Trainer:
                              "method=full and method=lora checkpoints do not mix")
         state = torch.load(ck / "state.pt", weights_only=True)
         if self.full:
-            from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+            from torch.distributed.checkpoint.state_dict import (
+                StateDictOptions,
+                set_model_state_dict,
+                set_optimizer_state_dict,
+            )
 
             from lorakit.io import load
 
-            sd = load(weights) if self.dist.main else {}
-            set_state_dict(self.transformer, self.opt, model_state_dict=sd,
-                           optim_state_dict=state["optimizer"] if self.dist.main else {},
-                           options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=self.sharded,
-                                                    strict=True))
+            main = self.dist.main
+            set_model_state_dict(self.transformer, load(weights) if main else {},
+                                 options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=self.sharded))
+            # weights that never get a gradient (e.g. the last block's unused text output) have no state
+            set_optimizer_state_dict(self.transformer, self.opt, state["optimizer"] if main else {},
+                                     options=StateDictOptions(full_state_dict=True, strict=False,
+                                                              broadcast_from_rank0=self.sharded))
         else:
             load_lora_into(self.transformer, weights)
             self.opt.load_state_dict(state["optimizer"])

@@ -55,8 +55,9 @@ class AdamWBf16:
                         st = self.state[p]
                         if not st:
                             st["step"] = torch.zeros((), dtype=torch.float32)
-                            st["exp_avg"] = torch.zeros_like(w, dtype=torch.bfloat16)
-                            st["exp_avg_sq"] = torch.zeros_like(w, dtype=torch.bfloat16)
+                            # shaped (and sharded) like the parameter, so FSDP state dicts gather them
+                            st["exp_avg"] = torch.zeros_like(p, dtype=torch.bfloat16)
+                            st["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.bfloat16)
                         st["step"] += 1
                         t = float(st["step"])
                         m = local(st["exp_avg"]).float().mul_(b1).add_(g, alpha=1 - b1)

@@ -63,3 +63,21 @@ def test_bench_step_cli_on_tiny_model():
 def test_bench_step_bad_input(args, words):
     r = CliRunner().invoke(app, ["bench", "step", *args])
     assert r.exit_code == 2 and words in r.output, r.output
+
+
+@pytest.mark.slow
+def test_bench_step_on_two_processes_saves_resumes_and_continues(tmp_path):
+    # --gpus 2 on a CPU: two gloo processes, FSDP for method=full; the checkpoint written mid-run is read back and
+    # the steps after it repeat exactly
+    r = CliRunner().invoke(app, ["bench", "step", "--tiny", "--device", "cpu", "--family", "flux", "--res", "128",
+                                 "--steps", "2", "--warmup", "1", "--ways", "lorakit", "--gpus", "2",
+                                 "--set", "method=full", "--checkpoint-dir", str(tmp_path / "ck"), "--json"])
+    assert r.exit_code == 0, r.output
+    rows = json.loads(r.output)["rows"]
+    assert [(x["way"], x["gpus"]) for x in rows] == [("lorakit", 1), ("lorakit", 2)]
+    assert all("error" not in x for x in rows), rows
+    assert rows[1]["throughput_vs_1gpu"] > 0 and rows[1]["method"] == "full"
+    for x in rows:
+        ck = x["checkpoint"]
+        assert ck["losses_after_save"] == ck["losses_after_resume"]
+    assert (tmp_path / "ck" / "checkpoints" / "step-000003" / "transformer" / "config.json").is_file()
