@@ -91,3 +91,18 @@ def test_a_full_fine_tune_does_not_take_an_8_bit_base(tmp_path, tiny):
     cfg = make_cfg(tmp_path, "flux", tiny("flux"), steps=2, method="full", memory={"base_quant": "fp8"})
     with pytest.raises(InputError, match="method=full"):
         run(cfg, {})
+
+
+@pytest.mark.slow
+def test_accelerate_launch_runs_the_same_command_on_two_processes(tmp_path, tiny):
+    # the documented launch: `accelerate launch --multi_gpu --num_processes 2 -m lorakit train CONFIG`
+    # (on a machine without GPUs lorakit joins over gloo)
+    cfg = make_cfg(tmp_path, "flux", tiny("flux"), steps=4, lora={"dropout": 0.0})
+    path = _write(tmp_path, cfg)
+    r = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+                        "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+                        "-m", "lorakit", "train", str(path), "--json"], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads(r.stdout)  # one result: rank 0's
+    assert res["processes"] == 2 and res["steps"] == 4 and res["lora"]
+    assert len(losses(res["metrics"])) == 4
