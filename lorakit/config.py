@@ -159,8 +159,11 @@ class MemoryConfig(_Section):
 
 
 class SamplingConfig(_Section):
+    enabled: bool = Field(True, description="render sample grids during training (samples/)")
     every: int = Field(0, ge=0, description="sample every N steps (0: only before and after)")
-    prompts: list[str] = Field(default_factory=list, description="sample prompts")
+    prompts: list[str] = Field(default_factory=list, description="sample prompts (default: the captions of the "
+                                                                 "first 4 training items); edit families pair "
+                                                                 "prompt k with item k's control images")
     steps: int = Field(20, ge=1, description="inference steps per sample")
     guidance: float = Field(3.5, ge=0, description="FLUX guidance / Qwen true-CFG scale")
     seed: int = Field(42, description="sampling seed")

@@ -116,6 +116,10 @@ class Adapter:
         """pixels (B, 3, H, W) in [-1, 1] -> normalised latents as the family's transformer sees them."""
         raise NotImplementedError  # Protocol: each family module implements it
 
+    def decode_latents(self, latents):
+        """Normalised latents -> pixels (B, 3, H, W) in [-1, 1] (training-time samples)."""
+        raise NotImplementedError  # Protocol: each family module implements it
+
     def encode_video(self, frames):
         """frames (B, 3, T, H, W) in [-1, 1] -> normalised latents (video families)."""
         raise InputError(f"family {self.family} does not take video")

@@ -27,6 +27,16 @@ class FluxAdapter(Adapter):
             lat = vae.encode(pixels.to(vae.device, vae.dtype)).latent_dist.mode()
         return (lat - vae.config.shift_factor) * vae.config.scaling_factor
 
+    def decode_latents(self, latents):
+        """Normalised latents (B, 16, h, w) -> pixels (B, 3, H, W) in [-1, 1]."""
+        import torch
+
+        self.load((self.vae_part,))
+        vae = self.parts[self.vae_part]
+        with torch.no_grad():
+            lat = latents.to(vae.device, vae.dtype) / vae.config.scaling_factor + vae.config.shift_factor
+            return vae.decode(lat).sample
+
 
     def predict(self, transformer, x_t, sigmas, text: dict, guidance: float = 1.0, controls=None):
         """The transformer's velocity for latents x_t (B, 16, h, w) at per-item sigmas, as FluxPipeline

@@ -34,6 +34,16 @@ class Kandinsky5Adapter(Adapter):
     def encode_video(self, frames):
         return self._encode(frames)
 
+    def decode_latents(self, latents):
+        """Latents (B, C, h, w) or clips (B, C, T, h, w) -> pixels in [-1, 1] (a clip: its middle frame)."""
+        import torch
+
+        self.load((self.vae_part,))
+        vae = self.parts[self.vae_part]
+        with torch.no_grad():
+            out = vae.decode(latents.to(vae.device, vae.dtype) / vae.config.scaling_factor).sample
+        return out[:, :, out.shape[2] // 2] if out.dim() == 5 else out
+
 
     def predict(self, transformer, x_t, sigmas, text: dict, guidance: float = 1.0, controls=None):
         """The velocity for x_t ((B, C, h, w) images or (B, C, T, h, w) clips), as the Kandinsky 5 pipelines

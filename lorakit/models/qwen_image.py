@@ -65,6 +65,19 @@ class QwenImageAdapter(Adapter):
             lat = vae.encode(pixels.to(vae.device, vae.dtype).unsqueeze(2)).latent_dist.mode()
         return self._normalise(lat)[:, :, 0]
 
+    def decode_latents(self, latents):
+        """Normalised latents (B, 16, h, w) -> pixels (B, 3, H, W) in [-1, 1]."""
+        import torch
+
+        self.load((self.vae_part,))
+        vae = self.parts[self.vae_part]
+        c = vae.config.z_dim
+        mean = torch.tensor(vae.config.latents_mean).view(1, c, 1, 1, 1).to(vae.device, vae.dtype)
+        std = torch.tensor(vae.config.latents_std).view(1, c, 1, 1, 1).to(vae.device, vae.dtype)
+        with torch.no_grad():
+            lat = latents.to(vae.device, vae.dtype).unsqueeze(2) * std + mean
+            return vae.decode(lat).sample[:, :, 0]
+
 
     def predict(self, transformer, x_t, sigmas, text: dict, guidance: float = 1.0, controls=None):
         """The transformer's velocity for x_t (B, 16, h, w), as the Qwen-Image pipelines call it: 2x2-packed

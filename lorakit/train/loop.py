@@ -358,6 +358,13 @@ def run(cfg, prov: dict, resume: str | None = None, progress=None, stop_at: int 
     store = Store(cache_dir_for(cfg))
     data = CachedData(store, store.read_manifest(), cfg.schedule.batch_size * d.world, cfg.seed, cfg.data.repeats,
                       hold_out=cfg.sampling.validation_items)
+    conds = None
+    if cfg.sampling.enabled:  # prompts encoded now: no text encoder is needed while training
+        from lorakit.train.sampling import conditions
+
+        conds = conditions(cfg, adapter, data)
+        if cfg.memory.free_encoders_after_cache:
+            adapter.unload(list(adapter.text_parts))
     if device.startswith("cuda"):
         from lorakit.hardware.attention import apply, self_test
 
@@ -394,6 +401,13 @@ def run(cfg, prov: dict, resume: str | None = None, progress=None, stop_at: int 
         except ValueError:  # not the main thread
             pass
     tb = _tensorboard(out / "tensorboard") if d.main else None
+    sampler = None
+    if conds and (d.main or tr.sharded):  # FSDP: every rank takes part in the forward passes
+        from lorakit.train.sampling import Sampler
+
+        sampler = Sampler(tr, conds, out / "samples")
+        if tr.step == 0:
+            sampler(0, write=d.main)
     losses = []
     t_start = time.perf_counter()
     end = cfg.schedule.steps if stop_at is None else min(stop_at, cfg.schedule.steps)
@@ -418,6 +432,8 @@ def run(cfg, prov: dict, resume: str | None = None, progress=None, stop_at: int 
                             tb.add_scalar(f"train/{k}", v, tr.step)
                 if progress:
                     progress(tr.step, cfg.schedule.steps, rec)
+            if sampler and cfg.sampling.every and tr.step % cfg.sampling.every == 0:
+                sampler(tr.step, write=d.main)
             if cfg.output.save_every and tr.step % cfg.output.save_every == 0:
                 tr.save()
             tr.stop_requested = d.total(float(tr.stop_requested)) > 0  # a signal to any rank stops them all
@@ -427,6 +443,8 @@ def run(cfg, prov: dict, resume: str | None = None, progress=None, stop_at: int 
         if tb is not None:
             tb.close()
     interrupted = tr.stop_requested or tr.step < cfg.schedule.steps
+    if sampler and not interrupted and not (cfg.sampling.every and tr.step % cfg.sampling.every == 0):
+        sampler(tr.step, write=d.main)
     ck = tr.save(final=not interrupted)
     result = {"steps": tr.step, "interrupted": interrupted, "checkpoint": str(ck), "metrics": str(metrics),
               "seconds": round(time.perf_counter() - t_start, 2), "cache": cache.to_dict(), "profile": prov,
@@ -434,6 +452,8 @@ def run(cfg, prov: dict, resume: str | None = None, progress=None, stop_at: int 
               "processes": d.world, "global_batch": tr.global_batch, "rank": d.rank}
     if resumed:
         result["resumed"] = resumed
+    if sampler and d.main and (out / "samples" / "progress.png").is_file():
+        result["samples"] = str(out / "samples" / "progress.png")
     if not interrupted and d.main:
         import shutil
 

@@ -1,0 +1,187 @@
+"""Samples during training: fixed prompts (and control images for edit families) rendered by the model being
+trained, before the first step, every `sampling.every` steps and at the end, into PNG grids.
+
+The sampler integrates the family's velocity (`adapter.predict`, the same call the training loss uses and the
+tests match against the stock pipelines) with Euler steps over the scheduler's shifted sigmas, so it needs no
+text encoder while training: prompts are encoded once at the start. FLUX takes `sampling.guidance` as its
+guidance embedding; the other families use classifier-free guidance against the empty caption when
+`sampling.guidance` > 1. The noise of image k is seeded with `sampling.seed + k`: every grid starts from the
+same noise, so rows differ only by what the model learnt.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+@dataclass
+class Condition:
+    label: str
+    text: dict  # batch of 1
+    shape: tuple  # latent shape without the batch dimension
+    controls: list = field(default_factory=list)  # batch-of-1 control latents (edit)
+    uncond: dict | None = None  # the empty caption, for classifier-free guidance
+
+
+def _batch1(d: dict) -> dict:
+    return {k: v.unsqueeze(0) for k, v in d.items() if k in ("prompt_embeds", "pooled")}
+
+
+def conditions(cfg, adapter, data, limit: int = 4) -> list[Condition]:
+    """What to render: `sampling.prompts` (encoded now; edit families pair prompt k with item k's controls),
+    or else the captions of the first `limit` training items (their cached embeddings)."""
+    items = data.items
+    entries = [data.store.get(it["key"]) for it in items[:max(limit, len(cfg.sampling.prompts or []))]]
+    n_ctrl = sum(1 for k in entries[0] if k.startswith("control_latents_"))
+    empty = data.empty()
+
+    def parts(j: int):
+        e = entries[j % len(entries)]
+        controls = [e[f"control_latents_{c}"].unsqueeze(0) for c in range(n_ctrl)]
+        un = ({"prompt_embeds": e["empty_prompt_embeds"].unsqueeze(0)} if "empty_prompt_embeds" in e
+              else (_batch1(empty) if empty else None))
+        return e, controls, un
+
+    out = []
+    prompts = list(cfg.sampling.prompts or [])
+    if prompts:
+        size = cfg.sampling.size or cfg.data.resolution
+        ctrl_images = None
+        if n_ctrl:
+            from lorakit.data.buckets import fit
+            from lorakit.data.dataset import open_image
+
+            ctrl_images = []
+            for j in range(len(prompts)):
+                it = items[j % len(items)]
+                ctrl_images.append([fit(open_image(Path(c)), tuple(it["bucket"])) for c in it["controls"]])
+        encoded = adapter.encode_prompts(prompts, controls=ctrl_images)
+        for j, (p, enc) in enumerate(zip(prompts, encoded, strict=True)):
+            e, controls, un = parts(j)
+            shape = tuple(e["latents"].shape) if (n_ctrl or e["latents"].dim() == 4) else \
+                (e["latents"].shape[0], size // 8, size // 8)
+            out.append(Condition(p, _batch1(enc), shape, controls, un))
+    else:
+        for j, it in enumerate(items[:limit]):
+            e, controls, un = parts(j)
+            out.append(Condition(it.get("caption", it["key"]), _batch1(e), tuple(e["latents"].shape), controls, un))
+    return out
+
+
+def sigma_schedule(steps: int, image_seq_len: int, scheduler_config: dict):
+    """The sampling sigmas (steps + 1 values, ending at 0) as the family's flow-matching scheduler sets them."""
+    import torch
+
+    from lorakit.train.flow_matching import resolution_mu
+
+    s = torch.linspace(1.0, 1.0 / steps, steps, dtype=torch.float64)
+    if scheduler_config.get("use_dynamic_shifting"):
+        mu = resolution_mu(image_seq_len, scheduler_config)
+        s = math.exp(mu) / (math.exp(mu) + (1 / s - 1))
+    else:
+        k = float(scheduler_config.get("shift", 1.0))
+        s = k * s / (1 + (k - 1) * s)
+    return torch.cat([s, torch.zeros(1, dtype=torch.float64)]).float()
+
+
+def render(trainer, conds: list[Condition]) -> list:
+    """One PIL image per condition from the model as it is now (eval mode, no gradients)."""
+    import numpy as np
+    import torch
+    from PIL import Image
+
+    cfg, dev, dt = trainer.cfg, trainer.device, trainer.dtype
+    guidance = cfg.sampling.guidance
+    flux = trainer.info.module == "flux"
+    was = trainer.transformer.training
+    trainer.transformer.eval()
+    images = []
+    try:
+        with torch.no_grad(), torch.autocast(dev.split(":")[0], dtype=dt, enabled=dt != torch.float32):
+            for k, c in enumerate(conds):
+                g = torch.Generator().manual_seed(cfg.sampling.seed + k)
+                x = torch.randn((1, *c.shape), generator=g).to(dev, torch.float32)
+                seq = (c.shape[-1] // 2) * (c.shape[-2] // 2)
+                sig = sigma_schedule(cfg.sampling.steps, seq, trainer.sched_cfg)
+                text = {k2: v.to(dev, dt) for k2, v in c.text.items()}
+                controls = [t.to(dev, dt) for t in c.controls]
+                un = {k2: v.to(dev, dt) for k2, v in c.uncond.items()} if c.uncond and guidance > 1 and not flux \
+                    else None
+                if un is not None and "pooled" in text and "pooled" not in un:
+                    un["pooled"] = torch.zeros_like(text["pooled"])
+                for s, s_next in zip(sig[:-1], sig[1:], strict=True):
+                    st = s.view(1).to(dev)
+                    v = trainer.adapter.predict(trainer.transformer, x.to(dt), st, text,
+                                                guidance=guidance if flux else 1.0, controls=controls).float()
+                    if un is not None:
+                        vu = trainer.adapter.predict(trainer.transformer, x.to(dt), st, un, controls=controls).float()
+                        v = vu + guidance * (v - vu)
+                    x = x + (float(s_next) - float(s)) * v
+                pix = trainer.adapter.decode_latents(x)[0].float().clamp(-1, 1)
+                arr = ((pix.permute(1, 2, 0).cpu().numpy() + 1) * 127.5).round().astype(np.uint8)
+                images.append(Image.fromarray(arr))
+    finally:
+        trainer.transformer.train(was)
+    return images
+
+
+def _labelled_row(images, labels, title: str, cell: int):
+    from PIL import Image, ImageDraw
+
+    pad, text_h = 4, 14
+    row = Image.new("RGB", (len(images) * (cell + pad) + pad + 90, cell + text_h + 2 * pad), "white")
+    d = ImageDraw.Draw(row)
+    d.text((pad, pad), title, fill="black")
+    for i, (im, lab) in enumerate(zip(images, labels, strict=True)):
+        x = 90 + pad + i * (cell + pad)
+        scaled = im.resize((cell, max(1, round(im.height * cell / im.width))), Image.NEAREST)
+        row.paste(scaled, (x, pad))
+        d.text((x, pad + cell + 1), lab[: max(4, cell // 6)], fill="black")
+    return row
+
+
+class Sampler:
+    """Renders the fixed conditions and keeps every grid: samples/step-NNNNNN.png, and samples/progress.png
+    with one row per render (first row: before training)."""
+
+    def __init__(self, trainer, conds: list[Condition], folder: Path, cell: int = 256):
+        from PIL import Image
+
+        self.trainer, self.conds, self.folder, self.cell = trainer, conds, folder, cell
+        self.rows: list = []
+        for p in sorted(folder.glob("step-*.png")):  # a resumed run keeps the rows rendered before
+            step = int(p.stem.split("-")[1])
+            if step <= trainer.step:
+                self.rows.append((step, Image.open(p).convert("RGB")))
+
+    def __call__(self, step: int, write: bool = True) -> Path | None:
+        images = render(self.trainer, self.conds)
+        if not write:
+            return None
+        from lorakit.io import atomic_path
+
+        cell = min(self.cell, max(64, images[0].width * 2))
+        row = _labelled_row(images, [c.label for c in self.conds], f"step {step}", cell)
+        self.folder.mkdir(parents=True, exist_ok=True)
+        path = self.folder / f"step-{step:06d}.png"
+        with atomic_path(path) as tmp:
+            row.save(tmp, format="PNG")
+        self.rows = [r for r in self.rows if r[0] != step] + [(step, row)]
+        self._progress()
+        return path
+
+    def _progress(self) -> None:
+        from PIL import Image
+
+        from lorakit.io import atomic_path
+
+        rows = [r for _, r in sorted(self.rows, key=lambda x: x[0])]
+        grid = Image.new("RGB", (max(r.width for r in rows), sum(r.height for r in rows)), "white")
+        y = 0
+        for r in rows:
+            grid.paste(r, (0, y))
+            y += r.height
+        with atomic_path(self.folder / "progress.png") as tmp:
+            grid.save(tmp, format="PNG")

@@ -1,0 +1,76 @@
+"""Training-time samples: the sampler renders what the stock pipeline renders, and `train` writes the grids."""
+
+import pytest
+import torch
+
+from lorakit.cache.builder import build, cache_dir_for
+from lorakit.cache.store import Store
+from lorakit.io.modules import load_component
+from lorakit.models.base import load_adapter
+from lorakit.train.data import CachedData
+from lorakit.train.loop import Trainer, run
+from lorakit.train.sampling import Sampler, conditions, render
+from tests.unit.train.test_loop import make_cfg
+
+
+@pytest.mark.parametrize("family", ["flux", "qwen-image"])
+def test_sampler_matches_the_stock_pipeline(tmp_path, tiny, family):
+    from diffusers import DiffusionPipeline
+
+    cfg = make_cfg(tmp_path, family, tiny(family), steps=2, sampling={"steps": 6, "guidance": 3.5 if family ==
+                                                                           "flux" else 1.0, "seed": 5})
+    a = load_adapter(family, tiny(family))
+    build(cfg, adapter=a)
+    st = Store(cache_dir_for(cfg))
+    data = CachedData(st, st.read_manifest(), 1, 0)
+    conds = conditions(cfg, a, data, limit=1)
+    tr = Trainer(cfg, a, load_component(tiny(family) / "transformer"), data, tmp_path / "o", "cpu", torch.float32)
+    ours = render(tr, conds)[0]
+    c = conds[0]
+    pipe = DiffusionPipeline.from_pretrained(tiny(family))
+    pipe.transformer = tr.transformer  # the model being trained (LoRA attached, still zero)
+    _, ch, h, w = (1, *c.shape)
+    noise = torch.randn((1, *c.shape), generator=torch.Generator().manual_seed(5))
+    latents = type(pipe)._pack_latents(noise, 1, ch, h, w)
+    kw = dict(latents=latents, num_inference_steps=6, height=h * 8, width=w * 8, output_type="np",
+              prompt_embeds=c.text["prompt_embeds"])
+    if family == "flux":
+        kw.update(pooled_prompt_embeds=c.text["pooled"], guidance_scale=3.5)
+    else:
+        kw.update(prompt_embeds_mask=torch.ones(c.text["prompt_embeds"].shape[:2], dtype=torch.long),
+                  true_cfg_scale=1.0)
+    stock = pipe(**kw).images[0]
+    import numpy as np
+
+    diff = np.abs(np.asarray(ours).astype(float) - stock * 255).max()
+    mean = np.abs(np.asarray(ours).astype(float) - stock * 255).mean()
+    assert diff <= 3 and mean < 0.5, (diff, mean)  # 8-bit rounding of the same pixels
+
+
+def test_train_writes_a_grid_before_every_n_steps_and_at_the_end(tmp_path, tiny):
+    cfg = make_cfg(tmp_path, "qwen-image-edit", tiny("qwen-image-edit"), steps=5,
+                   sampling={"every": 2, "steps": 3, "prompts": ["make it red", "make it blue", "flip it"]})
+    res = run(cfg, {})
+    folder = tmp_path / "out" / "samples"
+    assert sorted(p.name for p in folder.iterdir()) == ["progress.png", "step-000000.png", "step-000002.png",
+                                                        "step-000004.png", "step-000005.png"]
+    from PIL import Image
+
+    rows = [Image.open(folder / f"step-00000{k}.png") for k in (0, 2, 4, 5)]
+    grid = Image.open(res["samples"])
+    assert grid.height == sum(r.height for r in rows) and grid.width == rows[0].width
+    assert Image.open(folder / "step-000000.png").tobytes() != Image.open(folder / "step-000005.png").tobytes()
+    # a resumed run keeps the rows rendered before the interruption
+    cfg2 = make_cfg(tmp_path / "b", "flux", tiny("flux"), steps=4, sampling={"every": 2, "steps": 2})
+    run(cfg2, {}, stop_at=2)
+    res2 = run(cfg2, {}, resume="latest")
+    g2 = Image.open(res2["samples"])
+    one = Image.open(tmp_path / "b" / "out" / "samples" / "step-000000.png")
+    assert g2.height == 3 * one.height  # steps 0, 2, 4
+
+
+def test_samples_can_be_turned_off(tmp_path, tiny):
+    cfg = make_cfg(tmp_path, "flux", tiny("flux"), steps=2, sampling={"enabled": False})
+    res = run(cfg, {})
+    assert "samples" not in res and not (tmp_path / "out" / "samples").exists()
+    assert Sampler  # the class the loop uses
