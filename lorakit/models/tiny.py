@@ -259,6 +259,12 @@ def _kandinsky(seed: int, variant: str):
                                                time_dim=16, patch_size=(1, 2, 2), model_dim=32, ff_dim=64,
                                                num_text_blocks=1, num_visual_blocks=2, axes_dims=(4, 6, 6),
                                                visual_cond=variant == "t2v")
+    import torch
+
+    with torch.no_grad():  # adaLN-zero modulations start at 0; a trained model's are not (else no block matters)
+        for p in transformer.parameters():
+            if p.dim() > 1 and not p.any():
+                p.normal_(0.0, 0.05)
     parts = dict(transformer=transformer.eval(), text_encoder=_qwen_vl(qtok, seed + 30),
                  tokenizer=_qwen_processor(qtok), text_encoder_2=_clip_text(ctok, seed + 40), tokenizer_2=ctok)
     if variant == "t2i":
