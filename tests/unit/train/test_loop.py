@@ -190,3 +190,32 @@ def test_fp8_base_trains_and_its_lora_still_loads_in_stock_diffusers(tmp_path, t
     pipe = DiffusionPipeline.from_pretrained(tiny("flux"))
     pipe.load_lora_weights(str(ck / "lora.safetensors"))  # same keys as a bf16-base LoRA
     assert "default_0" in pipe.transformer.peft_config
+
+
+def test_dora_trains_and_its_file_reproduces_predictions_in_stock_diffusers(tmp_path, tiny):
+    from diffusers import DiffusionPipeline
+
+    from lorakit.io import load
+
+    cfg = make_cfg(tmp_path, "flux", tiny("flux"), steps=4, lora={"dora": True, "dropout": 0.0})
+    res = run(cfg, {})
+    sd = load(res["lora"])
+    assert any("lora_magnitude_vector" in k for k in sd)  # DoRA's magnitude trained and written
+    a = load_adapter("flux", tiny("flux"))
+    st = Store(cache_dir_for(cfg))
+    data = CachedData(st, st.read_manifest(), 1, 0)
+    tr = Trainer(cfg, a, load_component(tiny("flux") / "transformer"), data, tmp_path / "x", "cpu", torch.float32)
+    tr.resume(tmp_path / "out" / "checkpoints" / "final")
+    tr.transformer.eval()
+    pipe = DiffusionPipeline.from_pretrained(tiny("flux"))
+    pipe.load_lora_weights(res["lora"])
+    assert pipe.transformer.peft_config["default_0"].use_dora
+    b = data.load([data.items[0]["key"]])
+    xt = torch.randn(b.latents.shape, generator=torch.Generator().manual_seed(0))
+    s = torch.tensor([0.6])
+    with torch.no_grad():
+        ours = a.predict(tr.transformer, xt, s, b.text)
+        stock = a.predict(pipe.transformer, xt, s, b.text)
+        base = a.predict(load_component(tiny("flux") / "transformer"), xt, s, b.text)
+    torch.testing.assert_close(ours, stock, rtol=1e-5, atol=1e-5)
+    assert (ours - base).abs().max() > 1e-3
