@@ -38,6 +38,9 @@ class Trainer:
         if self.info.module not in PREDICTS:
             raise NotAvailableError(f"training {cfg.model.family} is not in this build yet (tracked as issue #6)",
                                     "FLUX and Qwen-Image(-Edit/-Plus) train today")
+        if self.full and cfg.memory.blocks_to_swap:
+            raise InputError("method=full trains every weight: memory.blocks_to_swap (frozen weights kept on the "
+                             "host) does not apply", "--set memory.blocks_to_swap=0, or use --gpus N (FSDP)")
         if self.full and cfg.memory.base_quant != "none":
             raise InputError(f"method=full trains every weight: memory.base_quant={cfg.memory.base_quant} "
                              "(a frozen 8-bit base) does not apply", "--set memory.base_quant=none")
@@ -47,33 +50,36 @@ class Trainer:
             from lorakit.train.quant import quantize_blocks
 
             self.quantized = quantize_blocks(transformer, dtype, device)
-        if cfg.memory.blocks_to_swap:
-            raise NotAvailableError("memory.blocks_to_swap is not in this build yet (tracked as issue #6)",
-                                    "set it to 0, lower data.resolution, or use --set memory.base_quant=fp8")
         if cfg.memory.base_quant == "nf4":
             raise NotAvailableError("memory.base_quant=nf4 is not in this build yet (tracked as issue #6)",
                                     "use --set memory.base_quant=fp8 (8-bit e4m3 storage, bf16 compute)")
         self.sharded = self.full and self.dist.enabled
-        if not self.sharded:
+        self.swapper = None
+        if cfg.memory.blocks_to_swap and not self.sharded:
+            from lorakit.train.swap import BlockSwapper
+
+            self.swapper = BlockSwapper(transformer, cfg.memory.blocks_to_swap, device, pin=cfg.memory.pin_memory)
+            self.swapper.place_rest(transformer)
+        elif not self.sharded:
             transformer.to(device)  # what was not quantized (loaded to the CPU for an 8-bit base)
         if self.full:
             self.peft_config = None
             transformer.requires_grad_(True)
         else:
             self.peft_config = add_lora(transformer, self.info.module, cfg)
-        if cfg.memory.gradient_checkpointing:
+        if cfg.memory.gradient_checkpointing or self.swapper:  # swapping needs the recompute
             transformer.enable_gradient_checkpointing()
         if self.sharded:  # FSDP: each block's weights, grads and optimizer states split over the ranks
             _fully_shard(transformer, device)
         self.compiled = bool(cfg.memory.compile and device.startswith("cuda") and not self.sharded
-                             and getattr(transformer, "_repeated_blocks", None))
+                             and not self.swapper and getattr(transformer, "_repeated_blocks", None))
         if self.compiled:  # regional: each repeated block once (seconds, not minutes), shapes per bucket
             transformer.compile_repeated_blocks()
         transformer.train()
         self.params = [p for p in transformer.parameters() if p.requires_grad]
         if not self.full:
-            for p in self.params:
-                p.data = p.data.float()  # LoRA weights train in fp32 whatever the base dtype
+            for p in self.params:  # LoRA weights train in fp32 whatever the base dtype, on the GPU (peft puts
+                p.data = p.data.to(device, torch.float32)  # those of swapped layers beside their host weights)
         self.opt = make_optimizer(self.params, cfg, device, full=self.full)
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_lambda(cfg))
         self.step = 0
@@ -372,8 +378,10 @@ def run(cfg, prov: dict, resume: str | None = None, progress=None, stop_at: int 
             cfg.model.family)
         apply(choice)
     # an 8-bit base is loaded to the CPU (mapped, no copy) and reaches the GPU layer by layer in 8 bits
+    # and with block swapping, the swapped blocks' weights never visit the GPU outside their turn
     eight_bit = cfg.memory.base_quant in ("fp8", "qfloat8") and device != "cpu"
-    transformer = load_component(Path(cfg.model.path) / "transformer", "cpu" if eight_bit else device, dtype,
+    to_cpu = eight_bit or (cfg.memory.blocks_to_swap and device != "cpu")
+    transformer = load_component(Path(cfg.model.path) / "transformer", "cpu" if to_cpu else device, dtype,
                                  cfg.memory.loader)
     tr = Trainer(cfg, adapter, transformer, data, out, device, dtype, dist=d)
     resumed = None

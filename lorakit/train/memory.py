@@ -104,12 +104,13 @@ def check(cfg, budget_gib: float, world: int = 1) -> dict:
         tips.append("--set memory.base_quant=fp8")
     swap = next((n for n in range(1, est["blocks"] + 1) if estimate(cfg.model_copy(update={
         "memory": cfg.memory.model_copy(update={"blocks_to_swap": n})}), world)["gib"] <= budget_gib), None)
+    if swap and cfg.method == "lora" and not cfg.memory.blocks_to_swap:
+        tips.append(f"--set memory.blocks_to_swap={swap} (slower: those blocks' weights cross PCIe twice a step)")
     if not tips:
-        tips.append(f"no setting of this build fits it: swapping {swap} blocks to the CPU would, and block swapping "
-                    f"is not in this build yet (issue #6)" if swap else "a GPU with more memory")
+        tips.append("a GPU with more memory")
     p = est["parts"]
     raise InputError(
         f"this run needs about {est['gib']} GiB of GPU memory and the {cfg.profile} profile has {budget_gib:.0f} "
         f"(base{' + gradients + optimizer' if cfg.method == 'full' else ''} {p['base']}, LoRA+optimizer {p['lora_and_optimizer']}, activations {p['activations']} at "
         f"{est['tokens']} tokens, overhead {p['overhead']}; from {est['source']})",
-        "try " + " or ".join(tips) if not tips[-1].startswith(("no setting", "a GPU")) else tips[-1])
+        "try " + " or ".join(tips) if not tips[-1].startswith("a GPU") else tips[-1])

@@ -51,7 +51,7 @@ def test_2048_on_rtx4090_is_refused_before_loading_with_a_suggestion(tmp_path):
         run(cfg, {})  # the folder holds no weights: getting past the check would fail differently
     msg, hint = ei.value.message, ei.value.hint
     assert "needs about" in msg and "rtx4090 profile has 24" in msg and "activations" in msg
-    assert "swapping" in hint and "blocks" in hint  # says what would fit, and that this build cannot do it yet
+    assert "memory.blocks_to_swap=" in hint  # what would fit, as a setting this build honours
 
 
 def test_suggestions_are_settings_this_build_honours(tmp_path):

@@ -1,0 +1,111 @@
+"""Block swapping: the frozen weights of N transformer blocks live in host memory and visit the GPU only while
+their block runs — in the forward pass and in its recompute during backward (gradient checkpointing is
+required: without it autograd would keep every visiting block's weights alive until backward).
+
+Host copies are made once (page-locked when `memory.pin_memory`, so the copies run asynchronously); a visit
+is one host-to-device copy on a side stream, started while the previous block computes, and leaving drops
+the GPU copy (the weights are frozen: nothing is copied back). LoRA weights, gradients and optimizer states
+never move.
+"""
+
+from __future__ import annotations
+
+
+def repeated_blocks(transformer) -> list:
+    """The transformer's repeated blocks in execution order (diffusers' `_repeated_blocks` classes)."""
+    names = set(getattr(transformer, "_repeated_blocks", None) or ())
+    return [m for m in transformer.modules() if type(m).__name__ in names]
+
+
+class BlockSwapper:
+    def __init__(self, transformer, n: int, device: str, pin: bool = True):
+        import torch
+
+        from lorakit.errors import InputError
+
+        blocks = repeated_blocks(transformer)
+        if not blocks:
+            raise InputError("memory.blocks_to_swap: this transformer declares no repeated blocks")
+        if n >= len(blocks):
+            raise InputError(f"memory.blocks_to_swap={n}, but the transformer has {len(blocks)} blocks",
+                             f"at most {len(blocks) - 1}")
+        self.device = torch.device(device)
+        self.cuda = self.device.type == "cuda"
+        self.stream = torch.cuda.Stream(self.device) if self.cuda else None
+        self.blocks = blocks[-n:]  # the last ones: the first blocks start every step without waiting
+        self.host: dict[int, list] = {}  # block index -> [(owner module, kind, name, host tensor)]
+        self.ready: dict[int, object] = {}  # block index -> (tensors on the GPU, copy-done event)
+        self.last = -1  # the block visited last: forward runs up the list, the recompute in backward down it
+        for i, b in enumerate(self.blocks):
+            entries = []
+            for mod in b.modules():
+                for name, p in mod.named_parameters(recurse=False):  # the base, before any LoRA exists
+                    entries.append((mod, "param", name, self._host(p.data, pin)))
+                for name, buf in mod.named_buffers(recurse=False):
+                    if buf is not None:
+                        entries.append((mod, "buffer", name, self._host(buf, pin)))
+            self.host[i] = entries
+            self._point(i, [e[3] for e in entries])  # rest on the host
+            b.register_forward_pre_hook(self._make_in(i))
+            b.register_forward_hook(self._make_out(i))
+
+    def _host(self, t, pin: bool):
+        t = t.detach().to("cpu")
+        return t.pin_memory() if pin and self.cuda else t
+
+    def swapped_tensor_ids(self) -> set[int]:
+        return {id(e[3]) for entries in self.host.values() for e in entries}
+
+    def place_rest(self, transformer) -> None:
+        """Move every tensor that is not swapped to the GPU (instead of `transformer.to(device)`)."""
+        keep = {(id(m), k, n) for i in self.host for (m, k, n, _) in self.host[i]}
+        for mod in transformer.modules():
+            for name, p in mod.named_parameters(recurse=False):
+                if (id(mod), "param", name) not in keep:
+                    p.data = p.data.to(self.device)
+            for name, buf in mod.named_buffers(recurse=False):
+                if buf is not None and (id(mod), "buffer", name) not in keep:
+                    mod._buffers[name] = buf.to(self.device)
+
+    def _point(self, i: int, tensors) -> None:
+        for (mod, kind, name, _), t in zip(self.host[i], tensors, strict=True):
+            if kind == "param":
+                getattr(mod, name).data = t
+            else:
+                mod._buffers[name] = t
+
+    def _fetch(self, i: int) -> None:
+        """Start copying block i's weights to the GPU (side stream on CUDA)."""
+        import torch
+
+        if i in self.ready or not 0 <= i < len(self.blocks):
+            return
+        if self.cuda:
+            with torch.cuda.stream(self.stream):
+                gpu = [e[3].to(self.device, non_blocking=True) for e in self.host[i]]
+                ev = torch.cuda.Event()
+                ev.record(self.stream)
+        else:
+            gpu, ev = [e[3].to(self.device, copy=True) for e in self.host[i]], None
+        self.ready[i] = (gpu, ev)
+
+    def _make_in(self, i: int):
+        def hook(module, args):
+            import torch
+
+            self._fetch(i)
+            gpu, ev = self.ready.pop(i)
+            if ev is not None:
+                torch.cuda.current_stream(self.device).wait_event(ev)
+                for t in gpu:  # used on the compute stream: keep the allocator from reusing it early
+                    t.record_stream(torch.cuda.current_stream(self.device))
+            self._point(i, gpu)
+            step = -1 if self.last == i + 1 else 1
+            self.last = i
+            self._fetch(i + step)  # the next block to run travels while this one computes
+        return hook
+
+    def _make_out(self, i: int):
+        def hook(module, args, output):
+            self._point(i, [e[3] for e in self.host[i]])  # the GPU copy is freed once nothing uses it
+        return hook
