@@ -134,6 +134,8 @@ class Trainer:
             loss = self.loss_on(batch, sigmas[idx], noise[idx], reduce="sum") * scale
             loss.backward()
             mine += float(loss.detach()) / (d.world if self.sharded else 1)
+        if self.swapper:
+            self.swapper.settle()
         total = d.total(mine)
         if not math.isfinite(total):
             raise InputError(f"the loss became {total} at step {self.step + 1}",

@@ -1,6 +1,8 @@
 """Block swapping: the frozen weights of N transformer blocks live in host memory and visit the GPU only while
 their block runs — in the forward pass and in its recompute during backward (gradient checkpointing is
-required: without it autograd would keep every visiting block's weights alive until backward).
+required: without it autograd would keep every visiting block's weights alive until backward). A recompute
+stops as soon as it has what backward needs, before the block's forward hook runs, so a visitor also goes
+home when the next block arrives, and every one after backward (`settle`).
 
 Host copies are made once (page-locked when `memory.pin_memory`, so the copies run asynchronously); a visit
 is one host-to-device copy on a side stream, started while the previous block computes, and leaving drops
@@ -35,6 +37,7 @@ class BlockSwapper:
         self.blocks = blocks[-n:]  # the last ones: the first blocks start every step without waiting
         self.host: dict[int, list] = {}  # block index -> [(owner module, kind, name, host tensor)]
         self.ready: dict[int, object] = {}  # block index -> (tensors on the GPU, copy-done event)
+        self.visiting: set[int] = set()  # blocks whose weights point at GPU copies now
         self.last = -1  # the block visited last: forward runs up the list, the recompute in backward down it
         for i, b in enumerate(self.blocks):
             entries = []
@@ -93,6 +96,8 @@ class BlockSwapper:
         def hook(module, args):
             import torch
 
+            for j in list(self.visiting - {i}):  # a recompute in backward stops early, before the block's
+                self._rest(j)  # forward hook: the previous visitor goes home here (its backward is done)
             self._fetch(i)
             gpu, ev = self.ready.pop(i)
             if ev is not None:
@@ -100,12 +105,24 @@ class BlockSwapper:
                 for t in gpu:  # used on the compute stream: keep the allocator from reusing it early
                     t.record_stream(torch.cuda.current_stream(self.device))
             self._point(i, gpu)
+            self.visiting.add(i)
             step = -1 if self.last == i + 1 else 1
             self.last = i
             self._fetch(i + step)  # the next block to run travels while this one computes
         return hook
 
+    def _rest(self, i: int) -> None:
+        self._point(i, [e[3] for e in self.host[i]])  # the GPU copy is freed once autograd no longer needs it
+        self.visiting.discard(i)
+
+    def settle(self) -> None:
+        """Send every visitor home and drop prefetched copies (after backward, before sampling or saving)."""
+        for j in list(self.visiting):
+            self._rest(j)
+        self.ready.clear()
+        self.last = -1
+
     def _make_out(self, i: int):
         def hook(module, args, output):
-            self._point(i, [e[3] for e in self.host[i]])  # the GPU copy is freed once nothing uses it
+            self._rest(i)
         return hook
