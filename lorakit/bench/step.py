@@ -219,7 +219,7 @@ def prepare(spec: dict):
             total = torch.cuda.get_device_properties(device).total_memory
             torch.cuda.set_per_process_memory_fraction(min(spec["memory_cap"] * 2**30 / total, 1.0), device)
     cfg = lorakit_config(spec, device) if spec["way"] == "lorakit" else None
-    eight_bit = cfg is not None and cfg.memory.base_quant in ("fp8", "qfloat8") and cuda
+    eight_bit = cfg is not None and cfg.memory.base_quant in ("fp8", "qfloat8", "nf4") and cuda
     t0 = time.perf_counter()
     model = build_random(spec["family"], spec["size"], device, dtype, seed=spec["seed"],
                          keep_on="cpu" if eight_bit else None)

@@ -33,10 +33,11 @@ class CachedData:
     """The items of a built cache, and the batch order of every epoch (a pure function of seed, epoch)."""
 
     def __init__(self, store: Store, manifest: dict, batch_size: int, seed: int, repeats: int = 1,
-                 hold_out: int = 0):
+                 hold_out: int = 0, in_memory: bool = False):
         import random
 
         self.store = store
+        self.memo: dict | None = {} if in_memory else None  # memory.cache_in_memory: each entry read once
         items = list(manifest["items"])
         if hold_out and hold_out >= len(items):
             from lorakit.errors import ConfigError
@@ -76,10 +77,17 @@ class CachedData:
             self._empty = self.store.get(self.empty_key)
         return self._empty
 
+    def entry(self, key: str) -> dict:
+        if self.memo is None:
+            return self.store.get(key)
+        if key not in self.memo:
+            self.memo[key] = self.store.get(key)
+        return self.memo[key]
+
     def load(self, keys: list[str], drop: list[bool] | None = None) -> Batch:
         import torch
 
-        entries = [self.store.get(k) for k in keys]
+        entries = [self.entry(k) for k in keys]
         texts = []
         for i, e in enumerate(entries):
             t = {k: v for k, v in e.items() if k in ("prompt_embeds", "pooled")}

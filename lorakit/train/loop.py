@@ -51,8 +51,13 @@ class Trainer:
 
             self.quantized = quantize_blocks(transformer, dtype, device)
         if cfg.memory.base_quant == "nf4":
-            raise NotAvailableError("memory.base_quant=nf4 is not in this build yet (tracked as issue #6)",
-                                    "use --set memory.base_quant=fp8 (8-bit e4m3 storage, bf16 compute)")
+            if cfg.memory.blocks_to_swap:
+                raise InputError("memory.base_quant=nf4 with memory.blocks_to_swap is not supported (the 4-bit "
+                                 "weights keep their quantization state on the GPU)",
+                                 "use base_quant=fp8 with block swapping, or nf4 without it")
+            from lorakit.train.quant import quantize_blocks_nf4
+
+            self.quantized = quantize_blocks_nf4(transformer, dtype, device)
         self.sharded = self.full and self.dist.enabled
         self.swapper = None
         if cfg.memory.blocks_to_swap and not self.sharded:
@@ -327,6 +332,22 @@ def check_memory(cfg, cap_gib: float | None = None, world: int = 1):
     return cfg, check(cfg, budget, world), note
 
 
+def _expandable_segments() -> None:
+    """memory.expandable_segments: the CUDA allocator grows segments instead of caching fixed blocks (less
+    fragmentation; the dgx-spark profile's unified memory wants it). Set before the first allocation."""
+    import os
+
+    import torch
+
+    if "expandable_segments" not in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""):
+        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = ",".join(
+            x for x in (os.environ.get("PYTORCH_CUDA_ALLOC_CONF"), "expandable_segments:True") if x)
+    try:
+        torch.cuda.memory._set_allocator_settings("expandable_segments:True")
+    except (AttributeError, RuntimeError):  # older torch: the environment variable (read at CUDA start) holds
+        pass
+
+
 def latest_checkpoint(out_dir: Path) -> Path | None:
     cks = sorted(p for p in (out_dir / "checkpoints").glob("step-*") if (p / "state.pt").is_file())
     return cks[-1] if cks else None
@@ -353,6 +374,8 @@ def run(cfg, prov: dict, resume: str | None = None, progress=None, stop_at: int 
 
         raise ConfigError(["model.path: required to train"], hint="--set model.path=/models/FLUX.1-dev")
     device, dtype = device_and_dtype(cfg)
+    if device.startswith("cuda") and cfg.memory.expandable_segments:
+        _expandable_segments()
     d = dist_mod.init(device)
     device = d.device(device)
     cfg, memory, memory_note = check_memory(cfg, world=d.world)  # refuses before any weights load
@@ -365,7 +388,7 @@ def run(cfg, prov: dict, resume: str | None = None, progress=None, stop_at: int 
     cache = build(cfg, adapter=adapter, dist=d)  # the ranks encode a share of the items each
     store = Store(cache_dir_for(cfg))
     data = CachedData(store, store.read_manifest(), cfg.schedule.batch_size * d.world, cfg.seed, cfg.data.repeats,
-                      hold_out=cfg.sampling.validation_items)
+                      hold_out=cfg.sampling.validation_items, in_memory=cfg.memory.cache_in_memory)
     conds = None
     if cfg.sampling.enabled:  # prompts encoded now: no text encoder is needed while training
         from lorakit.train.sampling import conditions
@@ -382,9 +405,9 @@ def run(cfg, prov: dict, resume: str | None = None, progress=None, stop_at: int 
     # an 8-bit base is loaded to the CPU (mapped, no copy) and reaches the GPU layer by layer in 8 bits
     # and with block swapping, the swapped blocks' weights never visit the GPU outside their turn
     eight_bit = cfg.memory.base_quant in ("fp8", "qfloat8") and device != "cpu"
-    to_cpu = eight_bit or (cfg.memory.blocks_to_swap and device != "cpu")
+    to_cpu = device != "cpu" and (eight_bit or cfg.memory.base_quant == "nf4" or cfg.memory.blocks_to_swap)
     transformer = load_component(Path(cfg.model.path) / "transformer", "cpu" if to_cpu else device, dtype,
-                                 cfg.memory.loader)
+                                 cfg.memory.loader, unified_memory=cfg.memory.unified_memory)
     tr = Trainer(cfg, adapter, transformer, data, out, device, dtype, dist=d)
     resumed = None
     if resume:

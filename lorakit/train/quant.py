@@ -4,6 +4,8 @@ embeddings, norms, the output projection and the LoRA weights keep their precisi
 
 `Float8Linear` subclasses `nn.Linear`, so peft wraps it with LoRA like any Linear. Used for
 `memory.base_quant` fp8 (rtx5090) and qfloat8 (rtx4090: the same e4m3 format optimum-quanto's qfloat8 uses).
+`memory.base_quant: nf4` stores the same layers as bitsandbytes 4-bit NormalFloat (blocks of 64 with an absmax
+each, ~0.55 byte/parameter), which peft's bitsandbytes LoRA layers wrap.
 """
 
 from __future__ import annotations
@@ -44,4 +46,23 @@ def quantize_blocks(transformer, compute_dtype: torch.dtype, device=None) -> int
     for name, lin in targets:
         parent_name, _, child = name.rpartition(".")
         setattr(transformer.get_submodule(parent_name), child, Float8Linear(lin, compute_dtype, device))
+    return len(targets)
+
+
+def quantize_blocks_nf4(transformer, compute_dtype: torch.dtype, device=None) -> int:
+    """Replace every Linear inside the transformer blocks by a bitsandbytes nf4 Linear4bit, quantized on
+    `device` one layer at a time (as `quantize_blocks`). Returns how many layers."""
+    import bitsandbytes as bnb
+
+    targets = [(n, m) for n, m in transformer.named_modules()
+               if type(m) is torch.nn.Linear and "blocks." in n]
+    for name, lin in targets:
+        q = bnb.nn.Linear4bit(lin.in_features, lin.out_features, bias=lin.bias is not None,
+                              compute_dtype=compute_dtype, quant_type="nf4", device="meta")
+        q.weight = bnb.nn.Params4bit(lin.weight.detach().to(compute_dtype), requires_grad=False, quant_type="nf4")
+        if lin.bias is not None:
+            q.bias = torch.nn.Parameter(lin.bias.detach().to(compute_dtype), requires_grad=False)
+        q = q.to(device or lin.weight.device)  # bitsandbytes quantizes when the weight is moved
+        parent_name, _, child = name.rpartition(".")
+        setattr(transformer.get_submodule(parent_name), child, q)
     return len(targets)

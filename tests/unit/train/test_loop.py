@@ -219,3 +219,44 @@ def test_dora_trains_and_its_file_reproduces_predictions_in_stock_diffusers(tmp_
         base = a.predict(load_component(tiny("flux") / "transformer"), xt, s, b.text)
     torch.testing.assert_close(ours, stock, rtol=1e-5, atol=1e-5)
     assert (ours - base).abs().max() > 1e-3
+
+
+def test_cache_in_memory_reads_each_entry_once_and_trains_the_same(tmp_path, tiny):
+    a = make_cfg(tmp_path / "a", "flux", tiny("flux"), steps=4, sampling={"enabled": False})
+    b = make_cfg(tmp_path / "b", "flux", tiny("flux"), steps=4, sampling={"enabled": False},
+                 memory={"cache_in_memory": True})
+    ra, rb = run(a, {}), run(b, {})
+    assert losses(ra["metrics"]) == pytest.approx(losses(rb["metrics"]), abs=1e-7)
+    st = Store(cache_dir_for(b))
+    data = CachedData(st, st.read_manifest(), 1, 0, in_memory=True)
+    calls = []
+    real = st.get
+    st.get = lambda k: calls.append(k) or real(k)
+    for i in range(12):
+        data.load(data.batch_at(i))
+    assert sorted(calls) == sorted(it["key"] for it in data.items)  # 12 batches, 4 reads
+
+
+def test_nf4_base_trains_and_its_lora_still_loads_in_stock_diffusers(tmp_path, tiny):
+    import bitsandbytes as bnb
+    from diffusers import DiffusionPipeline
+
+    cfg = make_cfg(tmp_path, "qwen-image", tiny("qwen-image"), steps=4, memory={"base_quant": "nf4"},
+                   sampling={"enabled": False})
+    res = run(cfg, {})
+    assert all(math.isfinite(x) for x in losses(res["metrics"]))
+    a = load_adapter("qwen-image", tiny("qwen-image"))
+    st = Store(cache_dir_for(cfg))
+    data = CachedData(st, st.read_manifest(), 1, 0)
+    tr = Trainer(cfg, a, load_component(tiny("qwen-image") / "transformer"), data, tmp_path / "o", "cpu",
+                 torch.float32)
+    four = [m for m in tr.transformer.modules() if isinstance(m, bnb.nn.Linear4bit)]
+    assert tr.quantized == len(four) > 0 and all(m.weight.dtype == torch.uint8 for m in four)  # 4-bit packed
+    assert all(p.dtype == torch.float32 for p in tr.params)  # the LoRA itself trains in full precision
+    pipe = DiffusionPipeline.from_pretrained(tiny("qwen-image"))
+    pipe.load_lora_weights(res["lora"])  # same keys as a LoRA trained on the bf16/fp32 base
+    assert "default_0" in pipe.transformer.peft_config
+    with pytest.raises(Exception, match="nf4 with memory.blocks_to_swap"):
+        Trainer(make_cfg(tmp_path / "s", "qwen-image", tiny("qwen-image"), steps=2,
+                         memory={"base_quant": "nf4", "blocks_to_swap": 1}),
+                a, load_component(tiny("qwen-image") / "transformer"), data, tmp_path / "p", "cpu", torch.float32)
