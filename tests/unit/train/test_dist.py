@@ -26,7 +26,7 @@ def _train(path, *extra, gpus=1):
 @pytest.mark.slow
 @pytest.mark.parametrize("family", ["qwen-image"])
 def test_two_processes_match_one_with_the_same_global_batch(tmp_path, tiny, family):
-    common = {"lora": {"dropout": 0.0}, "data": {"caption_dropout": 0.2}}
+    common = {"lora": {"dropout": 0.0}, "data": {"caption_dropout": 0.2}, "sampling": {"enabled": False}}
     one = make_cfg(tmp_path / "one", family, tiny(family), steps=20, schedule={"batch_size": 2}, **common)
     two = make_cfg(tmp_path / "two", family, tiny(family), steps=20, schedule={"batch_size": 1},
                    output={"save_every": 10}, **common)
@@ -67,8 +67,9 @@ def test_full_fine_tune_shards_with_fsdp_and_resumes_on_another_process_count(tm
     a, b = load(final), load(tmp_path / "ref" / "out" / "lora-transformer")
     base = load(tiny(family) / "transformer")
     assert a.keys() == b.keys() == base.keys()  # the whole model, plain diffusers names
-    assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-4
-    assert max((a[k] - base[k]).abs().max().item() for k in a) > 1e-4  # the weights themselves trained
+    # Adam divides by sqrt(v): float-level differences in tiny gradients show up as ~1e-4 in the weights
+    assert max((a[k] - b[k]).abs().max().item() for k in a) < 5e-4
+    assert max((a[k] - base[k]).abs().max().item() for k in a) > 3e-3  # the weights themselves trained
     from diffusers import FluxTransformer2DModel
 
     m = FluxTransformer2DModel.from_pretrained(final)  # stock diffusers loads the saved folder
@@ -81,7 +82,7 @@ def test_full_fine_tune_shards_with_fsdp_and_resumes_on_another_process_count(tm
     assert r3["resumed"]["from_world"] == 2
     assert losses(r3["metrics"]) == pytest.approx(losses(r1["metrics"]), rel=0, abs=1e-4)
     c = load(final)
-    assert max((c[k] - b[k]).abs().max().item() for k in c) < 1e-4
+    assert max((c[k] - b[k]).abs().max().item() for k in c) < 5e-4
 
 
 def test_a_full_fine_tune_does_not_take_an_8_bit_base(tmp_path, tiny):
