@@ -98,6 +98,8 @@ class LoraConfig(_Section):
         "attention", description="a preset (attention, attention_mlp, all_linear) or a list of module names")
     init: Literal["default", "gaussian"] = Field("default", description="LoRA weight initialisation")
     dora: bool = Field(False, description="train DoRA (weight-decomposed LoRA)")
+    train_io: bool = Field(False, description="also put LoRA on the layers between latents and blocks (patch "
+                                              "embedder, final norm modulation, output projection)")
 
     @field_validator("targets")
     @classmethod

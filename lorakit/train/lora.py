@@ -6,6 +6,13 @@ import json
 from pathlib import Path
 
 ATTENTION = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"]
+# the layers between the latent space and the blocks: the patch embedder, the final norm's modulation and the
+# output projection (lora.train_io) — with them the LoRA can change how latents enter and leave the model
+IO = {
+    "flux": ["x_embedder", "norm_out.linear", "proj_out"],
+    "qwen_image": ["img_in", "norm_out.linear", "proj_out"],
+    "kandinsky5": ["visual_embeddings.in_layer", "out_layer.modulation.out_layer", "out_layer.out_layer"],
+}
 MLP = {
     "flux": ["ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2", "proj_mlp", "proj_out"],
     "qwen_image": ["img_mlp.net.0.proj", "img_mlp.net.2", "txt_mlp.net.0.proj", "txt_mlp.net.2"],
@@ -13,17 +20,21 @@ MLP = {
 }
 
 
-def target_modules(transformer, family_module: str, targets) -> list[str]:
-    """Module names for a preset (attention | attention_mlp | all_linear) or an explicit list, checked
-    against the model so a typo is an error, not a LoRA that trains nothing."""
+def target_modules(transformer, family_module: str, targets, io: bool = False) -> list[str]:
+    """Module names for a preset (attention | attention_mlp | all_linear: inside the blocks) or an explicit
+    list (matched anywhere), checked against the model so a typo is an error, not a LoRA that trains nothing;
+    `io` adds the family's latent in/out layers (IO)."""
     import torch
 
     from lorakit.errors import ConfigError
 
     names = [n for n, m in transformer.named_modules() if isinstance(m, torch.nn.Linear)]
     in_blocks = [n for n in names if "blocks." in n]
+    extra = [n for n in names if n in IO.get(family_module, [])] if io else []
     if targets == "all_linear":
-        return in_blocks
+        return in_blocks + extra
+    if not isinstance(targets, str):
+        in_blocks = names  # an explicit list may name any Linear (e.g. proj_out)
     wanted = (ATTENTION if targets in ("attention", "attention_mlp") else list(targets))
     if targets == "attention_mlp":
         wanted = wanted + MLP.get(family_module, [])
@@ -34,14 +45,14 @@ def target_modules(transformer, family_module: str, targets) -> list[str]:
                           hint=f"examples: {', '.join(sorted({n.split('.')[-1] for n in in_blocks})[:12])}")
     if not found:
         raise ConfigError([f"lora.targets: {targets!r} matches no module of this transformer"])
-    return found
+    return found + [n for n in extra if n not in found]
 
 
 def add_lora(transformer, family_module: str, cfg) -> dict:
     """Attach a LoRA adapter; returns its peft config as a dict (for the file's metadata)."""
     from peft import LoraConfig
 
-    modules = target_modules(transformer, family_module, cfg.lora.targets)
+    modules = target_modules(transformer, family_module, cfg.lora.targets, io=cfg.lora.train_io)
     lcfg = LoraConfig(r=cfg.lora.rank, lora_alpha=cfg.lora.alpha or cfg.lora.rank, lora_dropout=cfg.lora.dropout,
                       init_lora_weights="gaussian" if cfg.lora.init == "gaussian" else True,
                       target_modules=modules, use_dora=cfg.lora.dora)

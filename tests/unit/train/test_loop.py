@@ -51,11 +51,12 @@ def test_resume_repeats_the_uninterrupted_losses(tmp_path, tiny):
     assert cks == ["final", "step-000008", "step-000012"]  # keep_last=2 (+ the final)
 
 
-@pytest.mark.parametrize("family", ["flux", "qwen-image"])
-def test_saved_lora_reproduces_predictions_in_stock_diffusers(tmp_path, tiny, family):
+@pytest.mark.parametrize("family, io", [("flux", False), ("qwen-image", False), ("flux", True),
+                                        ("qwen-image", True)])
+def test_saved_lora_reproduces_predictions_in_stock_diffusers(tmp_path, tiny, family, io):
     from diffusers import DiffusionPipeline
 
-    cfg = make_cfg(tmp_path, family, tiny(family), steps=6)
+    cfg = make_cfg(tmp_path, family, tiny(family), steps=6, lora={"train_io": io})
     res = run(cfg, {})
     a = load_adapter(family, tiny(family))
     st = Store(cache_dir_for(cfg))
@@ -83,8 +84,13 @@ OVERFIT_FAMILIES = ["flux", "qwen-image", "qwen-image-edit", "qwen-image-edit-pl
 
 @pytest.mark.slow
 @pytest.mark.parametrize("family", OVERFIT_FAMILIES)
-def test_overfitting_four_items_lowers_the_fixed_sigma_loss(tmp_path, tiny, family):
-    cfg = make_cfg(tmp_path, family, tiny(family), steps=60, lora={"dropout": 0.0}, optim={"max_grad_norm": None},
+def test_overfitting_four_items_lowers_the_fixed_sigma_loss_by_30_percent(tmp_path, tiny, family):
+    # LoRA on the blocks' attention + MLP and on the latent in/out layers (lora.train_io). Without the latter
+    # these tiny random models plateau at 18-27%: their base predicts ~0, so memorising x0 alone only takes the
+    # loss from E|noise - x0|^2 (1.36-1.49) to E|noise|^2 = 1; going further means reading the noise out of
+    # x_t, which needs the layers that carry latents in and out. Measured with it: 37-44% (see the note).
+    cfg = make_cfg(tmp_path, family, tiny(family), steps=60, lora={"dropout": 0.0, "train_io": True},
+                   optim={"max_grad_norm": None},
                    schedule={"timesteps": "uniform", "lr_schedule": "constant", "warmup_steps": 0})
     a = load_adapter(family, tiny(family))
     build(cfg, adapter=a)
@@ -92,17 +98,12 @@ def test_overfitting_four_items_lowers_the_fixed_sigma_loss(tmp_path, tiny, fami
     data = CachedData(st, st.read_manifest(), 1, 0)
     tr = Trainer(cfg, a, load_component(tiny(family) / "transformer"), data, tmp_path / "o", "cpu", torch.float32)
     keys = [it["key"] for it in data.items]
-    before = tr.eval_loss(keys)
+    before = tr.eval_loss(keys)  # fixed sigmas 0.25/0.5/0.75, fixed noise, the 4 training items
     for _ in range(60):
         tr.train_step()
     after = tr.eval_loss(keys)
-    # Issue #6 asks for 30%. On these tiny random models the base predicts ~0, so the loss starts at
-    # E|noise - x0|^2 = 1 + E|x0|^2 (1.36-1.49) and memorising x0 alone leaves E|noise|^2 = 1: 26-33% is the
-    # ceiling unless the model also learns to read the noise out of x_t, which they barely do in 60 steps.
-    # Measured: FLUX 27.4%, Qwen-Image 27.0%, Edit 27.4%, Edit-Plus 27.1%, Kandinsky 5 T2I 18.4% (its ceiling
-    # 26%), T2V 23.4%. Asserted: at least 60% of the way from the start to that floor, and 15% in all.
-    floor = 1.0
-    assert before - after >= 0.6 * (before - floor) and after < 0.85 * before, (before, after)
+    print(f"OVERFIT {family} {before:.4f} -> {after:.4f}: {1 - after / before:.1%}")
+    assert after <= 0.7 * before, (before, after)
 
 
 @pytest.mark.parametrize("family", ["kandinsky5-t2i", "kandinsky5-t2v", "qwen-image-edit-plus"])
