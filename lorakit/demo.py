@@ -169,6 +169,8 @@ def run_demo(out_dir: Path, family: str = "flux", seed: int = 0, progress=None) 
         cfg, prov = resolve(out_dir / "config.yaml", [], "auto")
         r = run(cfg, prov)
         res.files.update(lora=r["lora"], loss_curve=r["loss_curve"], metrics=r["metrics"])
+        if r.get("samples"):
+            res.files["training_samples"] = r["samples"]
         first, last = (json.loads(x)["loss"] for x in (open(r["metrics"]).readline(),
                                                        open(r["metrics"]).readlines()[-1]))
         return f"{r['steps']} steps in {r['seconds']:.1f} s, loss {first:.3f} -> {last:.3f}, LoRA {Path(r['lora']).name}"
