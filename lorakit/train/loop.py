@@ -396,12 +396,17 @@ def run(cfg, prov: dict, resume: str | None = None, progress=None, stop_at: int 
         conds = conditions(cfg, adapter, data)
         if cfg.memory.free_encoders_after_cache:
             adapter.unload(list(adapter.text_parts))
+    choice = None
     if device.startswith("cuda"):
         from lorakit.hardware.attention import apply, self_test
 
         choice = cfg.memory.attention if cfg.memory.attention != "auto" else self_test(device).choice.get(
             cfg.model.family)
         apply(choice)
+    if d.main:
+        from lorakit.train.report import doctor_summary
+
+        doctor_summary(out, cfg.profile, choice)
     # an 8-bit base is loaded to the CPU (mapped, no copy) and reaches the GPU layer by layer in 8 bits
     # and with block swapping, the swapped blocks' weights never visit the GPU outside their turn
     eight_bit = cfg.memory.base_quant in ("fp8", "qfloat8") and device != "cpu"

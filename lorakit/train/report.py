@@ -40,3 +40,22 @@ def loss_curve(metrics: Path, out: Path, size=(640, 360)) -> Path:
     d.text((4, h - pad - 12), f"{lo:.3g}", fill="black")
     img.save(out)
     return out
+
+
+def doctor_summary(out_dir: Path, profile: str, attention: str | None) -> Path:
+    """`doctor.json` beside the LoRA: the machine (probe), the profile and why, the quick checks and the
+    attention backend this run used — what a bug report about the run needs."""
+    from lorakit.hardware import doctor as doc
+    from lorakit.hardware.probe import probe
+    from lorakit.hardware.profiles import choose
+    from lorakit.io import atomic_path
+
+    facts = probe(out_dir)
+    choice = choose(profile, facts)
+    results = doc.checks(facts, choice)
+    data = {"summary": doc.summary(results), "profile": {"name": choice.profile.name, "reason": choice.reason},
+            "attention_used": attention, "checks": doc.to_dicts(results), "facts": facts.to_dict()}
+    path = out_dir / "doctor.json"
+    with atomic_path(path) as tmp:
+        tmp.write_text(json.dumps(data, indent=2, default=str))
+    return path

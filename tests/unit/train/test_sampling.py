@@ -9,7 +9,7 @@ from lorakit.io.modules import load_component
 from lorakit.models.base import load_adapter
 from lorakit.train.data import CachedData
 from lorakit.train.loop import Trainer, run
-from lorakit.train.sampling import Sampler, conditions, render
+from lorakit.train.sampling import conditions, render
 from tests.unit.train.test_loop import make_cfg
 
 
@@ -73,4 +73,7 @@ def test_samples_can_be_turned_off(tmp_path, tiny):
     cfg = make_cfg(tmp_path, "flux", tiny("flux"), steps=2, sampling={"enabled": False})
     res = run(cfg, {})
     assert "samples" not in res and not (tmp_path / "out" / "samples").exists()
-    assert Sampler  # the class the loop uses
+    import json
+
+    doctor = json.loads((tmp_path / "out" / "doctor.json").read_text())  # the doctor summary beside the LoRA
+    assert doctor["profile"]["name"] == "cpu" and doctor["facts"] and doctor["summary"]["fail"] == 0
