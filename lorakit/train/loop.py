@@ -86,6 +86,9 @@ class Trainer:
             for p in self.params:  # LoRA weights train in fp32 whatever the base dtype, on the GPU (peft puts
                 p.data = p.data.to(device, torch.float32)  # those of swapped layers beside their host weights)
         self.opt = make_optimizer(self.params, cfg, device, full=self.full)
+        # 8-bit (bitsandbytes) moments are saved per rank as they are, not gathered by parameter name
+        self.per_rank_state = self.full and (getattr(self.opt, "local_shards", False)
+                                             or type(self.opt).__module__.startswith("bitsandbytes"))
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_lambda(cfg))
         self.step = 0
         sched_file = Path(cfg.model.path or ".") / "scheduler" / "scheduler_config.json"
@@ -184,8 +187,10 @@ class Trainer:
         )
 
         opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        return (get_model_state_dict(self.transformer, options=opts),
-                get_optimizer_state_dict(self.transformer, self.opt, options=opts))
+        weights = get_model_state_dict(self.transformer, options=opts)
+        if self.per_rank_state:  # 8-bit moments of each rank's shard: saved per rank
+            return weights, None
+        return weights, get_optimizer_state_dict(self.transformer, self.opt, options=opts)
 
     def save(self, final: bool = False) -> Path:
         """Write a checkpoint (rank 0; every rank takes part in gathering FSDP shards)."""
@@ -198,6 +203,10 @@ class Trainer:
         ck = self.out / "checkpoints" / name
         if self.full:
             weights, opt_state = self._full_state()
+            if opt_state is None:  # per-rank 8-bit optimizer state
+                ck.mkdir(parents=True, exist_ok=True)
+                with atomic_path(ck / f"optimizer-rank{self.dist.rank}-of-{self.dist.world}.pt") as tmp:
+                    torch.save(self.opt.state_dict(), tmp)
         if self.dist.main:
             ck.mkdir(parents=True, exist_ok=True)
             if self.full:
@@ -248,10 +257,19 @@ class Trainer:
             main = self.dist.main
             set_model_state_dict(self.transformer, load(weights) if main else {},
                                  options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=self.sharded))
-            # weights that never get a gradient (e.g. the last block's unused text output) have no state
-            set_optimizer_state_dict(self.transformer, self.opt, state["optimizer"] if main else {},
-                                     options=StateDictOptions(full_state_dict=True, strict=False,
-                                                              broadcast_from_rank0=self.sharded))
+            if self.per_rank_state or state["optimizer"] is None:
+                mine = ck / f"optimizer-rank{self.dist.rank}-of-{self.dist.world}.pt"
+                if not (self.per_rank_state and mine.is_file()):
+                    raise InputError(f"{ck} holds 8-bit optimizer states of {state.get('world', 1)} GPU(s) "
+                                     f"(one file per GPU); this run has {self.dist.world} with "
+                                     f"{type(self.opt).__name__}",
+                                     f"resume with --gpus {state.get('world', 1)} and the same optim.name, or "
+                                     "train with optim.name=adamw (its checkpoints resume on any GPU count)")
+                self.opt.load_state_dict(torch.load(mine, weights_only=True))
+            else:  # weights that never get a gradient (e.g. the last block's unused text output) have no state
+                set_optimizer_state_dict(self.transformer, self.opt, state["optimizer"] if main else {},
+                                         options=StateDictOptions(full_state_dict=True, strict=False,
+                                                                  broadcast_from_rank0=self.sharded))
         else:
             load_lora_into(self.transformer, weights)
             self.opt.load_state_dict(state["optimizer"])

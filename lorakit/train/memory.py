@@ -56,8 +56,9 @@ def estimate(cfg, world: int = 1) -> dict:
     base = params * bpp * (1 - swapped / blocks)
     adam = 2 if (cfg.memory.optimizer_8bit or cfg.optim.name == "adamw8bit") else 8
     lora = params * 0.004 * cfg.lora.rank / 16 * (4 + 4 + adam)  # ~0.4% of the base at r16: fp32 weight, grad, Adam
-    if cfg.method == "full":  # every weight trains: weight + grad + moments (bf16: AdamWBf16, 8 bytes in all)
-        per = 8 if cfg.model.dtype == "bf16" else (bpp + bpp + 8)
+    if cfg.method == "full":  # every weight trains: weight + grad + moments (bf16 AdamWBf16: 8 bytes in all)
+        moments = 2 if adam == 2 else (4 if cfg.model.dtype == "bf16" else 8)  # 8-bit | bf16 | fp32 m and v
+        per = bpp + bpp + moments
         base, lora = params * per / world, 0.0
         if world > 1:
             base += 2 * params * bpp / blocks  # FSDP gathers a block (and prefetches the next) in full

@@ -75,6 +75,35 @@ class AdamWBf16:
         return _Opt()
 
 
+def ShardedAdamW8bit(params, **kw):  # noqa: N802 - a class built on first use (bitsandbytes imports lazily)
+    """bitsandbytes AdamW8bit over FSDP-sharded weights: its kernels run on each rank's local shard (plain
+    parameters sharing the shards' storage), so every rank keeps 8-bit moments of its own part only. The state
+    is per rank: a checkpoint holds one file per rank and resumes on the same number of GPUs."""
+    import bitsandbytes as bnb
+    import torch
+
+    class _Opt(bnb.optim.AdamW8bit):
+        local_shards = True
+
+        def __init__(self):
+            self.sharded = list(params)
+            self.shards = [torch.nn.Parameter(local(p).detach(), requires_grad=True) for p in self.sharded]
+            super().__init__(self.shards, **kw)
+
+        @torch.no_grad()
+        def step(self, closure=None):
+            for sp, lp in zip(self.sharded, self.shards, strict=True):
+                lp.grad = None if sp.grad is None else local(sp.grad)
+            return super().step(closure)
+
+        def zero_grad(self, set_to_none: bool = True):
+            super().zero_grad(set_to_none)
+            for sp in self.sharded:
+                sp.grad = None
+
+    return _Opt()
+
+
 def make_optimizer(params, cfg, device: str, full: bool = False):
     """The configured optimizer. `full`: the weights themselves train (bf16 weights get AdamWBf16)."""
     import torch
@@ -89,9 +118,7 @@ def make_optimizer(params, cfg, device: str, full: bool = False):
         return torch.optim.AdamW(params, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay,
                                  fused=device.startswith("cuda"))
     if eight_bit and any(hasattr(p, "to_local") for p in params):
-        raise InputError("8-bit optimizer states are not available on FSDP-sharded weights in this build",
-                         "use optim.name=adamw: bf16 weights train with bf16 moments and stochastic rounding "
-                         "(8 bytes per parameter)")
+        return ShardedAdamW8bit(params, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
     if eight_bit:
         import bitsandbytes as bnb
 

@@ -107,3 +107,37 @@ def test_accelerate_launch_runs_the_same_command_on_two_processes(tmp_path, tiny
     res = json.loads(r.stdout)  # one result: rank 0's
     assert res["processes"] == 2 and res["steps"] == 4 and res["lora"]
     assert len(losses(res["metrics"])) == 4
+
+
+@pytest.mark.slow
+def test_full_fine_tune_with_8_bit_states_on_fsdp_shards_resumes_on_the_same_gpu_count(tmp_path, tiny):
+    family = "flux"
+    kw = {"optim": {"name": "adamw8bit", "lr": 1e-3}, "sampling": {"enabled": False}, "method": "full"}
+    cfg = make_cfg(tmp_path / "a", family, tiny(family), steps=6, schedule={"batch_size": 1},
+                   output={"save_every": 3}, **kw)
+    path = _write(tmp_path, cfg)
+    full = _train(path, gpus=2)
+    ck = tmp_path / "a" / "out" / "checkpoints" / "step-000003"
+    assert sorted(p.name for p in ck.glob("optimizer-rank*")) == ["optimizer-rank0-of-2.pt",
+                                                                  "optimizer-rank1-of-2.pt"]
+    first = losses(full["metrics"])
+    again = _train(path, "--resume", str(ck), gpus=2)
+    assert losses(again["metrics"]) == pytest.approx(first, rel=0, abs=1e-6)  # exact continuation
+    r = subprocess.run([sys.executable, "-m", "lorakit", "train", str(path), "--resume", str(ck)],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode != 0 and "8-bit optimizer states of 2 GPU(s)" in r.stdout + r.stderr, r.stderr[-2000:]
+    assert "Traceback" not in r.stderr  # a message, not a crash
+
+
+def test_full_fine_tune_with_8_bit_states_on_one_process_resumes_exactly(tmp_path, tiny):
+    from lorakit.train.loop import run
+
+    kw = {"optim": {"name": "adamw8bit", "lr": 1e-3}, "sampling": {"enabled": False}, "method": "full",
+          "output": {"save_every": 2}}
+    a = run(make_cfg(tmp_path / "a", "qwen-image", tiny("qwen-image"), steps=4, **kw), {})
+    part = make_cfg(tmp_path / "b", "qwen-image", tiny("qwen-image"), steps=4, **kw)
+    run(part, {}, stop_at=2)
+    b = run(part, {}, resume="latest")
+    assert (tmp_path / "b" / "out" / "checkpoints" / "step-000002" / "optimizer-rank0-of-1.pt").is_file()
+    assert losses(b["metrics"]) == pytest.approx(losses(a["metrics"]), rel=0, abs=1e-6)
+    assert b["transformer"].endswith("lora-transformer")
