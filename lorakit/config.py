@@ -145,7 +145,8 @@ class MemoryConfig(_Section):
         "none", description="storage of the frozen base transformer (none: model.dtype)")
     gradient_checkpointing: bool = Field(False, description="recompute activations in backward")
     blocks_to_swap: int = Field(0, ge=0, description="transformer blocks kept on the CPU and swapped in")
-    cpu_offload: bool = Field(False, description="offload idle components to the CPU")
+    cpu_offload: bool = Field(False, description="keep idle components on the CPU (the VAE between sample grids; "
+                                                 "text encoders are freed after caching in any case)")
     pin_memory: bool = Field(True, description="page-locked host buffers (off on unified memory)")
     expandable_segments: bool = Field(False, description="PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True")
     unified_memory: bool = Field(False, description="CPU and GPU share memory (DGX Spark)")

@@ -98,6 +98,9 @@ def render(trainer, conds: list[Condition]) -> list:
     was = trainer.transformer.training
     trainer.transformer.eval()
     images = []
+    vae = trainer.adapter.parts.get(trainer.adapter.vae_part) if cfg.memory.cpu_offload else None
+    if vae is not None:  # memory.cpu_offload: the VAE waits on the CPU between grids
+        vae.to(dev)
     try:
         with torch.no_grad(), torch.autocast(dev.split(":")[0], dtype=dt, enabled=dt != torch.float32):
             for k, c in enumerate(conds):
@@ -124,6 +127,9 @@ def render(trainer, conds: list[Condition]) -> list:
                 images.append(Image.fromarray(arr))
     finally:
         trainer.transformer.train(was)
+        vae = trainer.adapter.parts.get(trainer.adapter.vae_part) if cfg.memory.cpu_offload else None
+        if vae is not None:
+            vae.to("cpu")
     return images
 
 

@@ -106,8 +106,9 @@ def test_overfitting_four_items_lowers_the_fixed_sigma_loss_by_30_percent(tmp_pa
     assert after <= 0.7 * before, (before, after)
 
 
-@pytest.mark.parametrize("family", ["kandinsky5-t2i", "kandinsky5-t2v", "qwen-image-edit-plus"])
-def test_every_other_family_trains_from_the_cli(tmp_path, tiny, family):
+@pytest.mark.parametrize("family", ["flux", "qwen-image", "qwen-image-edit", "qwen-image-edit-plus",
+                                    "kandinsky5-t2i", "kandinsky5-t2v"])
+def test_every_family_trains_from_the_cli(tmp_path, tiny, family):
     import yaml
     from typer.testing import CliRunner
 
