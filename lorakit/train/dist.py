@@ -94,29 +94,13 @@ class Dist:
     def _comm_device(self) -> str:
         return f"cuda:{self.local_rank}" if self.backend == "nccl" else "cpu"
 
-    def close(self) -> None:
-        if self.enabled:
-            import torch.distributed as td
-
-            if td.is_initialized():
-                td.destroy_process_group()
-
-
-_CURRENT = Dist()
-
-
-def current() -> Dist:
-    return _CURRENT
-
 
 def init(device: str) -> Dist:
     """Join the process group the launcher described (env:// — torchrun and accelerate set the same
     variables); a plain 1-process Dist when WORLD_SIZE is 1 or unset."""
-    global _CURRENT
     world = int(os.environ.get("WORLD_SIZE", "1") or 1)
     if world <= 1:
-        _CURRENT = Dist()
-        return _CURRENT
+        return Dist()
     import torch
     import torch.distributed as td
 
@@ -129,8 +113,7 @@ def init(device: str) -> Dist:
     if not td.is_initialized():
         kw = {"device_id": torch.device("cuda", local)} if cuda else {}
         td.init_process_group(backend, **kw)
-    _CURRENT = Dist(rank=td.get_rank(), world=td.get_world_size(), local_rank=local, backend=backend)
-    return _CURRENT
+    return Dist(rank=td.get_rank(), world=td.get_world_size(), local_rank=local, backend=backend)
 
 
 def launch_command(gpus: int, args: list[str]) -> list[str]:

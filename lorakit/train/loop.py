@@ -122,6 +122,7 @@ class Trainer:
         import torch
 
         s, d = self.cfg.schedule, self.dist
+        fsdp = d.world if self.sharded else 1  # FSDP averages gradients over ranks: each share is x world
         mine = 0.0
         for micro in range(s.grad_accum):
             g = self._gen(self.step, micro)
@@ -137,11 +138,10 @@ class Trainer:
             sigmas = fm.sample_sigmas(n, s.timesteps, g, shift=s.shift, logit_mean=s.logit_mean,
                                       logit_std=s.logit_std, image_seq_len=seq, scheduler_config=self.sched_cfg)
             noise = torch.randn((n, *batch.latents.shape[1:]), generator=g)
-            # this rank's share of the global mean; FSDP averages gradients over ranks, hence x world there
-            scale = weight / (n * s.grad_accum) * (d.world if self.sharded else 1)
-            loss = self.loss_on(batch, sigmas[idx], noise[idx], reduce="sum") * scale
+            # this rank's share of the global mean
+            loss = self.loss_on(batch, sigmas[idx], noise[idx], reduce="sum") * (weight * fsdp / (n * s.grad_accum))
             loss.backward()
-            mine += float(loss.detach()) / (d.world if self.sharded else 1)
+            mine += float(loss.detach()) / fsdp
         if self.swapper:
             self.swapper.settle()
         total = d.total(mine)
@@ -192,6 +192,9 @@ class Trainer:
             return weights, None
         return weights, get_optimizer_state_dict(self.transformer, self.opt, options=opts)
 
+    def _rank_state_file(self, ck: Path) -> Path:
+        return ck / f"optimizer-rank{self.dist.rank}-of-{self.dist.world}.pt"
+
     def save(self, final: bool = False) -> Path:
         """Write a checkpoint (rank 0; every rank takes part in gathering FSDP shards)."""
         import torch
@@ -205,12 +208,12 @@ class Trainer:
             weights, opt_state = self._full_state()
             if opt_state is None:  # per-rank 8-bit optimizer state
                 ck.mkdir(parents=True, exist_ok=True)
-                with atomic_path(ck / f"optimizer-rank{self.dist.rank}-of-{self.dist.world}.pt") as tmp:
+                with atomic_path(self._rank_state_file(ck)) as tmp:
                     torch.save(self.opt.state_dict(), tmp)
         if self.dist.main:
             ck.mkdir(parents=True, exist_ok=True)
             if self.full:
-                _save_transformer(self.transformer, weights, ck / "transformer", self.dtype)
+                _save_transformer(self.transformer, weights, ck / "transformer")
             else:
                 save_lora(self.transformer, ck / "lora.safetensors", self.peft_config, {"lorakit_step": self.step})
                 opt_state = self.opt.state_dict()
@@ -258,7 +261,7 @@ class Trainer:
             set_model_state_dict(self.transformer, load(weights) if main else {},
                                  options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=self.sharded))
             if self.per_rank_state or state["optimizer"] is None:
-                mine = ck / f"optimizer-rank{self.dist.rank}-of-{self.dist.world}.pt"
+                mine = self._rank_state_file(ck)
                 if not (self.per_rank_state and mine.is_file()):
                     raise InputError(f"{ck} holds 8-bit optimizer states of {state.get('world', 1)} GPU(s) "
                                      f"(one file per GPU); this run has {self.dist.world} with "
@@ -297,7 +300,7 @@ def _fully_shard(transformer, device: str) -> None:
     fully_shard(transformer, mesh=mesh)
 
 
-def _save_transformer(transformer, weights: dict, folder: Path, dtype) -> None:
+def _save_transformer(transformer, weights: dict, folder: Path) -> None:
     """A fully trained transformer in diffusers layout: config.json + (sharded) safetensors."""
     from lorakit.io import atomic_path
     from lorakit.io.writer import save_sharded

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import math
 
+import torch
+
 from lorakit.errors import InputError
 
 
@@ -21,58 +23,51 @@ def local(t):
 
 def round_stochastic(x, generator=None):
     """fp32 -> bf16, rounding up with probability equal to the distance to the lower bf16 value."""
-    import torch
-
     bits = x.contiguous().view(torch.int32)
     noise = torch.randint(0, 1 << 16, bits.shape, dtype=torch.int32, device=x.device, generator=generator)
     return ((bits + noise) & -65536).view(torch.float32).to(torch.bfloat16)
 
 
-class AdamWBf16:
+class AdamWBf16(torch.optim.Optimizer):
     """Decoupled-weight-decay Adam for bf16 weights: fp32 math, bf16 moments, stochastic rounding."""
 
-    def __new__(cls, params, lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, seed=0):
-        import torch
+    def __init__(self, params, lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, seed=0):
+        super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
+        self._seed = seed
+        self._gen: dict = {}
 
-        class _Opt(torch.optim.Optimizer):
-            def __init__(self):
-                super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
-                self._gen = {}
+    def _generator(self, device):
+        if device not in self._gen:
+            self._gen[device] = torch.Generator(device=device).manual_seed(self._seed)
+        return self._gen[device]
 
-            def _generator(self, device):
-                if device not in self._gen:
-                    self._gen[device] = torch.Generator(device=device).manual_seed(seed)
-                return self._gen[device]
-
-            @torch.no_grad()
-            def step(self, closure=None):
-                for group in self.param_groups:
-                    b1, b2 = group["betas"]
-                    for p in group["params"]:
-                        if p.grad is None:
-                            continue
-                        w, g = local(p), local(p.grad).float()
-                        st = self.state[p]
-                        if not st:
-                            st["step"] = torch.zeros((), dtype=torch.float32)
-                            # shaped (and sharded) like the parameter, so FSDP state dicts gather them
-                            st["exp_avg"] = torch.zeros_like(p, dtype=torch.bfloat16)
-                            st["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.bfloat16)
-                        st["step"] += 1
-                        t = float(st["step"])
-                        m = local(st["exp_avg"]).float().mul_(b1).add_(g, alpha=1 - b1)
-                        v = local(st["exp_avg_sq"]).float().mul_(b2).addcmul_(g, g, value=1 - b2)
-                        local(st["exp_avg"]).copy_(m)
-                        local(st["exp_avg_sq"]).copy_(v)
-                        denom = (v / (1 - b2 ** t)).sqrt_().add_(group["eps"])
-                        new = w.float().mul_(1 - group["lr"] * group["weight_decay"])
-                        new.addcdiv_(m, denom, value=-group["lr"] / (1 - b1 ** t))
-                        if w.dtype == torch.bfloat16:
-                            w.copy_(round_stochastic(new, self._generator(w.device)))
-                        else:
-                            w.copy_(new)
-
-        return _Opt()
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            b1, b2 = group["betas"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                w, g = local(p), local(p.grad).float()
+                st = self.state[p]
+                if not st:
+                    st["step"] = torch.zeros((), dtype=torch.float32)
+                    # shaped (and sharded) like the parameter, so FSDP state dicts gather them
+                    st["exp_avg"] = torch.zeros_like(p, dtype=torch.bfloat16)
+                    st["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.bfloat16)
+                st["step"] += 1
+                t = float(st["step"])
+                m = local(st["exp_avg"]).float().mul_(b1).add_(g, alpha=1 - b1)
+                v = local(st["exp_avg_sq"]).float().mul_(b2).addcmul_(g, g, value=1 - b2)
+                local(st["exp_avg"]).copy_(m)
+                local(st["exp_avg_sq"]).copy_(v)
+                denom = (v / (1 - b2 ** t)).sqrt_().add_(group["eps"])
+                new = w.float().mul_(1 - group["lr"] * group["weight_decay"])
+                new.addcdiv_(m, denom, value=-group["lr"] / (1 - b1 ** t))
+                if w.dtype == torch.bfloat16:
+                    w.copy_(round_stochastic(new, self._generator(w.device)))
+                else:
+                    w.copy_(new)
 
 
 def ShardedAdamW8bit(params, **kw):  # noqa: N802 - a class built on first use (bitsandbytes imports lazily)
@@ -80,7 +75,6 @@ def ShardedAdamW8bit(params, **kw):  # noqa: N802 - a class built on first use (
     parameters sharing the shards' storage), so every rank keeps 8-bit moments of its own part only. The state
     is per rank: a checkpoint holds one file per rank and resumes on the same number of GPUs."""
     import bitsandbytes as bnb
-    import torch
 
     class _Opt(bnb.optim.AdamW8bit):
         local_shards = True
@@ -106,8 +100,6 @@ def ShardedAdamW8bit(params, **kw):  # noqa: N802 - a class built on first use (
 
 def make_optimizer(params, cfg, device: str, full: bool = False):
     """The configured optimizer. `full`: the weights themselves train (bf16 weights get AdamWBf16)."""
-    import torch
-
     o = cfg.optim
     params = list(params)
     eight_bit = o.name == "adamw8bit" or (o.name == "adamw" and cfg.memory.optimizer_8bit

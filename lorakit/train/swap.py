@@ -56,9 +56,6 @@ class BlockSwapper:
         t = t.detach().to("cpu")
         return t.pin_memory() if pin and self.cuda else t
 
-    def swapped_tensor_ids(self) -> set[int]:
-        return {id(e[3]) for entries in self.host.values() for e in entries}
-
     def place_rest(self, transformer) -> None:
         """Move every tensor that is not swapped to the GPU (instead of `transformer.to(device)`)."""
         keep = {(id(m), k, n) for i in self.host for (m, k, n, _) in self.host[i]}

@@ -51,13 +51,11 @@ def test_resume_repeats_the_uninterrupted_losses(tmp_path, tiny):
     assert cks == ["final", "step-000008", "step-000012"]  # keep_last=2 (+ the final)
 
 
-@pytest.mark.parametrize("family, io", [("flux", False), ("qwen-image", False), ("flux", True),
-                                        ("qwen-image", True)])
-def test_saved_lora_reproduces_predictions_in_stock_diffusers(tmp_path, tiny, family, io):
+def _ours_stock_base(tmp_path, tiny, family, cfg, res):
+    """Predictions for one cached item: lorakit's model resumed from the final checkpoint, the stock pipeline
+    with the saved LoRA loaded by load_lora_weights, and the base model. Returns them and the pipeline."""
     from diffusers import DiffusionPipeline
 
-    cfg = make_cfg(tmp_path, family, tiny(family), steps=6, lora={"train_io": io})
-    res = run(cfg, {})
     a = load_adapter(family, tiny(family))
     st = Store(cache_dir_for(cfg))
     data = CachedData(st, st.read_manifest(), 1, 0)
@@ -74,6 +72,16 @@ def test_saved_lora_reproduces_predictions_in_stock_diffusers(tmp_path, tiny, fa
         ours = a.predict(tr.transformer, xt, s, b.text)
         stock = a.predict(pipe.transformer, xt, s, b.text)
         base = a.predict(load_component(tiny(family) / "transformer"), xt, s, b.text)
+    return ours, stock, base, pipe
+
+
+@pytest.mark.parametrize("family, io", [("flux", False), ("qwen-image", False), ("flux", True),
+                                        ("qwen-image", True)])
+def test_saved_lora_reproduces_predictions_in_stock_diffusers(tmp_path, tiny, family, io):
+
+    cfg = make_cfg(tmp_path, family, tiny(family), steps=6, lora={"train_io": io})
+    res = run(cfg, {})
+    ours, stock, base, _ = _ours_stock_base(tmp_path, tiny, family, cfg, res)
     torch.testing.assert_close(ours, stock, rtol=1e-5, atol=1e-5)
     assert (ours - base).abs().max() > 1e-3  # the LoRA changed something
 
@@ -195,7 +203,6 @@ def test_fp8_base_trains_and_its_lora_still_loads_in_stock_diffusers(tmp_path, t
 
 
 def test_dora_trains_and_its_file_reproduces_predictions_in_stock_diffusers(tmp_path, tiny):
-    from diffusers import DiffusionPipeline
 
     from lorakit.io import load
 
@@ -203,22 +210,8 @@ def test_dora_trains_and_its_file_reproduces_predictions_in_stock_diffusers(tmp_
     res = run(cfg, {})
     sd = load(res["lora"])
     assert any("lora_magnitude_vector" in k for k in sd)  # DoRA's magnitude trained and written
-    a = load_adapter("flux", tiny("flux"))
-    st = Store(cache_dir_for(cfg))
-    data = CachedData(st, st.read_manifest(), 1, 0)
-    tr = Trainer(cfg, a, load_component(tiny("flux") / "transformer"), data, tmp_path / "x", "cpu", torch.float32)
-    tr.resume(tmp_path / "out" / "checkpoints" / "final")
-    tr.transformer.eval()
-    pipe = DiffusionPipeline.from_pretrained(tiny("flux"))
-    pipe.load_lora_weights(res["lora"])
+    ours, stock, base, pipe = _ours_stock_base(tmp_path, tiny, "flux", cfg, res)
     assert pipe.transformer.peft_config["default_0"].use_dora
-    b = data.load([data.items[0]["key"]])
-    xt = torch.randn(b.latents.shape, generator=torch.Generator().manual_seed(0))
-    s = torch.tensor([0.6])
-    with torch.no_grad():
-        ours = a.predict(tr.transformer, xt, s, b.text)
-        stock = a.predict(pipe.transformer, xt, s, b.text)
-        base = a.predict(load_component(tiny("flux") / "transformer"), xt, s, b.text)
     torch.testing.assert_close(ours, stock, rtol=1e-5, atol=1e-5)
     assert (ours - base).abs().max() > 1e-3
 
