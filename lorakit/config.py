@@ -202,8 +202,22 @@ class Config(_Section):
     @model_validator(mode="after")
     def _family_constraints(self) -> Config:
         info = family_info(self.model.family)
+        problems = []
         if self.data.resolution % info.patch:
-            raise ValueError(f"data.resolution must be a multiple of {info.patch} for {info.name}")
+            problems.append(f"data.resolution must be a multiple of {info.patch} for {info.name}")
+        m = self.memory
+        if self.method == "full" and m.blocks_to_swap:
+            problems.append(f"memory.blocks_to_swap={m.blocks_to_swap} keeps frozen weights on the host, but "
+                            "method=full trains every weight (--set memory.blocks_to_swap=0, or --gpus N: FSDP)")
+        if self.method == "full" and m.base_quant != "none":
+            problems.append(f"memory.base_quant={m.base_quant} stores a frozen 8/4-bit base, but method=full "
+                            "trains every weight (--set memory.base_quant=none)")
+        if m.base_quant == "nf4" and m.blocks_to_swap:
+            problems.append("memory.base_quant=nf4 with memory.blocks_to_swap is not supported (the 4-bit weights "
+                            "keep their quantization state on the GPU): use base_quant=fp8 with block swapping, "
+                            "or nf4 without it")
+        if problems:
+            raise ValueError("\n".join(problems))  # one problem per line (see _format_error)
         return self
 
     def to_dict(self) -> dict:
@@ -299,6 +313,8 @@ def _format_error(err: dict) -> str:
     loc = tuple(str(p) for p in err["loc"])
     path = ".".join(loc) or "(top level)"
     kind = err["type"]
+    if not loc and kind == "value_error":  # checks across sections: each line names its keys
+        return err["msg"].removeprefix("Value error, ")
     if kind == "extra_forbidden":
         valid = _fields_at(loc[:-1])
         close = difflib.get_close_matches(loc[-1], valid, n=1)
@@ -322,7 +338,7 @@ def validate(data: dict, source: str | None = None, extra_problems: list[str] | 
     try:
         cfg = Config.model_validate(data)
     except ValidationError as e:
-        problems += [_format_error(err) for err in e.errors()]
+        problems += [line for err in e.errors() for line in _format_error(err).split("\n")]
         cfg = None
     if problems:
         raise ConfigError(problems, source=source,
@@ -368,6 +384,14 @@ def torch_dtype(name: str):
     import torch
 
     return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[name]
+
+
+def device_and_dtype(cfg: Config):
+    """(device, torch dtype) a run computes on: the GPU unless the profile is `cpu` or none is visible."""
+    import torch
+
+    device = "cuda" if (cfg.profile != "cpu" and torch.cuda.is_available()) else "cpu"
+    return device, torch_dtype(cfg.model.dtype)
 
 
 def dump_yaml(cfg: Config) -> str:

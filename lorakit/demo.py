@@ -1,7 +1,8 @@
 """`lorakit demo`: the whole path on tiny offline models, on any laptop, without downloads.
 
-Today: tiny pipeline -> demo dataset -> doctor -> config resolution -> cache -> train -> sample grids from the stock diffusers pipeline without and with the LoRA (loaded by
-load_lora_weights). `lorakit infer` replaces the stock sampling when it lands.
+tiny pipeline -> demo dataset -> doctor -> config resolution -> cache -> train (with sample grids during
+training) -> sample grids from the stock diffusers pipeline without and with the LoRA (loaded by
+`load_lora_weights`, the way users load it), so the demo also shows the file works outside lorakit.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from pathlib import Path
 import yaml
 
 from lorakit.data.demo import demo_layout_for, make_demo_dataset
-from lorakit.models.registry import family_info
+from lorakit.models.registry import family_info, family_names
 
 DEMO_PROMPTS = ("a red circle in the center on a blue background", "a yellow square at the top left on a black background")
 
@@ -42,8 +43,7 @@ def demo_config(family: str, model_dir: Path, data_dir: Path, out_dir: Path) -> 
     """The YAML config the demo writes (also a starting point for real runs)."""
     return {
         "model": {"family": family, "path": str(model_dir)},
-        "data": {"dirs": [str(data_dir)], "resolution": 64, "bucket_min_side": 32, "bucket_max_side": 128,
-                 "control_dirs": ["control", "control_2"] if family == "qwen-image-edit-plus" else ["control"]},
+        "data": {"dirs": [str(data_dir)], "resolution": 64, "bucket_min_side": 32, "bucket_max_side": 128},
         "lora": {"rank": 16, "targets": "attention_mlp"},
         "optim": {"lr": 5e-3},
         "schedule": {"steps": 60, "warmup_steps": 5},
@@ -59,6 +59,9 @@ def sample_grid(model_dir: Path, family: str, prompts, size: int, steps: int, se
     from diffusers import DiffusionPipeline
     from PIL import Image
 
+    from lorakit.models.base import family_adapter
+
+    adapter = family_adapter(family)
     pipe = DiffusionPipeline.from_pretrained(model_dir, dtype=torch.float32)
     pipe.set_progress_bar_config(disable=True)
     if lora is not None:
@@ -66,11 +69,7 @@ def sample_grid(model_dir: Path, family: str, prompts, size: int, steps: int, se
     images = []
     for i, prompt in enumerate(prompts):
         kw = dict(prompt=prompt, num_inference_steps=steps, generator=torch.Generator().manual_seed(seed + i))
-        if family.startswith("kandinsky5"):
-            kw.update(height=1024, width=1024) if family.endswith("t2i") else kw.update(height=size, width=size,
-                                                                                    num_frames=5)
-        else:
-            kw.update(height=size, width=size)
+        kw.update(adapter.call_kwargs(size, size, frames=5))
         if control is not None:
             kw["image"] = control
         out = pipe(**kw)
@@ -92,7 +91,7 @@ def sample_grid(model_dir: Path, family: str, prompts, size: int, steps: int, se
     return grid
 
 
-def run_demo(out_dir: Path, family: str = "flux", seed: int = 0, progress=None) -> DemoResult:
+def run_demo(out_dir: Path, family: str | None = None, seed: int = 0, progress=None) -> DemoResult:
     """Run the demo into `out_dir` and return what it made."""
     from lorakit.config import dump_yaml, resolve
     from lorakit.hardware import doctor as doc
@@ -102,6 +101,7 @@ def run_demo(out_dir: Path, family: str = "flux", seed: int = 0, progress=None) 
     from lorakit.quiet import quiet_libraries
 
     quiet_libraries()
+    family = family or family_names()[0]
     family_info(family)  # unknown names fail here, before any work
     out_dir = Path(out_dir).resolve()
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -162,10 +162,8 @@ def run_demo(out_dir: Path, family: str = "flux", seed: int = 0, progress=None) 
         return f"{s.items} items ({s.encoded} encoded, {s.reused} reused), {s.bytes / 2**10:.0f} KiB"
 
     def train():
-        from lorakit.train.loop import PREDICTS, run
+        from lorakit.train.loop import run
 
-        if family_info(family).module not in PREDICTS:
-            return f"skipped: training {family} lands with issue #6"
         cfg, prov = resolve(out_dir / "config.yaml", [], "auto")
         r = run(cfg, prov)
         res.files.update(lora=r["lora"], loss_curve=r["loss_curve"], metrics=r["metrics"])

@@ -55,9 +55,9 @@ def file_hash(path: Path) -> str:
 
 def assemble(model_dir: Path, device: str, dtype, backend: str = "auto"):
     """The family's stock pipeline over every component, weights loaded through lorakit.io (the family
-    adapter's loading). Returns (pipeline, family)."""
+    adapter's loading). Returns (pipeline, adapter)."""
     from lorakit.models.base import load_adapter
-    from lorakit.models.registry import family_info, family_names
+    from lorakit.models.registry import families_help, family_of_pipeline
 
     model_dir = Path(model_dir)
     if model_dir.is_file():
@@ -66,19 +66,22 @@ def assemble(model_dir: Path, device: str, dtype, backend: str = "auto"):
     index_file = model_dir / "model_index.json"
     if not index_file.is_file():
         raise InputError(f"{model_dir} is not a diffusers model folder (no model_index.json)")
-    cls_name = json.loads(index_file.read_text()).get("_class_name")
-    family = next((f for f in family_names() if family_info(f).pipeline_class == cls_name), None)
+    try:
+        cls_name = json.loads(index_file.read_text(encoding="utf-8")).get("_class_name")
+    except (OSError, UnicodeDecodeError, ValueError, AttributeError) as e:
+        raise InputError(f"{index_file}: not a readable model index ({type(e).__name__})") from None
+    family = family_of_pipeline(cls_name)
     if family is None:
         raise InputError(f"{model_dir} holds a {cls_name}, which is not a lorakit family",
-                         "FLUX.1-dev, Qwen-Image(-Edit/-Plus) and Kandinsky 5 pipelines are supported")
+                         "supported pipelines: " + families_help())
     adapter = load_adapter(family, model_dir, device=device, dtype=dtype, backend=backend)
     adapter.load([k for k in adapter.index if not k.startswith("_")])
     pipe = adapter.pipeline()
     pipe.set_progress_bar_config(disable=True)
-    return pipe, family
+    return pipe, adapter
 
 
-def add_loras(pipe, loras: list[tuple[Path, float]], family_module: str | None) -> list[dict]:
+def add_loras(pipe, loras: list[tuple[Path, float]], arch: str | None) -> list[dict]:
     """Load each LoRA (any layout) into the pipeline's transformer as its own adapter, at its scale."""
     import torch
 
@@ -86,10 +89,7 @@ def add_loras(pipe, loras: list[tuple[Path, float]], family_module: str | None) 
 
     names, scales, facts = [], [], []
     for i, (path, scale) in enumerate(loras):
-        pieces, f = L.read(path)
-        if f["family"] and family_module and f["family"] != family_module:
-            raise InputError(f"{path} is a {f['family']} LoRA; the model is {family_module}",
-                             "use a LoRA trained for this model")
+        pieces, f = L.read(path, arch=arch)  # a LoRA of another architecture is refused by name
         sd, cfg = L.to_peft(pieces)
         sd = {k: v.to(torch.float32) for k, v in sd.items()}
         name = f"lora{i}"
@@ -127,7 +127,6 @@ def generate(model_dir: Path, req: Request, loras: list[tuple[Path, float]], out
     from PIL.PngImagePlugin import PngInfo
 
     from lorakit import __version__
-    from lorakit.models.registry import family_info
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype_name = dtype_name or ("bf16" if device.startswith("cuda") else "fp32")
@@ -140,13 +139,15 @@ def generate(model_dir: Path, req: Request, loras: list[tuple[Path, float]], out
             controls.append(Image.open(p).convert("RGB"))
         except (OSError, ValueError):
             raise InputError(f"--image {p}: not a readable image") from None
-    pipe, family = assemble(model_dir, device, dtype)
-    module, variant = family_info(family).module, family_info(family).variant
-    if variant in ("edit", "edit-plus") and not controls:
-        raise InputError(f"{family} edits an image", "give --image PATH (Edit-Plus: several)")
-    if controls and variant not in ("edit", "edit-plus"):
+    pipe, adapter = assemble(model_dir, device, dtype)
+    family, edit, video = adapter.family, adapter.layout == "edit", adapter.layout == "video"
+    if edit and not controls:
+        raise InputError(f"{family} edits an image", f"give --image PATH (up to {adapter.max_controls})")
+    if controls and not edit:
         raise InputError(f"{family} takes no --image")
-    lora_facts = add_loras(pipe, loras, module)
+    if len(controls) > adapter.max_controls:
+        raise InputError(f"{family} takes at most {adapter.max_controls} --image, got {len(controls)}")
+    lora_facts = add_loras(pipe, loras, adapter.arch)
     out_dir.mkdir(parents=True, exist_ok=True)
     model_hash = file_hash(Path(model_dir) / "model_index.json")
     files, images, k = [], [], 0
@@ -162,10 +163,10 @@ def generate(model_dir: Path, req: Request, loras: list[tuple[Path, float]], out
             if req.negative is not None:
                 kw["negative_prompt"] = req.negative
             if req.guidance is not None:
-                kw["true_cfg_scale" if module == "qwen_image" else "guidance_scale"] = req.guidance
+                kw[adapter.guidance_arg] = req.guidance
             if controls:
-                kw["image"] = controls[0] if variant == "edit" else controls
-            if variant == "t2v":
+                kw["image"] = controls[0] if adapter.max_controls == 1 else controls
+            if video:
                 kw["num_frames"] = req.frames
             result = pipe(**kw)
             info = PngInfo()
@@ -175,7 +176,7 @@ def generate(model_dir: Path, req: Request, loras: list[tuple[Path, float]], out
                               for f in lora_facts], "lorakit": __version__}
             for key, v in meta.items():
                 info.add_text(f"lorakit:{key}", v if isinstance(v, str) else json.dumps(v))
-            if variant == "t2v":
+            if video:
                 frames = [_to_pil(f) for f in result.frames[0]]
                 path = out_dir / f"{k:04d}-seed{seed}.gif"
                 frames[0].save(path, save_all=True, append_images=frames[1:], duration=100, loop=0)

@@ -1,5 +1,5 @@
 """GPU evidence for `lorakit doctor`'s attention choice: each SDPA backend, and PyTorch's default pick,
-inside the real FLUX / Qwen-Image transformer classes (full width, checkpointed, 1024²), each in its own
+inside every architecture's real transformer class (full width, checkpointed, 1024²), each in its own
 process (a kernel that corrupts memory takes only its own process down). Marks lorakit's choice.
 
     python scripts/attention_in_model.py [--json OUT.json]
@@ -15,7 +15,7 @@ import sys
 
 def main() -> None:
     from lorakit.hardware import attention as att
-    from lorakit.hardware.attention_model import MODEL_CASES
+    from lorakit.models.registry import family_of_arch
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", default=None)
@@ -30,9 +30,9 @@ def main() -> None:
         print(json.dumps(asdict(run_model_case(a.one[0], backend, repeats=3))))
         return
     report = att.self_test("cuda")
-    chosen = {"model flux": report.choice["flux"], "model qwen-image": report.choice["qwen-image"]}
+    chosen = {c: report.choice[family_of_arch(c.removeprefix("model "))] for c in att.all_model_cases()}
     rows = []
-    for case in MODEL_CASES:
+    for case in att.all_model_cases():
         for backend in ("default", *att.BACKENDS):
             p = subprocess.run([sys.executable, __file__, "--one", case, backend], capture_output=True, text=True,
                                timeout=900)

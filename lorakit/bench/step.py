@@ -6,9 +6,10 @@ tiny test one) with random weights built on the device, a synthetic batch of lat
 the requested resolution, warm-up steps, then timed steps (synchronised, median reported).
 
 - `plain`: what the usual training script does — the bf16 diffusers model, peft LoRA r16 on
-  to_q/to_k/to_v/to_out.0 (bf16 LoRA weights), fused AdamW, one SDPA backend set globally, gradient
-  checkpointing as measured in ../shared/BASELINES.md (off for FLUX, on for Qwen-Image), the text mask
-  passed as the pipelines pass it.
+  to_q/to_k/to_v/to_out.0 (bf16 LoRA weights), fused AdamW, one SDPA backend set globally (flash, or
+  efficient where the family passes a text mask), gradient checkpointing on for transformers over 16 B
+  parameters (the usual scripts' advice, and how the Qwen-Image baseline in docs/benchmarks.md was measured),
+  the text mask passed as the pipelines pass it.
 - `lorakit`: `lorakit.train.loop.Trainer.train_step` — the code `lorakit train` runs — under the profile's
   settings (plus `--set` overrides), with the same LoRA targets and rank.
 """
@@ -25,20 +26,9 @@ import time
 from lorakit.config import torch_dtype
 from lorakit.errors import InputError
 
-FAMILIES = ("flux", "qwen-image", "qwen-image-edit")
-REFERENCE_TARGETS = ["to_q", "to_k", "to_v", "to_out.0"]
+REFERENCE_TARGETS = ["to_q", "to_k", "to_v", "to_out.0"]  # the diffusers training examples' default
 TEXT_LEN = 512
-# published architectures of the transformers (diffusers config keys)
-FULL = {
-    "flux": ("FluxTransformer2DModel", dict(patch_size=1, in_channels=64, num_layers=19, num_single_layers=38,
-                                            attention_head_dim=128, num_attention_heads=24, joint_attention_dim=4096,
-                                            pooled_projection_dim=768, guidance_embeds=True,
-                                            axes_dims_rope=(16, 56, 56))),
-    "qwen_image": ("QwenImageTransformer2DModel", dict(patch_size=2, in_channels=64, out_channels=16, num_layers=60,
-                                                       attention_head_dim=128, num_attention_heads=24,
-                                                       joint_attention_dim=3584, guidance_embeds=False,
-                                                       axes_dims_rope=(16, 56, 56))),
-}
+PLAIN_CHECKPOINTING_ABOVE = 16e9  # parameters: the usual scripts turn checkpointing on for models this large
 # dense bf16 peak of known GPUs (for model FLOP/s utilisation), by a substring of the device name
 PEAK_BF16 = {"H100": 989e12, "H200": 989e12, "H20": 148e12, "B200": 2250e12, "GB200": 2500e12, "A100": 312e12,
              "RTX 4090": 165e12, "RTX 5090": 210e12, "GB10": 62e12}
@@ -46,13 +36,11 @@ PEAK_BF16 = {"H100": 989e12, "H200": 989e12, "H20": 148e12, "B200": 2250e12, "GB
 
 def architecture(family: str, size: str) -> tuple[str, dict]:
     """(class name, config) of the family's transformer: `full` (published) or `tiny` (the test model)."""
-    from lorakit.models.registry import family_info
+    from lorakit.models.base import family_adapter
 
-    module = family_info(family).module
+    a = family_adapter(family)
     if size == "full":
-        if module not in FULL:
-            raise InputError(f"bench step has no full-size architecture for {family}", f"use one of {FAMILIES}")
-        return FULL[module]
+        return a.info.transformer_class, dict(a.full_config)
     from lorakit.models.tiny import tiny_pipeline
 
     cfg = json.loads((tiny_pipeline(family) / "transformer" / "config.json").read_text())
@@ -88,29 +76,24 @@ def build_random(family: str, size: str, device: str, dtype, seed: int = 0, keep
     return model.to(keep_on or device).eval().requires_grad_(False)
 
 
-def synthetic_batch(family: str, size: str, res: int, seed: int = 0, text_len: int = TEXT_LEN):
-    """One batch (CPU tensors) shaped as the cache gives it: latents (1, C, res/8, res/8), text embeddings
-    (+ pooled for FLUX), one control latent of the same size for Qwen-Image-Edit."""
+def reference_targets(family: str) -> list[str]:
+    """The LoRA targets both ways train: the diffusers examples' default where the family has those modules,
+    else the family's attention preset."""
+    from lorakit.models.base import family_adapter
+
+    attention = family_adapter(family).lora_presets.attention
+    return REFERENCE_TARGETS if set(REFERENCE_TARGETS) <= set(attention) else list(attention)
+
+
+def synthetic_batch(family: str, size: str, res: int, seed: int = 0, text_len: int = TEXT_LEN, frames: int = 1):
+    """One batch (CPU tensors) shaped as the cache gives it (the family adapter's `example_inputs`): latents at
+    the resolution, text embeddings (+ mask / pooled), control latents of the same size for edit families."""
     import torch
 
-    from lorakit.models.registry import family_info
-    from lorakit.train.data import Batch
+    from lorakit.models.base import family_adapter
 
     _, kw = architecture(family, size)
-    info = family_info(family)
-    g = torch.Generator().manual_seed(seed)
-    if info.module == "flux":
-        c, dim = kw["in_channels"] // 4, kw["joint_attention_dim"]
-    else:
-        c, dim = kw.get("out_channels") or kw["in_channels"] // 4, kw["joint_attention_dim"]
-    h = w = res // 8
-    latents = torch.randn(1, c, h, w, generator=g)
-    text = {"prompt_embeds": torch.randn(1, text_len, dim, generator=g),
-            "prompt_embeds_mask": torch.ones(1, text_len, dtype=torch.long)}
-    if info.module == "flux":
-        text["pooled"] = torch.randn(1, kw["pooled_projection_dim"], generator=g)
-    controls = [torch.randn(1, c, h, w, generator=g)] if info.variant == "edit" else []
-    return Batch(["synthetic"], latents, text, controls)
+    return family_adapter(family).example_inputs(kw, res, text_len, torch.Generator().manual_seed(seed), frames)
 
 
 class SyntheticData:
@@ -147,7 +130,7 @@ def plain_setup(spec: dict, model, device: str):
 
     torch.manual_seed(spec["seed"])
     model.add_adapter(LoraConfig(r=spec["rank"], lora_alpha=spec["rank"], init_lora_weights="gaussian",
-                                 target_modules=REFERENCE_TARGETS))
+                                 target_modules=reference_targets(spec["family"])))
     if spec["plain_checkpointing"]:
         model.enable_gradient_checkpointing()
     model.train()
@@ -173,15 +156,15 @@ def lorakit_config(spec: dict, device: str):
     from lorakit.config import resolve
 
     sets = [f"model.family={spec['family']}", f"data.resolution={spec['res']}", f"lora.rank={spec['rank']}",
-            f"lora.targets={json.dumps(REFERENCE_TARGETS)}", "lora.dropout=0", f"seed={spec['seed']}",
+            f"lora.targets={json.dumps(reference_targets(spec['family']))}", "lora.dropout=0", f"seed={spec['seed']}",
             f"schedule.steps={spec['warmup'] + spec['steps']}", "schedule.warmup_steps=0",
             f"model.dtype={spec['dtype']}", *spec["sets"]]
     cfg, _ = resolve(None, sets, profile=spec["profile"])
     if device.startswith("cuda"):
-        from lorakit.train.loop import check_memory
+        from lorakit.train.memory import fit_to_gpu
 
         world = spec.get("gpus", 1)
-        cfg, _, _ = check_memory(cfg, spec.get("memory_cap"), world)  # refuses before anything is built
+        cfg, _, _ = fit_to_gpu(cfg, spec.get("memory_cap"), world)  # refuses before anything is built
     return cfg
 
 
@@ -463,10 +446,10 @@ def bench(family: str, res: int, profile: str | None, steps: int = 10, warmup: i
     throughput against lorakit on one GPU. checkpoint_dir: the lorakit rows also save, resume and continue."""
     import torch
 
-    from lorakit.models.registry import family_info
+    from lorakit.hardware.attention import family_masked
+    from lorakit.models.base import family_adapter
 
-    if family not in FAMILIES:
-        raise InputError(f"bench step: family must be one of {', '.join(FAMILIES)}, got {family!r}")
+    adapter = family_adapter(family)  # an unknown name is refused here, with the closest one
     if res % 16:
         raise InputError(f"--res must be a multiple of 16, got {res}")
     device = device or ("cuda:0" if torch.cuda.is_available() else "cpu")
@@ -474,16 +457,17 @@ def bench(family: str, res: int, profile: str | None, steps: int = 10, warmup: i
         raise InputError("--device cuda, but no CUDA GPU is visible", "use --device cpu with --tiny")
     if device == "cpu" and size == "full":
         raise InputError("a full-size step on the CPU would take hours", "add --tiny, or run on a GPU")
-    module = family_info(family).module
     cuda = device.startswith("cuda")
+    masked = family_masked(family)
     if attention is None and cuda:
-        attention = "flash" if module == "flux" else "flash+efficient"
+        attention = "flash+efficient" if masked else "flash"
     flops = model_flops(family, size, res) if cuda else None
     base = dict(family=family, size=size, res=res, device=device, seed=0, rank=16, steps=steps, warmup=warmup,
                 dtype="bf16" if cuda else "fp32", profile=profile or ("datacenter" if cuda else "cpu"),
                 sets=list(sets or []), memory_cap=memory_cap, model_flops=flops, attention=attention,
-                plain_attention=("flash" if module == "flux" else "efficient") if cuda else None,
-                plain_checkpointing=module != "flux", expandable_segments=cuda, trace_dir=trace_dir,
+                plain_attention=("efficient" if masked else "flash") if cuda else None,
+                plain_checkpointing=adapter.published.params > PLAIN_CHECKPOINTING_ABOVE,
+                expandable_segments=cuda, trace_dir=trace_dir,
                 checkpoint_dir=checkpoint_dir)
     if gpus > 1 and cuda and torch.cuda.device_count() < gpus:
         raise InputError(f"--gpus {gpus}, but {torch.cuda.device_count()} CUDA GPU(s) are visible")

@@ -8,9 +8,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from lorakit.cache.store import Store, item_key
-from lorakit.config import torch_dtype
+from lorakit.config import device_and_dtype
 from lorakit.data.buckets import POLICY, fit, make_buckets, nearest_bucket
-from lorakit.data.check import LAYOUT_OF_FAMILY, control_dirs_for
+from lorakit.data.check import control_dirs_for
 from lorakit.data.dataset import IMAGE_EXTS, open_image, scan
 from lorakit.errors import ConfigError, InputError
 from lorakit.models.registry import family_info
@@ -39,14 +39,6 @@ class Summary:
 
 def cache_dir_for(cfg) -> Path:
     return Path(cfg.data.cache_dir) if cfg.data.cache_dir else Path(cfg.output.dir) / "cache"
-
-
-def device_and_dtype(cfg):
-    import torch
-
-    device = "cuda" if (cfg.profile != "cpu" and torch.cuda.is_available()) else "cpu"
-    dtype = torch_dtype(cfg.model.dtype)
-    return device, dtype
 
 
 def _pixels(images):
@@ -88,7 +80,9 @@ def build(cfg, force: bool = False, verify: bool = False, strict: bool = False, 
     if adapter is None and cfg.model.path is None:
         raise ConfigError(["model.path: required to build the cache"], hint="--set model.path=/models/FLUX.1-dev")
     family = cfg.model.family
-    layout = LAYOUT_OF_FAMILY.get(family, "flat")
+    from lorakit.models.base import family_adapter
+
+    layout = family_adapter(family).layout
     info = family_info(family)
     store = Store(cache_dir_for(cfg))
     summary = Summary(cache_dir=str(store.root))

@@ -8,6 +8,7 @@ import typer
 
 from lorakit.cli.common import JsonOpt, ProfileOpt, console, emit, use_json
 from lorakit.errors import InputError
+from lorakit.models.registry import family_names
 
 HELP = "Measure loading and training speed, side by side with the usual way, in the same run."
 
@@ -86,7 +87,7 @@ def _render_load(result: dict) -> None:
 
 
 @app.command("step", help="Time lorakit's training step against plain diffusers + peft, in the same run.")
-def step(family: str = typer.Option("flux", "--family", help="flux, qwen-image or qwen-image-edit"),
+def step(family: str = typer.Option(family_names()[0], "--family", help="model family: " + ", ".join(family_names())),
          res: int = typer.Option(1024, "--res", help="training resolution (square, pixels)"),
          steps: int = typer.Option(10, "--steps", min=1, help="timed steps per way (median reported)"),
          warmup: int = typer.Option(3, "--warmup", min=0, help="untimed steps first (compilation, allocator)"),

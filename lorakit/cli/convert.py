@@ -17,8 +17,8 @@ app = typer.Typer(no_args_is_help=True, add_completion=False, rich_markup_mode=N
 def lora(src: Path = typer.Argument(..., show_default=False, help="LoRA file (.safetensors) or peft folder"),
          dst: Path = typer.Argument(..., show_default=False, help="output file (peft: a folder)"),
          to: str = typer.Option("diffusers", "--to", help="diffusers | peft | kohya | comfyui"),
-         family: str | None = typer.Option(None, "--family", help="flux or qwen-image (when the keys cannot "
-                                           "tell, e.g. an attention-only LoRA going to kohya/ComfyUI)"),
+         family: str | None = typer.Option(None, "--family", help="the model family or architecture, when the keys "
+                                           "cannot tell (e.g. an attention-only LoRA going to kohya/ComfyUI)"),
          dtype: str | None = typer.Option(None, "--dtype", help="fp32 | bf16 | fp16 (default: as stored)"),
          as_json: bool = JsonOpt) -> None:
     use_json(as_json)
@@ -34,17 +34,17 @@ def lora(src: Path = typer.Argument(..., show_default=False, help="LoRA file (.s
         raise InputError(f"no such file or folder: {src}")
     from lorakit.config import torch_dtype
     from lorakit.convert import lora as L
-    from lorakit.models.registry import family_info
+    from lorakit.models.registry import arch_of
 
-    fam = family_info(family).module if family else None
-    pieces, facts = L.read(src, family=fam)
-    out = L.write(pieces, dst, to, fam or facts["family"], dtype=torch_dtype(dtype) if dtype else None)
+    arch = arch_of(family) if family else None
+    pieces, facts = L.read(src, arch=arch)
+    out = L.write(pieces, dst, to, arch or facts["arch"], dtype=torch_dtype(dtype) if dtype else None)
     back, out_facts = L.read(out)
     exact, why = L.deltas_equal(pieces, back, rtol=1e-6 if dtype in (None, "fp32") else 1e-2)
     result = {"input": {"path": str(src), **facts}, "output": {"path": str(out), **out_facts},
               "deltas_equal": exact, "check": why}
     emit(as_json, result, lambda: console.print(
-        f"{src} ({facts['format']}, {facts['family'] or 'family unknown'}, {facts['modules']} modules, "
+        f"{src} ({facts['format']}, {facts['arch'] or 'architecture unknown'}, {facts['modules']} modules, "
         f"rank {'/'.join(map(str, facts['ranks']))}) -> {out} ({to}); deltas "
         + ("equal" if exact else f"DIFFER: {why}")))
     if not exact:

@@ -7,6 +7,7 @@ from pathlib import Path
 import typer
 
 from lorakit.cli.common import JsonOpt, console, emit, use_json
+from lorakit.models.registry import family_names
 
 HELP = """Run the whole path on tiny offline models (no downloads, any laptop).
 
@@ -16,7 +17,8 @@ resolves a config and renders samples; everything lands in OUT (a report folder)
 
 def demo(
     out: Path = typer.Option(Path("demo-out"), "--out", "-o", help="report folder"),
-    family: str = typer.Option("flux", "--family", "-f", help="model family of the tiny pipeline"),
+    family: str = typer.Option(family_names()[0], "--family", "-f",
+                               help="model family of the tiny pipeline: " + ", ".join(family_names())),
     seed: int = typer.Option(0, "--seed"),
     as_json: bool = JsonOpt,
 ) -> None:

@@ -10,8 +10,9 @@ the layer is `alpha / rank * B @ A` — and written from it. Formats:
 - `kohya` (sd-scripts): `lora_unet_<native name with _>.lora_down.weight` / `lora_up.weight` / `.alpha`.
 - `comfyui`: `diffusion_model.<native name>.lora_A.weight` / `lora_B.weight` / `.alpha`.
 
-"Native" names are the original checkpoints' module names: for Qwen-Image the diffusers names; for FLUX the
-Black Forest Labs names, whose fused projections (img_attn.qkv = to_q|to_k|to_v; single blocks' linear1 =
+"Native" names are the original checkpoints' module names, declared by each architecture's family adapter
+(`Adapter.native_names`): for Qwen-Image and Kandinsky 5 the diffusers names; for FLUX the Black Forest Labs
+names, whose fused projections (img_attn.qkv = to_q|to_k|to_v; single blocks' linear1 =
 to_q|to_k|to_v|proj_mlp) are handled exactly: fusing stacks the A matrices and places the B matrices block-
 diagonally (rank adds up, every delta is unchanged); splitting gives each projection its rows of B and, when B
 is block-diagonal (as fusing made it), only its own columns — so a round trip returns the original tensors.
@@ -27,7 +28,6 @@ from pathlib import Path
 from lorakit.errors import FileFormatError, InputError
 
 FORMATS = ("diffusers", "peft", "kohya", "comfyui")
-LORA_FAMILIES = ("flux", "qwen_image", "kandinsky5")
 
 
 @dataclass
@@ -46,61 +46,6 @@ class Piece:
 
     def delta(self):
         return (self.B.double() @ self.A.double()) * self.scale
-
-
-# --------------------------------------------------------------------------- module names per family
-
-_FLUX_DOUBLE = [("img_attn.qkv", ["attn.to_q", "attn.to_k", "attn.to_v"]), ("img_attn.proj", ["attn.to_out.0"]),
-                ("txt_attn.qkv", ["attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj"]),
-                ("txt_attn.proj", ["attn.to_add_out"]), ("img_mlp.0", ["ff.net.0.proj"]), ("img_mlp.2", ["ff.net.2"]),
-                ("txt_mlp.0", ["ff_context.net.0.proj"]), ("txt_mlp.2", ["ff_context.net.2"]),
-                ("img_mod.lin", ["norm1.linear"]), ("txt_mod.lin", ["norm1_context.linear"])]
-_FLUX_SINGLE = [("linear1", ["attn.to_q", "attn.to_k", "attn.to_v", "proj_mlp"]), ("linear2", ["proj_out"]),
-                ("modulation.lin", ["norm.linear"])]
-_FLUX_TOP = [("img_in", ["x_embedder"]), ("txt_in", ["context_embedder"]), ("final_layer.linear", ["proj_out"]),
-             ("time_in.in_layer", ["time_text_embed.timestep_embedder.linear_1"]),
-             ("time_in.out_layer", ["time_text_embed.timestep_embedder.linear_2"]),
-             ("vector_in.in_layer", ["time_text_embed.text_embedder.linear_1"]),
-             ("vector_in.out_layer", ["time_text_embed.text_embedder.linear_2"]),
-             ("guidance_in.in_layer", ["time_text_embed.guidance_embedder.linear_1"]),
-             ("guidance_in.out_layer", ["time_text_embed.guidance_embedder.linear_2"])]
-_QWEN_BLOCK = ["attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "attn.add_q_proj", "attn.add_k_proj",
-               "attn.add_v_proj", "attn.to_add_out", "img_mlp.net.0.proj", "img_mlp.net.2", "txt_mlp.net.0.proj",
-               "txt_mlp.net.2", "img_mod.1", "txt_mod.1"]
-_QWEN_TOP = ["img_in", "txt_in", "proj_out", "norm_out.linear", "time_text_embed.timestep_embedder.linear_1",
-             "time_text_embed.timestep_embedder.linear_2"]
-_K5_MARK = ("visual_transformer_blocks", "text_transformer_blocks")
-# Kandinsky 5: the original checkpoints' module names are the diffusers names (the port kept them)
-_K5_ATTN = ["to_query", "to_key", "to_value", "out_layer"]
-_K5_VISUAL = ([f"self_attention.{m}" for m in _K5_ATTN] + [f"cross_attention.{m}" for m in _K5_ATTN]
-              + ["feed_forward.in_layer", "feed_forward.out_layer", "visual_modulation.out_layer"])
-_K5_TEXT = [f"self_attention.{m}" for m in _K5_ATTN] + ["feed_forward.in_layer", "feed_forward.out_layer",
-                                                        "text_modulation.out_layer"]
-_K5_TOP = ["time_embeddings.in_layer", "time_embeddings.out_layer", "text_embeddings.in_layer",
-           "pooled_text_embeddings.in_layer", "visual_embeddings.in_layer", "out_layer.modulation.out_layer",
-           "out_layer.out_layer"]
-
-
-def guess_family(modules) -> str | None:
-    """flux | qwen_image | kandinsky5 from diffusers module names (None when they say nothing)."""
-    mods = list(modules)
-    if any(m.startswith(_K5_MARK) for m in mods):
-        return "kandinsky5"
-    if any(m.startswith("single_transformer_blocks.") or ".ff.net." in m or ".norm1.linear" in m for m in mods):
-        return "flux"
-    if any(re.search(r"\.(img|txt)_(mlp|mod)\.", m) for m in mods):
-        return "qwen_image"
-    if any(m.startswith("transformer_blocks.") for m in mods):
-        return None  # attention-only LoRAs have the same names in FLUX and Qwen-Image
-    return None
-
-
-def _flux_groups():
-    """(native name pattern, [diffusers names]) with {i} for the block index."""
-    out = [(f"double_blocks.{{i}}.{n}", [f"transformer_blocks.{{i}}.{d}" for d in ds]) for n, ds in _FLUX_DOUBLE]
-    out += [(f"single_blocks.{{i}}.{n}", [f"single_transformer_blocks.{{i}}.{d}" for d in ds])
-            for n, ds in _FLUX_SINGLE]
-    return out + [(n, ds) for n, ds in _FLUX_TOP]
 
 
 def _flat(name: str) -> str:
@@ -126,9 +71,14 @@ def detect_format(keys) -> str:
                      "is it a model checkpoint rather than a LoRA?")
 
 
-def read(path, family: str | None = None) -> tuple[dict[str, Piece], dict]:
-    """Read a LoRA in any supported layout. Returns (pieces by diffusers module name, facts)."""
+def read(path, arch: str | None = None) -> tuple[dict[str, Piece], dict]:
+    """Read a LoRA in any supported layout. Returns (pieces by diffusers module name, facts).
+
+    Args:
+        arch: the architecture (registry `arch`) when known; else it is told from the keys where they say it.
+    """
     from lorakit.io import load, read_header
+    from lorakit.models.base import guess_arch
 
     path = Path(path)
     config = None
@@ -155,14 +105,13 @@ def read(path, family: str | None = None) -> tuple[dict[str, Piece], dict]:
     else:
         prefix = "lora_unet_" if fmt == "kohya" else "diffusion_model."
         native = _read_native(tensors, prefix, flat=fmt == "kohya")
-        fam = family or _native_family(native)
-        pieces = _from_native(native, fam, flat=fmt == "kohya")
-    fam = family or guess_family(pieces)
-    if family and guess_family(pieces) not in (None, family):
-        raise InputError(f"{path}: this LoRA's modules belong to {guess_family(pieces)}, not {family}",
-                         "check --family / the model the LoRA was trained for")
+        pieces = _from_native(native, arch or _native_arch(native, flat=fmt == "kohya"), flat=fmt == "kohya")
+    guessed = guess_arch(pieces)
+    if arch and guessed not in (None, arch):
+        raise InputError(f"{path} is a {guessed} LoRA (its module names say so), not a {arch} one",
+                         "use a LoRA trained for this model (or the right --family)")
     ranks = sorted({p.rank for p in pieces.values()})
-    return pieces, {"format": fmt, "family": fam, "modules": len(pieces), "ranks": ranks,
+    return pieces, {"format": fmt, "arch": arch or guessed, "modules": len(pieces), "ranks": ranks,
                     "dtype": str(next(iter(pieces.values())).A.dtype).removeprefix("torch.")}
 
 
@@ -241,69 +190,63 @@ def _read_native(tensors: dict, prefix: str, flat: bool) -> dict[str, Piece]:
     return pieces
 
 
-def _native_family(native: dict) -> str:
+def _n_blocks(names) -> int:
+    """1 + the largest block index in a list of module names (0 when none has one)."""
+    idx = [int(m.group(1)) for n in names for m in [re.search(r"blocks[._](\d+)[._]", n)] if m]
+    return max(idx) + 1 if idx else 0
+
+
+def _native_map(arch: str, n_blocks: int, flat: bool = False) -> dict:
+    """native name (kohya: with '_' for '.') -> its `NativeName` record, for the architecture's blocks."""
+    from lorakit.models.base import arch_adapter
+
+    table = arch_adapter(arch).native_table(n_blocks)
+    return {_flat(k): v for k, v in table.items()} if flat else table
+
+
+def _native_arch(native: dict, flat: bool) -> str:
+    """The architecture whose native names these are (the one that knows all of them, else the most)."""
+    from lorakit.models.registry import arch_names
+
     names = list(native)
-    if any(n.startswith(("double_blocks", "single_blocks")) for n in names):
-        return "flux"
-    if any(n.startswith(_K5_MARK) for n in names) or any(_flat(m) in n for m in _K5_MARK for n in names):
-        return "kandinsky5"
-    if any(re.search(r"(img|txt)_(mlp|mod)", n) for n in names) or any("transformer_blocks" in n for n in names):
-        return "qwen_image"
-    raise InputError("cannot tell which model this LoRA is for from its keys", "pass --family")
+    n = _n_blocks(names)
+    known = {a: sum(1 for x in names if x in _native_map(a, n, flat)) for a in arch_names()}
+    best = max(known, key=known.get)
+    if not known[best]:
+        raise InputError("cannot tell which model this LoRA is for from its keys", "pass --family")
+    return best
 
 
-def _native_map(family: str, n_blocks: int = 80):
-    """native name (or its flat form) -> list of diffusers names (several for a fused projection)."""
-    table = {}
-    if family == "flux":
-        for pat, ds in _flux_groups():
-            if "{i}" in pat:
-                for i in range(n_blocks):
-                    table[pat.format(i=i)] = [d.format(i=i) for d in ds]
-            else:
-                table[pat] = ds
-    elif family == "qwen_image":
-        for i in range(n_blocks):
-            for m in _QWEN_BLOCK:
-                table[f"transformer_blocks.{i}.{m}"] = [f"transformer_blocks.{i}.{m}"]
-        for m in _QWEN_TOP:
-            table[m] = [m]
-    elif family == "kandinsky5":
-        for i in range(n_blocks):
-            for m in _K5_VISUAL:
-                table[f"visual_transformer_blocks.{i}.{m}"] = [f"visual_transformer_blocks.{i}.{m}"]
-            for m in _K5_TEXT:
-                table[f"text_transformer_blocks.{i}.{m}"] = [f"text_transformer_blocks.{i}.{m}"]
-        for m in _K5_TOP:
-            table[m] = [m]
-    else:
-        raise InputError(f"kohya/ComfyUI layouts are not defined for {family} in this build",
-                         "convert between diffusers and peft, which need no renaming")
-    return table
-
-
-def _from_native(native: dict, family: str, flat: bool) -> dict[str, Piece]:
-    table = _native_map(family)
-    if flat:
-        table = {_flat(k): v for k, v in table.items()}
+def _from_native(native: dict, arch: str, flat: bool) -> dict[str, Piece]:
+    table = _native_map(arch, _n_blocks(native), flat)
     out = {}
     unknown = [n for n in native if n not in table]
     if unknown:
-        raise InputError(f"unknown {family} module in this LoRA: {unknown[0]}"
+        raise InputError(f"unknown {arch} module in this LoRA: {unknown[0]}"
                          + (f" and {len(unknown) - 1} more" if len(unknown) > 1 else ""),
                          "is it for another model? (pass --family to say which)")
     for name, piece in native.items():
-        targets = table[name]
-        if len(targets) == 1:
-            out[targets[0]] = piece
+        rec = table[name]
+        if rec.swap_halves:
+            piece = Piece(piece.A, _swap_halves(piece.B), piece.alpha)
+        if len(rec.targets) == 1:
+            out[rec.targets[0]] = piece
         else:
-            out.update(_split(piece, targets))
+            out.update(_split(piece, list(rec.targets), rec.split))
     return out
 
 
-def _chunks(targets: list[str], piece: Piece) -> list[int]:
+def _swap_halves(b):
+    """Exchange the two halves of the output rows (FLUX's final norm: [scale, shift] <-> [shift, scale])."""
+    import torch
+
+    first, second = b.chunk(2, dim=0)
+    return torch.cat([second, first], dim=0).contiguous()
+
+
+def _chunks(targets: list[str], piece: Piece, split: str) -> list[int]:
     hidden = int(piece.A.shape[1])
-    if targets[-1].endswith("proj_mlp"):  # FLUX linear1: q, k, v (hidden each) then the MLP input
+    if split == "qkv_mlp":  # FLUX linear1: q, k, v (hidden each) then the MLP input
         return [hidden] * 3 + [int(piece.B.shape[0]) - 3 * hidden]
     n = int(piece.B.shape[0])
     if n % len(targets):
@@ -311,10 +254,10 @@ def _chunks(targets: list[str], piece: Piece) -> list[int]:
     return [n // len(targets)] * len(targets)
 
 
-def _split(piece: Piece, targets: list[str]) -> dict[str, Piece]:
+def _split(piece: Piece, targets: list[str], split: str) -> dict[str, Piece]:
     import torch
 
-    sizes = _chunks(targets, piece)
+    sizes = _chunks(targets, piece, split)
     if sum(sizes) != piece.B.shape[0] or min(sizes) <= 0:
         raise FileFormatError(f"fused LoRA rows {piece.B.shape[0]} do not split as {sizes}")
     rows = torch.split(piece.B, sizes, dim=0)
@@ -336,31 +279,33 @@ def _split(piece: Piece, targets: list[str]) -> dict[str, Piece]:
 # --------------------------------------------------------------------------- writing
 
 
-def _to_native(pieces: dict[str, Piece], family: str) -> dict[str, Piece]:
+def _to_native(pieces: dict[str, Piece], arch: str) -> dict[str, Piece]:
     import torch
 
-    table = _native_map(family)
+    table = _native_map(arch, _n_blocks(pieces))
     owner = {}
-    for native, ds in table.items():
-        for d in ds:
+    for native, rec in table.items():
+        for d in rec.targets:
             owner.setdefault(d, []).append(native)
     out = {}
     for mod in pieces:
         if mod not in owner:
-            raise InputError(f"{mod} has no {family} native name in this build", "keep the diffusers format")
-    for native, ds in table.items():
+            raise InputError(f"{mod} has no {arch} native name in this build", "keep the diffusers format")
+    for native, rec in table.items():
+        ds = list(rec.targets)
         present = [d for d in ds if d in pieces]
         if not present:
             continue
         if len(ds) == 1:
-            out[native] = pieces[ds[0]]
+            p = pieces[ds[0]]
+            out[native] = Piece(p.A, _swap_halves(p.B), p.alpha) if rec.swap_halves else p
             continue
         ps = [pieces.get(d) for d in ds]
         ref = next(p for p in ps if p is not None)
         scale = ref.scale
         same = all(p is None or abs(p.scale - scale) <= 1e-12 * abs(scale) for p in ps)
         hidden = int(ref.A.shape[1])
-        sizes = [hidden] * 3 + [4 * hidden] if ds[-1].endswith("proj_mlp") else [hidden] * len(ds)
+        sizes = [hidden] * 3 + [4 * hidden] if rec.split == "qkv_mlp" else [hidden] * len(ds)
         for j, p in enumerate(ps):
             if p is not None:
                 sizes[j] = int(p.B.shape[0])
@@ -380,7 +325,7 @@ def _to_native(pieces: dict[str, Piece], family: str) -> dict[str, Piece]:
     return out
 
 
-def write(pieces: dict[str, Piece], dst, fmt: str, family: str | None, dtype=None,
+def write(pieces: dict[str, Piece], dst, fmt: str, arch: str | None, dtype=None,
           extra_metadata: dict | None = None) -> Path:
     """Write pieces in a format (atomically). Returns the written path."""
     import torch
@@ -410,10 +355,12 @@ def write(pieces: dict[str, Piece], dst, fmt: str, family: str | None, dtype=Non
         with atomic_path(dst / "adapter_config.json") as tmp:
             Path(tmp).write_text(json.dumps({"peft_type": "LORA", **cfg}, indent=2, sort_keys=True))
         return dst
-    if family is None:
-        raise InputError("cannot tell whether this LoRA is for FLUX or Qwen-Image (attention-only keys)",
-                         "pass --family flux or --family qwen-image")
-    native = _to_native(pieces, family)
+    if arch is None:
+        from lorakit.models.registry import arch_names
+
+        raise InputError("cannot tell which model this LoRA is for (attention-only keys are shared by several)",
+                         f"pass --family (one of: {', '.join(arch_names())})")
+    native = _to_native(pieces, arch)
     sd = {}
     for name, p in native.items():
         if fmt == "kohya":

@@ -16,7 +16,7 @@ def merge(model_dir, lora_path, dst, scale: float = 1.0) -> dict:
     from lorakit.convert import lora as L
     from lorakit.infer import file_hash
     from lorakit.io import load, resolve_files, save_sharded
-    from lorakit.models.registry import family_info, family_names
+    from lorakit.models.registry import family_info, family_of_pipeline
 
     model_dir, dst = Path(model_dir), Path(dst)
     index_file = model_dir / "model_index.json"
@@ -25,10 +25,8 @@ def merge(model_dir, lora_path, dst, scale: float = 1.0) -> dict:
     if dst.exists():
         raise InputError(f"{dst} exists", "name a new folder for the merged model")
     cls = json.loads(index_file.read_text()).get("_class_name")
-    family = next((f for f in family_names() if family_info(f).pipeline_class == cls), None)
-    pieces, facts = L.read(lora_path)
-    if family and facts["family"] and facts["family"] != family_info(family).module:
-        raise InputError(f"{lora_path} is a {facts['family']} LoRA; {model_dir} is {cls}")
+    family = family_of_pipeline(cls)
+    pieces, facts = L.read(lora_path, arch=family_info(family).arch if family else None)
     tdir = model_dir / "transformer"
     weights = load(tdir, copy=True)
     missing = [m for m in pieces if f"{m}.weight" not in weights]

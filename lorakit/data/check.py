@@ -7,18 +7,19 @@ from pathlib import Path
 
 from lorakit.data.buckets import make_buckets, nearest_bucket
 from lorakit.data.dataset import scan
+from lorakit.models.base import family_adapter
 from lorakit.models.registry import family_info
-
-LAYOUT_OF_FAMILY = {"qwen-image-edit": "edit", "qwen-image-edit-plus": "edit", "kandinsky5-t2v": "video"}
 
 
 def control_dirs_for(cfg, root: Path) -> list[str]:
-    """Edit-Plus with the default setting uses every control folder present (control/, control_2/, ...)."""
+    """The control folders of a dataset. A family that takes several control images (Edit-Plus), left at the
+    default setting, uses every control folder present (control/, control_2/, ...) up to its maximum."""
     dirs = list(cfg.data.control_dirs)
-    if cfg.model.family == "qwen-image-edit-plus" and dirs == ["control"]:
+    most = family_adapter(cfg.model.family).max_controls
+    if most > 1 and dirs == ["control"] and root.is_dir():
         found = sorted((p.name for p in root.iterdir() if p.is_dir() and p.name.startswith("control")),
                        key=lambda n: (len(n), n))
-        return found or dirs
+        return found[:most] or dirs
     return dirs
 
 
@@ -28,7 +29,7 @@ def check(cfg) -> dict:
         from lorakit.errors import ConfigError
 
         raise ConfigError(["data.dirs: no dataset folder given"], hint="--set data.dirs=[./my-dataset]")
-    layout = LAYOUT_OF_FAMILY.get(cfg.model.family, "flat")
+    layout = family_adapter(cfg.model.family).layout
     patch = family_info(cfg.model.family).patch
     buckets = make_buckets(cfg.data.resolution, patch, cfg.data.bucket_min_side, cfg.data.bucket_max_side)
     report = {"family": cfg.model.family, "datasets": [], "problems": [], "buckets": {}, "items": 0}

@@ -144,6 +144,8 @@ def make_demo_dataset(out_dir: str | Path, layout: str = "flat", count: int = 8,
 
 
 def demo_layout_for(family: str) -> str:
-    """The demo dataset layout a family trains on."""
-    return {"qwen-image-edit": "edit", "qwen-image-edit-plus": "edit-plus", "kandinsky5-t2v": "video"}.get(
-        family, "flat")
+    """The demo dataset layout a family trains on (its adapter's layout; several controls: edit-plus)."""
+    from lorakit.models.base import family_adapter
+
+    a = family_adapter(family)
+    return "edit-plus" if a.layout == "edit" and a.max_controls > 1 else a.layout

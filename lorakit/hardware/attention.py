@@ -4,11 +4,17 @@ Why: on an H100 with torch 2.11 + cuDNN 9.19, PyTorch's default SDPA pick for FL
 crashes in backward, and a `with sdpa_kernel(...)` scope around the forward alone does not cover the
 recompute of a checkpointed block, which runs in backward outside the scope. So lorakit:
 
-1. runs forward AND backward of every backend at the families' shapes (`self_test`), caching the
-   result per machine fingerprint;
-2. chooses per family the fastest backend that worked at all of that family's shapes (`choose`);
-3. puts the choice in force with PyTorch's *global* SDPA switches (`apply`), which hold in forward,
+1. runs forward AND backward of every backend at the families' shapes (`self_test`; the shapes are each
+   family adapter's `attention_cases`), caching the result per machine fingerprint;
+2. runs each architecture's real transformer blocks ("model <arch>" cases, `attention_model.py`) with the
+   backends that could be chosen, fastest first, until every family of the architecture has one that passed;
+3. chooses per family the fastest backend that worked at all of that family's cases (`choose`);
+4. puts the choice in force with PyTorch's *global* SDPA switches (`apply`), which hold in forward,
    backward and recompute alike, because no scope ends before backward runs.
+
+Every measurement runs in a child process that reports each case as it finishes; a case that does not
+answer within the watchdog (20 s) is recorded as hung and the child is replaced, so a kernel that hangs or
+corrupts the GPU context costs seconds and takes no other result down.
 """
 
 from __future__ import annotations
@@ -16,34 +22,19 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import subprocess
+import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from lorakit.models.facts import AttentionCase
+
 BACKENDS = ("flash", "efficient", "cudnn", "math")
-
-# (name, sequence length, masked, layout) — head_dim 128, 24 heads, as FLUX/Qwen-Image/Kandinsky 5 use.
-# 512² training: 1024 image tokens + 512 text; 1024²: 4096 + 512.
-# layout "joint": the output feeds its own projection (dual-stream blocks), so the output gradient is
-# contiguous; "single": the output is concatenated with the MLP branch before one projection (FLUX's
-# single-stream blocks), so the output gradient is a strided slice of a wider tensor.
-CASES = (("512px", 1536, False, "joint"), ("1024px", 4608, False, "joint"),
-         ("512px single", 1536, False, "single"), ("1024px single", 4608, False, "single"),
-         ("512px+mask", 1536, True, "joint"), ("1024px+mask", 4608, True, "joint"))
-
-# The cases that matter for each family: Qwen-Image passes an attention mask (text padding) and has
-# only dual-stream blocks; FLUX has no mask and both block kinds. On CUDA each family also needs its
-# real transformer to pass ("model ..." cases, lorakit.hardware.attention_model); Kandinsky 5 (no mask,
-# head_dim 128) borrows FLUX's model check.
-FAMILY_CASES = {
-    "flux": ("512px", "1024px", "512px single", "1024px single", "model flux"),
-    "qwen-image": ("512px+mask", "1024px+mask", "model qwen-image"),
-    "qwen-image-edit": ("512px+mask", "1024px+mask", "model qwen-image"),
-    "qwen-image-edit-plus": ("512px+mask", "1024px+mask", "model qwen-image"),
-    "kandinsky5-t2i": ("512px", "1024px", "model flux"),
-    "kandinsky5-t2v": ("512px", "1024px", "model flux"),
-}
-FAMILY_MASKED = {f: any("mask" in c for c in cases) for f, cases in FAMILY_CASES.items()}
+WATCHDOG_S = 20.0  # one case (after the child's imports) may take this long before it counts as hung
+STARTUP_S = 180.0  # a child's imports (torch, diffusers) on a cold machine
+VERSION = 5  # bump when what a cached report means changes
 
 
 @dataclass
@@ -61,15 +52,74 @@ class AttentionReport:
     results: list[CaseResult] = field(default_factory=list)
     choice: dict[str, str | None] = field(default_factory=dict)  # family -> backend
     cached: bool = False
+    seconds: float | None = None
 
     def to_dict(self) -> dict:
         return {"fingerprint": self.fingerprint, "results": [asdict(r) for r in self.results],
-                "choice": self.choice, "cached": self.cached}
+                "choice": self.choice, "cached": self.cached, "seconds": self.seconds}
 
     @classmethod
     def from_dict(cls, d: dict) -> AttentionReport:
         return cls(fingerprint=d["fingerprint"], results=[CaseResult(**r) for r in d["results"]],
-                   choice=d["choice"], cached=True)
+                   choice=d["choice"], cached=True, seconds=d.get("seconds"))
+
+
+# --------------------------------------------------------------------------- what the families need
+
+
+def _adapter(family: str):
+    from lorakit.models.base import family_adapter
+
+    return family_adapter(family)
+
+
+def model_case(family: str) -> str:
+    """The in-model case of a family: its architecture's real transformer blocks."""
+    return f"model {_adapter(family).arch}"
+
+
+def family_cases(family: str) -> tuple[str, ...]:
+    """Every case a backend must pass before lorakit trains this family with it."""
+    return tuple(c.name for c in _adapter(family).attention_cases) + (model_case(family),)
+
+
+def family_masked(family: str) -> bool:
+    """Does the family pass a text mask into attention (flash refuses masks)?"""
+    return any(c.masked for c in _adapter(family).attention_cases)
+
+
+def all_cases() -> tuple[AttentionCase, ...]:
+    """The bare cases of every registered family, once each."""
+    from lorakit.models.registry import family_names
+
+    seen: dict[str, AttentionCase] = {}
+    for f in family_names():
+        for c in _adapter(f).attention_cases:
+            seen.setdefault(c.name, c)
+    return tuple(seen.values())
+
+
+def all_model_cases() -> tuple[str, ...]:
+    from lorakit.models.registry import arch_names
+
+    return tuple(f"model {a}" for a in arch_names())
+
+
+def known_bad(fingerprint_: dict, backend: str, family: str | None = None) -> str | None:
+    """Why a backend is excluded on this stack for a family (any family when None); None when it is not.
+    The rules are the families' own (`Adapter.known_bad_attention`): backends seen failing intermittently there
+    (a kernel that passes once can still corrupt memory later)."""
+    from lorakit.models.registry import family_names
+
+    for fam in [family] if family else family_names():
+        for b, cudnn, capability, why in _adapter(fam).known_bad_attention:
+            if (b == backend and str(fingerprint_.get("cudnn") or "").startswith(cudnn)
+                    and fingerprint_.get("capability") == capability):
+                return f"{why} (for {fam})" if family is None else why
+    return None
+
+
+# --------------------------------------------------------------------------- one case, in the child
 
 
 def _sdp_backend(name: str):
@@ -98,14 +148,17 @@ def fingerprint(device: str = "cuda") -> dict:
     return fp
 
 
-def _cache_file(fp: dict) -> Path:
+def cache_root() -> Path:
     base = os.environ.get("LORAKIT_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "lorakit")
+    return Path(base)
+
+
+def _cache_file(fp: dict) -> Path:
     key = hashlib.sha256(json.dumps(fp, sort_keys=True).encode()).hexdigest()[:16]
-    return Path(base) / "attention" / f"{key}.json"
+    return cache_root() / "attention" / f"{key}.json"
 
 
-def _run_case(backend: str, seq: int, masked: bool, layout: str, device: str, dtype, heads: int,
-              head_dim: int, repeats: int) -> CaseResult:
+def run_case(backend: str, case: AttentionCase, device: str, repeats: int) -> CaseResult:
     """Forward + backward of one backend, with tensors laid out as the diffusers transformers lay them out.
 
     diffusers projects q/k/v to (batch, seq, heads, head_dim) and permutes them to (batch, heads, seq,
@@ -118,14 +171,15 @@ def _run_case(backend: str, seq: int, masked: bool, layout: str, device: str, dt
     import torch.nn.functional as F
     from torch.nn.attention import sdpa_kernel
 
+    seq, heads, hd, dtype = case.seq, case.heads, case.head_dim, torch.bfloat16
     g = torch.Generator(device=device).manual_seed(0)
-    base = [torch.randn(1, seq, heads, head_dim, device=device, dtype=dtype, generator=g, requires_grad=True)
+    base = [torch.randn(1, seq, heads, hd, device=device, dtype=dtype, generator=g, requires_grad=True)
             for _ in range(3)]
-    width = heads * head_dim * (5 if layout == "single" else 1)  # single: attention (1x) + MLP (4x)
+    width = heads * hd * (5 if case.layout == "single" else 1)  # single: attention (1x) + MLP (4x)
     weight = torch.randn(1, seq, width, device=device, dtype=torch.float32, generator=g)
-    mlp = torch.randn(1, seq, width - heads * head_dim, device=device, dtype=dtype, generator=g)
+    mlp = torch.randn(1, seq, width - heads * hd, device=device, dtype=dtype, generator=g)
     mask = None
-    if masked:  # the last 10% of keys are padding, as with padded text
+    if case.masked:  # the last 10% of keys are padding, as with padded text
         keep = torch.ones(seq, dtype=torch.bool, device=device)
         keep[int(seq * 0.9):] = False
         mask = keep[None, None, None, :]
@@ -139,8 +193,8 @@ def _run_case(backend: str, seq: int, masked: bool, layout: str, device: str, dt
                 t0 = time.perf_counter()
                 q, k, v = (t.permute(0, 2, 1, 3) for t in base)
                 out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-                out = out.permute(0, 2, 1, 3).reshape(1, seq, heads * head_dim)
-                if layout == "single":
+                out = out.permute(0, 2, 1, 3).reshape(1, seq, heads * hd)
+                if case.layout == "single":
                     out = torch.cat([out, mlp], dim=2)
                 (out.float() * weight).mean().backward()
                 if device.startswith("cuda"):
@@ -148,106 +202,151 @@ def _run_case(backend: str, seq: int, masked: bool, layout: str, device: str, dt
                 if i:  # the first run is warm-up
                     times.append((time.perf_counter() - t0) * 1e3)
                 if not all(torch.isfinite(t.grad).all() for t in base):
-                    return CaseResult(backend, "", False, error="non-finite gradients")
+                    return CaseResult(backend, case.name, False, error="non-finite gradients")
                 for t in base:
                     t.grad = None
     except Exception as e:  # noqa: BLE001 - a failing kernel is a result
-        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        return CaseResult(backend, "", False, error=f"{type(e).__name__}: {msg[:300]}")
+        return CaseResult(backend, case.name, False, error=_error_line(e))
     times.sort()
-    return CaseResult(backend, "", True, ms=round(times[len(times) // 2], 3))
+    return CaseResult(backend, case.name, True, ms=round(times[len(times) // 2], 3))
 
 
-def _run_backend(backend: str, device: str, repeats: int, heads: int, head_dim: int, cases,
-                 models: tuple = ()) -> list[CaseResult]:
-    """All cases of one backend in this process (then the real-model cases). After a CUDA error the
-    context is unusable, so the remaining cases are recorded as not run rather than attempted."""
-    import torch
+def _error_line(e: BaseException) -> str:
+    msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    return f"{type(e).__name__}: {msg[:300]}"
 
-    from lorakit.hardware.attention_model import run_model_case
 
-    out: list[CaseResult] = []
-    lost = None
-    todo = [(c[0], c) for c in cases] + [(m, None) for m in models]
-    for name, raw in todo:
-        if lost:
-            out.append(CaseResult(backend, name, False, error=f"not run: the CUDA context was lost at {lost}"))
-            continue
-        if raw is not None:
-            _, seq, masked, layout = raw
-            r = _run_case(backend, seq, masked, layout, device, torch.bfloat16, heads, head_dim, repeats)
+def _context_lost(r: CaseResult) -> bool:
+    return not r.ok and any(s in (r.error or "") for s in ("CUDA error", "AcceleratorError", "CUBLAS_STATUS"))
+
+
+def _child_main(spec: dict) -> None:
+    """The child process: run the jobs in order, one JSON line each as it finishes; stop after a job that lost
+    the CUDA context (the parent starts a fresh child for the rest)."""
+    import torch  # noqa: F401 - imported before "ready": the watchdog then times the cases only
+
+    cases = {c["name"]: AttentionCase(**c) for c in spec["cases"]}
+    # testing aid: LORAKIT_ATTENTION_TEST_SLEEP="case=seconds" makes that case hang like a stuck kernel
+    hang = dict(x.split("=") for x in os.environ.get("LORAKIT_ATTENTION_TEST_SLEEP", "").split(",") if "=" in x)
+    print(json.dumps({"ready": True}), flush=True)
+    for backend, name in spec["jobs"]:
+        if name in hang:
+            time.sleep(float(hang[name]))
+        if name.startswith("model "):
+            from lorakit.hardware.attention_model import run_model_case
+
+            r = run_model_case(name, backend, spec["device"], repeats=spec["repeats"])
         else:
-            r = run_model_case(name, backend, device, repeats=repeats)
-        r.case = name
-        out.append(r)
-        if not r.ok and any(s in (r.error or "") for s in ("CUDA error", "AcceleratorError", "CUBLAS_STATUS")):
-            lost = name
-        if device.startswith("cuda") and not lost:
+            r = run_case(backend, cases[name], spec["device"], spec["repeats"])
+        print(json.dumps(asdict(r)), flush=True)
+        if _context_lost(r):
+            return
+        if spec["device"].startswith("cuda"):
             torch.cuda.empty_cache()
+
+
+# --------------------------------------------------------------------------- children, watched
+
+
+def _read_line(p: subprocess.Popen, timeout: float) -> str | None:
+    """The child's next stdout line, or None after `timeout` seconds (or at its end)."""
+    import selectors
+
+    sel = selectors.DefaultSelector()
+    sel.register(p.stdout, selectors.EVENT_READ)
+    try:
+        if not sel.select(timeout):
+            return None
+        return p.stdout.readline() or None
+    finally:
+        sel.close()
+
+
+def run_jobs(jobs: list[tuple[str, str]], device: str, repeats: int, cases=(), watchdog: float = WATCHDOG_S,
+             startup: float = STARTUP_S, progress=None) -> list[CaseResult]:
+    """Run (backend, case) jobs in watched child processes: a job that fails with a lost CUDA context, kills
+    its process or gives no answer within `watchdog` seconds is recorded, and a fresh child takes the rest."""
+    todo = list(jobs)
+    out: list[CaseResult] = []
+    while todo:
+        spec = {"jobs": todo, "device": device, "repeats": repeats, "cases": [asdict(c) for c in cases]}
+        p = subprocess.Popen([sys.executable, "-m", "lorakit.hardware.attention", json.dumps(spec)],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            ready = _read_line(p, startup)
+            if ready is None:
+                out.append(_dead(todo.pop(0), p, f"no answer in {startup:.0f} s while starting"))
+                continue
+            while todo:
+                line = _read_line(p, watchdog)
+                if line is None:
+                    if p.poll() is None:  # alive but silent: a hung kernel
+                        out.append(CaseResult(*todo.pop(0), False, error=f"hung: no answer in {watchdog:.0f} s"))
+                    else:
+                        out.append(_dead(todo.pop(0), p))
+                    break
+                r = CaseResult(**json.loads(line))
+                todo.pop(0)
+                out.append(r)
+                if progress:
+                    progress(r)
+                if _context_lost(r):
+                    break
+        finally:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+            p.stdout.close()
+            p.stderr.close()
     return out
 
 
-def _run_backend_isolated(backend: str, device: str, repeats: int, heads: int, head_dim: int,
-                          cases, models: tuple = (), timeout: float | None = None) -> list[CaseResult]:
-    """One backend in a child process: a kernel that corrupts the GPU context (illegal memory access,
-    as cuDNN attention does inside FLUX on some stacks) cannot take the other results down with it."""
-    import subprocess
-    import sys
-
-    args = json.dumps({"backend": backend, "device": device, "repeats": repeats, "heads": heads,
-                       "head_dim": head_dim, "cases": [list(c) for c in cases], "models": list(models)})
-    # A kernel that corrupts memory can also hang the process: a few minutes is far beyond any healthy run
-    # (about 10 s here), so a child that has not answered by then is a failure, not something to wait on.
-    timeout = timeout if timeout is not None else 60 + 20 * (len(cases) + 2 * len(models))
-    try:
-        p = subprocess.run([sys.executable, "-m", "lorakit.hardware.attention", args], capture_output=True,
-                           text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return [CaseResult(backend, n, False, error=f"hung: no answer in {timeout:.0f} s")
-                for n in [c[0] for c in cases] + list(models)]
-    try:
-        return [CaseResult(**r) for r in json.loads(p.stdout.strip().splitlines()[-1])]
-    except (ValueError, IndexError, TypeError):
-        tail = (p.stderr.strip().splitlines() or ["no output"])[-1][:300]
-        return [CaseResult(backend, n, False, error=f"test process died (exit {p.returncode}): {tail}")
-                for n in [c[0] for c in cases] + list(models)]
+def _dead(job: tuple[str, str], p: subprocess.Popen, why: str | None = None) -> CaseResult:
+    if why is None:
+        p.wait()
+        tail = (p.stderr.read().strip().splitlines() or ["no output"])[-1][:300]
+        why = f"test process died (exit {p.returncode}): {tail}"
+    return CaseResult(job[0], job[1], False, error=why)
 
 
-def self_test(device: str = "cuda", use_cache: bool = True, repeats: int = 5, heads: int = 24,
-              head_dim: int = 128, cases=CASES, isolate: bool | None = None,
-              models: tuple | None = None) -> AttentionReport:
-    """Run forward+backward of every SDPA backend at the families' shapes; cached per fingerprint.
+# --------------------------------------------------------------------------- the self-test
+
+
+def self_test(device: str = "cuda", use_cache: bool = True, repeats: int = 5, cases=None, models=None,
+              progress=None, watchdog: float = WATCHDOG_S) -> AttentionReport:
+    """Forward+backward of every SDPA backend at the families' shapes, then the real transformers with the
+    backends that could be chosen; cached per machine fingerprint.
 
     Args:
-        isolate: run each backend in a child process (default: on for CUDA).
-        models: real-transformer cases to run too (default: all of them on CUDA, none on the CPU).
+        cases: bare cases (default: every family's `attention_cases`).
+        models: in-model cases (default: every architecture's on CUDA, none on the CPU).
+        progress: called with each `CaseResult` as it arrives.
     """
-    from lorakit.hardware.attention_model import MODEL_CASES
-
-    models = (MODEL_CASES if device.startswith("cuda") else ()) if models is None else tuple(models)
+    t0 = time.perf_counter()
+    cases = tuple(cases) if cases is not None else all_cases()
+    models = (all_model_cases() if device.startswith("cuda") else ()) if models is None else tuple(models)
     fp = fingerprint(device)
-    fp.update(heads=heads, head_dim=head_dim, cases=[list(c) for c in cases], models=list(models), version=4)
+    fp.update(cases=[asdict(c) for c in cases], models=list(models), version=VERSION)
     path = _cache_file(fp)
     if use_cache and path.is_file():
         try:
             return AttentionReport.from_dict(json.loads(path.read_text()))
         except (ValueError, KeyError, TypeError):
             pass  # a damaged cache is simply re-measured
-    isolate = device.startswith("cuda") if isolate is None else isolate
-    run = _run_backend_isolated if isolate else _run_backend
     report = AttentionReport(fingerprint=fp)
-    for backend in BACKENDS:
-        report.results += run(backend, device, repeats, heads, head_dim, cases)
-        # Each real-model case runs twice, each time first in a fresh process: a kernel that fails only
-        # now and then (cuDNN inside FLUX on the H100 does) gets two chances to show it.
-        for model_case in models:
-            tries = [run(backend, device, 5, heads, head_dim, (), (model_case,))[0] for _ in range(2)]
-            bad = [t for t in tries if not t.ok]
-            report.results.append(bad[0] if bad else min(tries, key=lambda t: t.ms or 0.0))
-    report.choice = {fam: choose(report, fam) for fam in FAMILY_CASES}
+    jobs = [(b, c.name) for b in BACKENDS for c in cases]
+    report.results += run_jobs(jobs, device, repeats, cases, watchdog, progress=progress)
+    if models:
+        with ThreadPoolExecutor(max_workers=len(models)) as ex:  # architectures in parallel children
+            for rows in ex.map(lambda m: _model_case(report, m, device, watchdog, progress), models):
+                report.results += rows
+    from lorakit.models.registry import family_names
+
+    report.choice = {fam: choose(report, fam) for fam in family_names()}
+    report.seconds = round(time.perf_counter() - t0, 1)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
         tmp.write_text(json.dumps(report.to_dict(), indent=2))
         os.replace(tmp, path)
     except OSError:
@@ -255,47 +354,73 @@ def self_test(device: str = "cuda", use_cache: bool = True, repeats: int = 5, he
     return report
 
 
-# Backends lorakit will not train with on a stack, whatever one self-test run says, because they were
-# seen failing there intermittently (a kernel that passes once can still corrupt memory later).
-# Scoped to the families whose real transformer showed the failure (FLUX; Kandinsky 5 borrows its check).
-KNOWN_BAD = (
-    {"backend": "cudnn", "cudnn_prefix": "919", "capability": "9.0",
-     "families": ("flux", "kandinsky5-t2i", "kandinsky5-t2v"),
-     "reason": "cuDNN 9.19 attention backward on sm_90: non-finite gradients / illegal memory access inside "
-               "the FLUX transformer in some runs (seen on an H100, 2026-11-22)"},
-)
+def _model_case(report: AttentionReport, case: str, device: str, watchdog: float, progress) -> list[CaseResult]:
+    """The in-model case of one architecture, with candidate backends fastest first, until every family of the
+    architecture has a backend that passed everything. Each candidate runs twice, each time in a fresh process
+    (a kernel that fails only now and then, as cuDNN inside FLUX did, gets two chances to show it)."""
+    from lorakit.models.registry import family_names
+
+    fams = [f for f in family_names() if model_case(f) == case]
+    bare = {f: set(family_cases(f)) - {case} for f in fams}
+
+    def passes_bare(backend: str, fam: str) -> bool:
+        rs = [r for r in report.results if r.backend == backend and r.case in bare[fam]]
+        return len(rs) == len(bare[fam]) and all(r.ok for r in rs)
+
+    def speed(backend: str) -> float:
+        union = set().union(*bare.values())
+        return sum(r.ms or 0.0 for r in report.results if r.backend == backend and r.case in union and r.ok)
+
+    rows, satisfied = [], set()
+    for backend in sorted(BACKENDS, key=speed):
+        wanted = [f for f in fams if f not in satisfied and passes_bare(backend, f)
+                  and not known_bad(report.fingerprint, backend, f)]
+        if not wanted:
+            continue
+        tries = [run_jobs([(backend, case)], device, 5, watchdog=watchdog * 2)[0] for _ in range(2)]
+        bad = [t for t in tries if not t.ok]
+        row = bad[0] if bad else min(tries, key=lambda t: t.ms or 0.0)
+        rows.append(row)
+        if progress:
+            progress(row)
+        if row.ok:
+            satisfied.update(wanted)
+        if satisfied == set(fams):
+            break
+    return rows
 
 
-def known_bad(fingerprint_: dict, backend: str, family: str | None = None) -> str | None:
-    """Why a backend is excluded on this stack for a family (any family when None); None when it is not."""
-    for rule in KNOWN_BAD:
-        if (rule["backend"] == backend and str(fingerprint_.get("cudnn") or "").startswith(rule["cudnn_prefix"])
-                and fingerprint_.get("capability") == rule["capability"]
-                and (family is None or family in rule["families"])):
-            fams = ", ".join(rule["families"])
-            return f"{rule['reason']} (for {fams})"
-    return None
+def _unmasked_twin(case_name: str) -> str | None:
+    """The bare case of the same shape without a mask (for flash on batches whose mask masks nothing)."""
+    by_name = {c.name: c for c in all_cases()}
+    c = by_name.get(case_name)
+    if c is None or not c.masked:
+        return None
+    return next((o.name for o in by_name.values() if not o.masked and (o.seq, o.layout, o.head_dim, o.heads)
+                 == (c.seq, c.layout, c.head_dim, c.heads)), None)
 
 
 def choose(report: AttentionReport, family: str) -> str | None:
     """Fastest backend that passed every case relevant to a family and measured (None if none did)."""
     measured = {r.case for r in report.results}
-    relevant = set(FAMILY_CASES.get(family, FAMILY_CASES["flux"])) & measured
+    relevant = set(family_cases(family)) & measured
     best, best_ms = None, None
     for backend in BACKENDS:
         rs = [r for r in report.results if r.backend == backend and r.case in relevant]
-        if not relevant or len(rs) < len(relevant) or not all(r.ok for r in rs):
+        if not relevant or {r.case for r in rs} != relevant or not all(r.ok for r in rs):
             continue
         if known_bad(report.fingerprint, backend, family):
             continue
-        total = sum(r.ms or 0.0 for r in rs)
+        total = sum(r.ms or 0.0 for r in rs if not r.case.startswith("model "))
         if best_ms is None or total < best_ms:
             best, best_ms = backend, total
-    if best == "efficient" and FAMILY_MASKED.get(family):
+    if best == "efficient" and family_masked(family):
         # a batch whose prompts have one length carries no mask (train/data.drop_full_mask): flash can take it,
-        # if flash passed the unmasked cases; the recompute sees the same inputs, so it picks the same kernel
-        plain = [r for r in report.results if r.backend == "flash" and r.case in ("512px", "1024px")]
-        if len(plain) == 2 and all(r.ok for r in plain) and not known_bad(report.fingerprint, "flash", family):
+        # if flash passed the same shapes unmasked; the recompute sees the same inputs, so it picks the same kernel
+        twins = [t for t in (_unmasked_twin(c) for c in relevant) if t]
+        plain = [r for r in report.results if r.backend == "flash" and r.case in twins]
+        if twins and len(plain) == len(twins) and all(r.ok for r in plain) \
+                and not known_bad(report.fingerprint, "flash", family):
             return "flash+efficient"
     return best
 
@@ -326,6 +451,17 @@ def apply(backend: str | None) -> dict:
     return prev
 
 
+def for_run(cfg, device: str) -> str | None:
+    """The backend a training run uses (memory.attention, else this machine's self-test choice for the
+    family, measured once and cached), put in force globally. None on the CPU."""
+    if not device.startswith("cuda"):
+        return None
+    choice = cfg.memory.attention if cfg.memory.attention != "auto" else self_test(device).choice.get(
+        cfg.model.family)
+    apply(choice)
+    return choice
+
+
 def restore(prev: dict) -> None:
     """Undo `apply`."""
     import torch
@@ -337,10 +473,5 @@ def restore(prev: dict) -> None:
     b.enable_math_sdp(prev["math"])
 
 
-if __name__ == "__main__":  # the child process of _run_backend_isolated
-    import sys
-
-    _a = json.loads(sys.argv[1])
-    _res = _run_backend(_a["backend"], _a["device"], _a["repeats"], _a["heads"], _a["head_dim"],
-                        [tuple(c) for c in _a["cases"]], tuple(_a.get("models", ())))
-    print(json.dumps([asdict(r) for r in _res]))
+if __name__ == "__main__":  # the child process of run_jobs
+    _child_main(json.loads(sys.argv[1]))

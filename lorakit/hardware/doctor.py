@@ -143,10 +143,17 @@ def attention_checks(report, add) -> None:
         if excluded:
             add(Check(f"sdpa {backend} rule", WARN, f"excluded on this stack: {excluded}",
                       "lorakit does not train those families with it here; a newer cuDNN may lift this"))
-    none = [f for f, b in report.choice.items() if b is None]
-    detail = ", ".join(f"{f}: {b}" for f, b in report.choice.items())
+    from lorakit.hardware.attention import family_cases
+
+    measured = {r.case for r in report.results}
+    unmeasured = [f for f in report.choice if not set(family_cases(f)) & measured]
+    none = [f for f, b in report.choice.items() if b is None and f not in unmeasured]
+    detail = ", ".join(f"{f}: {b}" for f, b in report.choice.items() if f not in unmeasured)
     add(Check("attention choice", FAIL if none else OK, detail,
               f"no SDPA backend passed forward+backward for {', '.join(none)}" if none else ""))
+    if unmeasured:
+        add(Check("attention not measured", INFO, ", ".join(unmeasured),
+                  "this report predates these families' cases: run `lorakit doctor --retest` on that machine"))
 
 
 def summary(checks_: list[Check]) -> dict:

@@ -1,49 +1,137 @@
-"""The family adapter: what the cache builder (and later the training loop) asks of a model family.
+"""The family adapter: the one place that says what a model family is and how to drive it.
 
-An adapter loads only the components it needs (through `lorakit.io`), and computes text embeddings and
-latents exactly as the family's stock diffusers pipeline does — by calling that pipeline's own
-`encode_prompt` on a pipeline object assembled from the loaded components (no transformer), and by
-applying the pipeline's latent normalisation to the VAE's mean. Family modules only say what differs.
+A family module (`flux.py`, `qwen_image.py`, `kandinsky5.py`, ...) subclasses `Adapter` and declares every
+fact in `Adapter.FACTS` plus the methods below; the cache builder, training loop, sampler, memory estimate,
+doctor, bench, infer and convert ask it and never branch on a family name. `missing_facts()` names what a
+family forgot (the contract test runs it for every registered family).
+
+Behaviour: an adapter loads only the components it needs (through `lorakit.io`), and computes text
+embeddings and latents exactly as the family's stock diffusers pipeline does — by calling that pipeline's
+own `encode_prompt` on a pipeline object assembled from the loaded components (no transformer), and by
+applying the pipeline's latent normalisation to the VAE's mean. `predict` calls the transformer as the
+stock pipeline calls it. `load_adapter(family, None)` gives a conventions-only adapter (no model folder):
+facts, `predict`, `example_inputs` and the tiny builder work without one.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
+import re
 from pathlib import Path
 
 from lorakit.errors import InputError
+from lorakit.models.facts import AttentionCase, LoraPresets, NativeName, Published
 from lorakit.models.registry import family_info
 
 
 class Adapter:
-    """Base of the family adapters (flux.py, qwen_image.py, kandinsky5.py)."""
+    """Base of the family adapters. Class attributes are the family's facts (None = not declared)."""
 
-    text_parts: tuple[str, ...] = ()  # pipeline component names needed for encode_prompts
+    # ---- facts (each family declares all of them; `missing_facts` names any left out) ----
+    FACTS = ("layout", "max_controls", "guidance", "guidance_arg", "lora_presets", "published", "attention_cases",
+             "full_config", "native_names", "lora_marks", "text_parts", "max_sequence_length", "temporal")
+    layout: str | None = None  # dataset layout: "flat" (image + caption), "edit" (target + controls), "video"
+    max_controls: int | None = None  # control images per item (0 unless layout == "edit")
+    guidance: str | None = None  # "embedded" (a guidance input, FLUX) | "cfg" (classifier-free, against empty text)
+    guidance_arg: str | None = None  # the stock pipeline's __call__ argument for the guidance scale
+    lora_presets: LoraPresets | None = None
+    published: Published | None = None
+    attention_cases: tuple[AttentionCase, ...] | None = None  # bare SDPA shapes for doctor's self-test
+    full_config: dict | None = None  # the published transformer config (bench step, attention model case)
+    native_names: tuple[NativeName, ...] | None = None  # original/ComfyUI/kohya module names (LoRA conversion)
+    lora_marks: tuple[str, ...] | None = None  # regexes on diffusers module names only this architecture has
+    text_parts: tuple[str, ...] | None = None  # pipeline components encode_prompts needs
+    max_sequence_length: int | None = None
+    temporal: int | None = None  # VAE frames per latent frame (video), 1 for images
+    # known failures of SDPA backends inside this architecture: (backend, cuDNN version prefix, capability, why)
+    known_bad_attention: tuple[tuple[str, str, str, str], ...] = ()
     vae_part = "vae"
 
     def __init__(self, family: str, model_dir, device: str = "cpu", dtype=None, backend: str = "auto"):
-        import torch
-
         self.info = family_info(family)
         self.family = family
         self.device = device
-        self.dtype = dtype or torch.float32
+        self._dtype = dtype
         self.backend = backend
         self.parts: dict = {}
         self._pipe = None
-        if model_dir is None:  # conventions only (predict): bench step's random-weight transformers
+        if model_dir is None:  # conventions only: facts, predict, example inputs, tiny builder
             self.model_dir, self.index = None, {}
             return
         self.model_dir = Path(model_dir)
-        if not (self.model_dir / "model_index.json").is_file():
+        index = self.model_dir / "model_index.json"
+        if not index.is_file():
             raise InputError(f"{self.model_dir} is not a diffusers pipeline folder (no model_index.json)",
                              "point model.path at the folder downloaded from the hub")
-        self.index = json.loads((self.model_dir / "model_index.json").read_text())
-        if self.index.get("_class_name") != self.info.pipeline_class:
-            raise InputError(f"{self.model_dir} holds a {self.index.get('_class_name')}, not the "
-                             f"{self.info.pipeline_class} that family {family} needs",
-                             "check model.family and model.path")
+        try:
+            self.index = json.loads(index.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, ValueError) as e:
+            raise InputError(f"{index}: not readable JSON ({type(e).__name__})",
+                             "re-download the model folder") from None
+        if not isinstance(self.index, dict) or self.index.get("_class_name") != self.info.pipeline_class:
+            got = self.index.get("_class_name") if isinstance(self.index, dict) else None
+            raise InputError(f"{self.model_dir} holds a {got}, not the {self.info.pipeline_class} that family "
+                             f"{family} needs", "check model.family and model.path")
+
+    @property
+    def dtype(self):
+        import torch
+
+        return self._dtype or torch.float32
+
+    @property
+    def arch(self) -> str:
+        return self.info.arch
+
+    # ------------------------------------------------------------------ facts
+
+    @classmethod
+    def missing_facts(cls) -> list[str]:
+        """The facts and methods this family has not declared (empty when complete)."""
+        missing = [f for f in cls.FACTS if getattr(cls, f, None) is None]
+        for m in ("encode_prompts", "encode_images", "decode_latents", "predict", "example_inputs", "build_tiny"):
+            if getattr(cls, m) is getattr(Adapter, m):
+                missing.append(m)
+        return missing
+
+    def preset_modules(self, preset: str) -> tuple[str, ...]:
+        """Module-name suffixes of a `lora.targets` preset (attention | attention_mlp)."""
+        p = self.lora_presets
+        return p.attention + (p.mlp if preset == "attention_mlp" else ())
+
+    def image_tokens(self, resolution: int, frames: int = 1) -> int:
+        """Transformer tokens of one item's latents at a square resolution (controls and frames counted)."""
+        per_image = (resolution // self.info.patch) ** 2
+        latent_frames = (frames - 1) // self.temporal + 1 if self.layout == "video" else 1
+        return per_image * latent_frames * (1 + (self.max_controls or 0))
+
+    def native_table(self, n_blocks: int) -> dict[str, NativeName]:
+        """native name -> its record, with `{i}` expanded for blocks 0 .. n_blocks-1."""
+        out = {}
+        for n in self.native_names:
+            if "{i}" in n.native:
+                for i in range(n_blocks):
+                    out[n.native.format(i=i)] = NativeName(n.native.format(i=i),
+                                                           tuple(t.format(i=i) for t in n.targets),
+                                                           n.split, n.swap_halves)
+            else:
+                out[n.native] = n
+        return out
+
+    @classmethod
+    def recognises(cls, modules) -> bool:
+        """Do these diffusers module names belong to this architecture only?"""
+        return any(re.search(p, m) for p in cls.lora_marks for m in modules)
+
+    def call_kwargs(self, width: int, height: int, frames: int = 1) -> dict:
+        """Size arguments for the stock pipeline's __call__ (families that accept only some sizes override)."""
+        return {"width": width, "height": height}
+
+    def attention_model_config(self) -> dict:
+        """The full-width transformer config with one block of each kind (doctor's in-model attention case)."""
+        raise NotImplementedError(f"family {self.family} declares no attention model case")
 
     # ------------------------------------------------------------------ loading
 
@@ -77,13 +165,17 @@ class Adapter:
     def pipeline(self):
         """The stock pipeline object over the loaded components (those not loaded are None)."""
         if self._pipe is None:
-            import importlib
             import inspect
 
-            cls = getattr(importlib.import_module("diffusers"), self.info.pipeline_class)
+            cls = self.pipeline_class()
             wanted = [p for p in inspect.signature(cls.__init__).parameters if p != "self"]
             self._pipe = cls(**{k: self.parts.get(k) for k in wanted})
         return self._pipe
+
+    def pipeline_class(self):
+        import diffusers
+
+        return getattr(diffusers, self.info.pipeline_class)
 
     def identity(self, names=None) -> str:
         """A fingerprint of the components that produce cached values: their configs, file sizes and the
@@ -110,24 +202,60 @@ class Adapter:
 
     def encode_prompts(self, texts: list[str], controls=None) -> list[dict]:
         """Per text: name -> tensor (no batch dimension; padding removed)."""
-        raise NotImplementedError  # Protocol: each family module implements it
+        raise NotImplementedError
 
     def encode_images(self, pixels):
         """pixels (B, 3, H, W) in [-1, 1] -> normalised latents as the family's transformer sees them."""
-        raise NotImplementedError  # Protocol: each family module implements it
+        raise NotImplementedError
 
     def decode_latents(self, latents):
         """Normalised latents -> pixels (B, 3, H, W) in [-1, 1] (training-time samples)."""
-        raise NotImplementedError  # Protocol: each family module implements it
+        raise NotImplementedError
 
     def encode_video(self, frames):
         """frames (B, 3, T, H, W) in [-1, 1] -> normalised latents (video families)."""
         raise InputError(f"family {self.family} does not take video")
 
+    def predict(self, transformer, x_t, sigmas, text: dict, guidance: float = 1.0, controls=None):
+        """The transformer's velocity for noisy latents x_t at per-item sigmas, called as the stock pipeline
+        calls it (the training loss, the sampler, bench and the oracle tests all use this one call)."""
+        raise NotImplementedError
+
+    def example_inputs(self, config: dict, resolution: int, text_len: int, generator, frames: int = 1):
+        """A synthetic batch (CPU tensors, `train.data.Batch`) shaped as the cache gives it for a transformer
+        of this config: latents, text embeddings (+ mask / pooled), control latents for edit families."""
+        raise NotImplementedError
+
+    def build_tiny(self, seed: int):
+        """The tiny random pipeline object of this family (`lorakit.models.tiny` saves and caches it)."""
+        raise NotImplementedError
+
 
 def load_adapter(family: str, model_dir, device: str = "cpu", dtype=None, backend: str = "auto") -> Adapter:
-    """The adapter of a family, by name."""
+    """The adapter of a family, by name (model_dir None: conventions only)."""
     import importlib
 
     mod = importlib.import_module(f"lorakit.models.{family_info(family).module}")
     return mod.ADAPTER(family, model_dir, device=device, dtype=dtype, backend=backend)
+
+
+@functools.cache
+def family_adapter(family: str) -> Adapter:
+    """The conventions-only adapter of a family (facts and pure functions; shared, cached)."""
+    return load_adapter(family, None)
+
+
+def arch_adapter(arch: str) -> Adapter:
+    """The adapter that declares an architecture's naming facts (its first family)."""
+    from lorakit.models.registry import family_of_arch
+
+    return family_adapter(family_of_arch(arch))
+
+
+def guess_arch(modules) -> str | None:
+    """The architecture whose marks these diffusers module names carry (None when they say nothing, e.g. an
+    attention-only LoRA, whose names FLUX and Qwen-Image share)."""
+    from lorakit.models.registry import arch_names
+
+    found = [a for a in arch_names() if arch_adapter(a).recognises(list(modules))]
+    return found[0] if len(found) == 1 else None

@@ -1,12 +1,22 @@
 """Qwen-Image, -Edit and -Edit-Plus (variants of one adapter): Qwen2.5-VL hidden states with the
 pipeline's template and dropped prefix (edit: the control image(s) in the prompt); latents normalised
-per channel with the VAE's latents_mean / latents_std."""
+per channel with the VAE's latents_mean / latents_std; true classifier-free guidance."""
 
 from __future__ import annotations
 
 from lorakit.models.base import Adapter
+from lorakit.models.facts import AttentionCase, LoraPresets, NativeName, Published
 
 CONDITION_AREA = 384 * 384  # Edit-Plus: prompt images are resized to this area, as the pipeline does
+
+_BLOCK = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "attn.add_q_proj", "attn.add_k_proj",
+          "attn.add_v_proj", "attn.to_add_out", "img_mlp.net.0.proj", "img_mlp.net.2", "txt_mlp.net.0.proj",
+          "txt_mlp.net.2", "img_mod.1", "txt_mod.1")
+_TOP = ("img_in", "txt_in", "proj_out", "norm_out.linear", "time_text_embed.timestep_embedder.linear_1",
+        "time_text_embed.timestep_embedder.linear_2")
+# Qwen-Image was published in diffusers layout: the original (ComfyUI, kohya) names are the diffusers names
+QWEN_NATIVE = (tuple(NativeName(f"transformer_blocks.{{i}}.{m}", (f"transformer_blocks.{{i}}.{m}",)) for m in _BLOCK)
+               + tuple(NativeName(m, (m,)) for m in _TOP))
 
 
 def condition_size(width: int, height: int, area: int = CONDITION_AREA) -> tuple[int, int]:
@@ -19,7 +29,30 @@ def condition_size(width: int, height: int, area: int = CONDITION_AREA) -> tuple
 
 
 class QwenImageAdapter(Adapter):
+    guidance = "cfg"
+    guidance_arg = "true_cfg_scale"
+    lora_presets = LoraPresets(
+        attention=("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"),
+        mlp=("img_mlp.net.0.proj", "img_mlp.net.2", "txt_mlp.net.0.proj", "txt_mlp.net.2"),
+        io=("img_in", "norm_out.linear", "proj_out"))
+    published = Published(hidden=3072, blocks=60, params=20.4e9, text_tokens=512,
+                          source="Qwen-Image transformer/config.json (60 dual-stream blocks)")
+    attention_cases = (AttentionCase("512px+mask", 1536, True), AttentionCase("1024px+mask", 4608, True))
+    full_config = dict(patch_size=2, in_channels=64, out_channels=16, num_layers=60, attention_head_dim=128,
+                       num_attention_heads=24, joint_attention_dim=3584, guidance_embeds=False,
+                       axes_dims_rope=(16, 56, 56))
+    native_names = QWEN_NATIVE
+    lora_marks = (r"\.(img|txt)_(mlp|mod)\.", r"^img_in$", r"^txt_norm")
     max_sequence_length = 1024
+    temporal = 1
+
+    @property
+    def layout(self):
+        return "edit" if self.info.variant else "flat"
+
+    @property
+    def max_controls(self):
+        return {"": 0, "edit": 1, "edit-plus": 3}[self.info.variant]
 
     @property
     def text_parts(self):
@@ -47,14 +80,14 @@ class QwenImageAdapter(Adapter):
                 out.append({"prompt_embeds": embeds[0, :n]})
         return out
 
-    def _normalise(self, lat):
+    def _stats(self, device, dtype):
         import torch
 
         vae = self.parts[self.vae_part]
         c = vae.config.z_dim
-        mean = torch.tensor(vae.config.latents_mean).view(1, c, 1, 1, 1).to(lat.device, lat.dtype)
-        std = torch.tensor(vae.config.latents_std).view(1, c, 1, 1, 1).to(lat.device, lat.dtype)
-        return (lat - mean) / std
+        mean = torch.tensor(vae.config.latents_mean).view(1, c, 1, 1, 1).to(device, dtype)
+        std = torch.tensor(vae.config.latents_std).view(1, c, 1, 1, 1).to(device, dtype)
+        return mean, std
 
     def encode_images(self, pixels):
         import torch
@@ -63,7 +96,8 @@ class QwenImageAdapter(Adapter):
         vae = self.parts[self.vae_part]
         with torch.no_grad():
             lat = vae.encode(pixels.to(vae.device, vae.dtype).unsqueeze(2)).latent_dist.mode()
-        return self._normalise(lat)[:, :, 0]
+        mean, std = self._stats(lat.device, lat.dtype)
+        return ((lat - mean) / std)[:, :, 0]
 
     def decode_latents(self, latents):
         """Normalised latents (B, 16, h, w) -> pixels (B, 3, H, W) in [-1, 1]."""
@@ -71,18 +105,16 @@ class QwenImageAdapter(Adapter):
 
         self.load((self.vae_part,))
         vae = self.parts[self.vae_part]
-        c = vae.config.z_dim
-        mean = torch.tensor(vae.config.latents_mean).view(1, c, 1, 1, 1).to(vae.device, vae.dtype)
-        std = torch.tensor(vae.config.latents_std).view(1, c, 1, 1, 1).to(vae.device, vae.dtype)
+        mean, std = self._stats(vae.device, vae.dtype)
         with torch.no_grad():
             lat = latents.to(vae.device, vae.dtype).unsqueeze(2) * std + mean
             return vae.decode(lat).sample[:, :, 0]
 
-
     def predict(self, transformer, x_t, sigmas, text: dict, guidance: float = 1.0, controls=None):
-        """The transformer's velocity for x_t (B, 16, h, w), as the Qwen-Image pipelines call it: 2x2-packed
+        """The velocity for x_t (B, 16, h, w), as the Qwen-Image pipelines call the transformer: 2x2-packed
         latents, control latents (edit) packed and appended after the target's tokens, img_shapes for the
         rotary positions, the text mask, timestep = sigma; the output's target tokens only."""
+        import torch
         from diffusers import QwenImagePipeline
 
         b, c, h, w = x_t.shape
@@ -94,14 +126,48 @@ class QwenImageAdapter(Adapter):
             cb, cc, ch, cw = ctrl.shape
             tokens.append(QwenImagePipeline._pack_latents(ctrl.to(dev, dt), cb, cc, ch, cw))
             shapes.append((1, ch // 2, cw // 2))
-        import torch
-
         mask = text.get("prompt_embeds_mask")
         out = transformer(hidden_states=torch.cat(tokens, dim=1), timestep=sigmas.to(dev, dt),
                           encoder_hidden_states=text["prompt_embeds"].to(dev, dt),
                           encoder_hidden_states_mask=None if mask is None else mask.to(dev),
                           img_shapes=[shapes] * b, return_dict=False)[0][:, :seq]
         return QwenImagePipeline._unpack_latents(out, h * 8, w * 8, 8)[:, :, 0]
+
+    def example_inputs(self, config: dict, resolution: int, text_len: int, generator, frames: int = 1):
+        import torch
+
+        from lorakit.train.data import Batch
+
+        c, side = config.get("out_channels") or config["in_channels"] // 4, resolution // 8
+        latents = torch.randn(1, c, side, side, generator=generator)
+        text = {"prompt_embeds": torch.randn(1, text_len, config["joint_attention_dim"], generator=generator),
+                "prompt_embeds_mask": torch.ones(1, text_len, dtype=torch.long)}
+        n_ctrl = min(self.max_controls, 1)  # bench: one control of the target's size (Edit-Plus: add more by hand)
+        controls = [torch.randn(1, c, side, side, generator=generator) for _ in range(n_ctrl)]
+        return Batch(["synthetic"], latents, text, controls)
+
+    def attention_model_config(self) -> dict:
+        return {**self.full_config, "num_layers": 1}
+
+    def build_tiny(self, seed: int):
+        from diffusers import QwenImageTransformer2DModel
+
+        from lorakit.models import tiny
+
+        tok = tiny.qwen_tokenizer()
+        tiny.seeded(seed + 10)
+        transformer = QwenImageTransformer2DModel(patch_size=2, in_channels=64, out_channels=16, num_layers=2,
+                                                  attention_head_dim=16, num_attention_heads=2,
+                                                  joint_attention_dim=32, guidance_embeds=False,
+                                                  axes_dims_rope=(4, 6, 6))
+        sched = tiny.flow_scheduler(shift=1.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=0.9,
+                                    base_image_seq_len=256, max_image_seq_len=8192, shift_terminal=0.02,
+                                    time_shift_type="exponential")
+        parts = dict(scheduler=sched, vae=tiny.qwen_vae(seed + 20), text_encoder=tiny.qwen_vl(tok, seed + 30),
+                     tokenizer=tok, transformer=transformer.eval())
+        if self.info.variant:
+            parts["processor"] = tiny.qwen_processor(tok)
+        return self.pipeline_class()(**parts)
 
 
 ADAPTER = QwenImageAdapter

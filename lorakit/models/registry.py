@@ -1,7 +1,14 @@
-"""The family registry: names people type -> the adapter that knows that architecture.
+"""The family registry: names people type -> the adapter that knows that model.
 
-This module imports nothing heavy, so config validation and `--help` stay fast; adapters are
-imported when first asked for.
+Two words, two ideas:
+- a **family** is what a user names in a config (`flux`, `flux-kontext`, `qwen-image-edit-plus`, ...): a
+  pipeline, its data layout and its conventions;
+- an **architecture** (`arch`) is the transformer's weight naming scheme (`flux`, `qwen-image`, `kandinsky5`):
+  families that share a transformer class share LoRA key names and conversion rules (FLUX.1-dev and
+  FLUX.1 Kontext; Qwen-Image and its edit variants; Kandinsky 5 T2I and T2V).
+
+This module imports nothing heavy, so config validation and `--help` stay fast; the adapter module of a
+family (everything the family means: `lorakit.models.<module>`) is imported when first asked for.
 """
 
 from __future__ import annotations
@@ -16,7 +23,8 @@ class FamilyInfo:
     """What lorakit knows about a family name before importing any ML code."""
 
     name: str
-    module: str  # lorakit.models.<module> holds the adapter
+    arch: str  # the transformer's naming scheme (LoRA keys, native names): shared by variants of one model
+    module: str  # lorakit.models.<module> holds the adapter, which declares every other fact
     variant: str  # a flag of the adapter (e.g. "edit", "edit-plus"), "" for the base form
     pipeline_class: str  # the stock diffusers pipeline class
     transformer_class: str
@@ -27,17 +35,17 @@ class FamilyInfo:
 FAMILIES: dict[str, FamilyInfo] = {
     f.name: f
     for f in [
-        FamilyInfo("flux", "flux", "", "FluxPipeline", "FluxTransformer2DModel", 16,
+        FamilyInfo("flux", "flux", "flux", "", "FluxPipeline", "FluxTransformer2DModel", 16,
                    "FLUX.1-dev (guidance-distilled, T5 + CLIP)"),
-        FamilyInfo("qwen-image", "qwen_image", "", "QwenImagePipeline", "QwenImageTransformer2DModel", 16,
-                   "Qwen-Image (Qwen2.5-VL text encoder)"),
-        FamilyInfo("qwen-image-edit", "qwen_image", "edit", "QwenImageEditPipeline",
+        FamilyInfo("qwen-image", "qwen-image", "qwen_image", "", "QwenImagePipeline", "QwenImageTransformer2DModel",
+                   16, "Qwen-Image (Qwen2.5-VL text encoder)"),
+        FamilyInfo("qwen-image-edit", "qwen-image", "qwen_image", "edit", "QwenImageEditPipeline",
                    "QwenImageTransformer2DModel", 16, "Qwen-Image-Edit (one control image)"),
-        FamilyInfo("qwen-image-edit-plus", "qwen_image", "edit-plus", "QwenImageEditPlusPipeline",
+        FamilyInfo("qwen-image-edit-plus", "qwen-image", "qwen_image", "edit-plus", "QwenImageEditPlusPipeline",
                    "QwenImageTransformer2DModel", 16, "Qwen-Image-Edit-Plus 2509/2511 (several control images)"),
-        FamilyInfo("kandinsky5-t2i", "kandinsky5", "t2i", "Kandinsky5T2IPipeline",
+        FamilyInfo("kandinsky5-t2i", "kandinsky5", "kandinsky5", "t2i", "Kandinsky5T2IPipeline",
                    "Kandinsky5Transformer3DModel", 16, "Kandinsky 5 text-to-image"),
-        FamilyInfo("kandinsky5-t2v", "kandinsky5", "t2v", "Kandinsky5T2VPipeline",
+        FamilyInfo("kandinsky5-t2v", "kandinsky5", "kandinsky5", "t2v", "Kandinsky5T2VPipeline",
                    "Kandinsky5Transformer3DModel", 16, "Kandinsky 5 text-to-video"),
     ]
 }
@@ -46,6 +54,11 @@ FAMILIES: dict[str, FamilyInfo] = {
 def family_names() -> list[str]:
     """All valid family names, in display order."""
     return list(FAMILIES)
+
+
+def arch_names() -> list[str]:
+    """The architectures (weight naming schemes), in display order."""
+    return list(dict.fromkeys(f.arch for f in FAMILIES.values()))
 
 
 def family_info(name: str) -> FamilyInfo:
@@ -59,3 +72,32 @@ def family_info(name: str) -> FamilyInfo:
     except KeyError:
         raise UnknownNameError("model family", name, family_names()) from None
 
+
+def arch_of(name: str) -> str:
+    """The architecture of a family or architecture name (`flux-kontext` -> `flux`, `qwen-image` -> itself).
+
+    Raises:
+        UnknownNameError: neither a family nor an architecture.
+    """
+    if name in arch_names():
+        return name
+    try:
+        return FAMILIES[name].arch
+    except KeyError:
+        raise UnknownNameError("model family or architecture", name,
+                               list(dict.fromkeys(family_names() + arch_names()))) from None
+
+
+def family_of_arch(arch: str) -> str:
+    """The first family of an architecture (whose adapter declares the architecture's naming facts)."""
+    return next(f.name for f in FAMILIES.values() if f.arch == arch_of(arch))
+
+
+def family_of_pipeline(pipeline_class: str) -> str | None:
+    """The family whose stock pipeline class this is (None if lorakit has none)."""
+    return next((f.name for f in FAMILIES.values() if f.pipeline_class == pipeline_class), None)
+
+
+def families_help() -> str:
+    """One line per family for --help texts (generated, so new families appear by themselves)."""
+    return "; ".join(f"{f.name}: {f.description}" for f in FAMILIES.values())

@@ -1,7 +1,9 @@
 """Tiny, random, complete diffusers pipeline folders for every family, built offline.
 
 They have the real architectures (same classes, same folder layout, same tokenizer types) at
-toy sizes, so the code that loads and trains real checkpoints is the code the tests exercise.
+toy sizes, so the code that loads and trains real checkpoints is the code the tests exercise. This module
+holds the parts (tokenizers trained on a small corpus, tiny text encoders, VAEs, schedulers); each family's
+adapter assembles its pipeline from them (`Adapter.build_tiny`).
 Everything is deterministic: the same seed gives byte-identical weights and tokenizers.
 
     from lorakit.models.tiny import tiny_pipeline
@@ -18,7 +20,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from lorakit.models.registry import family_info, family_names
+from lorakit.models.registry import family_names
 
 SPEC_VERSION = "1"  # bump when a builder changes, so cached folders are rebuilt
 
@@ -57,7 +59,7 @@ def _corpus() -> list[str]:
 # --------------------------------------------------------------------------- tokenizers
 
 
-def _byte_bpe(vocab_size: int, specials: list[str]):
+def byte_bpe(vocab_size: int, specials: list[str]):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
@@ -69,15 +71,15 @@ def _byte_bpe(vocab_size: int, specials: list[str]):
     return tok
 
 
-def _clip_tokenizer():
+def clip_tokenizer():
     from transformers import CLIPTokenizerFast
 
-    raw = _byte_bpe(400, _CLIP_SPECIALS)
+    raw = byte_bpe(400, _CLIP_SPECIALS)
     return CLIPTokenizerFast(tokenizer_object=raw, bos_token="<|startoftext|>", eos_token="<|endoftext|>",
                              pad_token="<|endoftext|>", unk_token="<|endoftext|>", model_max_length=77)
 
 
-def _t5_tokenizer():
+def t5_tokenizer():
     from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
     from transformers import T5TokenizerFast
 
@@ -96,15 +98,15 @@ def _t5_tokenizer():
                            extra_ids=0, model_max_length=512)
 
 
-def _qwen_tokenizer():
+def qwen_tokenizer():
     from transformers import Qwen2TokenizerFast
 
-    raw = _byte_bpe(420, _QWEN_SPECIALS)
+    raw = byte_bpe(420, _QWEN_SPECIALS)
     return Qwen2TokenizerFast(tokenizer_object=raw, unk_token=None, bos_token=None, eos_token="<|im_end|>",
                               pad_token="<|endoftext|>", model_max_length=4096)
 
 
-def _qwen_processor(tokenizer):
+def qwen_processor(tokenizer):
     from transformers import Qwen2VLImageProcessor, Qwen2VLProcessor, Qwen2VLVideoProcessor
 
     # small pixel budgets keep the vision tower's token count (and CPU time) low
@@ -117,16 +119,16 @@ def _qwen_processor(tokenizer):
 # --------------------------------------------------------------------------- text encoders
 
 
-def _seeded(seed: int):
+def seeded(seed: int):
     import torch
 
     torch.manual_seed(seed)
 
 
-def _clip_text(tokenizer, seed: int, hidden: int = 32):
+def clip_text(tokenizer, seed: int, hidden: int = 32):
     from transformers import CLIPTextConfig, CLIPTextModel
 
-    _seeded(seed)
+    seeded(seed)
     cfg = CLIPTextConfig(vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=2 * hidden,
                          num_hidden_layers=2, num_attention_heads=2, max_position_embeddings=77,
                          projection_dim=hidden, bos_token_id=tokenizer.bos_token_id,
@@ -134,10 +136,10 @@ def _clip_text(tokenizer, seed: int, hidden: int = 32):
     return CLIPTextModel(cfg).eval()
 
 
-def _t5_text(tokenizer, seed: int, d_model: int = 32):
+def t5_text(tokenizer, seed: int, d_model: int = 32):
     from transformers import T5Config, T5EncoderModel
 
-    _seeded(seed)
+    seeded(seed)
     cfg = T5Config(vocab_size=len(tokenizer), d_model=d_model, d_kv=8, d_ff=2 * d_model, num_layers=2,
                    num_heads=4, relative_attention_num_buckets=8, relative_attention_max_distance=32,
                    feed_forward_proj="gated-gelu", pad_token_id=tokenizer.pad_token_id,
@@ -145,10 +147,10 @@ def _t5_text(tokenizer, seed: int, d_model: int = 32):
     return T5EncoderModel(cfg).eval()
 
 
-def _qwen_vl(tokenizer, seed: int, hidden: int = 32):
+def qwen_vl(tokenizer, seed: int, hidden: int = 32):
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
-    _seeded(seed)
+    seeded(seed)
     ids = {name: tokenizer.convert_tokens_to_ids(tok) for name, tok in [
         ("image_token_id", "<|image_pad|>"), ("video_token_id", "<|video_pad|>"),
         ("vision_start_token_id", "<|vision_start|>"), ("vision_end_token_id", "<|vision_end|>")]}
@@ -174,10 +176,10 @@ def _qwen_vl(tokenizer, seed: int, hidden: int = 32):
 # --------------------------------------------------------------------------- VAEs, schedulers
 
 
-def _flux_vae(seed: int):
+def flux_vae(seed: int):
     from diffusers import AutoencoderKL
 
-    _seeded(seed)
+    seeded(seed)
     return AutoencoderKL(in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 4,
                          up_block_types=("UpDecoderBlock2D",) * 4, block_out_channels=(16, 16, 16, 16),
                          layers_per_block=1, norm_num_groups=8, latent_channels=16, scaling_factor=0.3611,
@@ -185,24 +187,24 @@ def _flux_vae(seed: int):
                          sample_size=64).eval()
 
 
-def _qwen_vae(seed: int):
+def qwen_vae(seed: int):
     from diffusers import AutoencoderKLQwenImage
 
-    _seeded(seed)
+    seeded(seed)
     return AutoencoderKLQwenImage(base_dim=8, z_dim=16, dim_mult=[1, 2, 2, 2], num_res_blocks=1, attn_scales=[],
                                   temperal_downsample=[False, True, True]).eval()
 
 
-def _hunyuan_video_vae(seed: int):
+def hunyuan_video_vae(seed: int):
     from diffusers import AutoencoderKLHunyuanVideo
 
-    _seeded(seed)
+    seeded(seed)
     return AutoencoderKLHunyuanVideo(latent_channels=16, block_out_channels=(16, 16, 16, 16), layers_per_block=1,
                                      norm_num_groups=8, mid_block_add_attention=False,
                                      spatial_compression_ratio=8, temporal_compression_ratio=4).eval()
 
 
-def _flow_scheduler(**kw):
+def flow_scheduler(**kw):
     from diffusers import FlowMatchEulerDiscreteScheduler
 
     return FlowMatchEulerDiscreteScheduler(**kw)
@@ -211,74 +213,11 @@ def _flow_scheduler(**kw):
 # --------------------------------------------------------------------------- pipelines
 
 
-def _flux(seed: int, variant: str):
-    from diffusers import FluxPipeline, FluxTransformer2DModel
-
-    clip_tok, t5_tok = _clip_tokenizer(), _t5_tokenizer()
-    _seeded(seed + 10)
-    transformer = FluxTransformer2DModel(patch_size=1, in_channels=64, num_layers=1, num_single_layers=2,
-                                         attention_head_dim=16, num_attention_heads=2, joint_attention_dim=32,
-                                         pooled_projection_dim=32, guidance_embeds=True, axes_dims_rope=(4, 6, 6))
-    sched = _flow_scheduler(shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15,
-                            base_image_seq_len=256, max_image_seq_len=4096)
-    return FluxPipeline(scheduler=sched, vae=_flux_vae(seed + 20), text_encoder=_clip_text(clip_tok, seed + 30),
-                        tokenizer=clip_tok, text_encoder_2=_t5_text(t5_tok, seed + 40), tokenizer_2=t5_tok,
-                        transformer=transformer.eval())
-
-
-def _qwen(seed: int, variant: str):
-    from diffusers import (
-        QwenImageEditPipeline,
-        QwenImageEditPlusPipeline,
-        QwenImagePipeline,
-        QwenImageTransformer2DModel,
-    )
-
-    tok = _qwen_tokenizer()
-    _seeded(seed + 10)
-    transformer = QwenImageTransformer2DModel(patch_size=2, in_channels=64, out_channels=16, num_layers=2,
-                                              attention_head_dim=16, num_attention_heads=2, joint_attention_dim=32,
-                                              guidance_embeds=False, axes_dims_rope=(4, 6, 6))
-    sched = _flow_scheduler(shift=1.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=0.9,
-                            base_image_seq_len=256, max_image_seq_len=8192, shift_terminal=0.02,
-                            time_shift_type="exponential")
-    parts = dict(scheduler=sched, vae=_qwen_vae(seed + 20), text_encoder=_qwen_vl(tok, seed + 30), tokenizer=tok,
-                 transformer=transformer.eval())
-    if variant == "":
-        return QwenImagePipeline(**parts)
-    cls = QwenImageEditPipeline if variant == "edit" else QwenImageEditPlusPipeline
-    return cls(processor=_qwen_processor(tok), **parts)
-
-
-def _kandinsky(seed: int, variant: str):
-    from diffusers import Kandinsky5T2IPipeline, Kandinsky5T2VPipeline, Kandinsky5Transformer3DModel
-
-    qtok, ctok = _qwen_tokenizer(), _clip_tokenizer()
-    _seeded(seed + 10)
-    transformer = Kandinsky5Transformer3DModel(in_visual_dim=16, out_visual_dim=16, in_text_dim=32, in_text_dim2=32,
-                                               time_dim=16, patch_size=(1, 2, 2), model_dim=32, ff_dim=64,
-                                               num_text_blocks=1, num_visual_blocks=2, axes_dims=(4, 6, 6),
-                                               visual_cond=variant == "t2v")
-    import torch
-
-    with torch.no_grad():  # adaLN-zero modulations start at 0; a trained model's are not (else no block matters)
-        for p in transformer.parameters():
-            if p.dim() > 1 and not p.any():
-                p.normal_(0.0, 0.05)
-    parts = dict(transformer=transformer.eval(), text_encoder=_qwen_vl(qtok, seed + 30),
-                 tokenizer=_qwen_processor(qtok), text_encoder_2=_clip_text(ctok, seed + 40), tokenizer_2=ctok)
-    if variant == "t2i":
-        return Kandinsky5T2IPipeline(vae=_flux_vae(seed + 20), scheduler=_flow_scheduler(shift=7.0), **parts)
-    return Kandinsky5T2VPipeline(vae=_hunyuan_video_vae(seed + 20), scheduler=_flow_scheduler(shift=5.0), **parts)
-
-
-_BUILDERS = {"flux": _flux, "qwen_image": _qwen, "kandinsky5": _kandinsky}
-
-
 def build_pipeline(family: str, seed: int = 0):
-    """The tiny pipeline object (in memory) for a family."""
-    info = family_info(family)
-    return _BUILDERS[info.module](seed, info.variant)
+    """The tiny pipeline object (in memory) for a family: its adapter builds it from the parts above."""
+    from lorakit.models.base import family_adapter
+
+    return family_adapter(family).build_tiny(seed)
 
 
 def _shard_size(model) -> int:

@@ -6,7 +6,9 @@ peak ~= base weights (at the profile's storage) on the GPU (minus swapped blocks
         plus one block's working set; without, every block keeps its working set
       + a fixed allowance for the CUDA context, cuBLAS/cuDNN workspaces and fragmentation.
 The working-set factor (16 bf16 values per token and hidden unit per block) is calibrated on the
-measured FLUX.1-dev step of ../shared/BASELINES.md (1024², no checkpointing: 46.8 GiB peak).
+measured FLUX.1-dev step on an H100 (1024², no checkpointing: 46.8 GiB peak; docs/benchmarks.md).
+The model's size comes from its folder (config.json, the shard index's total_size), else from the family
+adapter's published figures; its tokens (controls, video frames) from the adapter too.
 """
 
 from __future__ import annotations
@@ -20,26 +22,33 @@ GIB = 2**30
 WORKING_SET = 16  # bf16 values per token x hidden unit kept by one block in backward (calibrated)
 OVERHEAD_GIB = 2.0
 BYTES_PER_PARAM = {"none": None, "fp8": 1.0, "qfloat8": 1.0, "nf4": 0.55}
-# published architectures: hidden size, blocks, parameters (used when the folder does not say)
-KNOWN = {"flux": (3072, 57, 11.9e9), "qwen_image": (3072, 60, 20.4e9), "kandinsky5": (1792, 32, 2.0e9)}
 
 
 def _transformer_facts(cfg) -> tuple[int, int, float, str]:
-    """(hidden, blocks, parameters, source) from the model folder, else the published sizes."""
-    from lorakit.models.registry import family_info
+    """(hidden, blocks, parameters, source) from the model folder, else the family's published sizes."""
+    from lorakit.models.base import family_adapter
 
-    hidden, blocks, params = KNOWN[family_info(cfg.model.family).module]
-    source = "published size"
+    pub = family_adapter(cfg.model.family).published
+    hidden, blocks, params = pub.hidden, pub.blocks, pub.params
+    source = f"published size: {pub.source}"
     folder = Path(cfg.model.path) / "transformer" if cfg.model.path else None
     if folder is not None and (folder / "config.json").is_file():
-        c = json.loads((folder / "config.json").read_text())
+        try:
+            c = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+            assert isinstance(c, dict)
+        except (OSError, UnicodeDecodeError, ValueError, AssertionError):
+            raise InputError(f"{folder / 'config.json'}: not a readable JSON object",
+                             "re-download the model folder") from None
         heads, hd = c.get("num_attention_heads"), c.get("attention_head_dim")
         hidden = heads * hd if heads and hd else c.get("model_dim", hidden)
         blocks = (c.get("num_layers", 0) + c.get("num_single_layers", 0)) or c.get("num_visual_blocks", blocks)
         idx = sorted(folder.glob("*.safetensors.index.json"))
         if idx:
-            total = json.loads(idx[0].read_text()).get("metadata", {}).get("total_size")
-            if total:
+            try:
+                total = json.loads(idx[0].read_text(encoding="utf-8")).get("metadata", {}).get("total_size")
+            except (OSError, UnicodeDecodeError, ValueError, AttributeError):
+                raise InputError(f"{idx[0]}: not a readable shard index", "re-download the model folder") from None
+            if isinstance(total, (int, float)) and total > 0:
                 params, source = total / 2, f"{idx[0].name} (total_size)"  # stored in bf16
         else:
             files = list(folder.glob("*.safetensors"))
@@ -62,15 +71,27 @@ def estimate(cfg, world: int = 1) -> dict:
         base, lora = params * per / world, 0.0
         if world > 1:
             base += 2 * params * bpp / blocks  # FSDP gathers a block (and prefetches the next) in full
-    tokens = (cfg.data.resolution // 16) ** 2
-    if cfg.model.family.startswith("qwen-image-edit"):
-        tokens *= 1 + (2 if cfg.model.family.endswith("plus") else 1)
-    tokens = (tokens + 512) * cfg.schedule.batch_size
+    from lorakit.models.base import family_adapter
+
+    adapter = family_adapter(cfg.model.family)
+    per_image = adapter.image_tokens(cfg.data.resolution, cfg.data.frames) // (1 + (adapter.max_controls or 0))
+    tokens = (per_image * (1 + controls_in_use(cfg, adapter)) + adapter.published.text_tokens) * cfg.schedule.batch_size
     per_block = tokens * hidden * 2 * WORKING_SET
     acts = (tokens * hidden * 2 * blocks + per_block) if cfg.memory.gradient_checkpointing else per_block * blocks
     parts = {"base": base / GIB, "lora_and_optimizer": lora / GIB, "activations": acts / GIB, "overhead": OVERHEAD_GIB}
     return {"gib": round(sum(parts.values()), 1), "parts": {k: round(v, 2) for k, v in parts.items()},
             "tokens": tokens, "blocks": blocks, "source": source}
+
+
+def controls_in_use(cfg, adapter) -> int:
+    """Control images per item the run will encode: the control folders of its datasets where they exist
+    (the family's maximum otherwise: the estimate must not be low)."""
+    if not adapter.max_controls:
+        return 0
+    from lorakit.data.check import control_dirs_for
+
+    counts = [len(control_dirs_for(cfg, Path(d))) for d in cfg.data.dirs if Path(d).is_dir()]
+    return min(max(counts), adapter.max_controls) if counts else adapter.max_controls
 
 
 def plan(cfg, budget_gib: float, world: int = 1):
@@ -115,3 +136,43 @@ def check(cfg, budget_gib: float, world: int = 1) -> dict:
         f"(base{' + gradients + optimizer' if cfg.method == 'full' else ''} {p['base']}, LoRA+optimizer {p['lora_and_optimizer']}, activations {p['activations']} at "
         f"{est['tokens']} tokens, overhead {p['overhead']}; from {est['source']})",
         "try " + " or ".join(tips) if not tips[-1].startswith("a GPU") else tips[-1])
+
+
+def fit_to_gpu(cfg, cap_gib: float | None = None, world: int = 1):
+    """Fit the run to the GPU (detected, else the profile's card; `cap_gib` if given): gradient checkpointing
+    turned on where it is needed, then the estimate checked (refused with suggestions when it cannot fit).
+
+    Returns:
+        (cfg, estimate or None for the cpu profile, note or None).
+    """
+    import torch
+
+    from lorakit.hardware.profiles import load_profile
+
+    hw = load_profile(cfg.profile).hardware
+    if not hw.get("gpu"):
+        return cfg, None, None
+    if cap_gib:
+        budget = cap_gib
+    elif torch.cuda.is_available():
+        budget = torch.cuda.get_device_properties(0).total_memory / 2**30
+    else:
+        budget = float(hw.get("memory_gib") or hw.get("min_memory_gib") or 0)
+    cfg, note = plan(cfg, budget, world)
+    return cfg, check(cfg, budget, world), note
+
+
+def expandable_segments() -> None:
+    """memory.expandable_segments: the CUDA allocator grows segments instead of caching fixed blocks (less
+    fragmentation; the dgx-spark profile's unified memory wants it). Set before the first allocation."""
+    import os
+
+    import torch
+
+    if "expandable_segments" not in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""):
+        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = ",".join(
+            x for x in (os.environ.get("PYTORCH_CUDA_ALLOC_CONF"), "expandable_segments:True") if x)
+    try:
+        torch.cuda.memory._set_allocator_settings("expandable_segments:True")
+    except (AttributeError, RuntimeError):  # older torch: the environment variable (read at CUDA start) holds
+        pass

@@ -1,4 +1,5 @@
-"""Pictures of a run: the loss curve (drawn with PIL, no plotting dependency)."""
+"""What a run leaves for people: metrics.jsonl (+ TensorBoard), the loss curve (drawn with PIL, no plotting
+dependency), doctor.json."""
 
 from __future__ import annotations
 
@@ -59,3 +60,40 @@ def doctor_summary(out_dir: Path, profile: str, attention: str | None) -> Path:
     with atomic_path(path) as tmp:
         tmp.write_text(json.dumps(data, indent=2, default=str))
     return path
+
+
+class MetricsLog:
+    """metrics.jsonl (always) and TensorBoard scalars (when installed), written by rank 0.
+
+    A fresh run starts a new file; a resumed one keeps the lines up to the step it resumes from (steps logged
+    after the checkpoint it continues from are dropped, so each step appears once)."""
+
+    def __init__(self, out_dir: Path, resumed_at: int | None, main: bool = True):
+        self.path = out_dir / "metrics.jsonl"
+        self.main = main
+        self.tb = None
+        if not main:
+            return
+        if self.path.exists():
+            kept = [ln for ln in self.path.read_text().splitlines() if ln.strip() and resumed_at is not None
+                    and json.loads(ln)["step"] <= resumed_at]
+            self.path.write_text("".join(ln + "\n" for ln in kept))
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError:
+            return
+        self.tb = SummaryWriter(log_dir=str(out_dir / "tensorboard"))
+
+    def write(self, rec: dict) -> None:
+        if not self.main:
+            return
+        with open(self.path, "a") as f:
+            f.write(json.dumps(rec) + "\n")
+        if self.tb is not None:
+            for k, v in rec.items():
+                if k != "step":
+                    self.tb.add_scalar(f"train/{k}", v, rec["step"])
+
+    def close(self) -> None:
+        if self.tb is not None:
+            self.tb.close()

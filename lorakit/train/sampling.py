@@ -3,9 +3,9 @@ trained, before the first step, every `sampling.every` steps and at the end, int
 
 The sampler integrates the family's velocity (`adapter.predict`, the same call the training loss uses and the
 tests match against the stock pipelines) with Euler steps over the scheduler's shifted sigmas, so it needs no
-text encoder while training: prompts are encoded once at the start. FLUX takes `sampling.guidance` as its
-guidance embedding; the other families use classifier-free guidance against the empty caption when
-`sampling.guidance` > 1. The noise of image k is seeded with `sampling.seed + k`: every grid starts from the
+text encoder while training: prompts are encoded once at the start. A family whose guidance is embedded
+(FLUX) takes `sampling.guidance` as a model input; the others (`guidance: cfg` in their adapter) use
+classifier-free guidance against the empty caption when `sampling.guidance` > 1. The noise of image k is seeded with `sampling.seed + k`: every grid starts from the
 same noise, so rows differ only by what the model learnt.
 """
 
@@ -94,7 +94,7 @@ def render(trainer, conds: list[Condition]) -> list:
 
     cfg, dev, dt = trainer.cfg, trainer.device, trainer.dtype
     guidance = cfg.sampling.guidance
-    flux = trainer.info.module == "flux"
+    embedded = trainer.adapter.guidance == "embedded"
     was = trainer.transformer.training
     trainer.transformer.eval()
     images = []
@@ -110,14 +110,14 @@ def render(trainer, conds: list[Condition]) -> list:
                 sig = sigma_schedule(cfg.sampling.steps, seq, trainer.sched_cfg)
                 text = {k2: v.to(dev, dt) for k2, v in c.text.items()}
                 controls = [t.to(dev, dt) for t in c.controls]
-                un = {k2: v.to(dev, dt) for k2, v in c.uncond.items()} if c.uncond and guidance > 1 and not flux \
+                un = {k2: v.to(dev, dt) for k2, v in c.uncond.items()} if c.uncond and guidance > 1 and not embedded \
                     else None
                 if un is not None and "pooled" in text and "pooled" not in un:
                     un["pooled"] = torch.zeros_like(text["pooled"])
                 for s, s_next in zip(sig[:-1], sig[1:], strict=True):
                     st = s.view(1).to(dev)
                     v = trainer.adapter.predict(trainer.transformer, x.to(dt), st, text,
-                                                guidance=guidance if flux else 1.0, controls=controls).float()
+                                                guidance=guidance if embedded else 1.0, controls=controls).float()
                     if un is not None:
                         vu = trainer.adapter.predict(trainer.transformer, x.to(dt), st, un, controls=controls).float()
                         v = vu + guidance * (v - vu)

@@ -127,3 +127,14 @@ def test_configuration_reference_is_generated_from_the_models():
 
     doc = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
     assert doc.read_text() == render(), "run `python -m lorakit.config_docs` to regenerate docs/configuration.md"
+
+
+def test_option_conflicts_are_config_problems_reported_together():
+    with pytest.raises(ConfigError) as ei:
+        validate({"model": {"family": "flux"}, "method": "full",
+                  "memory": {"base_quant": "nf4", "blocks_to_swap": 2}})
+    probs = ei.value.problems
+    assert len(probs) == 3  # full+swap, full+8/4-bit base, nf4+swap: each its own line naming its keys
+    assert any(p.startswith("memory.blocks_to_swap=2") for p in probs)
+    assert any(p.startswith("memory.base_quant=nf4 stores") for p in probs)
+    assert any("nf4 with memory.blocks_to_swap" in p for p in probs)

@@ -15,10 +15,10 @@ def _lora(tiny, family, path, alpha=8):
 
     import lorakit.train.lora as tl
     from lorakit.io.modules import load_component
-    from lorakit.models.registry import family_info
+    from lorakit.models.base import family_adapter
 
     tr = load_component(tiny(family) / "transformer")
-    names = tl.target_modules(tr, family_info(family).module, "attention_mlp")
+    names = tl.target_modules(tr, family_adapter(family), "attention_mlp")
     cfg = LoraConfig(r=4, lora_alpha=alpha, target_modules=names, init_lora_weights="gaussian")
     tr.add_adapter(cfg)
     g = torch.Generator().manual_seed(3)
@@ -63,7 +63,7 @@ def test_kohya_lora_gives_the_same_images_as_the_diffusers_one(tiny, tmp_path):
 
     folder = tiny("qwen-image")
     lora = _lora(tiny, "qwen-image", tmp_path / "l.safetensors", alpha=16)
-    kohya = L.write(L.read(lora)[0], tmp_path / "k.safetensors", "kohya", "qwen_image")
+    kohya = L.write(L.read(lora)[0], tmp_path / "k.safetensors", "kohya", "qwen-image")
     outs = []
     for i, f in enumerate((lora, kohya)):
         r = CliRunner().invoke(app, ["infer", str(folder), "-p", "a red circle", "--steps", "2", "--width", "64",
@@ -81,7 +81,7 @@ def test_infer_bad_inputs(tiny, tmp_path):
         ([str(folder)], "no prompt"),
         ([str(folder), "-p", "x", "--lora", str(tmp_path / "none.safetensors")], "no such file"),
         ([str(folder), "-p", "x", "--lora", f"{other}:abc"], "must be a number"),
-        ([str(folder), "-p", "x", "--lora", str(other)], "qwen_image LoRA"),
+        ([str(folder), "-p", "x", "--lora", str(other)], "is a qwen-image LoRA"),
         ([str(folder), "-p", "x", "--image", str(other)], "not a readable image"),
         ([str(folder), "-p", "x", "--width", "100"], "multiples of 16"),
     ]

@@ -15,10 +15,10 @@ def _trained_like(tiny, family, tmp_path, targets="all_linear", alpha=8):
 
     import lorakit.train.lora as tl
     from lorakit.io.modules import load_component
-    from lorakit.models.registry import family_info
+    from lorakit.models.base import family_adapter
 
     tr = load_component(tiny(family) / "transformer")
-    names = tl.target_modules(tr, family_info(family).module, targets)
+    names = tl.target_modules(tr, family_adapter(family), targets)
     cfg = LoraConfig(r=4, lora_alpha=alpha, target_modules=names, init_lora_weights="gaussian")
     tr.add_adapter(cfg)
     g = torch.Generator().manual_seed(0)
@@ -38,10 +38,10 @@ def test_round_trips_are_lossless(tiny, tmp_path, family, fmt):
     src = _trained_like(tiny, family, tmp_path)
     orig, facts = L.read(src)
     assert facts["format"] == "diffusers" and facts["modules"] > 10
-    mid = L.write(orig, tmp_path / ("mid" if fmt == "peft" else "mid.safetensors"), fmt, facts["family"])
+    mid = L.write(orig, tmp_path / ("mid" if fmt == "peft" else "mid.safetensors"), fmt, facts["arch"])
     back, f2 = L.read(mid)
     assert f2["format"] == fmt
-    end, _ = L.read(L.write(back, tmp_path / "end.safetensors", "diffusers", f2["family"]))
+    end, _ = L.read(L.write(back, tmp_path / "end.safetensors", "diffusers", f2["arch"]))
     assert L.deltas_equal(orig, end, rtol=1e-6)[0] and _same_tensors(orig, end)
 
 
@@ -57,7 +57,7 @@ def test_qwen_files_load_through_diffusers_own_converter(tiny, tmp_path, fmt):
     from diffusers import QwenImagePipeline
 
     orig, facts = L.read(_trained_like(tiny, "qwen-image", tmp_path, alpha=16))
-    out = L.write(orig, tmp_path / f"{fmt}.safetensors", fmt, "qwen_image")
+    out = L.write(orig, tmp_path / f"{fmt}.safetensors", fmt, "qwen-image")
     ok, why = L.deltas_equal(orig, _oracle_pieces(QwenImagePipeline.lora_state_dict(str(out))), rtol=1e-6)
     assert ok, why
 
@@ -101,7 +101,7 @@ def test_cli_converts_and_names_the_input_format(tiny, tmp_path):
                                  "--json"])
     assert r.exit_code == 0, r.output
     data = json.loads(r.output)
-    assert data["input"]["format"] == "diffusers" and data["input"]["family"] == "flux"
+    assert data["input"]["format"] == "diffusers" and data["input"]["arch"] == "flux"
     assert data["output"]["format"] == "kohya" and data["deltas_equal"] is True
     r = CliRunner().invoke(app, ["convert", "lora", str(tmp_path / "k.safetensors"), str(tmp_path / "b.safetensors"),
                                  "--to", "diffusers", "--dtype", "bf16"])
@@ -120,7 +120,7 @@ def test_bad_inputs_get_a_clear_message_and_write_nothing(tiny, tmp_path):
         (["model.safetensors", "o1.safetensors"], "no LoRA weights"),
         (["pickle.pt", "o2.safetensors"], "pickled"),
         (["junk.safetensors", "o3.safetensors"], "junk.safetensors"),
-        ([lora_file.name, "o4.safetensors", "--family", "flux", "--to", "kohya"], "not flux"),
+        ([lora_file.name, "o4.safetensors", "--family", "flux", "--to", "kohya"], "not a flux one"),
         ([lora_file.name, "o5.safetensors", "--to", "onnx"], "--to must be one of"),
         ([lora_file.name, lora_file.name], "would overwrite its input"),
     ]
@@ -137,14 +137,14 @@ def test_unknown_native_keys_are_refused(tmp_path):
     save_file({"lora_unet_mystery_block_0.lora_down.weight": torch.zeros(2, 4),
                "lora_unet_mystery_block_0.lora_up.weight": torch.zeros(4, 2)}, tmp_path / "k.safetensors")
     with pytest.raises(InputError):
-        L.read(tmp_path / "k.safetensors", family="flux")
+        L.read(tmp_path / "k.safetensors", arch="flux")
 
 
 def test_merge_bakes_the_lora_in_exactly(tiny, tmp_path):
     from diffusers import FluxTransformer2DModel
 
     from lorakit.io.modules import load_component
-    from lorakit.models.base import load_adapter
+    from lorakit.models.base import family_adapter, load_adapter
     from lorakit.train.lora import load_lora_into
 
     folder = tiny("flux")
@@ -158,7 +158,8 @@ def test_merge_bakes_the_lora_in_exactly(tiny, tmp_path):
 
     import lorakit.train.lora as tl
 
-    base.add_adapter(LoraConfig(r=4, lora_alpha=8, target_modules=tl.target_modules(base, "flux", "attention")))
+    targets = tl.target_modules(base, family_adapter("flux"), "attention")
+    base.add_adapter(LoraConfig(r=4, lora_alpha=8, target_modules=targets))
     load_lora_into(base, src)
     ad = load_adapter("flux", None)
     g = torch.Generator().manual_seed(0)

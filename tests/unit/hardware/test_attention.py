@@ -8,6 +8,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import CheckpointError, checkpoint
 
 from lorakit.hardware import attention as att
+from lorakit.models.facts import AttentionCase
 
 
 class OpLog(TorchDispatchMode):
@@ -108,31 +109,53 @@ def test_choose_picks_fastest_backend_that_passed_all_relevant_cases():
                     R("efficient", "model qwen-image", True, 40.0)]
     # passing bare SDPA is not enough: the model must pass; efficient takes masked batches, flash the unmasked
     assert att.choose(rep, "qwen-image") == "flash+efficient"
-    assert att.choose(rep, "kandinsky5-t2i") == "cudnn"
+    rep.results += [R(b, c, True, ms) for b, ms in (("cudnn", 1.0), ("flash", 2.0)) for c in ("512px d128", "1024px d128")]
+    assert att.choose(rep, "kandinsky5-t2i") == "cudnn"  # its own head size, measured
     assert att.choose(att.AttentionReport(fingerprint={}), "flux") is None
 
 
-CPU_CASES = (("tiny", 64, False, "joint"), ("tiny single", 64, False, "single"), ("tiny+mask", 64, True, "joint"))
+def test_every_family_declares_cases_and_a_model_case():
+    from lorakit.models.registry import family_names
+
+    names = {c.name for c in att.all_cases()}
+    for fam in family_names():
+        cases = att.family_cases(fam)
+        assert cases[-1] == att.model_case(fam) and cases[-1] in att.all_model_cases()
+        assert set(cases[:-1]) <= names and len(cases) > 1
+    assert att.family_masked("qwen-image") and not att.family_masked("flux")
+
+
+CPU_CASES = (AttentionCase("tiny", 64, False, heads=2, head_dim=16),
+             AttentionCase("tiny single", 64, False, "single", heads=2, head_dim=16),
+             AttentionCase("tiny+mask", 64, True, heads=2, head_dim=16))
 
 
 def test_self_test_runs_and_caches_on_cpu():
-    rep = att.self_test("cpu", repeats=1, heads=2, head_dim=16, cases=CPU_CASES)
+    rep = att.self_test("cpu", repeats=1, cases=CPU_CASES)
     assert not rep.cached
     math_rows = [r for r in rep.results if r.backend == "math"]
     assert len(math_rows) == 3 and all(r.ok and r.ms > 0 for r in math_rows)
     assert not any(r.ok for r in rep.results if r.backend == "cudnn")  # no cuDNN attention on the CPU
-    again = att.self_test("cpu", repeats=1, heads=2, head_dim=16, cases=CPU_CASES)
+    again = att.self_test("cpu", repeats=1, cases=CPU_CASES)
     assert again.cached and [r.ok for r in again.results] == [r.ok for r in rep.results]
 
 
-def test_isolated_backend_runs_in_a_child_process():
-    rows = att._run_backend_isolated("math", "cpu", 1, 2, 16, CPU_CASES[:1])
-    assert len(rows) == 1 and rows[0].ok and rows[0].case == "tiny"
+def test_jobs_run_in_a_child_process_and_report_as_they_finish():
+    seen = []
+    rows = att.run_jobs([("math", "tiny"), ("math", "tiny+mask")], "cpu", 1, CPU_CASES, progress=seen.append)
+    assert [(r.case, r.ok) for r in rows] == [("tiny", True), ("tiny+mask", True)] and seen == rows
 
 
-def test_a_hung_child_is_a_failure_not_a_wait():
-    rows = att._run_backend_isolated("math", "cpu", 1, 2, 16, CPU_CASES, timeout=0.05)
-    assert [r.ok for r in rows] == [False] * 3 and all(r.error.startswith("hung") for r in rows)
+def test_a_hung_case_is_a_failure_within_the_watchdog_and_the_rest_still_run(monkeypatch):
+    import time as _time
+
+    slow = (AttentionCase("slow", 64, False, heads=2, head_dim=16),) + CPU_CASES
+    monkeypatch.setenv("LORAKIT_ATTENTION_TEST_SLEEP", "slow=30")  # the child sleeps in this case
+    t0 = _time.perf_counter()
+    rows = att.run_jobs([("math", "slow"), ("math", "tiny")], "cpu", 1, slow, watchdog=2.0)
+    assert _time.perf_counter() - t0 < 25
+    assert not rows[0].ok and rows[0].error.startswith("hung: no answer in 2 s")
+    assert rows[1].ok and rows[1].case == "tiny"  # a fresh child took the rest
 
 
 _KERNEL_OP = {"flash": "_scaled_dot_product_flash_attention", "efficient": "_scaled_dot_product_efficient_attention",
@@ -141,12 +164,12 @@ _KERNEL_OP = {"flash": "_scaled_dot_product_flash_attention", "efficient": "_sca
 
 def test_known_bad_stack_excludes_backend_even_when_it_passed():
     R = att.CaseResult
-    cases = att.FAMILY_CASES["flux"]
+    cases = att.family_cases("flux")
     rep = att.AttentionReport(fingerprint={"cudnn": 91900, "capability": "9.0"},
                               results=[R("cudnn", c, True, 1.0) for c in cases] +
                                       [R("flash", c, True, 2.0) for c in cases])
     assert att.choose(rep, "flux") == "flash"
-    qcases = att.FAMILY_CASES["qwen-image"]
+    qcases = att.family_cases("qwen-image")
     rep.results += [R("cudnn", c, True, 1.0) for c in qcases] + [R("efficient", c, True, 2.0) for c in qcases]
     assert att.choose(rep, "qwen-image") == "cudnn"  # the rule is scoped to the families that failed
     rep.fingerprint = {"cudnn": 92000, "capability": "9.0"}
@@ -168,11 +191,11 @@ def test_gpu_choice_holds_in_forward_backward_and_recompute(family, gpu_report):
     rep = gpu_report
     backend = rep.choice[family]
     assert backend is not None, rep.to_dict()
-    model_case = "model flux" if family == "flux" else "model qwen-image"
+    model_case = att.model_case(family)
     # with a pair (flash+efficient), the masked model case ran on the second
     assert [r.ok for r in rep.results if r.backend == backend.split("+")[-1] and r.case == model_case] == [True]
     att.apply(backend)
-    masked = att.FAMILY_MASKED[family]
+    masked = att.family_masked(family)
     backend = backend.split("+")[-1] if masked else backend.split("+")[0]  # the kernel this input gets
     q = torch.randn(1, 24, 1536, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     mask = torch.ones(1, 1, 1, 1536, device="cuda", dtype=torch.bool) if masked else None

@@ -42,7 +42,8 @@ def test_missing_diffusers_fails():
 def test_attention_results_show_failing_backend_and_choice():
     rep = AttentionReport(fingerprint={}, results=[
         CaseResult("cudnn", "1024px", False, error="RuntimeError: mha_graph.execute failed"),
-        CaseResult("flash", "1024px", True, ms=3.0)], choice={"flux": "flash", "qwen-image": None})
+        CaseResult("flash", "1024px", True, ms=3.0), CaseResult("math", "1024px+mask", False, error="No kernel")],
+        choice={"flux": "flash", "qwen-image": None})
     d = by_name(checks(H100, choose("auto", H100), rep))
     assert d["sdpa cudnn"].status == "warn" and "mha_graph" in d["sdpa cudnn"].detail
     assert d["sdpa flash"].status == "ok"

@@ -15,6 +15,15 @@ def test_variants_are_flags_of_one_adapter():
     assert family_info("qwen-image-edit-plus").variant == "edit-plus"
 
 
+def test_architecture_is_the_naming_scheme_families_share():
+    from lorakit.models.registry import arch_names, arch_of
+
+    assert arch_names() == ["flux", "qwen-image", "kandinsky5"]
+    assert arch_of("qwen-image-edit-plus") == "qwen-image" and arch_of("kandinsky5") == "kandinsky5"
+    with pytest.raises(UnknownNameError):
+        arch_of("sdxl")
+
+
 def test_typo_suggests_closest():
     with pytest.raises(UnknownNameError) as ei:
         family_info("qwen-imag")

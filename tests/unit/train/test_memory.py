@@ -65,19 +65,19 @@ def test_suggestions_are_settings_this_build_honours(tmp_path):
 
 
 def test_a_fitting_config_passes_the_check(tmp_path):
-    from lorakit.train.loop import check_memory
+    from lorakit.train.memory import fit_to_gpu
 
     cfg = cfg_for(fake_model(tmp_path, FLUX, int(11.9e9 * 2)), "flux", "rtx4090", 512)
-    _, est, note = check_memory(cfg)
+    _, est, note = fit_to_gpu(cfg)
     assert est["gib"] < 23.6 and est["parts"]["base"] < 12 and note is None
 
 
 def test_checkpointing_is_turned_on_only_when_needed(tmp_path):
-    from lorakit.train.loop import check_memory
+    from lorakit.train.memory import fit_to_gpu
 
     model = fake_model(tmp_path, FLUX, int(11.9e9 * 2))
     cfg = cfg_for(model, "flux", "datacenter", 1024, gradient_checkpointing=False)
-    out, est, note = check_memory(cfg, cap_gib=79.0)  # fits as it is: no recompute
+    out, est, note = fit_to_gpu(cfg, cap_gib=79.0)  # fits as it is: no recompute
     assert not out.memory.gradient_checkpointing and note is None
-    out, est, note = check_memory(cfg, cap_gib=40.0)  # 1024² without checkpointing needs ~49 GiB
+    out, est, note = fit_to_gpu(cfg, cap_gib=40.0)  # 1024² without checkpointing needs ~49 GiB
     assert out.memory.gradient_checkpointing and "gradient checkpointing on" in note and est["gib"] < 40

@@ -1,0 +1,187 @@
+"""Checkpoints of a run: save, resume (on any number of GPUs), find the newest, export the final result.
+
+    <out>/checkpoints/step-NNNNNN/   lora.safetensors (or transformer/ for method=full) + state.pt
+    <out>/checkpoints/final/         the same, after the last step
+    <out>/<name>.safetensors         the final LoRA (or <name>-transformer/), copied from final/
+
+Every file is written atomically (temporary sibling, then rename), so a kill at any moment leaves the
+previous checkpoint whole. state.pt holds the step, optimizer, LR scheduler and RNG state, the number of
+processes and the global batch it was written with.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import shutil
+import signal
+from pathlib import Path
+
+from lorakit.errors import InputError
+
+
+def save(tr, final: bool = False) -> Path:
+    """Write a checkpoint of the trainer (rank 0 writes; every rank takes part in gathering FSDP shards)."""
+    import torch
+
+    from lorakit.io import atomic_path
+    from lorakit.train.lora import save_lora
+
+    name = "final" if final else f"step-{tr.step:06d}"
+    ck = tr.out / "checkpoints" / name
+    if tr.full:
+        weights, opt_state = _full_state(tr)
+        if opt_state is None:  # per-rank 8-bit optimizer state
+            ck.mkdir(parents=True, exist_ok=True)
+            with atomic_path(rank_state_file(tr, ck)) as tmp:
+                torch.save(tr.opt.state_dict(), tmp)
+    if tr.dist.main:
+        ck.mkdir(parents=True, exist_ok=True)
+        if tr.full:
+            _save_transformer(tr.transformer, weights, ck / "transformer")
+        else:
+            save_lora(tr.transformer, ck / "lora.safetensors", tr.peft_config, {"lorakit_step": tr.step})
+            opt_state = tr.opt.state_dict()
+        state = {"step": tr.step, "optimizer": opt_state, "scheduler": tr.sched.state_dict(),
+                 "torch_rng": torch.get_rng_state(), "world": tr.dist.world, "global_batch": tr.global_batch}
+        with atomic_path(ck / "state.pt") as tmp:
+            torch.save(state, tmp)
+        if not final:
+            kept = sorted(p for p in (tr.out / "checkpoints").glob("step-*") if p.is_dir())
+            for old in kept[: -tr.cfg.output.keep_last]:
+                shutil.rmtree(old)
+    tr.dist.barrier()
+    return ck
+
+
+def resume(tr, ck: Path) -> dict:
+    """Continue from a checkpoint (written by any number of ranks). Returns what changed, if anything."""
+    import torch
+
+    from lorakit.train.lora import load_lora_into
+
+    weights = ck / ("transformer" if tr.full else "lora.safetensors")
+    if not weights.exists() or not (ck / "state.pt").is_file():
+        what = "transformer/ + state.pt" if tr.full else "lora.safetensors + state.pt"
+        raise InputError(f"{ck} is not a lorakit checkpoint of this method ({what})",
+                         "method=full and method=lora checkpoints do not mix")
+    state = torch.load(ck / "state.pt", weights_only=True)
+    if tr.full:
+        _resume_full(tr, ck, weights, state)
+    else:
+        load_lora_into(tr.transformer, weights)
+        tr.opt.load_state_dict(state["optimizer"])
+    tr.sched.load_state_dict(state["scheduler"])
+    torch.set_rng_state(state["torch_rng"])
+    tr.step = int(state["step"])
+    was = state.get("global_batch", tr.global_batch)
+    return {"from_world": state.get("world", 1), "from_global_batch": was,
+            "note": None if was == tr.global_batch else
+            f"the checkpoint was written with a global batch of {was}, this run's is {tr.global_batch}: "
+            "the data order continues from the same batch index with the new batch size"}
+
+
+def _resume_full(tr, ck: Path, weights: Path, state: dict) -> None:
+    import torch
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    from lorakit.io import load
+
+    main = tr.dist.main
+    set_model_state_dict(tr.transformer, load(weights) if main else {},
+                         options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=tr.sharded))
+    if tr.per_rank_state or state["optimizer"] is None:
+        mine = rank_state_file(tr, ck)
+        if not (tr.per_rank_state and mine.is_file()):
+            raise InputError(f"{ck} holds 8-bit optimizer states of {state.get('world', 1)} GPU(s) (one file per "
+                             f"GPU); this run has {tr.dist.world} with {type(tr.opt).__name__}",
+                             f"resume with --gpus {state.get('world', 1)} and the same optim.name, or train with "
+                             "optim.name=adamw (its checkpoints resume on any GPU count)")
+        tr.opt.load_state_dict(torch.load(mine, weights_only=True))
+    else:  # weights that never get a gradient (e.g. the last block's unused text output) have no state
+        set_optimizer_state_dict(tr.transformer, tr.opt, state["optimizer"] if main else {},
+                                 options=StateDictOptions(full_state_dict=True, strict=False,
+                                                          broadcast_from_rank0=tr.sharded))
+
+
+@contextlib.contextmanager
+def stop_on_signals(tr):
+    """SIGINT/SIGTERM ask the trainer to stop after the current step (it then saves a checkpoint)."""
+    old = {}
+
+    def _stop(signum, frame):
+        tr.stop_requested = True
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(ValueError):  # not the main thread
+            old[sig] = signal.signal(sig, _stop)
+    try:
+        yield
+    finally:
+        for sig, h in old.items():
+            signal.signal(sig, h)
+
+
+def latest(out_dir: Path) -> Path | None:
+    """The newest step checkpoint of a run folder (None when there is none)."""
+    cks = sorted(p for p in (out_dir / "checkpoints").glob("step-*") if (p / "state.pt").is_file())
+    return cks[-1] if cks else None
+
+
+def export(tr, ck: Path) -> dict:
+    """The run's result beside its checkpoints: <name>.safetensors (LoRA) or <name>-transformer/ (full)."""
+    from lorakit.io import atomic_path
+
+    out = tr.out
+    if tr.full:
+        final = out / f"{tr.cfg.output.name}-transformer"
+        shutil.rmtree(final, ignore_errors=True)
+        shutil.copytree(ck / "transformer", final)
+        return {"transformer": str(final)}
+    final = out / f"{tr.cfg.output.name}.safetensors"
+    with atomic_path(final) as tmp:
+        shutil.copyfile(ck / "lora.safetensors", tmp)
+    return {"lora": str(final)}
+
+
+def rank_state_file(tr, ck: Path) -> Path:
+    return ck / f"optimizer-rank{tr.dist.rank}-of-{tr.dist.world}.pt"
+
+
+def _full_state(tr) -> tuple[dict, dict | None]:
+    """Whole-model weights and optimizer state keyed by parameter name (gathered from the shards on rank 0
+    under FSDP), so a checkpoint resumes on any number of GPUs. 8-bit moments: saved per rank (None)."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
+
+    opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    weights = get_model_state_dict(tr.transformer, options=opts)
+    if tr.per_rank_state:
+        return weights, None
+    return weights, get_optimizer_state_dict(tr.transformer, tr.opt, options=opts)
+
+
+def _save_transformer(transformer, weights: dict, folder: Path) -> None:
+    """A fully trained transformer in diffusers layout: config.json + (sharded) safetensors."""
+    from lorakit.io import atomic_path
+    from lorakit.io.writer import save_sharded
+
+    cls = next(c for c in type(transformer).__mro__ if c.__module__.startswith("diffusers."))
+    config = {k: v for k, v in dict(transformer.config).items() if not k.startswith("_")}
+    config["_class_name"] = cls.__name__
+    try:
+        import diffusers
+
+        config["_diffusers_version"] = diffusers.__version__
+    except ImportError:
+        pass
+    save_sharded({k: v.contiguous() for k, v in weights.items()}, folder)
+    with atomic_path(folder / "config.json") as tmp:
+        tmp.write_text(json.dumps(config, indent=2, sort_keys=True, default=list))

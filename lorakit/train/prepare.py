@@ -1,0 +1,92 @@
+"""Turning a loaded transformer into the thing a run trains: the frozen base in the profile's storage (8-bit,
+4-bit, or swapped to the host block by block), LoRA (or every weight), gradient checkpointing, FSDP shards,
+compiled repeated blocks. Option conflicts are refused earlier, by config validation (`config.Config`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class Prepared:
+    transformer: object
+    params: list  # what the optimizer steps
+    peft_config: dict | None  # the LoRA's peft config (None: method=full)
+    quantized: int  # Linear layers stored in 8 or 4 bits
+    swapper: object | None  # train.swap.BlockSwapper when blocks are swapped
+    sharded: bool  # FSDP
+    compiled: bool
+
+
+def load_base(cfg, device: str, dtype):
+    """The model's transformer, read through lorakit.io. An 8-bit or 4-bit base is loaded to the CPU (mapped, no
+    copy) and reaches the GPU layer by layer in its storage; with block swapping, the swapped blocks' weights
+    never visit the GPU outside their turn."""
+    from pathlib import Path
+
+    from lorakit.io.modules import load_component
+
+    on_gpu = device != "cpu"
+    to_cpu = on_gpu and (cfg.memory.base_quant != "none" or cfg.memory.blocks_to_swap > 0)
+    return load_component(Path(cfg.model.path) / "transformer", "cpu" if to_cpu else device, dtype,
+                          cfg.memory.loader, unified_memory=cfg.memory.unified_memory)
+
+
+def prepare(cfg, adapter, transformer, device: str, dtype, dist) -> Prepared:
+    """Put the base in its storage, add what trains, and wrap it for this machine (in that order)."""
+    import torch
+
+    full = cfg.method == "full"
+    quantized = 0
+    if cfg.memory.base_quant in ("fp8", "qfloat8"):
+        from lorakit.train.quant import quantize_blocks
+
+        quantized = quantize_blocks(transformer, dtype, device)
+    elif cfg.memory.base_quant == "nf4":
+        from lorakit.train.quant import quantize_blocks_nf4
+
+        quantized = quantize_blocks_nf4(transformer, dtype, device)
+    sharded = full and dist.enabled
+    swapper = None
+    if cfg.memory.blocks_to_swap and not sharded:
+        from lorakit.train.swap import BlockSwapper
+
+        swapper = BlockSwapper(transformer, cfg.memory.blocks_to_swap, device, pin=cfg.memory.pin_memory)
+        swapper.place_rest(transformer)
+    elif not sharded:
+        transformer.to(device)  # what was not quantized (loaded to the CPU for an 8-bit base)
+    if full:
+        peft_config = None
+        transformer.requires_grad_(True)
+    else:
+        from lorakit.train.lora import add_lora
+
+        peft_config = add_lora(transformer, adapter, cfg)
+    if cfg.memory.gradient_checkpointing or swapper:  # swapping needs the recompute
+        transformer.enable_gradient_checkpointing()
+    if sharded:  # FSDP: each block's weights, grads and optimizer states split over the ranks
+        fully_shard(transformer, device)
+    compiled = bool(cfg.memory.compile and device.startswith("cuda") and not sharded and not swapper
+                    and getattr(transformer, "_repeated_blocks", None))
+    if compiled:  # regional: each repeated block once (seconds, not minutes), shapes per bucket
+        transformer.compile_repeated_blocks()
+    transformer.train()
+    params = [p for p in transformer.parameters() if p.requires_grad]
+    if not full:
+        for p in params:  # LoRA weights train in fp32 whatever the base dtype, on the GPU (peft puts
+            p.data = p.data.to(device, torch.float32)  # those of swapped layers beside their host weights)
+    return Prepared(transformer, params, peft_config, quantized, swapper, sharded, compiled)
+
+
+def fully_shard(transformer, device: str) -> None:
+    """FSDP2 over the transformer: every repeated block its own unit, then the rest."""
+    import torch.distributed as td
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard as shard
+
+    mesh = init_device_mesh("cuda" if device.startswith("cuda") else "cpu", (td.get_world_size(),))
+    names = set(getattr(transformer, "_repeated_blocks", None) or ())
+    for m in list(transformer.modules()):
+        if type(m).__name__ in names:
+            shard(m, mesh=mesh)
+    shard(transformer, mesh=mesh)
