@@ -156,10 +156,9 @@ def generate(model_dir: Path, req: Request, loras: list[tuple[Path, float]], out
         for _ in range(req.batch):
             seed = req.seed + k
             kw = dict(prompt=prompt, num_inference_steps=req.steps, generator=torch.Generator().manual_seed(seed))
-            if req.width:
-                kw["width"] = req.width
-            if req.height:
-                kw["height"] = req.height
+            if req.width or req.height:  # the sizes the family's pipeline takes (Kandinsky 5 T2I: its list)
+                w, h = req.width or req.height, req.height or req.width
+                kw.update({k: v for k, v in adapter.call_kwargs(w, h, req.frames).items() if k != "num_frames"})
             if req.negative is not None:
                 kw["negative_prompt"] = req.negative
             if req.guidance is not None:
@@ -182,7 +181,8 @@ def generate(model_dir: Path, req: Request, loras: list[tuple[Path, float]], out
                 frames[0].save(path, save_all=True, append_images=frames[1:], duration=100, loop=0)
                 img = frames[len(frames) // 2]
             else:
-                img = _to_pil(result.images[0])
+                images_ = getattr(result, "images", None)
+                img = _to_pil((images_ if images_ is not None else result.image)[0])
                 path = out_dir / f"{k:04d}-seed{seed}.png"
                 img.save(path, pnginfo=info)
             files.append(str(path))
