@@ -1,0 +1,157 @@
+"""The family contract: every registered family, through every path, with the default config.
+
+A new family plugs in by declaring its facts on an adapter (lorakit/models/); this test then runs it through
+everything a user does. A family that forgets a fact fails here with the fact's name.
+"""
+
+import json
+
+import pytest
+import torch
+import yaml
+from typer.testing import CliRunner
+
+from lorakit.cli.app import app
+from lorakit.data.demo import demo_layout_for, make_demo_dataset
+from lorakit.models.base import family_adapter, load_adapter
+from lorakit.models.registry import family_info, family_names
+
+FAMILIES = family_names()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_fact_is_declared(family):
+    a = family_adapter(family)
+    assert type(a).missing_facts() == [], f"{family} does not declare: {', '.join(type(a).missing_facts())}"
+    assert a.layout in ("flat", "edit", "video") and a.guidance in ("embedded", "cfg")
+    assert (a.max_controls > 0) == (a.layout == "edit")
+    assert a.lora_presets.attention and a.lora_presets.mlp and len(a.lora_presets.io) == 3
+    assert a.attention_cases and all(c.head_dim * c.heads > 0 for c in a.attention_cases)
+    import inspect
+
+    assert a.guidance_arg in inspect.signature(a.pipeline_class().__call__).parameters
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_presets_match_the_real_transformer(tiny, family):
+    from lorakit.io.modules import load_component
+    from lorakit.train.lora import target_modules
+
+    tr = load_component(tiny(family) / "transformer")
+    a = family_adapter(family)
+    attn = target_modules(tr, a, "attention")
+    both = target_modules(tr, a, "attention_mlp")
+    every = target_modules(tr, a, "all_linear")
+    io = target_modules(tr, a, "attention", io=True)
+    assert attn and set(attn) < set(both) <= set(every)
+    assert set(io) - set(attn) == set(a.lora_presets.io)  # the latent in/out layers, by their exact names
+    # every preset name is found in the model (a typo in a family's facts would be caught by target_modules)
+    for w in a.preset_modules("attention_mlp"):
+        assert any(n.endswith("." + w) for n in both), w
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_published_size_and_full_config_agree(family):
+    """The published transformer config builds (on the meta device) at the size the memory estimate uses, its
+    one-block attention case runs through `predict` with the adapter's example inputs, and the estimate counts
+    the family's controls and frames."""
+    import diffusers
+
+    from lorakit.config import validate
+    from lorakit.train.memory import estimate
+
+    a = family_adapter(family)
+    cls = getattr(diffusers, a.info.transformer_class)
+    with torch.device("meta"):
+        full = cls(**a.full_config)
+        small = cls(**a.attention_model_config())
+    n = sum(p.numel() for p in full.parameters())
+    assert abs(n - a.published.params) / a.published.params < 0.1, (n, a.published.params)
+    g = torch.Generator().manual_seed(0)
+    b = a.example_inputs(a.attention_model_config(), 256, 16, g, frames=5)
+    meta = {k: v.to("meta") for k, v in b.text.items()}
+    with torch.no_grad():
+        v = a.predict(small, b.latents.to("meta"), torch.tensor([0.5], device="meta"), meta,
+                      controls=[c.to("meta") for c in b.controls])
+    assert v.shape == b.latents.shape
+    est = estimate(validate({"model": {"family": family}, "data": {"resolution": 512, "frames": 17}}))
+    per_image = (512 // family_info(family).patch) ** 2
+    assert est["tokens"] >= per_image * (1 + a.max_controls) * (5 if a.layout == "video" else 1)
+    assert est["blocks"] == a.published.blocks and est["gib"] > a.published.params * 2 / 2**30
+
+
+def _default_config(tmp_path, family, model) -> tuple:
+    """The built-in defaults (+ the cpu profile), with only what the tiny models and a short run need."""
+    data = make_demo_dataset(tmp_path / "data", demo_layout_for(family), count=4, size=64)
+    cfg = {"model": {"family": family, "path": str(model)},
+           "data": {"dirs": [str(data)], "resolution": 64, "bucket_min_side": 32, "bucket_max_side": 128},
+           "schedule": {"steps": 3}, "sampling": {"steps": 3},
+           "output": {"dir": str(tmp_path / "out"), "save_every": 3}}
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path, data
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", FAMILIES)
+def test_default_config_runs_every_path(tmp_path, tiny, family):
+    from lorakit.cache.builder import cache_dir_for
+    from lorakit.cache.store import Store
+    from lorakit.config import resolve
+    from lorakit.convert import lora as L
+    from lorakit.io.modules import load_component
+    from lorakit.train.data import CachedData
+    from lorakit.train.loop import Trainer
+
+    run = CliRunner()
+    path, ds = _default_config(tmp_path, family, tiny(family))
+    r = run.invoke(app, ["train", str(path), "--dry-run", "--json"])
+    assert r.exit_code == 0, r.output
+    r = run.invoke(app, ["cache", str(path), "--json"])
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.output)["items"] == 4
+    r = run.invoke(app, ["train", str(path), "--json"])  # the default targets: attention
+    assert r.exit_code == 0, r.output
+    res = json.loads(r.output)
+    assert res["steps"] == 3 and res["cache"]["reused"] == 4 and res["samples"].endswith("progress.png")
+    losses = [json.loads(x)["loss"] for x in open(res["metrics"])]
+    assert len(losses) == 3 and all(torch.isfinite(torch.tensor(losses)))
+
+    # the LoRA moved the model, and stock diffusers reproduces lorakit's predictions from the file
+    cfg, _ = resolve(path, [], None)
+    a = load_adapter(family, tiny(family))
+    st = Store(cache_dir_for(cfg))
+    data = CachedData(st, st.read_manifest(), 1, 0)
+    tr = Trainer(cfg, a, load_component(tiny(family) / "transformer"), data, tmp_path / "x", "cpu", torch.float32)
+    tr.resume(tmp_path / "out" / "checkpoints" / "final")
+    tr.transformer.eval()
+    pipe = a.pipeline_class().from_pretrained(tiny(family))
+    pipe.load_lora_weights(res["lora"])
+    b = data.load([data.items[0]["key"]])
+    xt = torch.randn(b.latents.shape, generator=torch.Generator().manual_seed(0))
+    s = torch.tensor([0.6])
+    with torch.no_grad():
+        ours = a.predict(tr.transformer, xt, s, b.text, controls=b.controls)
+        stock = a.predict(pipe.transformer, xt, s, b.text, controls=b.controls)
+        base = a.predict(load_component(tiny(family) / "transformer"), xt, s, b.text, controls=b.controls)
+    torch.testing.assert_close(ours, stock, rtol=1e-5, atol=1e-5)
+    assert (ours - base).abs().max() > 0  # three steps at the default learning rate changed the output
+
+    # every format and back, exactly
+    pieces, facts = L.read(res["lora"])
+    assert facts["arch"] in (family_info(family).arch, None)
+    for fmt in ("peft", "kohya", "comfyui", "diffusers"):
+        dst = tmp_path / ("peft" if fmt == "peft" else f"{fmt}.safetensors")
+        r = run.invoke(app, ["convert", "lora", res["lora"], str(dst), "--to", fmt, "--family", family, "--json"])
+        assert r.exit_code == 0 and json.loads(r.output)["deltas_equal"], r.output
+        back, _ = L.read(dst, arch=family_info(family).arch)
+        assert L.deltas_equal(pieces, back)[0]
+
+    # infer with the LoRA through the CLI (edit families from a control image of the dataset)
+    args = ["infer", str(tiny(family)), "-p", "a red circle", "--lora", res["lora"], "--steps", "2", "--width", "64",
+            "--height", "64", "--frames", "5", "-o", str(tmp_path / "img"), "--json"]
+    for folder in sorted(p for p in ds.iterdir() if p.name.startswith("control")):
+        args += ["--image", str(sorted(folder.iterdir())[0])]
+    r = run.invoke(app, args)
+    assert r.exit_code == 0, r.output
+    assert len(json.loads(r.output)["files"]) == 1
