@@ -59,6 +59,30 @@ def test_velocity_equals_the_pipelines_one_step(tiny, family):
     torch.testing.assert_close(v, v_ref, rtol=1e-5, atol=1e-5)
 
 
+def test_kontext_velocity_equals_the_pipelines_one_step(tiny):
+    """FluxKontextPipeline appends the control image's packed latents (position ids with first coordinate 1)."""
+    from diffusers import FluxKontextPipeline
+
+    from lorakit.cache.builder import _pixels
+
+    folder = tiny("flux-kontext")
+    a = load_adapter("flux-kontext", folder)
+    pipe = FluxKontextPipeline.from_pretrained(folder)
+    pipe.set_progress_bar_config(disable=True)
+    noise = torch.randn(1, 16, 8, 8, generator=torch.Generator().manual_seed(0))
+    control = Image.new("RGB", (48, 80), (200, 30, 30))  # another size than the target: its own positions
+    text = {k: v[None] for k, v in a.encode_prompts(["make the circle red"])[0].items()}
+    packed = pipe._pack_latents(noise, 1, 16, 8, 8)
+    with torch.no_grad():
+        out = pipe(prompt_embeds=text["prompt_embeds"], pooled_prompt_embeds=text["pooled"], latents=packed,
+                   image=control, _auto_resize=False, guidance_scale=2.5, num_inference_steps=1,
+                   output_type="latent", height=64, width=64, max_area=64 * 64).images
+        v_ref = pipe._unpack_latents(packed - out, 64, 64, 8)
+        ctrl = a.encode_images(_pixels([control]))
+        v = a.predict(pipe.transformer, noise, torch.tensor([1.0]), text, guidance=2.5, controls=[ctrl])
+    torch.testing.assert_close(v, v_ref, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("family", ["kandinsky5-t2i", "kandinsky5-t2v"])
 def test_kandinsky_velocity_equals_the_pipelines_one_step(tiny, family):
     from diffusers import DiffusionPipeline

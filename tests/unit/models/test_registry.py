@@ -4,9 +4,9 @@ from lorakit.errors import UnknownNameError
 from lorakit.models.registry import family_info, family_names
 
 
-def test_six_family_variants():
+def test_the_seven_families():
     assert family_names() == ["flux", "qwen-image", "qwen-image-edit", "qwen-image-edit-plus",
-                              "kandinsky5-t2i", "kandinsky5-t2v"]
+                              "kandinsky5-t2i", "kandinsky5-t2v", "flux-kontext"]
 
 
 def test_variants_are_flags_of_one_adapter():
