@@ -31,7 +31,7 @@ def _suggest_multiple(value: int, m: int) -> str:
 
 class ModelConfig(_Section):
     family: str = Field(description="model family: " + ", ".join(family_names()))
-    path: Path | None = Field(None, description="diffusers model folder (or single .safetensors file)")
+    path: Path | None = Field(None, description="the diffusers model folder (model_index.json inside), as downloaded from the hub")
     dtype: Literal["bf16", "fp16", "fp32"] = Field("bf16", description="compute dtype of the trainable model")
 
     @field_validator("family")

@@ -107,20 +107,21 @@ def loader_checks(facts: Facts, add) -> None:
 
 
 def quant_checks(facts: Facts, add, libs: dict) -> None:
-    needs = {"optimum-quanto": "needed by the rtx4090 profile (qfloat8 base)",
-             "bitsandbytes": "needed for 8-bit AdamW and nf4 (rtx4090 profile)"}
-    for name, why in needs.items():
+    # name: (why it matters, how much a missing or broken one matters)
+    needs = {"optimum-quanto": ("optional: lorakit's fp8/qfloat8 base is its own Float8Linear, not quanto's", INFO),
+             "bitsandbytes": ("needed for 8-bit AdamW and nf4 (rtx4090 profile)", WARN)}
+    for name, (why, weight) in needs.items():
         v = facts.packages.get(name)
         res = libs.get(name)
         if v is None:
-            add(Check(name, WARN, "not installed", f"{why}: pip install 'lorakit[quant]'"))
+            add(Check(name, weight, "not installed", f"{why}: pip install 'lorakit[quant]'"))
         elif res is None:
             add(Check(name, INFO, f"{v} (installed; not exercised: run doctor without --quick)"))
         elif res.ok:
             add(Check(name, OK, f"{v}: {res.detail}"))
         else:
-            add(Check(name, WARN, f"{v} is installed but fails here: {res.detail}",
-                      f"{why}; reinstall a build for this platform or use --profile with base_quant none"))
+            add(Check(name, weight, f"{v} is installed but fails here: {res.detail}",
+                      f"{why}; reinstall a build for this platform"))
     extras = [n for n in ("flash-attn", "flash_attn_3", "xformers") if facts.packages.get(n)]
     add(Check("extra attention kernels", INFO, ", ".join(f"{n} {facts.packages[n]}" for n in extras) or "none"))
 

@@ -7,25 +7,12 @@ from PIL import Image
 from typer.testing import CliRunner
 
 from lorakit.cli.app import app
+from tests.loras import trained_like
 
 
 def _lora(tiny, family, path, alpha=8):
     """A LoRA written by the function `lorakit train` writes with (non-zero B: the LoRA visibly acts)."""
-    from peft import LoraConfig
-
-    import lorakit.train.lora as tl
-    from lorakit.io.modules import load_component
-    from lorakit.models.base import family_adapter
-
-    tr = load_component(tiny(family) / "transformer")
-    names = tl.target_modules(tr, family_adapter(family), "attention_mlp")
-    cfg = LoraConfig(r=4, lora_alpha=alpha, target_modules=names, init_lora_weights="gaussian")
-    tr.add_adapter(cfg)
-    g = torch.Generator().manual_seed(3)
-    for n, p in tr.named_parameters():
-        if "lora_B" in n:
-            p.data = torch.randn(p.shape, generator=g) * 0.5
-    return tl.save_lora(tr, path, cfg.to_dict())
+    return trained_like(tiny, family, path, targets="attention_mlp", alpha=alpha, seed=3, scale=0.5)
 
 
 def _stock(folder, lora, prompt, seed, **kw):

@@ -7,25 +7,12 @@ from typer.testing import CliRunner
 from lorakit.cli.app import app
 from lorakit.convert import lora as L
 from lorakit.errors import InputError
+from tests.loras import trained_like
 
 
 def _trained_like(tiny, family, tmp_path, targets="all_linear", alpha=8):
     """A LoRA file as lorakit train writes it, with non-zero B so every delta is non-trivial."""
-    from peft import LoraConfig
-
-    import lorakit.train.lora as tl
-    from lorakit.io.modules import load_component
-    from lorakit.models.base import family_adapter
-
-    tr = load_component(tiny(family) / "transformer")
-    names = tl.target_modules(tr, family_adapter(family), targets)
-    cfg = LoraConfig(r=4, lora_alpha=alpha, target_modules=names, init_lora_weights="gaussian")
-    tr.add_adapter(cfg)
-    g = torch.Generator().manual_seed(0)
-    for n, p in tr.named_parameters():
-        if "lora_B" in n:
-            p.data = torch.randn(p.shape, generator=g)
-    return tl.save_lora(tr, tmp_path / "orig.safetensors", cfg.to_dict())
+    return trained_like(tiny, family, tmp_path / "orig.safetensors", targets=targets, alpha=alpha)
 
 
 def _same_tensors(a, b):
@@ -138,46 +125,3 @@ def test_unknown_native_keys_are_refused(tmp_path):
                "lora_unet_mystery_block_0.lora_up.weight": torch.zeros(4, 2)}, tmp_path / "k.safetensors")
     with pytest.raises(InputError):
         L.read(tmp_path / "k.safetensors", arch="flux")
-
-
-def test_merge_bakes_the_lora_in_exactly(tiny, tmp_path):
-    from diffusers import FluxTransformer2DModel
-
-    from lorakit.io.modules import load_component
-    from lorakit.models.base import family_adapter, load_adapter
-    from lorakit.train.lora import load_lora_into
-
-    folder = tiny("flux")
-    src = _trained_like(tiny, "flux", tmp_path, targets="attention")
-    r = CliRunner().invoke(app, ["convert", "merge", str(folder), str(src), str(tmp_path / "merged"), "--json"])
-    assert r.exit_code == 0, r.output
-    merged = load_component(tmp_path / "merged" / "transformer")
-    assert isinstance(merged, FluxTransformer2DModel) and (tmp_path / "merged" / "vae").is_dir()
-    base = load_component(folder / "transformer")
-    from peft import LoraConfig
-
-    import lorakit.train.lora as tl
-
-    targets = tl.target_modules(base, family_adapter("flux"), "attention")
-    base.add_adapter(LoraConfig(r=4, lora_alpha=8, target_modules=targets))
-    load_lora_into(base, src)
-    ad = load_adapter("flux", None)
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(1, 16, 8, 8, generator=g)
-    text = {"prompt_embeds": torch.randn(1, 7, 32, generator=g), "pooled": torch.randn(1, 32, generator=g)}
-    with torch.no_grad():
-        a = ad.predict(merged, x, torch.tensor([0.5]), text)
-        b = ad.predict(base, x, torch.tensor([0.5]), text)
-    assert torch.allclose(a, b, atol=1e-5, rtol=1e-4)
-    r = CliRunner().invoke(app, ["convert", "merge", str(folder), str(src), str(tmp_path / "merged")])
-    assert r.exit_code == 2 and "exists" in r.output
-    # at a scale: W' = W + scale * alpha/r * B @ A
-    r = CliRunner().invoke(app, ["convert", "merge", str(folder), str(src), str(tmp_path / "half"), "--scale", "0.5"])
-    assert r.exit_code == 0, r.output
-    from lorakit.io import load
-
-    pieces, _ = L.read(src)
-    w0, w1 = load(folder / "transformer"), load(tmp_path / "half" / "transformer")
-    m = "transformer_blocks.0.attn.to_q"
-    want = (w0[f"{m}.weight"].double() + 0.5 * pieces[m].delta()).float()
-    assert torch.equal(w1[f"{m}.weight"], want)

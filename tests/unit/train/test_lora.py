@@ -1,0 +1,63 @@
+"""LoRA targets from the family's presets, and the LoRA file's round trip."""
+
+import pytest
+import torch
+
+from lorakit.errors import ConfigError
+from lorakit.io.modules import load_component
+from lorakit.models.base import family_adapter
+from lorakit.train.lora import load_lora_into, lora_state_dict, save_lora, target_modules
+
+
+@pytest.fixture
+def flux(tiny):
+    return load_component(tiny("flux") / "transformer")
+
+
+def test_presets_are_the_familys_and_stay_inside_the_blocks(flux):
+    a = family_adapter("flux")
+    attn = target_modules(flux, a, "attention")
+    assert attn and all("blocks." in n and n.split(".")[-1] in {"to_q", "to_k", "to_v", "0", "add_q_proj",
+                                                               "add_k_proj", "add_v_proj", "to_add_out"} for n in attn)
+    assert "proj_out" not in target_modules(flux, a, "all_linear")  # the top-level output projection is io
+
+
+def test_io_adds_exactly_the_latent_layers(flux):
+    a = family_adapter("flux")
+    extra = set(target_modules(flux, a, "attention", io=True)) - set(target_modules(flux, a, "attention"))
+    assert extra == {"x_embedder", "norm_out.linear", "proj_out"}
+
+
+def test_explicit_names_may_be_anywhere_and_typos_are_named(flux):
+    a = family_adapter("flux")
+    found = target_modules(flux, a, ["proj_out"])
+    assert "proj_out" in found and any(n.startswith("single_transformer_blocks.") for n in found)
+    with pytest.raises(ConfigError, match="'to_qq'"):
+        target_modules(flux, a, ["to_q", "to_qq"])
+
+
+def test_a_preset_the_model_lacks_is_an_error_not_an_empty_lora(tiny):
+    # the Kandinsky 5 bug: FLUX's attention names on a Kandinsky 5 transformer used to train nothing silently
+    k5 = load_component(tiny("kandinsky5-t2i") / "transformer")
+    with pytest.raises(ConfigError, match="does not have"):
+        target_modules(k5, family_adapter("flux"), "attention")
+    assert target_modules(k5, family_adapter("kandinsky5-t2i"), "attention")
+
+
+def test_saved_lora_loads_back_bit_for_bit(flux, tmp_path):
+    from peft import LoraConfig
+
+    names = target_modules(flux, family_adapter("flux"), "attention")
+    cfg = LoraConfig(r=4, lora_alpha=8, target_modules=names, init_lora_weights="gaussian")
+    flux.add_adapter(cfg)
+    for n, p in flux.named_parameters():
+        if "lora_B" in n:
+            p.data = torch.randn(p.shape)
+    path = save_lora(flux, tmp_path / "l.safetensors", cfg.to_dict(), {"lorakit_step": 3})
+    before = {k: v.clone() for k, v in lora_state_dict(flux).items()}
+    for n, p in flux.named_parameters():
+        if "lora_" in n:
+            p.data.zero_()
+    load_lora_into(flux, path)
+    after = lora_state_dict(flux)
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
