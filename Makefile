@@ -16,6 +16,9 @@ BIN         := $(VENV)/bin
 STAMP       := $(VENV)/.lorakit-installed
 DEMO_OUT    ?= demo-out
 PYTEST_ARGS ?=
+# test workers: one per core, at most 4 (each holds torch + diffusers in memory); TEST_WORKERS=0 runs in-process
+TEST_WORKERS ?= auto
+XDIST       := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --maxprocesses=4 --dist worksteal)
 
 .PHONY: setup demo test test-fast lint clean
 
@@ -32,10 +35,10 @@ demo: setup
 	$(BIN)/lorakit demo --out $(DEMO_OUT)
 
 test: setup
-	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q $(XDIST) $(PYTEST_ARGS)
 
 test-fast: setup
-	$(BIN)/python -m pytest -q -m "not slow" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q $(XDIST) -m "not slow" $(PYTEST_ARGS)
 
 lint: setup
 	$(BIN)/ruff check lorakit tests scripts

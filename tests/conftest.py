@@ -8,6 +8,11 @@ from pathlib import Path
 import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+if os.environ.get("PYTEST_XDIST_WORKER"):  # several workers share the cores: one thread each (children too)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import torch
+
+    torch.set_num_threads(1)
 
 
 def pytest_collection_modifyitems(config, items):
@@ -29,7 +34,11 @@ def pytest_collection_modifyitems(config, items):
 def tiny_root(tmp_path_factory) -> Path:
     """Where this session's tiny pipelines are built (LORAKIT_TEST_TINY reuses a folder across runs)."""
     keep = os.environ.get("LORAKIT_TEST_TINY")
-    return Path(keep) if keep else tmp_path_factory.mktemp("tiny")
+    if keep:
+        return Path(keep)
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # one folder for all workers of this run (builds are locked)
+        return tmp_path_factory.getbasetemp().parent / "tiny"
+    return tmp_path_factory.mktemp("tiny")
 
 
 @pytest.fixture(scope="session")

@@ -272,7 +272,12 @@ def tiny_pipeline(family: str, seed: int = 0, root: str | os.PathLike | None = N
     """The cached tiny pipeline folder of a family, built on first use."""
     folder = Path(root or cache_root()) / _key(family, seed)
     if not (folder / "model_index.json").is_file():
-        build_tiny(family, folder, seed)
+        from filelock import FileLock
+
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        with FileLock(str(folder) + ".lock"):  # several processes (test workers) may ask at once
+            if not (folder / "model_index.json").is_file():
+                build_tiny(family, folder, seed)
     return folder
 
 
