@@ -1,11 +1,13 @@
 import json
 
+import pytest
 from PIL import Image
 from typer.testing import CliRunner
 
 from lorakit.cli.app import app
 
 
+@pytest.mark.slow
 def test_demo_runs_end_to_end_offline(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     out = tmp_path / "demo"

@@ -28,6 +28,7 @@ def test_optimised_step_matches_plain_step_in_bf16(family):
     assert r["grad_rel_diff"] < 5e-2
 
 
+@pytest.mark.slow
 def test_full_size_flops_are_the_published_architectures():
     # FLUX.1-dev at 1024²: ~74 TFLOP forward (12 B parameters, 4608 tokens, attention included)
     f = model_flops("flux", "full", 1024)
@@ -42,6 +43,7 @@ def test_full_mask_is_dropped_only_when_it_masks_nothing():
     assert "prompt_embeds_mask" in drop_full_mask(b).text
 
 
+@pytest.mark.slow
 def test_bench_step_cli_on_tiny_model():
     r = CliRunner().invoke(app, ["bench", "step", "--tiny", "--family", "qwen-image", "--res", "64", "--steps", "2",
                                  "--warmup", "1", "--json"])

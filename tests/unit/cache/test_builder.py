@@ -106,6 +106,7 @@ def test_edit_plus_and_video_entries(tmp_path, tiny):
     assert v["pooled"].shape == (32,)
 
 
+@pytest.mark.slow
 def test_kill_9_mid_build_then_resume(tmp_path, tiny):
     data = make_demo_dataset(tmp_path / "d", "flat", count=16, size=64)
     cfg_path = tmp_path / "run.yaml"

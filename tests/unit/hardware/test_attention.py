@@ -146,6 +146,7 @@ def test_jobs_run_in_a_child_process_and_report_as_they_finish():
     assert [(r.case, r.ok) for r in rows] == [("tiny", True), ("tiny+mask", True)] and seen == rows
 
 
+@pytest.mark.slow
 def test_a_hung_case_is_a_failure_within_the_watchdog_and_the_rest_still_run(monkeypatch):
     import time as _time
 

@@ -69,6 +69,7 @@ def _valid_bytes() -> bytes:
 VALID = _valid_bytes()
 
 
+@pytest.mark.slow
 @settings(max_examples=2000, deadline=None, suppress_health_check=list(HealthCheck))
 @given(hs.data())
 def test_fuzz_mutated_files_never_crash(tmp_path_factory, data):

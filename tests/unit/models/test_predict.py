@@ -8,6 +8,7 @@ from PIL import Image
 from lorakit.models.base import load_adapter
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["flux", "qwen-image", "qwen-image-edit"])
 def test_velocity_equals_the_pipelines_one_step(tiny, family):
     from diffusers import DiffusionPipeline

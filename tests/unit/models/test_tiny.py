@@ -40,6 +40,7 @@ def _call_kwargs(family):
     return kw
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", family_names())
 def test_stock_diffusers_loads_and_generates(tiny, family):
     from diffusers import DiffusionPipeline

@@ -47,6 +47,7 @@ def test_sampler_matches_the_stock_pipeline(tmp_path, tiny, family):
     assert diff <= 3 and mean < 0.5, (diff, mean)  # 8-bit rounding of the same pixels
 
 
+@pytest.mark.slow
 def test_train_writes_a_grid_before_every_n_steps_and_at_the_end(tmp_path, tiny):
     cfg = make_cfg(tmp_path, "qwen-image-edit", tiny("qwen-image-edit"), steps=5,
                    sampling={"every": 2, "steps": 3, "prompts": ["make it red", "make it blue", "flip it"]})

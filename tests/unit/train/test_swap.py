@@ -69,6 +69,7 @@ def test_swapper_moves_weights_only_for_the_visit():
         BlockSwapper(Model(), 4, "cpu")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["flux", "qwen-image"])
 def test_swapping_blocks_gives_the_same_losses(tmp_path, tiny, family):
     plain = _trainer(tmp_path / "a", tiny, family, "cpu", gradient_checkpointing=True)
