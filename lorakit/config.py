@@ -239,21 +239,60 @@ def deep_merge(base: dict, over: dict) -> dict:
     return out
 
 
+class _StrictLoader(yaml.SafeLoader):
+    """safe_load that refuses a key given twice in one mapping (YAML would silently keep the last)."""
+
+
+def _strict_mapping(loader, node, deep=False):
+    seen = {}
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node, deep=deep)
+        if key in seen:
+            raise yaml.constructor.ConstructorError(
+                None, None, f"duplicate key {key!r} (first at line {seen[key] + 1}): which one is meant?",
+                key_node.start_mark)
+        seen[key] = key_node.start_mark.line
+    return yaml.SafeLoader.construct_mapping(loader, node, deep=deep)
+
+
+_StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _strict_mapping)
+
+
+def parse_yaml(text: str, source: str) -> object:
+    """YAML text -> data, duplicate keys refused; errors name the line.
+
+    Raises:
+        ConfigError: a syntax error or a duplicate key.
+    """
+    try:
+        return yaml.load(text, Loader=_StrictLoader)  # noqa: S506 - a SafeLoader subclass
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise ConfigError([f"YAML error{where}: {getattr(e, 'problem', None) or e}"], source=source,
+                          hint="YAML wants `key: value` with a space after the colon, nesting by indentation "
+                               "(spaces, not tabs), and each key once per section") from None
+
+
 def load_yaml(path: Path) -> dict:
     """Read a YAML mapping.
 
     Raises:
-        ConfigError: missing file, YAML syntax error, or not a mapping.
+        ConfigError: missing file, a folder, not UTF-8, YAML syntax error or duplicate key, or not a mapping.
     """
     path = Path(path)
+    if path.is_dir():
+        raise ConfigError([f"{path} is a folder, not a config file"],
+                          hint="give the YAML file, e.g. my-run.yaml (`lorakit demo` writes an example config.yaml)")
     if not path.is_file():
-        raise ConfigError([f"file not found: {path}"], hint="check the path, or run `lorakit demo` for an example")
+        why = "file not found" if not path.exists() else "not a regular file"
+        raise ConfigError([f"{why}: {path}"], hint="check the path, or run `lorakit demo` for an example")
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        raise ConfigError([f"YAML syntax error{where}: {getattr(e, 'problem', e)}"], source=str(path)) from None
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError([f"{path} is not UTF-8 text (byte {e.start} cannot be read)"],
+                          hint="save the config as UTF-8") from None
+    data = parse_yaml(text, str(path))
     if data is None:
         return {}
     if not isinstance(data, dict):
@@ -384,6 +423,53 @@ def torch_dtype(name: str):
     import torch
 
     return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[name]
+
+
+def _writable_dir_problem(key: str, path: Path) -> str | None:
+    import os
+
+    if path.exists() and not path.is_dir():
+        return f"{key}: {path} is a file, not a folder"
+    p = path
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    if p.exists() and not os.access(p, os.W_OK | os.X_OK):
+        return f"{key}: cannot create or write {path} (no write permission on {p})"
+    return None
+
+
+def check_paths(cfg: Config, model: bool = True, data: bool = True) -> None:
+    """Every path problem of a run at once: the model folder, each dataset folder, the output and cache folders.
+
+    Raises:
+        ConfigError: listing them all.
+    """
+    problems = []
+    if model:
+        mp = cfg.model.path
+        if mp is None:
+            problems.append("model.path: required (the diffusers model folder)")
+        elif not mp.exists():
+            problems.append(f"model.path: no such folder: {mp}")
+        elif not mp.is_dir():
+            problems.append(f"model.path: {mp} is a file; lorakit takes the diffusers model folder "
+                            "(model_index.json inside), as downloaded from the hub")
+        elif not (mp / "model_index.json").is_file():
+            problems.append(f"model.path: {mp} has no model_index.json (not a diffusers pipeline folder)")
+    if data:
+        if not cfg.data.dirs:
+            problems.append("data.dirs: no dataset folder given")
+        for d in cfg.data.dirs:
+            if not d.exists():
+                problems.append(f"data.dirs: no such folder: {d}")
+            elif not d.is_dir():
+                problems.append(f"data.dirs: {d} is a file, not a dataset folder")
+    for key, path in (("output.dir", cfg.output.dir), ("data.cache_dir", cfg.data.cache_dir)):
+        why = _writable_dir_problem(key, Path(path)) if path is not None else None
+        if why:
+            problems.append(why)
+    if problems:
+        raise ConfigError(problems, hint="fix the paths (all are listed); --set model.path=... data.dirs=[...]")
 
 
 def device_and_dtype(cfg: Config):

@@ -91,6 +91,17 @@ def sample_grid(model_dir: Path, family: str, prompts, size: int, steps: int, se
     return grid
 
 
+def _write(path: Path, what) -> None:
+    """Text or a PIL image, written atomically (a full disk is an error naming the file)."""
+    from lorakit.io import atomic_path
+
+    with atomic_path(path) as tmp:
+        if isinstance(what, str):
+            tmp.write_text(what)
+        else:
+            what.save(tmp, format="PNG")
+
+
 def run_demo(out_dir: Path, family: str | None = None, seed: int = 0, progress=None) -> DemoResult:
     """Run the demo into `out_dir` and return what it made."""
     from lorakit.config import dump_yaml, resolve
@@ -138,7 +149,7 @@ def run_demo(out_dir: Path, family: str | None = None, seed: int = 0, progress=N
         choice = choose("auto", facts)
         checks = doc.checks(facts, choice)
         facts_holder["choice"] = choice
-        (out_dir / "doctor.json").write_text(json.dumps(
+        _write(out_dir / "doctor.json", json.dumps(
             {"summary": doc.summary(checks), "checks": doc.to_dicts(checks)}, indent=2))
         res.files["doctor"] = str(out_dir / "doctor.json")
         s = doc.summary(checks)
@@ -146,9 +157,9 @@ def run_demo(out_dir: Path, family: str | None = None, seed: int = 0, progress=N
 
     def config():
         cfg_path = out_dir / "config.yaml"
-        cfg_path.write_text(yaml.safe_dump(demo_config(family, model_dir, data_dir, out_dir), sort_keys=False))
+        _write(cfg_path, yaml.safe_dump(demo_config(family, model_dir, data_dir, out_dir), sort_keys=False))
         cfg, prov = resolve(cfg_path, [], "auto")
-        (out_dir / "config.resolved.yaml").write_text(dump_yaml(cfg))
+        _write(out_dir / "config.resolved.yaml", dump_yaml(cfg))
         res.files["config"] = str(cfg_path)
         res.files["resolved_config"] = str(out_dir / "config.resolved.yaml")
         return f"resolved with profile {prov['profile']}"
@@ -184,12 +195,12 @@ def run_demo(out_dir: Path, family: str | None = None, seed: int = 0, progress=N
                 control = [control, Image.open(data_dir / "control_2" / f"{stems[0]}.png").convert("RGB")]
         grid = sample_grid(model_dir, family, DEMO_PROMPTS, 64, 4, seed, control)
         path = out_dir / "samples_base.png"
-        grid.save(path)
+        _write(path, grid)
         res.files["samples_base"] = str(path)
         note = f"{len(DEMO_PROMPTS)} samples from the base -> {path.name}"
         if "lora" in res.files:
             after = sample_grid(model_dir, family, DEMO_PROMPTS, 64, 4, seed, control, lora=Path(res.files["lora"]))
-            after.save(out_dir / "samples_lora.png")
+            _write(out_dir / "samples_lora.png", after)
             res.files["samples_lora"] = str(out_dir / "samples_lora.png")
             note += ", with the LoRA -> samples_lora.png"
         return note
@@ -201,5 +212,5 @@ def run_demo(out_dir: Path, family: str | None = None, seed: int = 0, progress=N
     stage("cache (text embeddings + latents)", cache)
     stage("train (LoRA)", train)
     stage("sample (stock diffusers pipeline)", sample)
-    (out_dir / "demo.json").write_text(json.dumps(res.to_dict(), indent=2))
+    _write(out_dir / "demo.json", json.dumps(res.to_dict(), indent=2))
     return res

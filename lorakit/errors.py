@@ -1,9 +1,20 @@
-"""Errors lorakit shows to people: one line saying what was wrong, plus a hint.
+"""Errors lorakit shows to people: one line saying what was wrong (naming the file involved), plus a hint.
 
-Exit codes: 2 for bad input (config, paths, datasets, files), 1 for failures while working.
+Exit codes (the CLI's one error handler, `cli/app.py`):
+- 2: bad input — config, paths, datasets, files (`InputError` and subclasses);
+- 1: the machine — no space, permissions, memory, a missing library, a hung kernel (`EnvironmentFault`),
+  or a capability this build or machine lacks (`NotAvailableError`); only errors lorakit cannot classify
+  get the "this looks like a bug in lorakit" hint;
+- 75: a training run that was interrupted (SIGINT/SIGTERM), saved a checkpoint and can be resumed;
+- 130: interrupted before anything could be saved (Ctrl-C outside training).
 """
 
 from __future__ import annotations
+
+import errno
+import re
+
+EXIT_INTERRUPTED_RESUMABLE = 75  # EX_TEMPFAIL: "temporary failure, the user is invited to retry"
 
 
 class LorakitError(Exception):
@@ -67,3 +78,85 @@ class FileFormatError(InputError):
 
 class NotAvailableError(LorakitError):
     """A capability this build or this machine does not have."""
+
+
+class EnvironmentFault(LorakitError):
+    """The machine, not the input: disk full, permissions, out of memory, a missing library (exit code 1)."""
+
+
+# --------------------------------------------------------------------------- classification
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+_WRITE_FAILURES = ("unexpected pos", "basic_ios::clear", "iostream error", "file write failed",
+                   "PytorchStreamWriter failed", "No space left")
+
+
+def short(text: object, limit: int = 200) -> str:
+    """The first line of a message, terminal colour codes removed, cut at a word boundary with an ellipsis."""
+    line = next((ln.strip() for ln in _ANSI.sub("", str(text)).splitlines() if ln.strip()), "")
+    if len(line) <= limit:
+        return line
+    cut = line[:limit].rsplit(" ", 1)[0]
+    return (cut if len(cut) > limit // 2 else line[:limit]).rstrip(" ,;:") + "…"
+
+
+def free_bytes(path) -> int | None:
+    """Free bytes on the disk holding a path (its nearest existing parent); None when unknown."""
+    import shutil
+    from pathlib import Path
+
+    p = Path(path) if path else Path.cwd()
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    try:
+        return shutil.disk_usage(p).free
+    except OSError:
+        return None
+
+
+def disk_note(path) -> str:
+    """'N MiB free there' for the disk holding a path."""
+    free = free_bytes(path)
+    if free is None:
+        return "free space unknown"
+    return f"{free / 2**20:.0f} MiB free there" if free < 2**30 else f"{free / 2**30:.1f} GiB free there"
+
+
+def environment_fault(e: BaseException, path=None) -> EnvironmentFault | None:
+    """The machine-level cause of an exception as a one-line `EnvironmentFault` naming the file (`path` when the
+    exception does not carry one); None when it is not one lorakit recognises."""
+    where = getattr(e, "filename", None) or path
+    full = isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT)
+    if not full and isinstance(e, RuntimeError) and path is not None and any(s in str(e) for s in _WRITE_FAILURES):
+        free = free_bytes(path)  # torch.save reports a full disk as a stream error; the disk says what it was
+        full = free is not None and free < 64 * 2**20
+    if full:
+        return EnvironmentFault(f"no space left on the device while writing {where or 'a file'} ({disk_note(where)})",
+                                "free space there, or point output.dir / data.cache_dir at a larger disk")
+    if isinstance(e, OSError) and e.errno in (errno.EACCES, errno.EPERM):
+        return EnvironmentFault(f"permission denied: {where or short(e)}",
+                                "check the file's and folder's permissions, or choose another folder")
+    if isinstance(e, OSError) and e.errno == errno.EROFS:
+        return EnvironmentFault(f"read-only file system: cannot write {where or 'a file'}",
+                                "choose a writable output.dir / data.cache_dir")
+    if isinstance(e, OSError) and e.errno == errno.EIO:
+        return EnvironmentFault(f"input/output error on {where or 'a file'}: the disk or network share failed",
+                                "check the disk (dmesg), then run again")
+    if isinstance(e, OSError) and e.errno in (errno.EMFILE, errno.ENFILE):
+        return EnvironmentFault("too many open files", "raise the limit (ulimit -n 65536) and run again")
+    if isinstance(e, RuntimeError) and path is not None and any(s in str(e) for s in _WRITE_FAILURES):
+        return EnvironmentFault(f"writing {path} failed: {short(e, 120)} ({disk_note(path)})",
+                                "a full disk does this: free space there, or choose another folder")
+    if isinstance(e, MemoryError):
+        return EnvironmentFault("out of host memory (RAM)",
+                                "close other programs, lower data.resolution or schedule.batch_size, or set "
+                                "memory.cache_in_memory=false")
+    if type(e).__name__ == "OutOfMemoryError" or "CUDA out of memory" in str(e):
+        return EnvironmentFault(f"out of GPU memory: {short(e, 160)}",
+                                "lower data.resolution or schedule.batch_size, or use --profile rtx4090 / "
+                                "--set memory.blocks_to_swap=N; `lorakit train CONFIG --dry-run` shows the estimate")
+    if isinstance(e, ImportError):
+        name = getattr(e, "name", None) or short(e, 80)
+        return EnvironmentFault(f"a library lorakit needs is missing or broken: {name} ({short(e, 120)})",
+                                "reinstall: pip install -e '.[quant]' (or `make setup`); `lorakit doctor` checks")
+    return None

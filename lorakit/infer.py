@@ -53,10 +53,8 @@ def file_hash(path: Path) -> str:
     return h.hexdigest()[:16]
 
 
-def assemble(model_dir: Path, device: str, dtype, backend: str = "auto"):
-    """The family's stock pipeline over every component, weights loaded through lorakit.io (the family
-    adapter's loading). Returns (pipeline, adapter)."""
-    from lorakit.models.base import load_adapter
+def family_of_folder(model_dir: Path) -> str:
+    """The family of a diffusers model folder, from its model_index.json (nothing heavy is read)."""
     from lorakit.models.registry import families_help, family_of_pipeline
 
     model_dir = Path(model_dir)
@@ -74,22 +72,42 @@ def assemble(model_dir: Path, device: str, dtype, backend: str = "auto"):
     if family is None:
         raise InputError(f"{model_dir} holds a {cls_name}, which is not a lorakit family",
                          "supported pipelines: " + families_help())
-    adapter = load_adapter(family, model_dir, device=device, dtype=dtype, backend=backend)
+    return family
+
+
+def assemble(model_dir: Path, device: str, dtype, backend: str = "auto"):
+    """The family's stock pipeline over every component, weights loaded through lorakit.io (the family
+    adapter's loading). Returns (pipeline, adapter)."""
+    from lorakit.models.base import load_adapter
+
+    adapter = load_adapter(family_of_folder(model_dir), model_dir, device=device, dtype=dtype, backend=backend)
     adapter.load([k for k in adapter.index if not k.startswith("_")])
     pipe = adapter.pipeline()
     pipe.set_progress_bar_config(disable=True)
     return pipe, adapter
 
 
-def add_loras(pipe, loras: list[tuple[Path, float]], arch: str | None) -> list[dict]:
-    """Load each LoRA (any layout) into the pipeline's transformer as its own adapter, at its scale."""
+def read_loras(loras: list[tuple[Path, float]], arch: str | None) -> list[tuple]:
+    """Read and check every LoRA (any layout) before anything heavy is loaded: (path, scale, pieces, facts)."""
+    from lorakit.convert import lora as L
+
+    out = []
+    for path, scale in loras:
+        pieces, f = L.read(path, arch=arch)  # a LoRA of another architecture is refused by name
+        out.append((path, scale, pieces, f))
+    return out
+
+
+def add_loras(pipe, loras: list[tuple], arch: str | None) -> list[dict]:
+    """Load each LoRA into the pipeline's transformer as its own adapter, at its scale (`loras`: paths and
+    scales, or what `read_loras` returned)."""
     import torch
 
     from lorakit.convert import lora as L
 
     names, scales, facts = [], [], []
-    for i, (path, scale) in enumerate(loras):
-        pieces, f = L.read(path, arch=arch)  # a LoRA of another architecture is refused by name
+    read = loras if loras and len(loras[0]) == 4 else read_loras(loras, arch)
+    for i, (path, scale, pieces, f) in enumerate(read):
         sd, cfg = L.to_peft(pieces)
         sd = {k: v.to(torch.float32) for k, v in sd.items()}
         name = f"lora{i}"
@@ -123,31 +141,40 @@ def generate(model_dir: Path, req: Request, loras: list[tuple[Path, float]], out
              dtype_name: str | None = None, progress=None) -> dict:
     """Make every image of the request; returns what was written."""
     import torch
-    from PIL import Image
     from PIL.PngImagePlugin import PngInfo
 
     from lorakit import __version__
+    from lorakit.io import atomic_path
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype_name = dtype_name or ("bf16" if device.startswith("cuda") else "fp32")
     dtype = torch_dtype(dtype_name)
     if not req.prompts:
         raise InputError("no prompt", "give --prompt TEXT (repeatable) or --prompts FILE")
+    from lorakit.data.dataset import open_image
+    from lorakit.models.base import family_adapter
+
     controls = []
-    for p in req.images:
+    for p in req.images:  # every input is checked before the model is loaded
+        if not Path(p).is_file():
+            raise InputError(f"--image {p}: no such file" if not Path(p).exists() else f"--image {p}: not a file")
         try:
-            controls.append(Image.open(p).convert("RGB"))
-        except (OSError, ValueError):
+            controls.append(open_image(p))
+        except InputError as e:
+            raise InputError(f"--image {e.message}", e.hint) from None
+        except (OSError, ValueError, SyntaxError):
             raise InputError(f"--image {p}: not a readable image") from None
-    pipe, adapter = assemble(model_dir, device, dtype)
-    family, edit, video = adapter.family, adapter.layout == "edit", adapter.layout == "video"
+    facts = family_adapter(family_of_folder(model_dir))
+    family, edit, video = facts.family, facts.layout == "edit", facts.layout == "video"
     if edit and not controls:
-        raise InputError(f"{family} edits an image", f"give --image PATH (up to {adapter.max_controls})")
+        raise InputError(f"{family} edits an image", f"give --image PATH (up to {facts.max_controls})")
     if controls and not edit:
         raise InputError(f"{family} takes no --image")
-    if len(controls) > adapter.max_controls:
-        raise InputError(f"{family} takes at most {adapter.max_controls} --image, got {len(controls)}")
-    lora_facts = add_loras(pipe, loras, adapter.arch)
+    if len(controls) > facts.max_controls:
+        raise InputError(f"{family} takes at most {facts.max_controls} --image, got {len(controls)}")
+    read = read_loras(loras, facts.arch)
+    pipe, adapter = assemble(model_dir, device, dtype)
+    lora_facts = add_loras(pipe, read, adapter.arch)
     out_dir.mkdir(parents=True, exist_ok=True)
     model_hash = file_hash(Path(model_dir) / "model_index.json")
     files, images, k = [], [], 0
@@ -178,13 +205,15 @@ def generate(model_dir: Path, req: Request, loras: list[tuple[Path, float]], out
             if video:
                 frames = [_to_pil(f) for f in result.frames[0]]
                 path = out_dir / f"{k:04d}-seed{seed}.gif"
-                frames[0].save(path, save_all=True, append_images=frames[1:], duration=100, loop=0)
+                with atomic_path(path) as tmp:
+                    frames[0].save(tmp, format="GIF", save_all=True, append_images=frames[1:], duration=100, loop=0)
                 img = frames[len(frames) // 2]
             else:
                 images_ = getattr(result, "images", None)
                 img = _to_pil((images_ if images_ is not None else result.image)[0])
                 path = out_dir / f"{k:04d}-seed{seed}.png"
-                img.save(path, pnginfo=info)
+                with atomic_path(path) as tmp:
+                    img.save(tmp, format="PNG", pnginfo=info)
             files.append(str(path))
             images.append(img)
             k += 1
@@ -193,7 +222,8 @@ def generate(model_dir: Path, req: Request, loras: list[tuple[Path, float]], out
     sheet = None
     if len(images) > 1:
         sheet = out_dir / "contact_sheet.png"
-        contact_sheet(images).save(sheet)
+        with atomic_path(sheet) as tmp:
+            contact_sheet(images).save(tmp, format="PNG")
     return {"files": files, "contact_sheet": str(sheet) if sheet else None, "model": str(model_dir),
             "family": family, "device": device, "dtype": dtype_name, "loras": lora_facts}
 

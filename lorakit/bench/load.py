@@ -251,7 +251,11 @@ def bench(path: Path | None, synthetic: str | None, targets, repeats: int, keep:
         tmp = Path(tempfile.mkdtemp(prefix="lorakit-bench-", dir=where))
         files = make_synthetic(tmp, parse_size(synthetic))
     elif path is not None:
+        from lorakit.io import read_header
+
         files = resolve_files(path)
+        for f in files:  # lorakit's validation first: no third-party reader sees a damaged file
+            read_header(f)
     else:
         raise InputError("bench load needs a PATH or --synthetic SIZE", "e.g. lorakit bench load --synthetic 1G")
     try:

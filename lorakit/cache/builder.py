@@ -12,7 +12,7 @@ from lorakit.config import device_and_dtype
 from lorakit.data.buckets import POLICY, fit, make_buckets, nearest_bucket
 from lorakit.data.check import control_dirs_for
 from lorakit.data.dataset import IMAGE_EXTS, open_image, scan
-from lorakit.errors import ConfigError, InputError
+from lorakit.errors import InputError
 from lorakit.models.registry import family_info
 
 # One item per encoder call: batched convolutions and padded attention round differently with other
@@ -75,10 +75,9 @@ def build(cfg, force: bool = False, verify: bool = False, strict: bool = False, 
 
     dist = dist or Dist()
     t0 = time.perf_counter()
-    if not cfg.data.dirs:
-        raise ConfigError(["data.dirs: no dataset folder given"], hint="--set data.dirs=[./my-dataset]")
-    if adapter is None and cfg.model.path is None:
-        raise ConfigError(["model.path: required to build the cache"], hint="--set model.path=/models/FLUX.1-dev")
+    from lorakit.config import check_paths
+
+    check_paths(cfg, model=adapter is None, data=True)  # every path problem at once
     family = cfg.model.family
     from lorakit.models.base import family_adapter
 

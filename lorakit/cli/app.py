@@ -12,7 +12,7 @@ from typer.core import TyperGroup
 from lorakit import __version__
 from lorakit.cli import bench, cache, convert, demo, doctor, infer, train
 from lorakit.cli.common import emit, err_console, json_requested, use_json
-from lorakit.errors import LorakitError
+from lorakit.errors import LorakitError, environment_fault, short
 
 
 def _debug() -> bool:
@@ -20,12 +20,15 @@ def _debug() -> bool:
 
 
 def report_error(e: BaseException, as_json: bool) -> int:
-    """Show an error in one line (+ hint); return the exit code."""
+    """Show an error in one line (+ hint); return the exit code. Machine faults (disk, permissions, memory,
+    missing libraries) are named as such; only what lorakit cannot classify is called a bug."""
+    if not isinstance(e, LorakitError):
+        e = environment_fault(e) or e
     if isinstance(e, LorakitError):
         code, data = e.exit_code, e.to_dict()
     else:
         code = 1
-        data = {"error": type(e).__name__, "message": str(e).strip().splitlines()[0] if str(e).strip() else "",
+        data = {"error": type(e).__name__, "message": short(e, 300),
                 "hint": "this looks like a bug in lorakit: rerun with LORAKIT_DEBUG=1 and report it with "
                         "the output of `lorakit doctor --json`"}
     if as_json:
@@ -33,15 +36,21 @@ def report_error(e: BaseException, as_json: bool) -> int:
         return code
     problems = data.get("problems") or []
     if len(problems) > 1:  # a config with several mistakes: one line each
-        where = f" in {e.source}" if getattr(e, "source", None) else ""
+        where = _escape(f" in {e.source}") if getattr(e, "source", None) else ""
         err_console.print(f"[bold red]error:[/] config{where}: {len(problems)} problems", soft_wrap=True)
         for p in problems:
             err_console.print(f"  - {p}", soft_wrap=True, markup=False)
     else:
-        err_console.print(f"[bold red]error:[/] {data['message'] or data['error']}", soft_wrap=True)
+        err_console.print("[bold red]error:[/] " + _escape(data["message"] or data["error"]), soft_wrap=True)
     if data.get("hint"):
-        err_console.print(f"[yellow]hint:[/] {data['hint']}", soft_wrap=True)
+        err_console.print("[yellow]hint:[/] " + _escape(data["hint"]), soft_wrap=True)
     return code
+
+
+def _escape(text: str) -> str:
+    from rich.markup import escape
+
+    return escape(str(text))
 
 
 class LorakitGroup(TyperGroup):

@@ -21,7 +21,8 @@ from lorakit.cli.common import (
 HELP = """Train a LoRA (or, with method: full, every weight) from a config (YAML).
 
 The config merges, lowest first: built-in defaults < hardware profile < CONFIG < --set.
---dry-run prints the resolved config and stops before any weights load.
+--dry-run prints the resolved config (after checking it and every path in it) and stops before any weights load.
+Ctrl-C or SIGTERM saves a checkpoint and exits with code 75 (interrupted, resumable: --resume latest).
 --gpus N runs N processes on this machine (data parallel for LoRA, FSDP for method: full); the same run
 starts with `accelerate launch --multi_gpu --num_processes N -m lorakit train CONFIG` or `torchrun`."""
 
@@ -38,6 +39,9 @@ def train(
 ) -> None:
     use_json(as_json)
     cfg, prov = resolve_config(config, sets, profile)
+    from lorakit.config import check_paths
+
+    check_paths(cfg, model=True, data=True)  # in --dry-run too: every path problem at once
     if dry_run:
         emit(as_json, {"profile": prov, "config": cfg.to_dict()}, lambda: print_resolved(cfg, prov))
         return
@@ -48,10 +52,18 @@ def train(
     from lorakit.train.loop import run
 
     quiet_libraries()
+    def warn(msg: str) -> None:
+        if not as_json:
+            from rich.markup import escape
+
+            console.print(f"[yellow]warning:[/] {escape(msg)}", soft_wrap=True)
+
     if as_json or rank:
-        result = run(cfg, prov, resume=resume)
+        result = run(cfg, prov, resume=resume, warn=warn)
         if rank:
-            return
+            from lorakit.errors import EXIT_INTERRUPTED_RESUMABLE
+
+            raise typer.Exit(EXIT_INTERRUPTED_RESUMABLE if result["interrupted"] else 0)
     else:
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
@@ -75,8 +87,12 @@ def train(
                     info += f"  {rec['gpu_gib']:.1f} GiB"
                 bar.update(task, completed=step, info=info)
 
-            result = run(cfg, prov, resume=resume, progress=progress)
+            result = run(cfg, prov, resume=resume, progress=progress, warn=warn)
     emit(as_json, result, lambda: _render(result))
+    if result["interrupted"]:  # a scheduler must not see success: the run can be resumed
+        from lorakit.errors import EXIT_INTERRUPTED_RESUMABLE
+
+        raise typer.Exit(EXIT_INTERRUPTED_RESUMABLE)
 
 
 def _launch(gpus: int, config: Path, sets, profile, resume, as_json: bool) -> int:
@@ -100,7 +116,7 @@ def _launch(gpus: int, config: Path, sets, profile, resume, as_json: bool) -> in
 
 
 def _render(r: dict) -> None:
-    state = "interrupted: resume with --resume latest" if r["interrupted"] else "done"
+    state = ("interrupted (exit code 75): resumable with --resume latest" if r["interrupted"] else "done")
     console.print(f"[bold]{state}[/] after {r['steps']} steps, {r['seconds']:.1f} s")
     if r.get("lora"):
         console.print(f"LoRA: {r['lora']}  (diffusers format: pipe.load_lora_weights(path))")

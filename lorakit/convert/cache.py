@@ -12,7 +12,7 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
-from lorakit.errors import InputError
+from lorakit.errors import InputError, short
 
 SYNONYMS = {
     "latents": ("latents", "latent", "x0", "vae_latents", "latents_0"),
@@ -27,13 +27,19 @@ def _read(path: Path) -> dict:
 
     import torch
 
+    if not path.is_file():
+        raise InputError(f"{path}: not a regular file (a pipe, folder or device)")
     try:
         obj = torch.load(path, map_location="cpu", weights_only=True)
     except (pickle.UnpicklingError, RuntimeError, AttributeError, TypeError) as e:
-        raise InputError(f"{path}: refused — not plain tensors (loading it would need to run pickled code: "
-                         f"{str(e).splitlines()[0][:120]})", "only dicts of tensors are migrated") from None
+        import re
+
+        found = re.search(r"Unsupported global: GLOBAL ([\w.]+)", str(e))
+        what = f"a pickled {found.group(1)} object" if found else short(e, 100)
+        raise InputError(f"{path}: refused: not plain tensors (it holds {what}; loading it would run pickled code)",
+                         "only dicts of tensors are migrated") from None
     except (OSError, EOFError, ValueError) as e:
-        raise InputError(f"{path}: not a readable .pt file ({e})") from None
+        raise InputError(f"{path}: not a readable .pt file ({short(e, 120)})") from None
     if not isinstance(obj, dict):
         raise InputError(f"{path}: holds a {type(obj).__name__}, not a dict of tensors")
     bad = [k for k, v in obj.items() if not isinstance(k, str) or not torch.is_tensor(v)]

@@ -76,7 +76,19 @@ def read(path, arch: str | None = None) -> tuple[dict[str, Piece], dict]:
 
     Args:
         arch: the architecture (registry `arch`) when known; else it is told from the keys where they say it.
+
+    Raises:
+        InputError / FileFormatError: naming the file, for anything that is not a LoRA lorakit can read.
     """
+    try:
+        return _read(path, arch)
+    except (FileFormatError, InputError) as e:
+        if str(path) in e.message or type(e) not in (FileFormatError, InputError):
+            raise
+        raise type(e)(f"{path}: {e.message}", e.hint) from None
+
+
+def _read(path, arch: str | None) -> tuple[dict[str, Piece], dict]:
     from lorakit.io import load, read_header
     from lorakit.models.base import guess_arch
 
@@ -88,8 +100,8 @@ def read(path, arch: str | None = None) -> tuple[dict[str, Piece], dict]:
             raise InputError(f"{path}: no adapter_model.safetensors (a peft adapter folder has one)")
         config = json.loads(cfg_file.read_text()) if cfg_file.is_file() else None
         path = weights
-    elif path.suffix in (".pt", ".pth", ".bin", ".ckpt"):
-        raise InputError(f"{path}: pickled files are not read (they can run code)",
+    elif path.suffix.lower() in (".pt", ".pth", ".bin", ".ckpt"):
+        raise InputError(f"{path}: pickled files are not read (loading them can run code)",
                          "convert it to .safetensors with the tool that wrote it")
     header = read_header(path)
     tensors = load(path, copy=True)
@@ -106,6 +118,7 @@ def read(path, arch: str | None = None) -> tuple[dict[str, Piece], dict]:
         prefix = "lora_unet_" if fmt == "kohya" else "diffusion_model."
         native = _read_native(tensors, prefix, flat=fmt == "kohya")
         pieces = _from_native(native, arch or _native_arch(native, flat=fmt == "kohya"), flat=fmt == "kohya")
+    _check_finite(path, pieces)
     guessed = guess_arch(pieces)
     if arch and guessed not in (None, arch):
         raise InputError(f"{path} is a {guessed} LoRA (its module names say so), not a {arch} one",
@@ -113,6 +126,18 @@ def read(path, arch: str | None = None) -> tuple[dict[str, Piece], dict]:
     ranks = sorted({p.rank for p in pieces.values()})
     return pieces, {"format": fmt, "arch": arch or guessed, "modules": len(pieces), "ranks": ranks,
                     "dtype": str(next(iter(pieces.values())).A.dtype).removeprefix("torch.")}
+
+
+def _check_finite(path, pieces: dict) -> None:
+    """A LoRA with NaN or infinite values would turn every output black: refuse it, naming the module."""
+    import math
+
+    import torch
+
+    for mod, p in pieces.items():
+        if not (torch.isfinite(p.A).all() and torch.isfinite(p.B).all() and math.isfinite(p.alpha)):
+            raise FileFormatError(f"{path}: {mod} holds NaN or infinite values",
+                                  "the training that wrote it diverged: use an earlier checkpoint")
 
 
 def _peft_alpha(meta: dict):

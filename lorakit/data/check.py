@@ -25,10 +25,9 @@ def control_dirs_for(cfg, root: Path) -> list[str]:
 
 def check(cfg) -> dict:
     """Scan every dataset folder of a config; returns a JSON-able report."""
-    if not cfg.data.dirs:
-        from lorakit.errors import ConfigError
+    from lorakit.config import check_paths
 
-        raise ConfigError(["data.dirs: no dataset folder given"], hint="--set data.dirs=[./my-dataset]")
+    check_paths(cfg, model=False, data=True)
     layout = family_adapter(cfg.model.family).layout
     patch = family_info(cfg.model.family).patch
     buckets = make_buckets(cfg.data.resolution, patch, cfg.data.bucket_min_side, cfg.data.bucket_max_side)

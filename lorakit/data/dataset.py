@@ -1,12 +1,16 @@
 """Dataset discovery and validation: every problem found in one pass, each with its file.
 
 Layouts:
-- `flat`:  name.{png,jpg,jpeg,webp} + name.txt
+- `flat`:  name.{png,jpg,jpeg,webp,bmp,tif,tiff,gif} + name.txt
 - `edit`:  images/ (targets + captions) and one or more control folders (control/, control_2/, ...)
            holding images with the same stems
 - `video`: clips/<name>/ frame folders or clips/<name>.mp4, each with clips/<name>.txt
-Extensions are matched case-insensitively. Images are opened with their EXIF orientation applied
-and converted to RGB (transparency composited on white).
+Extensions (of images and captions) are matched case-insensitively. Every file and folder in a dataset is
+either used or reported by name: captions without an image, files of other kinds, broken links, folders
+named like images, hidden files (one line per folder). Images are opened with their EXIF orientation applied
+and converted to 8-bit RGB: 16-bit pixels are scaled (not clipped), float pixels in 0..1 are scaled, pixel
+data whose scale cannot be known (negative, HDR, 32-bit integers beyond 16 bits) is refused with the reason;
+transparency is composited on white; an animated GIF/WebP is not an image (it is a clip).
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from pathlib import Path
 
 from lorakit.errors import InputError
 
-IMAGE_EXTS = (".png", ".jpg", ".jpeg", ".webp")
+IMAGE_EXTS = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".tif", ".tiff", ".gif")
 VIDEO_EXTS = (".mp4",)
 LAYOUTS = ("auto", "flat", "edit", "video")
 
@@ -51,14 +55,58 @@ class Scan:
                 "problems": [p.__dict__ for p in self.problems]}
 
 
+class PixelError(InputError):
+    """An image whose pixel values lorakit cannot map to 8 bits without guessing."""
+
+
+def _to_8bit(im, path: Path):
+    """16-bit, 32-bit integer and float single-channel images as 8-bit "L", scaled by their bit depth."""
+    import numpy as np
+    from PIL import Image
+
+    if im.mode.startswith("I;16"):  # 16-bit unsigned: scale, do not clip
+        arr = np.asarray(im).astype(np.float64)
+        return Image.fromarray(np.round(arr / 257.0).astype(np.uint8), "L")
+    if im.mode == "I":
+        arr = np.asarray(im)
+        lo, hi = int(arr.min()), int(arr.max())
+        if lo < 0 or hi > 65535:
+            raise PixelError(f"{path}: 32-bit integer pixels from {lo} to {hi}: their scale cannot be known",
+                             "save it as an 8- or 16-bit PNG")
+        scale = 257.0 if hi > 255 else 1.0  # 16-bit data (values past 255), else 8-bit values in a wide container
+        return Image.fromarray(np.round(arr.astype(np.float64) / scale).astype(np.uint8), "L")
+    if im.mode == "F":
+        arr = np.asarray(im).astype(np.float64)
+        if not np.isfinite(arr).all():
+            raise PixelError(f"{path}: float pixels that are NaN or infinite", "save it as an 8- or 16-bit PNG")
+        lo, hi = float(arr.min()), float(arr.max())
+        if lo >= 0 and hi <= 1:
+            return Image.fromarray(np.round(arr * 255).astype(np.uint8), "L")
+        if lo >= 0 and hi <= 255 and np.array_equal(arr, np.round(arr)):  # 8-bit values stored as floats
+            return Image.fromarray(arr.astype(np.uint8), "L")
+        raise PixelError(f"{path}: float pixels from {lo:g} to {hi:g}: neither 0..1 nor whole 0..255 values "
+                         "(HDR or linear data?), so their scale cannot be known",
+                         "tone-map it to 0..1 or save an 8-bit PNG")
+    return im
+
+
 def open_image(path: Path):
-    """An RGB PIL image with EXIF orientation applied (alpha composited on white)."""
+    """An 8-bit RGB PIL image with EXIF orientation applied (alpha composited on white).
+
+    Raises:
+        PixelError: pixel data whose 8-bit meaning cannot be known (see the module docstring).
+    """
     from PIL import Image, ImageOps
 
+    path = Path(path)
     with Image.open(path) as im:
+        if getattr(im, "n_frames", 1) > 1 and im.format in ("GIF", "WEBP", "PNG"):
+            raise PixelError(f"{path}: an animated {im.format} ({im.n_frames} frames) is a clip, not an image",
+                             "use a still image here (video families take clips)")
         im = ImageOps.exif_transpose(im)
         im.load()
-        if im.mode in ("RGBA", "LA") or (im.mode == "P" and "transparency" in im.info):
+        im = _to_8bit(im, path)
+        if im.mode in ("RGBA", "LA", "PA", "La", "RGBa") or (im.mode == "P" and "transparency" in im.info):
             im = im.convert("RGBA")
             bg = Image.new("RGB", im.size, (255, 255, 255))
             bg.paste(im, mask=im.getchannel("A"))
@@ -69,6 +117,10 @@ def open_image(path: Path):
 def _check_image(path: Path, min_side: int, problems: list[Problem]) -> tuple[int, int] | None:
     try:
         im = open_image(path)
+    except PixelError as e:
+        problems.append(Problem(str(path), "unsupported-pixels", e.message.removeprefix(f"{path}: ")
+                                + (f" ({e.hint})" if e.hint else "")))
+        return None
     except Exception as e:  # noqa: BLE001 - any decoder failure is a problem of that file
         problems.append(Problem(str(path), "unreadable", f"cannot decode ({type(e).__name__}: {str(e)[:80]})"))
         return None
@@ -80,26 +132,79 @@ def _check_image(path: Path, min_side: int, problems: list[Problem]) -> tuple[in
     return w, h
 
 
-def _media(folder: Path, exts) -> tuple[dict[str, Path], list[Problem]]:
-    """stem -> file for files with the given extensions; duplicate stems are problems."""
+@dataclass
+class _Listing:
+    """One folder's entries, sorted into what a layout uses and what it reports."""
+
+    media: dict[str, Path] = field(default_factory=dict)  # stem -> file
+    captions: dict[str, Path] = field(default_factory=dict)  # stem -> caption file
+    folders: dict[str, Path] = field(default_factory=dict)
+    other: list[Path] = field(default_factory=list)
+    hidden: list[Path] = field(default_factory=list)
+    problems: list[Problem] = field(default_factory=list)
+    duplicates: set[str] = field(default_factory=set)  # stems of several media files (reported as such)
+
+
+def _list(folder: Path, exts, caption_ext: str | None) -> _Listing:
+    out = _Listing()
+    if not folder.is_dir():
+        return out
     by_stem: dict[str, list[Path]] = defaultdict(list)
-    for p in sorted(folder.iterdir()) if folder.is_dir() else []:
-        if p.is_file() and p.suffix.lower() in exts:
+    for p in sorted(folder.iterdir()):
+        if p.name.startswith("."):
+            out.hidden.append(p)
+        elif p.is_symlink() and not p.exists():
+            out.problems.append(Problem(str(p), "broken-link", "a symbolic link to something that does not exist"))
+        elif p.is_dir():
+            if p.suffix.lower() in exts:
+                out.problems.append(Problem(str(p), "not-a-file", f"a folder named like a {p.suffix} file"))
+            else:
+                out.folders[p.name] = p
+        elif not p.is_file():
+            out.problems.append(Problem(str(p), "not-a-file", "not a regular file (a pipe, socket or device)"))
+        elif p.suffix.lower() in exts:
             by_stem[p.stem].append(p)
-    out, problems = {}, []
+        elif caption_ext and p.suffix.lower() == caption_ext.lower():
+            if p.stem in out.captions:  # a.txt and a.TXT
+                out.problems.append(Problem(str(p), "duplicate-stem",
+                                            f"{out.captions[p.stem].name} and {p.name} both caption {p.stem!r}"))
+            else:
+                out.captions[p.stem] = p
+        else:
+            out.other.append(p)
     for stem, paths in by_stem.items():
         if len(paths) > 1:
-            problems.append(Problem(str(paths[0]), "duplicate-stem",
-                                    f"{', '.join(p.name for p in paths)} share the stem {stem!r}: keep one"))
+            out.duplicates.add(stem)
+            out.problems.append(Problem(str(paths[0]), "duplicate-stem",
+                                        f"{', '.join(p.name for p in paths)} share the stem {stem!r}: keep one"))
         else:
-            out[stem] = paths[0]
-    return out, problems
+            out.media[stem] = paths[0]
+    return out
 
 
-def _caption(path: Path, ext: str, problems: list[Problem], trigger: str | None) -> str | None:
-    cap = path.with_suffix(ext) if path.is_file() else path.parent / (path.name + ext)
-    if not cap.is_file():
-        problems.append(Problem(str(path), "missing-caption", f"no caption file {cap.name}"))
+def _report_unused(s: Scan, listing: _Listing, used_captions: set[str], folders_used=(), what="") -> None:
+    """Everything in a folder that the layout did not use, by name."""
+    s.problems += listing.problems
+    for stem, cap in listing.captions.items():
+        if stem not in used_captions and stem not in listing.duplicates:
+            s.problems.append(Problem(str(cap), "orphan-caption", f"a caption without a{what} file named {stem!r}"))
+    for p in listing.other:
+        s.problems.append(Problem(str(p), "unused-file", f"lorakit does not use {p.suffix or 'extension-less'} "
+                                                         f"files here"))
+    for name, p in listing.folders.items():
+        if name not in folders_used:
+            s.problems.append(Problem(str(p), "unused-folder", "a sub-folder this layout does not read"))
+    if listing.hidden:
+        names = ", ".join(p.name for p in listing.hidden[:3]) + (" ..." if len(listing.hidden) > 3 else "")
+        s.problems.append(Problem(str(listing.hidden[0].parent), "hidden-files",
+                                  f"{len(listing.hidden)} hidden file(s) not used ({names})"))
+
+
+def _caption(path: Path, listing: _Listing, problems: list[Problem], trigger: str | None, ext: str) -> str | None:
+    stem = path.stem if path.is_file() else path.name
+    cap = listing.captions.get(stem)
+    if cap is None:
+        problems.append(Problem(str(path), "missing-caption", f"no caption file {stem}{ext}"))
         return None
     try:
         text = cap.read_text(encoding="utf-8").strip()
@@ -122,7 +227,7 @@ def detect_layout(root: Path) -> str:
 
 def scan(root, layout: str = "auto", control_dirs=("control",), caption_ext: str = ".txt", min_side: int = 256,
          trigger: str | None = None, check_images: bool = True) -> Scan:
-    """Find items and every problem (never stops at the first)."""
+    """Find items and every problem (never stops at the first); every entry is used or reported."""
     root = Path(root)
     if not root.is_dir():
         raise InputError(f"dataset folder not found: {root}")
@@ -131,37 +236,43 @@ def scan(root, layout: str = "auto", control_dirs=("control",), caption_ext: str
     layout = detect_layout(root) if layout == "auto" else layout
     s = Scan(root=root, layout=layout)
     if layout == "flat":
-        media, probs = _media(root, IMAGE_EXTS)
-        s.problems += probs
-        _items(s, media, {}, caption_ext, min_side, trigger, check_images)
+        listing = _list(root, IMAGE_EXTS, caption_ext)
+        used = _items(s, listing, {}, caption_ext, min_side, trigger, check_images)
+        _report_unused(s, listing, used, what="n image")
     elif layout == "edit":
-        media, probs = _media(root / "images", IMAGE_EXTS)
-        s.problems += probs
+        top = _list(root, (), None)
         if not (root / "images").is_dir():
             s.problems.append(Problem(str(root / "images"), "no-target", "edit datasets need an images/ folder"))
+        listing = _list(root / "images", IMAGE_EXTS, caption_ext)
         controls = {}
         for name in control_dirs:
             cdir = root / name
             if not cdir.is_dir():
                 s.problems.append(Problem(str(cdir), "no-control", f"control folder {name}/ is missing"))
                 continue
-            cmedia, cprobs = _media(cdir, IMAGE_EXTS)
-            s.problems += cprobs
-            for stem in sorted(set(cmedia) - set(media)):
-                s.problems.append(Problem(str(cmedia[stem]), "no-target", "control without a target in images/"))
-            controls[name] = cmedia
-        _items(s, media, controls, caption_ext, min_side, trigger, check_images)
+            clist = _list(cdir, IMAGE_EXTS, None)
+            _report_unused(s, clist, set())
+            for stem in sorted(set(clist.media) - set(listing.media)):
+                s.problems.append(Problem(str(clist.media[stem]), "no-target", "control without a target in images/"))
+            controls[name] = clist.media
+        used = _items(s, listing, controls, caption_ext, min_side, trigger, check_images)
+        _report_unused(s, listing, used, what="n image")
+        _report_unused(s, top, set(), folders_used={"images", *control_dirs})
     else:
+        _report_unused(s, _list(root, (), None), set(), folders_used={"clips"})
         _video_items(s, root / "clips", caption_ext, min_side, trigger, check_images)
     if not s.items and not s.problems:
         s.problems.append(Problem(str(root), "empty", f"no {layout} items found"))
     return s
 
 
-def _items(s: Scan, media: dict, controls: dict, ext: str, min_side: int, trigger, check: bool) -> None:
-    for stem, path in media.items():
+def _items(s: Scan, listing: _Listing, controls: dict, ext: str, min_side: int, trigger, check: bool) -> set[str]:
+    """Items from a listing's media; returns the stems whose captions were used."""
+    used = set()
+    for stem, path in listing.media.items():
         before = len(s.problems)
-        caption = _caption(path, ext, s.problems, trigger)
+        used.add(stem)
+        caption = _caption(path, listing, s.problems, trigger, ext)
         size = _check_image(path, min_side, s.problems) if check else None
         ctrl = []
         for name, cmedia in controls.items():
@@ -173,23 +284,27 @@ def _items(s: Scan, media: dict, controls: dict, ext: str, min_side: int, trigge
                     _check_image(cmedia[stem], min_side, s.problems)
         if len(s.problems) == before:
             s.items.append(Item(stem, path, caption, ctrl, size))
+    return used
 
 
 def _video_items(s: Scan, clips: Path, ext: str, min_side: int, trigger, check: bool) -> None:
     if not clips.is_dir():
         s.problems.append(Problem(str(clips), "no-target", "video datasets need a clips/ folder"))
         return
-    files, probs = _media(clips, VIDEO_EXTS)
-    s.problems += probs
-    folders = {p.name: p for p in sorted(clips.iterdir()) if p.is_dir()}
-    for stem in sorted(set(files) & set(folders)):
+    listing = _list(clips, VIDEO_EXTS, ext)
+    folders = listing.folders
+    for stem in sorted(set(listing.media) & set(folders)):
         s.problems.append(Problem(str(folders[stem]), "duplicate-stem", f"{stem}.mp4 and {stem}/ are both clips"))
-    for stem, path in sorted({**files, **folders}.items()):
+    used = set()
+    for stem, path in sorted({**listing.media, **folders}.items()):
         before = len(s.problems)
-        caption = _caption(path, ext, s.problems, trigger)
+        used.add(stem)
+        caption = _caption(path, listing, s.problems, trigger, ext)
         frames, size = None, None
         if path.is_dir():
-            frame_files = sorted(p for p in path.iterdir() if p.suffix.lower() in IMAGE_EXTS)
+            flist = _list(path, IMAGE_EXTS, None)
+            frame_files = sorted(flist.media.values())
+            _report_unused(s, flist, set())
             if not frame_files:
                 s.problems.append(Problem(str(path), "unreadable", "frame folder holds no images"))
             elif check:
@@ -202,3 +317,5 @@ def _video_items(s: Scan, clips: Path, ext: str, min_side: int, trigger, check: 
             s.problems.append(Problem(str(path), "unreadable", "empty video file"))
         if len(s.problems) == before:
             s.items.append(Item(stem, path, caption, [], size, frames))
+    listing.folders = {}  # every folder in clips/ is a clip (used or reported above)
+    _report_unused(s, listing, used, what=" clip")

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from lorakit.errors import FileFormatError
 
-MAX_HEADER = 100 * 2**20  # the safetensors reference implementation refuses larger headers too
+MAX_HEADER = 100_000_000  # bytes: the safetensors reference implementation's limit (MAX_HEADER_SIZE)
 
 # safetensors dtype name -> (torch dtype name, bytes per element)
 DTYPES: dict[str, tuple[str, int]] = {
@@ -66,10 +66,18 @@ def _bad(path: str, defect: str) -> FileFormatError:
 
 
 def read_header(path: str | os.PathLike) -> Header:
-    """Read and validate a file's header (reads only the header bytes)."""
+    """Read and validate a file's header (reads only the header bytes). Only regular files are opened: a FIFO
+    or device named *.safetensors would block or stream forever."""
+    import stat
+
     p = os.fspath(path)
     try:
-        size = os.path.getsize(p)
+        st = os.stat(p)
+        if not stat.S_ISREG(st.st_mode):
+            kind = ("a folder" if stat.S_ISDIR(st.st_mode) else "a FIFO (named pipe)" if stat.S_ISFIFO(st.st_mode)
+                    else "a device" if stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode) else "a socket")
+            raise FileFormatError(f"{p}: not a regular file: {kind}", "point at a .safetensors file")
+        size = st.st_size
         with open(p, "rb") as f:
             head = f.read(8)
             if len(head) < 8:
@@ -85,10 +93,27 @@ def read_header(path: str | os.PathLike) -> Header:
     return parse_header(raw, p, size)
 
 
+class _Duplicate(ValueError):
+    pass
+
+
+def _no_duplicates(pairs):
+    out = {}
+    for k, v in pairs:
+        if k in out:
+            raise _Duplicate(k)
+        out[k] = v
+    return out
+
+
 def parse_header(raw: bytes, path: str, file_size: int) -> Header:
     """Validate header JSON bytes against the file size."""
     try:
-        doc = json.loads(raw.decode("utf-8"))
+        doc = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicates)
+    except _Duplicate as e:
+        raise _bad(path, f"the header names {str(e)!r} twice (which one is meant?)"[:300]) from None
+    except RecursionError:
+        raise _bad(path, "header JSON nests too deeply") from None
     except (UnicodeDecodeError, ValueError) as e:
         raise _bad(path, f"header is not UTF-8 JSON ({type(e).__name__})") from None
     if not isinstance(doc, dict):
@@ -103,11 +128,13 @@ def parse_header(raw: bytes, path: str, file_size: int) -> Header:
         if not isinstance(e, dict):
             raise _bad(path, f"entry {name!r} is not an object")
         dt, shape, offs = e.get("dtype"), e.get("shape"), e.get("data_offsets")
-        if dt not in DTYPES:
-            raise _bad(path, f"tensor {name!r} has unknown dtype {dt!r}")
+        if not isinstance(dt, str) or dt not in DTYPES:
+            raise _bad(path, f"tensor {name!r} has unknown dtype {dt!r}"[:300])
         if (not isinstance(shape, list) or len(shape) > 64
                 or not all(type(d) is int and 0 <= d < 2**62 for d in shape)):
             raise _bad(path, f"tensor {name!r} has an invalid shape {shape!r}"[:300])
+        if math.prod(d for d in shape if d) * DTYPES[dt][1] >= 2**62:  # sizes that overflow 64-bit arithmetic
+            raise _bad(path, f"tensor {name!r}: shape {shape} of {dt} needs more bytes than any file holds"[:300])
         if (not isinstance(offs, list) or len(offs) != 2 or not all(type(o) is int for o in offs)
                 or not 0 <= offs[0] <= offs[1] <= data_size):
             raise _bad(path, f"tensor {name!r} has offsets {offs!r} outside the data region of {data_size} bytes"[:300])

@@ -52,6 +52,8 @@ def resolve_files(source) -> list[Path]:
         return [p]
     if not p.exists():
         raise InputError(f"no such file or folder: {p}")
+    if not p.is_dir():
+        read_header(p)  # names what it is (a FIFO, a device) without opening it
     if (p / "model_index.json").is_file():
         comps = sorted(d.name for d in p.iterdir() if d.is_dir() and any(d.glob("*.safetensors")))
         raise InputError(f"{p} is a whole pipeline folder; name one component",
@@ -70,11 +72,13 @@ def resolve_files(source) -> list[Path]:
 
 def _from_index(index: Path) -> list[Path]:
     try:
-        weight_map = json.loads(index.read_text())["weight_map"]
-        assert isinstance(weight_map, dict)
-    except (OSError, ValueError, KeyError, AssertionError):
-        raise FileFormatError(f"{index}: not a valid shard index (no weight_map)") from None
+        weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        assert isinstance(weight_map, dict) and all(isinstance(v, str) for v in weight_map.values())
+    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, AssertionError, RecursionError):
+        raise FileFormatError(f"{index}: not a valid shard index (no weight_map of file names)") from None
     names = list(dict.fromkeys(weight_map.values()))
+    if any(Path(n).name != n for n in names):
+        raise FileFormatError(f"{index}: shard names must be files beside the index, got {names[0]!r}"[:300])
     files = [index.parent / n for n in names]
     missing = [f.name for f in files if not f.is_file()]
     if missing:

@@ -13,7 +13,7 @@ import struct
 import tempfile
 from pathlib import Path
 
-from lorakit.errors import InputError
+from lorakit.errors import InputError, environment_fault
 from lorakit.io.header import TORCH_TO_ST
 
 
@@ -30,15 +30,24 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+TMP_SUFFIX = ".tmp"  # temporary siblings are ".<name>.<random>.tmp" (what `clean_orphans` removes)
+
+
 class atomic_path:
-    """`with atomic_path(target) as tmp:` write tmp; on success it is fsynced and renamed onto target."""
+    """`with atomic_path(target) as tmp:` write tmp; on success it is fsynced and renamed onto target.
+
+    A write that fails for a machine reason (disk full, permissions, read-only disk) becomes an
+    `EnvironmentFault` naming the target; the temporary file is removed and the target is left as it was."""
 
     def __init__(self, target: str | os.PathLike):
         self.target = Path(target)
 
     def __enter__(self) -> Path:
-        self.target.parent.mkdir(parents=True, exist_ok=True)
-        fd, name = tempfile.mkstemp(prefix=f".{self.target.name}.", suffix=".tmp", dir=self.target.parent)
+        try:
+            self.target.parent.mkdir(parents=True, exist_ok=True)
+            fd, name = tempfile.mkstemp(prefix=f".{self.target.name}.", suffix=TMP_SUFFIX, dir=self.target.parent)
+        except OSError as e:
+            raise environment_fault(e, self.target) or e from None
         os.close(fd)
         self.tmp = Path(name)
         return self.tmp
@@ -46,12 +55,33 @@ class atomic_path:
     def __exit__(self, exc_type, exc, tb) -> bool:
         if exc_type is not None:
             self.tmp.unlink(missing_ok=True)
+            fault = environment_fault(exc, self.target) if isinstance(exc, Exception) else None
+            if fault is not None:
+                raise fault from None
             return False
-        with open(self.tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        os.replace(self.tmp, self.target)
+        try:
+            with open(self.tmp, "rb+") as f:
+                os.fsync(f.fileno())
+            os.replace(self.tmp, self.target)
+        except OSError as e:
+            self.tmp.unlink(missing_ok=True)
+            raise environment_fault(e, self.target) or e from None
         _fsync_dir(self.target.parent)
         return False
+
+
+def clean_orphans(folder: str | os.PathLike, recursive: bool = False) -> list[Path]:
+    """Remove the temporary siblings a killed writer left in a folder (".<name>.<random>.tmp"). Returns them."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return []
+    pattern = "**/.*" + TMP_SUFFIX if recursive else ".*" + TMP_SUFFIX
+    gone = []
+    for p in folder.glob(pattern):
+        if p.is_file() and p.name.count(".") >= 3:
+            p.unlink(missing_ok=True)
+            gone.append(p)
+    return gone
 
 
 def _header(tensors: dict, metadata: dict | None) -> tuple[bytes, list]:

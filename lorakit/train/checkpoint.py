@@ -65,7 +65,7 @@ def resume(tr, ck: Path) -> dict:
         what = "transformer/ + state.pt" if tr.full else "lora.safetensors + state.pt"
         raise InputError(f"{ck} is not a lorakit checkpoint of this method ({what})",
                          "method=full and method=lora checkpoints do not mix")
-    state = torch.load(ck / "state.pt", weights_only=True)
+    state = read_state(ck / "state.pt")
     if tr.full:
         _resume_full(tr, ck, weights, state)
     else:
@@ -82,7 +82,6 @@ def resume(tr, ck: Path) -> dict:
 
 
 def _resume_full(tr, ck: Path, weights: Path, state: dict) -> None:
-    import torch
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
         set_model_state_dict,
@@ -101,7 +100,7 @@ def _resume_full(tr, ck: Path, weights: Path, state: dict) -> None:
                              f"GPU); this run has {tr.dist.world} with {type(tr.opt).__name__}",
                              f"resume with --gpus {state.get('world', 1)} and the same optim.name, or train with "
                              "optim.name=adamw (its checkpoints resume on any GPU count)")
-        tr.opt.load_state_dict(torch.load(mine, weights_only=True))
+        tr.opt.load_state_dict(read_state_any(mine))
     else:  # weights that never get a gradient (e.g. the last block's unused text output) have no state
         set_optimizer_state_dict(tr.transformer, tr.opt, state["optimizer"] if main else {},
                                  options=StateDictOptions(full_state_dict=True, strict=False,
@@ -126,10 +125,78 @@ def stop_on_signals(tr):
             signal.signal(sig, h)
 
 
-def latest(out_dir: Path) -> Path | None:
-    """The newest step checkpoint of a run folder (None when there is none)."""
-    cks = sorted(p for p in (out_dir / "checkpoints").glob("step-*") if (p / "state.pt").is_file())
-    return cks[-1] if cks else None
+def read_state_any(path: Path):
+    """A per-rank optimizer file, read like read_state (any object, not only a state dict)."""
+    import torch
+
+    from lorakit.errors import FileFormatError, short
+
+    try:
+        return torch.load(path, weights_only=True)
+    except Exception as e:  # noqa: BLE001 - any read failure of this file is a damaged file
+        raise FileFormatError(f"{path}: damaged optimizer state ({short(e, 100)})") from None
+
+
+def read_state(path: Path) -> dict:
+    """state.pt, read without running code (weights_only); a damaged file is an error naming it."""
+    import pickle
+    import zipfile
+
+    import torch
+
+    from lorakit.errors import FileFormatError, short
+
+    try:
+        state = torch.load(path, weights_only=True)
+    except FileNotFoundError:
+        raise FileFormatError(f"{path}: missing (the checkpoint is incomplete)") from None
+    except (RuntimeError, EOFError, ValueError, pickle.UnpicklingError, zipfile.BadZipFile, KeyError) as e:
+        raise FileFormatError(f"{path}: damaged checkpoint state ({short(e, 100)})",
+                              "resume from an earlier checkpoint, or start again") from None
+    if not isinstance(state, dict) or "step" not in state:
+        raise FileFormatError(f"{path}: not a lorakit checkpoint state (no step)")
+    return state
+
+
+def check_intact(ck: Path, full: bool) -> str | None:
+    """Why a checkpoint cannot be resumed from (None when it can): state.pt's archive directory reads (a cut-off
+    file does not; its contents are read at resume, which names the file if they are damaged) and every
+    weight file's header validates against its size."""
+    import zipfile
+
+    from lorakit.errors import LorakitError
+    from lorakit.io import read_header, resolve_files
+
+    state = ck / "state.pt"
+    try:
+        if not state.is_file():
+            return f"{state}: missing (the checkpoint is incomplete)"
+        try:
+            with zipfile.ZipFile(state) as z:
+                size = state.stat().st_size
+                if any(i.header_offset + i.compress_size > size for i in z.infolist()):
+                    return f"{state}: damaged checkpoint state (cut off)"
+        except (zipfile.BadZipFile, OSError, ValueError) as e:
+            return f"{state}: damaged checkpoint state ({type(e).__name__})"
+        weights = ck / ("transformer" if full else "lora.safetensors")
+        for f in resolve_files(weights):
+            read_header(f)
+    except LorakitError as e:
+        return e.message
+    return None
+
+
+def latest(out_dir: Path, full: bool = False) -> tuple[Path | None, list[str]]:
+    """The newest step checkpoint of a run folder that reads back whole (None when there is none), and a
+    warning for each newer one that is damaged (a kill at the wrong moment, a full disk)."""
+    cks = sorted((p for p in (out_dir / "checkpoints").glob("step-*") if p.is_dir()), reverse=True)
+    damaged = []
+    for ck in cks:
+        why = check_intact(ck, full)
+        if why is None:
+            return ck, [f"skipped damaged checkpoint {ck}: {w}" for w in damaged]
+        damaged.append(why)
+    return None, [f"damaged checkpoint: {w}" for w in damaged]
 
 
 def export(tr, ck: Path) -> dict:
@@ -138,9 +205,14 @@ def export(tr, ck: Path) -> dict:
 
     out = tr.out
     if tr.full:
+        from lorakit.errors import environment_fault
+
         final = out / f"{tr.cfg.output.name}-transformer"
         shutil.rmtree(final, ignore_errors=True)
-        shutil.copytree(ck / "transformer", final)
+        try:
+            shutil.copytree(ck / "transformer", final)
+        except OSError as e:
+            raise environment_fault(e, final) or e from None
         return {"transformer": str(final)}
     final = out / f"{tr.cfg.output.name}.safetensors"
     with atomic_path(final) as tmp:

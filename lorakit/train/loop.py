@@ -132,28 +132,34 @@ class Trainer:
         return checkpoint.resume(self, ck)
 
 
-def run(cfg, prov: dict, resume: str | None = None, progress=None, stop_at: int | None = None) -> dict:
+def run(cfg, prov: dict, resume: str | None = None, progress=None, stop_at: int | None = None, warn=None) -> dict:
     """Train per the config: cache (reused when built), LoRA, loop, checkpoints, metrics.
 
     Args:
-        resume: "latest" or a checkpoint folder.
+        resume: "latest" (the newest checkpoint that reads back whole) or a checkpoint folder.
         stop_at: stop after this many steps (tests of interruption); the run's schedule is unchanged.
+        warn: called with each warning as it happens (they are also in the result's "warnings").
     """
     import torch
 
     from lorakit.cache.builder import build, cache_dir_for
     from lorakit.cache.store import Store
-    from lorakit.config import device_and_dtype, dump_yaml
+    from lorakit.config import check_paths, device_and_dtype, dump_yaml
+    from lorakit.io import atomic_path, clean_orphans
     from lorakit.models.base import load_adapter
     from lorakit.train import memory, sampling
     from lorakit.train.data import CachedData
     from lorakit.train.prepare import load_base
     from lorakit.train.report import MetricsLog, doctor_summary, loss_curve
 
-    if cfg.model.path is None:
-        from lorakit.errors import ConfigError
+    warnings: list[str] = []
 
-        raise ConfigError(["model.path: required to train"], hint="--set model.path=/models/FLUX.1-dev")
+    def note(msg: str) -> None:
+        warnings.append(msg)
+        if warn:
+            warn(msg)
+
+    check_paths(cfg, model=True, data=True)  # every path problem at once, before anything is loaded
     device, dtype = device_and_dtype(cfg)
     if device.startswith("cuda") and cfg.memory.expandable_segments:
         memory.expandable_segments()
@@ -162,8 +168,11 @@ def run(cfg, prov: dict, resume: str | None = None, progress=None, stop_at: int 
     cfg, estimate, memory_note = memory.fit_to_gpu(cfg, world=d.world)  # refuses before any weights load
     out = Path(cfg.output.dir)
     if d.main:
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "config.resolved.yaml").write_text(dump_yaml(cfg))
+        gone = clean_orphans(out, recursive=True) + clean_orphans(cache_dir_for(cfg) / "items")
+        if gone:  # a run killed mid-write leaves its temporary files; the finished files are whole
+            note(f"removed {len(gone)} temporary file(s) an interrupted run left, e.g. {gone[0].name}")
+        with atomic_path(out / "config.resolved.yaml") as tmp:
+            tmp.write_text(dump_yaml(cfg))
     torch.manual_seed(cfg.seed)
     adapter = load_adapter(cfg.model.family, cfg.model.path, device=device, dtype=dtype, backend=cfg.memory.loader)
     cache = build(cfg, adapter=adapter, dist=d)  # the ranks encode a share of the items each
@@ -181,14 +190,17 @@ def run(cfg, prov: dict, resume: str | None = None, progress=None, stop_at: int 
     tr = Trainer(cfg, adapter, load_base(cfg, device, dtype), data, out, device, dtype, dist=d)
     resumed = None
     if resume:
-        ck = checkpoint.latest(out) if resume == "latest" else Path(resume)
+        ck, damaged = checkpoint.latest(out, tr.full) if resume == "latest" else (Path(resume), [])
+        for w in damaged:
+            note(w)
         if ck is None:
-            raise InputError(f"--resume latest: no checkpoint in {out / 'checkpoints'}")
+            raise InputError(f"--resume latest: no intact checkpoint in {out / 'checkpoints'}",
+                             "start without --resume" + (" (the checkpoints there are damaged)" if damaged else ""))
         resumed = tr.resume(ck)
     if progress and d.main:
         progress(tr.step, cfg.schedule.steps, {"start": True, "global_batch": tr.global_batch, "world": d.world,
                                                 "resumed": resumed})
-    log = MetricsLog(out, tr.step if resume else None, main=d.main)
+    log = MetricsLog(out, tr.step if resume else None, main=d.main, warn=note)
     sampler = sampling.Sampler(tr, conds, out / "samples") if conds and (d.main or tr.sharded) else None
     if sampler and tr.step == 0:  # FSDP: every rank takes part in the forward passes
         sampler(0, write=d.main)
@@ -215,14 +227,14 @@ def run(cfg, prov: dict, resume: str | None = None, progress=None, stop_at: int 
                 tr.stop_requested = d.total(float(tr.stop_requested)) > 0  # a signal to any rank stops them all
         finally:
             log.close()
-    interrupted = tr.stop_requested or tr.step < cfg.schedule.steps
+    interrupted = tr.step < cfg.schedule.steps  # a signal after the last step still gets the final LoRA
     if sampler and not interrupted and not (cfg.sampling.every and tr.step % cfg.sampling.every == 0):
         sampler(tr.step, write=d.main)
     ck = tr.save(final=not interrupted)
     result = {"steps": tr.step, "interrupted": interrupted, "checkpoint": str(ck), "metrics": str(log.path),
               "seconds": round(time.perf_counter() - t_start, 2), "cache": cache.to_dict(), "profile": prov,
               "memory_estimate": estimate, "memory_note": memory_note, "method": cfg.method,
-              "processes": d.world, "global_batch": tr.global_batch, "rank": d.rank}
+              "processes": d.world, "global_batch": tr.global_batch, "rank": d.rank, "warnings": warnings}
     if resumed:
         result["resumed"] = resumed
     if sampler and d.main and (out / "samples" / "progress.png").is_file():

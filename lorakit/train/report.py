@@ -16,9 +16,12 @@ def loss_curve(metrics: Path, out: Path, size=(640, 360)) -> Path:
     img = Image.new("RGB", size, "white")
     d = ImageDraw.Draw(img)
     pad = 40
+    from lorakit.io import atomic_path
+
     if not rows:
         d.text((pad, h // 2), "no steps recorded", fill="black")
-        img.save(out)
+        with atomic_path(out) as tmp:
+            img.save(tmp, format="PNG")
         return out
     steps = [r["step"] for r in rows]
     loss = [r["loss"] for r in rows]
@@ -39,7 +42,8 @@ def loss_curve(metrics: Path, out: Path, size=(640, 360)) -> Path:
     d.text((w - pad - 60, h - pad + 8), f"step {steps[-1]}", fill="black")
     d.text((4, pad), f"{hi:.3g}", fill="black")
     d.text((4, h - pad - 12), f"{lo:.3g}", fill="black")
-    img.save(out)
+    with atomic_path(out) as tmp:
+        img.save(tmp, format="PNG")
     return out
 
 
@@ -66,34 +70,77 @@ class MetricsLog:
     """metrics.jsonl (always) and TensorBoard scalars (when installed), written by rank 0.
 
     A fresh run starts a new file; a resumed one keeps the lines up to the step it resumes from (steps logged
-    after the checkpoint it continues from are dropped, so each step appears once)."""
+    after the checkpoint it continues from are dropped, so each step appears once). TensorBoard is a
+    convenience: when its writer fails (a full disk), it is turned off with one warning, and its background
+    thread's traceback is not printed; metrics.jsonl failing is an error naming the file."""
 
-    def __init__(self, out_dir: Path, resumed_at: int | None, main: bool = True):
+    def __init__(self, out_dir: Path, resumed_at: int | None, main: bool = True, warn=None):
         self.path = out_dir / "metrics.jsonl"
         self.main = main
+        self.warn = warn or (lambda msg: None)
         self.tb = None
+        self._hook = None
         if not main:
             return
+        from lorakit.io import atomic_path
+
         if self.path.exists():
             kept = [ln for ln in self.path.read_text().splitlines() if ln.strip() and resumed_at is not None
                     and json.loads(ln)["step"] <= resumed_at]
-            self.path.write_text("".join(ln + "\n" for ln in kept))
+            with atomic_path(self.path) as tmp:
+                tmp.write_text("".join(ln + "\n" for ln in kept))
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError:
             return
-        self.tb = SummaryWriter(log_dir=str(out_dir / "tensorboard"))
+        import threading
+
+        previous = threading.excepthook
+
+        def quiet(args):  # the TensorBoard writer thread: recorded and reported once, not printed
+            if type(args.thread).__name__ == "_AsyncWriterThread":
+                return
+            previous(args)
+
+        self._hook = previous
+        threading.excepthook = quiet
+        try:
+            self.tb = SummaryWriter(log_dir=str(out_dir / "tensorboard"))
+        except OSError as e:
+            self._tb_failed(e)
+
+    def _tb_failed(self, e: BaseException) -> None:
+        from lorakit.errors import short
+
+        self.tb = None
+        self.warn(f"TensorBoard logging turned off: {short(e, 120)} (metrics.jsonl goes on)")
 
     def write(self, rec: dict) -> None:
         if not self.main:
             return
-        with open(self.path, "a") as f:
-            f.write(json.dumps(rec) + "\n")
+        from lorakit.errors import environment_fault
+
+        try:
+            with open(self.path, "a") as f:
+                f.write(json.dumps(rec) + "\n")
+        except OSError as e:
+            raise environment_fault(e, self.path) or e from None
         if self.tb is not None:
-            for k, v in rec.items():
-                if k != "step":
-                    self.tb.add_scalar(f"train/{k}", v, rec["step"])
+            try:
+                for k, v in rec.items():
+                    if k != "step":
+                        self.tb.add_scalar(f"train/{k}", v, rec["step"])
+            except Exception as e:  # noqa: BLE001 - any writer fault only turns TensorBoard off
+                self._tb_failed(e)
 
     def close(self) -> None:
+        import threading
+
         if self.tb is not None:
-            self.tb.close()
+            try:
+                self.tb.close()
+            except Exception as e:  # noqa: BLE001
+                self._tb_failed(e)
+        if self._hook is not None:
+            threading.excepthook = self._hook
+            self._hook = None

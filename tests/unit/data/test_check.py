@@ -38,5 +38,5 @@ def test_buckets_are_counted_and_a_missing_folder_is_reported(tmp_path):
     assert r["buckets"] == {"64x64": 3}
     from lorakit.errors import InputError
 
-    with pytest.raises(InputError, match="not found"):
+    with pytest.raises(InputError, match="data.dirs: no such folder"):
         check(cfg("flux", tmp_path / "nope"))

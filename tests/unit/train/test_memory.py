@@ -17,6 +17,7 @@ def fake_model(tmp_path, family_cfg: dict, total_size: int):
     (t / "config.json").write_text(json.dumps(family_cfg))
     (t / "diffusion_pytorch_model.safetensors.index.json").write_text(
         json.dumps({"metadata": {"total_size": total_size}, "weight_map": {}}))
+    (tmp_path / "model" / "model_index.json").write_text("{}")  # a pipeline folder's marker (paths are checked)
     return tmp_path / "model"
 
 
@@ -32,7 +33,7 @@ def cfg_for(path, family, profile, res, **mem):
 
     raw = deep_merge(load_profile(profile).defaults, {
         "profile": profile, "model": {"family": family, "path": str(path)},
-        "data": {"dirs": ["/nonexistent"], "resolution": res}, "memory": mem})
+        "data": {"dirs": [str(path)], "resolution": res}, "memory": mem})  # any existing folder
     return validate(raw)
 
 
