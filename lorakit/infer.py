@@ -88,40 +88,60 @@ def assemble(model_dir: Path, device: str, dtype, backend: str = "auto"):
 
 
 def read_loras(loras: list[tuple[Path, float]], arch: str | None) -> list[tuple]:
-    """Read and check every LoRA (any layout) before anything heavy is loaded: (path, scale, pieces, facts)."""
+    """Read and check every LoRA (any layout) before anything heavy is loaded: (path, scale, Lora)."""
     from lorakit.convert import lora as L
 
-    out = []
-    for path, scale in loras:
-        pieces, f = L.read(path, arch=arch)  # a LoRA of another architecture is refused by name
-        out.append((path, scale, pieces, f))
-    return out
+    return [(path, scale, L.read(path, arch=arch)) for path, scale in loras]  # another architecture: refused
 
 
 def add_loras(pipe, loras: list[tuple], arch: str | None) -> list[dict]:
-    """Load each LoRA into the pipeline's transformer as its own adapter, at its scale (`loras`: paths and
-    scales, or what `read_loras` returned)."""
+    """Apply each LoRA to the pipeline's transformer at its scale: LoRA and DoRA modules as peft adapters (one
+    per file, as `load_lora_weights` makes them); what peft cannot hold — LyCORIS LoKr/LoHa, full and bias
+    differences, ComfyUI-convention DoRA — is added into the weights (W += scale * delta), as ComfyUI does.
+    `loras`: paths and scales, or what `read_loras` returned."""
     import torch
 
     from lorakit.convert import lora as L
+    from lorakit.convert.patches import LowRank
 
+    read = loras if loras and len(loras[0]) == 3 else read_loras(loras, arch)
+    tr = pipe.transformer
+    params = dict(tr.named_parameters())
     names, scales, facts = [], [], []
-    read = loras if loras and len(loras[0]) == 4 else read_loras(loras, arch)
-    for i, (path, scale, pieces, f) in enumerate(read):
-        sd, cfg = L.to_peft(pieces)
-        sd = {k: v.to(torch.float32) for k, v in sd.items()}
-        name = f"lora{i}"
-        try:
-            # the transformer's own peft loader, given rank and alpha as diffusers reads them from a file
-            pipe.transformer.load_lora_adapter(sd, prefix="transformer", network_alphas=None, adapter_name=name,
-                                               metadata={f"transformer.{k}": v for k, v in cfg.items()},
-                                               _pipeline=pipe)
-        except (ValueError, RuntimeError, KeyError) as e:
-            raise InputError(f"{path}: does not fit this model's transformer ({str(e).splitlines()[0][:160]})",
-                             "is the LoRA for another model size or family?") from None
-        names.append(name)
-        scales.append(scale)
-        facts.append({"path": str(path), "scale": scale, "sha256_16": file_hash(path), **f})
+    for i, (path, scale, lora) in enumerate(read):
+        missing = [m for m in lora.weights if f"{m}.weight" not in params] + \
+                  [m for m in lora.biases if f"{m}.bias" not in params]
+        if missing:
+            raise InputError(f"{path}: modules this model does not have: {', '.join(missing[:3])}",
+                             "is the LoRA for another model size or family?")
+        peft_ok = {m: p for m, p in lora.weights.items() if isinstance(p, LowRank) and (p.magnitude is not None
+                                                                                         or p.dora_scale is None)}
+        baked = 0
+        with torch.no_grad():
+            for m, p in lora.weights.items():
+                if m in peft_ok:
+                    continue
+                w = params[f"{m}.weight"]
+                w += (p.delta(w) * scale).to(w.dtype)
+                baked += 1
+            for m, b in lora.biases.items():
+                params[f"{m}.bias"] += (b.double() * scale).to(params[f"{m}.bias"].dtype)
+        if peft_ok:
+            sd, cfg = L.to_peft(peft_ok)
+            sd = {k: v.to(torch.float32) for k, v in sd.items()}
+            name = f"lora{i}"
+            try:
+                # the transformer's own peft loader, given rank and alpha as diffusers reads them from a file
+                tr.load_lora_adapter(sd, prefix="transformer", network_alphas=None, adapter_name=name,
+                                     metadata={f"transformer.{k}": v for k, v in cfg.items()}, _pipeline=pipe)
+            except (ValueError, RuntimeError, KeyError) as e:
+                raise InputError(f"{path}: does not fit this model's transformer ({str(e).splitlines()[0][:160]})",
+                                 "is the LoRA for another model size or family?") from None
+            names.append(name)
+            scales.append(scale)
+        facts.append({"path": str(path), "scale": scale, "sha256_16": file_hash(path), **lora.facts,
+                      "added_to_weights": baked + len(lora.biases),
+                      "not_applied": [{"key": k, "why": w} for k, w in lora.unused]})
     if names:
         pipe.set_adapters(names, adapter_weights=scales)
     return facts

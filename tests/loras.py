@@ -24,4 +24,5 @@ def trained_like(tiny, family: str, path, targets="all_linear", alpha: float = 8
             p.data = torch.randn(p.shape, generator=g) * scale
         elif "lora_magnitude_vector" in n:
             p.data = p.data * (1 + 0.1 * torch.randn(p.shape, generator=g))
-    return tl.save_lora(tr, path, cfg.to_dict())
+    tl.save_lora(tr, path, family)
+    return path

@@ -32,6 +32,7 @@ class Summary:
     buckets: dict = field(default_factory=dict)
     skipped: list = field(default_factory=list)
     verified_bad: list = field(default_factory=list)
+    cleaned: int = 0  # temporary files of an interrupted build, removed
 
     def to_dict(self) -> dict:
         return dict(self.__dict__)
@@ -85,6 +86,10 @@ def build(cfg, force: bool = False, verify: bool = False, strict: bool = False, 
     info = family_info(family)
     store = Store(cache_dir_for(cfg))
     summary = Summary(cache_dir=str(store.root))
+    if dist.main:  # temporary files a killed build left behind (finished entries are whole: atomic renames)
+        from lorakit.io import clean_orphans
+
+        summary.cleaned = len(clean_orphans(store.root, recursive=True))
     items = []
     for root in cfg.data.dirs:
         root = Path(root)

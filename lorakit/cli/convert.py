@@ -13,12 +13,16 @@ HELP = "Convert LoRA formats (diffusers/peft/kohya/ComfyUI), legacy .pt caches a
 app = typer.Typer(no_args_is_help=True, add_completion=False, rich_markup_mode=None)
 
 
-@app.command("lora", help="Convert a LoRA between diffusers, peft, kohya and ComfyUI key layouts (exactly).")
+@app.command("lora", help="Convert a LoRA between diffusers, peft, kohya and ComfyUI layouts (exactly; every key of "
+                          "the input is converted or listed).")
 def lora(src: Path = typer.Argument(..., show_default=False, help="LoRA file (.safetensors) or peft folder"),
          dst: Path = typer.Argument(..., show_default=False, help="output file (peft: a folder)"),
          to: str = typer.Option("diffusers", "--to", help="diffusers | peft | kohya | comfyui"),
          family: str | None = typer.Option(None, "--family", help="the model family or architecture, when the keys "
                                            "cannot tell (e.g. an attention-only LoRA going to kohya/ComfyUI)"),
+         model: Path | None = typer.Option(None, "--model", help="the base model folder: needed for DoRA between "
+                                           "the peft and ComfyUI conventions (they depend on the base weights)"),
+         strict: bool = typer.Option(False, "--strict", help="fail when any key of the input cannot be converted"),
          dtype: str | None = typer.Option(None, "--dtype", help="fp32 | bf16 | fp16 (default: as stored)"),
          as_json: bool = JsonOpt) -> None:
     use_json(as_json)
@@ -37,18 +41,51 @@ def lora(src: Path = typer.Argument(..., show_default=False, help="LoRA file (.s
     from lorakit.models.registry import arch_of
 
     arch = arch_of(family) if family else None
-    pieces, facts = L.read(src, arch=arch)
-    out = L.write(pieces, dst, to, arch or facts["arch"], dtype=torch_dtype(dtype) if dtype else None)
-    back, out_facts = L.read(out)
-    exact, why = L.deltas_equal(pieces, back, rtol=1e-6 if dtype in (None, "fp32") else 1e-2)
-    result = {"input": {"path": str(src), **facts}, "output": {"path": str(out), **out_facts},
-              "deltas_equal": exact, "check": why}
-    emit(as_json, result, lambda: console.print(
-        f"{src} ({facts['format']}, {facts['arch'] or 'architecture unknown'}, {facts['modules']} modules, "
-        f"rank {'/'.join(map(str, facts['ranks']))}) -> {out} ({to}); deltas "
-        + ("equal" if exact else f"DIFFER: {why}")))
+    base = _base_weights(model) if model else None
+    lora_in = L.read(src, arch=arch, strict=strict, base=base)
+    out = L.write(lora_in, dst, to, arch or lora_in.facts["arch"], dtype=torch_dtype(dtype) if dtype else None,
+                  base=base)
+    back = L.read(out, arch=arch or lora_in.facts["arch"], base=base)
+    exact, why = L.deltas_equal(lora_in, back, rtol=1e-6 if dtype in (None, "fp32") else 1e-2, base=base)
+    facts = lora_in.facts
+    result = {"input": {"path": str(src), **facts}, "output": {"path": str(out), **back.facts},
+              "deltas_equal": exact, "check": why, "compared": len(lora_in.weights) + len(lora_in.biases),
+              "not_converted": [{"key": k, "why": w} for k, w in lora_in.unused]}
+    emit(as_json, result, lambda: _render_lora(src, out, to, result))
     if not exact:
         raise typer.Exit(1)
+
+
+def _base_weights(model: Path) -> dict:
+    """module -> weight of a model folder's transformer (read through lorakit.io, mapped, no copy)."""
+    from lorakit.errors import InputError
+    from lorakit.io import load
+
+    folder = model / "transformer" if (model / "transformer").is_dir() else model
+    if not folder.is_dir():
+        raise InputError(f"--model {model}: not a model folder (no transformer/ inside)")
+    return {k.removesuffix(".weight"): v for k, v in load(folder).items() if k.endswith(".weight")}
+
+
+def _render_lora(src: Path, out: Path, to: str, r: dict) -> None:
+    f = r["input"]
+    kinds = "+".join(f["kinds"])
+    ranks = "/".join(map(str, f["ranks"])) or "-"
+    head = (f"{src} ({f['format']}, {f['arch'] or 'architecture unknown'}, {f['modules']} modules, {kinds}, "
+            f"rank {ranks}) -> {out} ({to})")
+    n = len(r["not_converted"])
+    if not r["deltas_equal"]:
+        console.print(f"{head}; deltas DIFFER: {r['check']}", markup=False)
+    elif n:
+        console.print(f"{head}; deltas equal for the {r['compared']} converted modules and biases; {n} key(s) "
+                      "NOT converted:", markup=False)
+        for item in r["not_converted"][:20]:
+            console.print(f"  - {item['key']}: {item['why']}", markup=False)
+        if n > 20:
+            console.print(f"  ... and {n - 20} more (--json lists them all)")
+    else:
+        console.print(f"{head}; deltas equal (all {f['keys']} keys converted, {r['compared']} modules and biases "
+                      "compared)", markup=False)
 
 
 @app.command("cache", help="Migrate a legacy .pt cache (read with weights_only=True) to lorakit's store.")

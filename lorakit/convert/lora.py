@@ -1,104 +1,131 @@
-"""LoRA files in the layouts people use, converted exactly.
+"""LoRA files in the layouts people use, read into one form and written from it — exactly, nothing dropped.
 
-Every format is read into one canonical form — diffusers module name -> `Piece(A, B, alpha)`, whose effect on
-the layer is `alpha / rank * B @ A` — and written from it. Formats:
+`read` turns any supported file into a `Lora`: per diffusers module, a patch of its weight (`convert/patches.py`:
+LoRA, DoRA, LyCORIS LoKr / LoHa, full differences) and bias differences; every key of the file is used, or
+listed in `Lora.unused` with the reason (text-encoder parts, unknown modules, kinds lorakit does not apply).
+Layouts read:
 
-- `diffusers`: `transformer.<module>.lora_A.weight` / `lora_B.weight`; alpha and rank in the file's
-  `lora_adapter_metadata` (what `pipe.load_lora_weights` reads), else alpha = rank.
-- `peft`: a folder with `adapter_model.safetensors` (`base_model.model.<module>.lora_A.weight`) and
-  `adapter_config.json` (r, lora_alpha, rank_pattern, alpha_pattern).
-- `kohya` (sd-scripts): `lora_unet_<native name with _>.lora_down.weight` / `lora_up.weight` / `.alpha`.
-- `comfyui`: `diffusion_model.<native name>.lora_A.weight` / `lora_B.weight` / `.alpha`.
+- diffusers (`transformer.<module>.lora_A/lora_B.weight`, `lora_magnitude_vector`; alpha from the file's
+  `lora_adapter_metadata`, else alpha = rank), ai-toolkit (the same keys), peft folders (`adapter_config.json`),
+  DiffSynth-Studio (bare names, `.lora_A.default.weight`), OneTrainer (`lora_transformer_`);
+- kohya sd-scripts and musubi-tuner (`lora_unet_<native name with _>.lora_down/lora_up.weight`, `.alpha`),
+  ComfyUI (`diffusion_model.<native name>.lora_A/B` or `lora_down/up`, `.alpha`), LyCORIS (`.lokr_*`,
+  `.hada_*`, SimpleTuner's `lycoris_` prefix), ComfyUI extracts (`.diff`, `.diff_b`), DoRA's `.dora_scale`.
 
-"Native" names are the original checkpoints' module names, declared by each architecture's family adapter
-(`Adapter.native_names`): for Qwen-Image and Kandinsky 5 the diffusers names; for FLUX the Black Forest Labs
-names, whose fused projections (img_attn.qkv = to_q|to_k|to_v; single blocks' linear1 =
-to_q|to_k|to_v|proj_mlp) are handled exactly: fusing stacks the A matrices and places the B matrices block-
-diagonally (rank adds up, every delta is unchanged); splitting gives each projection its rows of B and, when B
-is block-diagonal (as fusing made it), only its own columns — so a round trip returns the original tensors.
+`write` gives `diffusers` / `peft` (alpha folded into B, so alpha == rank and every consumer — diffusers with
+the metadata, ComfyUI and kohya tools without it — applies the same change; DoRA adds `.dora_scale` for
+ComfyUI beside peft's magnitudes) and `kohya` / `comfyui` (native names, explicit `.alpha`, LyCORIS and
+difference keys kept). Native names and fused weights: `convert/native.py`.
 """
 
 from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
+from lorakit.convert.native import (
+    diffusers_table,
+    flat,
+    fuse_biases,
+    fuse_patches,
+    guess_native_arch,
+    identity_arch,
+    n_blocks,
+    native_table,
+    split_bias,
+    split_patch,
+)
+from lorakit.convert.patches import Full, LoHa, LoKr, LowRank, Rows, kind_name
 from lorakit.errors import FileFormatError, InputError
 
 FORMATS = ("diffusers", "peft", "kohya", "comfyui")
 
+# key suffix -> role, longest first when matching
+_ROLES = {
+    ".lora_A.default.weight": "A", ".lora_B.default.weight": "B", ".lora_A.weight": "A", ".lora_B.weight": "B",
+    ".lora_down.weight": "A", ".lora_up.weight": "B", ".lora.down.weight": "A", ".lora.up.weight": "B",
+    "_lora.down.weight": "A", "_lora.up.weight": "B", ".lora_linear_layer.down.weight": "A",
+    ".lora_linear_layer.up.weight": "B", ".lora_A": "A", ".lora_B": "B",
+    ".lora_magnitude_vector": "magnitude", ".lora_magnitude_vector.weight": "magnitude", ".alpha": "alpha",
+    ".dora_scale": "dora_scale", ".diff": "diff", ".diff_b": "diff_b",
+    **{f".{n}": n for n in ("lokr_w1", "lokr_w2", "lokr_w1_a", "lokr_w1_b", "lokr_w2_a", "lokr_w2_b", "lokr_t2",
+                            "hada_w1_a", "hada_w1_b", "hada_w2_a", "hada_w2_b", "hada_t1", "hada_t2")},
+    ".lora_mid.weight": "unsupported", ".set_weight": "unsupported", ".w_norm": "unsupported",
+    ".b_norm": "unsupported", ".reshape_weight": "unsupported", ".lora_B.bias": "unsupported",
+}
+_SUFFIXES = sorted(_ROLES, key=len, reverse=True)
+# prefix -> (namespace, names use "_" for ".")
+_NAMESPACES = (("transformer.", "diffusers", False), ("base_model.model.", "diffusers", False),
+               ("diffusion_model.", "native", False), ("lora_unet_", "native", True),
+               ("lycoris_", "diffusers", True), ("lora_transformer_", "diffusers", True))
+_TEXT_ENCODER = ("lora_te_", "lora_te1_", "lora_te2_", "lora_te3_", "lora_prior_te_", "text_encoder.",
+                 "text_encoder_2.", "text_encoders.", "te1.", "te2.")
+
 
 @dataclass
-class Piece:
-    A: object  # (rank, in)
-    B: object  # (out, rank)
-    alpha: float
+class Lora:
+    """A LoRA file, read: patches of weights and bias differences by diffusers module name."""
 
-    @property
-    def rank(self) -> int:
-        return int(self.A.shape[0])
+    weights: dict = field(default_factory=dict)  # module -> LowRank | LoKr | LoHa | Full | Rows
+    biases: dict = field(default_factory=dict)  # module -> bias difference (tensor)
+    facts: dict = field(default_factory=dict)
+    unused: list = field(default_factory=list)  # (file key, why): reported, not applied
 
-    @property
-    def scale(self) -> float:
-        return self.alpha / self.rank
+    def __iter__(self):  # `for module in lora`, `module in lora`: its weight patches
+        return iter(self.weights)
 
-    def delta(self):
-        return (self.B.double() @ self.A.double()) * self.scale
+    def __len__(self):
+        return len(self.weights)
 
+    def __getitem__(self, m):
+        return self.weights[m]
 
-def _flat(name: str) -> str:
-    return name.replace(".", "_")
+    def items(self):
+        return self.weights.items()
 
 
 # --------------------------------------------------------------------------- reading
 
 
-def detect_format(keys) -> str:
-    keys = list(keys)
-    if any(k.startswith("lora_unet_") for k in keys):
-        return "kohya"
-    if any(k.startswith("diffusion_model.") for k in keys):
-        return "comfyui"
-    if any(k.startswith("base_model.model.") for k in keys):
-        return "peft"
-    if any(k.startswith("transformer.") and ".lora_A." in k for k in keys):
-        return "diffusers"
-    if any(".lora_A." in k or ".lora_down." in k for k in keys):
-        return "peft"
-    raise InputError("no LoRA weights in this file (no lora_A/lora_B or lora_down/lora_up keys)",
-                     "is it a model checkpoint rather than a LoRA?")
-
-
-def read(path, arch: str | None = None) -> tuple[dict[str, Piece], dict]:
-    """Read a LoRA in any supported layout. Returns (pieces by diffusers module name, facts).
+def read(path, arch: str | None = None, strict: bool = False, base: dict | None = None) -> Lora:
+    """Read a LoRA in any supported layout.
 
     Args:
         arch: the architecture (registry `arch`) when known; else it is told from the keys where they say it.
+        strict: fail when any key of the file cannot be applied (instead of listing it in `unused`).
+        base: diffusers module -> base weight, to turn a ComfyUI `dora_scale` into peft's magnitude.
 
     Raises:
         InputError / FileFormatError: naming the file, for anything that is not a LoRA lorakit can read.
     """
     try:
-        return _read(path, arch)
+        lora = _read(path, arch, base)
     except (FileFormatError, InputError) as e:
         if str(path) in e.message or type(e) not in (FileFormatError, InputError):
             raise
         raise type(e)(f"{path}: {e.message}", e.hint) from None
+    if strict and lora.unused:
+        k, why = lora.unused[0]
+        raise InputError(f"{path}: {len(lora.unused)} key(s) cannot be applied, e.g. {k} ({why})",
+                         "drop --strict to apply the rest and list these")
+    return lora
 
 
-def _read(path, arch: str | None) -> tuple[dict[str, Piece], dict]:
+def _load(path: Path):
     from lorakit.io import load, read_header
-    from lorakit.models.base import guess_arch
 
-    path = Path(path)
     config = None
     if path.is_dir():
         cfg_file, weights = path / "adapter_config.json", path / "adapter_model.safetensors"
         if not weights.is_file():
             raise InputError(f"{path}: no adapter_model.safetensors (a peft adapter folder has one)")
-        config = json.loads(cfg_file.read_text()) if cfg_file.is_file() else None
+        if cfg_file.is_file():
+            try:
+                config = json.loads(cfg_file.read_text(encoding="utf-8"))
+            except (UnicodeDecodeError, ValueError):
+                raise FileFormatError(f"{cfg_file}: not JSON") from None
         path = weights
     elif path.suffix.lower() in (".pt", ".pth", ".bin", ".ckpt"):
         raise InputError(f"{path}: pickled files are not read (loading them can run code)",
@@ -107,60 +134,189 @@ def _read(path, arch: str | None) -> tuple[dict[str, Piece], dict]:
     tensors = load(path, copy=True)
     if not tensors:
         raise InputError(f"{path}: the file holds no tensors")
-    fmt = detect_format(tensors)
     meta = header.metadata or {}
-    if fmt == "diffusers":
-        pieces = _read_ab(tensors, "transformer.", _peft_alpha(meta))
-    elif fmt == "peft":
-        prefix = "base_model.model." if any(k.startswith("base_model.model.") for k in tensors) else ""
-        pieces = _read_ab(tensors, prefix, _config_alpha(config))
-    else:
-        prefix = "lora_unet_" if fmt == "kohya" else "diffusion_model."
-        native = _read_native(tensors, prefix, flat=fmt == "kohya")
-        pieces = _from_native(native, arch or _native_arch(native, flat=fmt == "kohya"), flat=fmt == "kohya")
-    _check_finite(path, pieces)
-    guessed = guess_arch(pieces)
-    if arch and guessed not in (None, arch):
-        raise InputError(f"{path} is a {guessed} LoRA (its module names say so), not a {arch} one",
-                         "use a LoRA trained for this model (or the right --family)")
-    ranks = sorted({p.rank for p in pieces.values()})
-    return pieces, {"format": fmt, "arch": arch or guessed, "modules": len(pieces), "ranks": ranks,
-                    "dtype": str(next(iter(pieces.values())).A.dtype).removeprefix("torch.")}
-
-
-def _check_finite(path, pieces: dict) -> None:
-    """A LoRA with NaN or infinite values would turn every output black: refuse it, naming the module."""
-    import math
-
-    import torch
-
-    for mod, p in pieces.items():
-        if not (torch.isfinite(p.A).all() and torch.isfinite(p.B).all() and math.isfinite(p.alpha)):
-            raise FileFormatError(f"{path}: {mod} holds NaN or infinite values",
-                                  "the training that wrote it diverged: use an earlier checkpoint")
-
-
-def _peft_alpha(meta: dict):
-    """module -> alpha from diffusers' lora_adapter_metadata (rank/alpha patterns honoured)."""
-    raw = meta.get("lora_adapter_metadata")
-    cfg = {}
-    if raw:
+    if config is None and meta.get("lora_adapter_metadata"):
         try:
-            cfg = {k.removeprefix("transformer."): v for k, v in json.loads(raw).items()}
-        except ValueError:
-            raise FileFormatError("lora_adapter_metadata is not JSON") from None
-    return _config_alpha(cfg or None)
+            config = {k.removeprefix("transformer."): v for k, v in json.loads(meta["lora_adapter_metadata"]).items()}
+        except (ValueError, AttributeError):
+            raise FileFormatError("lora_adapter_metadata is not a JSON object") from None
+    return tensors, config
+
+
+def _split_key(k: str):
+    """(namespace, uses '_', module, role) of a key; namespace None for keys lorakit does not read."""
+    if k.startswith(_TEXT_ENCODER):
+        return "text-encoder", False, k, None
+    suffix = next((s for s in _SUFFIXES if k.endswith(s)), None)
+    if suffix is None:
+        return None, False, k, None
+    stem = k[: -len(suffix)]
+    for prefix, ns, flat_names in _NAMESPACES:
+        if stem.startswith(prefix):
+            return ns, flat_names, stem[len(prefix):], _ROLES[suffix]
+    return "diffusers", False, stem, _ROLES[suffix]  # bare names: DiffSynth-Studio, plain peft
+
+
+def detect_format(keys) -> str:
+    keys = list(keys)
+    if any(k.startswith("lora_unet_") for k in keys):
+        return "kohya"
+    if any(k.startswith("diffusion_model.") for k in keys):
+        return "comfyui"
+    if any(k.startswith("lycoris_") for k in keys):
+        return "lycoris"
+    if any(k.startswith("base_model.model.") for k in keys):
+        return "peft"
+    if any(k.startswith("transformer.") for k in keys):
+        return "diffusers"
+    if any(".default.weight" in k for k in keys):
+        return "diffsynth"
+    if any(k.startswith("lora_transformer_") for k in keys):
+        return "onetrainer"
+    return "peft"
+
+
+def _read(path, arch: str | None, base: dict | None) -> Lora:
+    path = Path(path)
+    tensors, config = _load(path)
+    lora = Lora()
+    groups: dict = {}
+    for k, t in tensors.items():
+        ns, flat_names, module, role = _split_key(k)
+        if ns is None:
+            lora.unused.append((k, "not a LoRA key"))
+        elif ns == "text-encoder":
+            lora.unused.append((k, "a text-encoder part (lorakit applies the transformer part)"))
+        elif role == "unsupported":
+            lora.unused.append((k, "a patch kind lorakit does not apply (conv LoRA, norm or reshape patch)"))
+        else:
+            groups.setdefault((ns, flat_names, module), {})[role] = (k, t)
+    if not groups:
+        raise InputError("no LoRA weights in this file (no lora_A/lora_B, lora_down/lora_up, LyCORIS or diff keys)",
+                         "is it a model checkpoint rather than a LoRA?")
+    native = {g: v for g, v in groups.items() if g[0] == "native"}
+    asked = arch
+    arch = arch or _guess_arch(groups)
+    blocks = n_blocks(m for _, _, m in groups)
+    alpha_of = _config_alpha(config)
+    for (ns, flat_names, module), roles in groups.items():
+        keys = [k for k, _ in roles.values()]
+        try:
+            patch, bias = _patch(module, roles, alpha_of)
+        except FileFormatError as e:
+            raise FileFormatError(f"{keys[0]}: {e.message}", e.hint) from None
+        name = module
+        if ns == "native" or flat_names:
+            table = (native_table(arch, blocks, flat_names) if ns == "native" else
+                     diffusers_table(arch, blocks, True)) if arch else {}
+            rec = table.get(module)
+            if rec is None and not (ns == "native" and not flat_names and arch and identity_arch(arch)):
+                lora.unused += [(k, f"no {arch or 'known'} module named {module}") for k in keys]
+                continue
+            if ns == "native" and rec is not None:  # original names: fused and swapped rows become diffusers'
+                if patch is not None:
+                    lora.weights.update(split_patch(patch, rec))
+                if bias is not None:
+                    lora.biases.update(split_bias(bias, rec, patch.shape[1] if patch is not None else None))
+                continue
+            if ns != "native":
+                name = rec  # the diffusers name behind a lycoris_ / lora_transformer_ key
+        if patch is not None:
+            lora.weights[name] = patch
+        if bias is not None:
+            lora.biases[name] = bias
+    _dora_to_magnitude(lora, base)
+    _check_finite(lora)
+    from lorakit.models.base import guess_arch
+
+    guessed = guess_arch(lora.weights) if lora.weights else None
+    if asked and guessed not in (None, asked) and not native:
+        raise InputError(f"{path} is a {guessed} LoRA (its module names say so), not a {asked} one",
+                         "use a LoRA trained for this model (or the right --family)")
+    if native and asked and not lora.weights and not lora.biases:
+        raise InputError(f"none of its module names is a {asked} module", "is it for another model?")
+    fmt = detect_format(tensors)
+    kinds = sorted({kind_name(p) for p in lora.weights.values()} | ({"diff_b"} if lora.biases else set()))
+    first = next(iter(lora.weights.values()), None)
+    lora.facts = {"format": fmt, "arch": arch or guessed, "modules": len(lora.weights),
+                  "ranks": sorted({p.rank for p in lora.weights.values() if isinstance(p, LowRank)}),
+                  "kinds": kinds, "biases": len(lora.biases), "keys": len(tensors), "unused": len(lora.unused),
+                  "dtype": str(_first_tensor(first).dtype).removeprefix("torch.") if first is not None else None}
+    return lora
+
+
+def _first_tensor(p):
+    p = p.parent if isinstance(p, Rows) else p
+    for a in ("A", "w1", "w1_a", "w1a", "diff"):
+        if getattr(p, a, None) is not None:
+            return getattr(p, a)
+    raise FileFormatError("empty patch")
+
+
+def _guess_arch(groups: dict) -> str | None:
+    from lorakit.models.base import guess_arch
+    from lorakit.models.registry import arch_names
+
+    native = [m for (ns, _, m) in groups if ns == "native"]
+    flats = {fl for (ns, fl, _) in groups if ns == "native"}
+    if native:
+        return guess_native_arch(native, flat_names=True in flats)
+    dotted = [m for (ns, fl, m) in groups if ns == "diffusers" and not fl]
+    if dotted:
+        return guess_arch(dotted)
+    flat_mods = [m for (ns, fl, m) in groups if ns == "diffusers" and fl]  # lycoris_, lora_transformer_
+    n = n_blocks(flat_mods)
+    known = {a: sum(m in diffusers_table(a, n, True) for m in flat_mods) for a in arch_names()}
+    best = max(known, key=known.get)
+    return best if known[best] else None
+
+
+def _patch(module: str, roles: dict, alpha_of):
+    """(weight patch or None, bias difference or None) of one module's keys."""
+    t = {r: v for r, (_, v) in roles.items()}
+    alpha = float(t["alpha"]) if "alpha" in t else None
+    patch = None
+    if "A" in t or "B" in t:
+        if "A" not in t or "B" not in t:
+            raise FileFormatError(f"lora_{'B' if 'A' in t else 'A'} is missing (an up/down pair is incomplete)")
+        a, b = t["A"], t["B"]
+        if a.dim() != 2 or b.dim() != 2 or a.shape[0] != b.shape[1]:
+            raise FileFormatError(f"LoRA shapes do not fit (A {tuple(a.shape)}, B {tuple(b.shape)})",
+                                  "only Linear-layer LoRAs are applied")
+        if alpha is None:
+            alpha = alpha_of(module, int(a.shape[0]))
+        mag = t.get("magnitude")
+        ds = t.get("dora_scale")
+        if ds is not None and ds.dim() == 1:
+            ds = ds.reshape(-1, 1)
+        patch = LowRank(a, b, alpha, None if mag is None else mag.reshape(-1), ds)
+    elif any(r.startswith("lokr_") for r in t):
+        if "lokr_t2" in t:
+            raise FileFormatError("LoKr with a Tucker core (conv layers) is not applied")
+        patch = LoKr(t.get("lokr_w1"), t.get("lokr_w2"), alpha, t.get("lokr_w1_a"), t.get("lokr_w1_b"),
+                     t.get("lokr_w2_a"), t.get("lokr_w2_b"))
+    elif any(r.startswith("hada_") for r in t):
+        if "hada_t1" in t or "hada_t2" in t:
+            raise FileFormatError("LoHa with Tucker cores (conv layers) is not applied")
+        missing = [n for n in ("hada_w1_a", "hada_w1_b", "hada_w2_a", "hada_w2_b") if n not in t]
+        if missing:
+            raise FileFormatError(f"LoHa factors missing: {', '.join(missing)}")
+        patch = LoHa(t["hada_w1_a"], t["hada_w1_b"], t["hada_w2_a"], t["hada_w2_b"], alpha)
+    if "diff" in t:
+        if patch is not None:
+            raise FileFormatError("both a low-rank patch and a full difference for one weight")
+        patch = Full(t["diff"])
+    return patch, t.get("diff_b")
 
 
 def _config_alpha(cfg: dict | None):
+    """module -> alpha from a peft config (diffusers' lora_adapter_metadata or adapter_config.json)."""
     def alpha(module: str, rank: int) -> float:
-        if not cfg:
+        if not cfg or cfg.get("lora_alpha") is None:
             return float(rank)
         for pat, a in (cfg.get("alpha_pattern") or {}).items():
             if module == pat or module.endswith("." + pat) or re.fullmatch(pat, module):
                 return float(a)
-        if cfg.get("lora_alpha") is None:
-            return float(rank)
         r = cfg.get("r") or rank
         for pat, rr in (cfg.get("rank_pattern") or {}).items():
             if module == pat or module.endswith("." + pat):
@@ -170,191 +326,58 @@ def _config_alpha(cfg: dict | None):
     return alpha
 
 
-def _read_ab(tensors: dict, prefix: str, alpha_of) -> dict[str, Piece]:
-    pieces = {}
-    for k, a in tensors.items():
-        if not k.endswith(".lora_A.weight"):
+def _dora_to_magnitude(lora: Lora, base: dict | None) -> None:
+    """A ComfyUI/LyCORIS `dora_scale` on the output axis -> peft's magnitude, where the base weights are known
+    (m = scale * ||W + dW|| / (||W|| + eps): what ComfyUI computes, in peft's terms)."""
+    import torch
+
+    for m, p in lora.weights.items():
+        if not (isinstance(p, LowRank) and p.dora_scale is not None and p.magnitude is None and base):
             continue
-        mod = k.removeprefix(prefix).removesuffix(".lora_A.weight").replace(".default", "")
-        bkey = k.replace(".lora_A.weight", ".lora_B.weight")
-        if bkey not in tensors:
-            raise FileFormatError(f"{k} has no matching lora_B")
-        alpha_key = k.replace(".lora_A.weight", ".alpha")
-        alpha = float(tensors[alpha_key]) if alpha_key in tensors else alpha_of(mod, a.shape[0])
-        pieces[mod] = _checked(mod, a, tensors[bkey], alpha)
-    orphans = [k for k in tensors if k.endswith(".lora_B.weight")
-               and k.replace(".lora_B.weight", ".lora_A.weight") not in tensors]
-    if orphans:
-        raise FileFormatError(f"{orphans[0]} has no matching lora_A")
-    return pieces
+        if p.dora_scale.shape[0] != p.B.shape[0] or m not in base:
+            continue
+        norm_w, norm_calc = p.row_norms(base[m])
+        p.magnitude = (p.dora_scale.double().reshape(-1) * norm_calc
+                       / (norm_w + torch.finfo(torch.float32).eps)).float()
 
 
-def _checked(mod, a, b, alpha) -> Piece:
-    if a.dim() != 2 or b.dim() != 2 or a.shape[0] != b.shape[1]:
-        raise FileFormatError(f"{mod}: LoRA shapes do not fit (A {tuple(a.shape)}, B {tuple(b.shape)})",
-                              "only Linear-layer LoRAs are supported (no conv / LoKr / LoHa)")
-    return Piece(a, b, alpha)
-
-
-def _read_native(tensors: dict, prefix: str, flat: bool) -> dict[str, Piece]:
-    down, up = (".lora_down.weight", ".lora_up.weight")
-    pieces = {}
-    for k, a in tensors.items():
-        for d, u in ((down, up), (".lora_A.weight", ".lora_B.weight")):
-            if k.endswith(d):
-                name = k.removeprefix(prefix).removesuffix(d)
-                bk = k.removesuffix(d) + u
-                if bk not in tensors:
-                    raise FileFormatError(f"{k} has no matching {u.strip('.')}")
-                ak = k.removesuffix(d) + ".alpha"
-                alpha = float(tensors[ak]) if ak in tensors else float(a.shape[0])
-                pieces[name] = _checked(name, a, tensors[bk], alpha)
-    if any(k.startswith(("lora_te", "lora_te1_", "lora_te2_")) for k in tensors):
-        raise InputError("this LoRA also trains a text encoder (lora_te* keys); lorakit converts transformer LoRAs",
-                         "drop the text-encoder part first")
-    return pieces
-
-
-def _n_blocks(names) -> int:
-    """1 + the largest block index in a list of module names (0 when none has one)."""
-    idx = [int(m.group(1)) for n in names for m in [re.search(r"blocks[._](\d+)[._]", n)] if m]
-    return max(idx) + 1 if idx else 0
-
-
-def _native_map(arch: str, n_blocks: int, flat: bool = False) -> dict:
-    """native name (kohya: with '_' for '.') -> its `NativeName` record, for the architecture's blocks."""
-    from lorakit.models.base import arch_adapter
-
-    table = arch_adapter(arch).native_table(n_blocks)
-    return {_flat(k): v for k, v in table.items()} if flat else table
-
-
-def _native_arch(native: dict, flat: bool) -> str:
-    """The architecture whose native names these are (the one that knows all of them, else the most)."""
-    from lorakit.models.registry import arch_names
-
-    names = list(native)
-    n = _n_blocks(names)
-    known = {a: sum(1 for x in names if x in _native_map(a, n, flat)) for a in arch_names()}
-    best = max(known, key=known.get)
-    if not known[best]:
-        raise InputError("cannot tell which model this LoRA is for from its keys", "pass --family")
-    return best
-
-
-def _from_native(native: dict, arch: str, flat: bool) -> dict[str, Piece]:
-    table = _native_map(arch, _n_blocks(native), flat)
-    out = {}
-    unknown = [n for n in native if n not in table]
-    if unknown:
-        raise InputError(f"unknown {arch} module in this LoRA: {unknown[0]}"
-                         + (f" and {len(unknown) - 1} more" if len(unknown) > 1 else ""),
-                         "is it for another model? (pass --family to say which)")
-    for name, piece in native.items():
-        rec = table[name]
-        if rec.swap_halves:
-            piece = Piece(piece.A, _swap_halves(piece.B), piece.alpha)
-        if len(rec.targets) == 1:
-            out[rec.targets[0]] = piece
-        else:
-            out.update(_split(piece, list(rec.targets), rec.split))
-    return out
-
-
-def _swap_halves(b):
-    """Exchange the two halves of the output rows (FLUX's final norm: [scale, shift] <-> [shift, scale])."""
+def magnitude_to_dora_scale(p: LowRank, W) -> object:
+    """peft's magnitude -> the output-axis `dora_scale` ComfyUI applies to the same effect (it divides by the
+    unpatched weight's row norm: scale = m * (||W|| + eps) / ||W + dW||). Shape (out, 1), float32."""
     import torch
 
-    first, second = b.chunk(2, dim=0)
-    return torch.cat([second, first], dim=0).contiguous()
+    norm_w, norm_calc = p.row_norms(W)
+    return (p.magnitude.double().reshape(-1).to(norm_w.device) * (norm_w + torch.finfo(torch.float32).eps)
+            / norm_calc).reshape(-1, 1).float().cpu()
 
 
-def _chunks(targets: list[str], piece: Piece, split: str) -> list[int]:
-    hidden = int(piece.A.shape[1])
-    if split == "qkv_mlp":  # FLUX linear1: q, k, v (hidden each) then the MLP input
-        return [hidden] * 3 + [int(piece.B.shape[0]) - 3 * hidden]
-    n = int(piece.B.shape[0])
-    if n % len(targets):
-        raise FileFormatError(f"fused LoRA of {len(targets)} projections has {n} output rows")
-    return [n // len(targets)] * len(targets)
+def _check_finite(lora: Lora) -> None:
+    """A LoRA with NaN or infinite values would turn every output black: refuse it, naming the module."""
+    import math
 
-
-def _split(piece: Piece, targets: list[str], split: str) -> dict[str, Piece]:
     import torch
 
-    sizes = _chunks(targets, piece, split)
-    if sum(sizes) != piece.B.shape[0] or min(sizes) <= 0:
-        raise FileFormatError(f"fused LoRA rows {piece.B.shape[0]} do not split as {sizes}")
-    rows = torch.split(piece.B, sizes, dim=0)
-    cols = [torch.nonzero(r.abs().sum(0)).flatten() for r in rows]
-    seen = torch.cat(cols) if cols else torch.empty(0, dtype=torch.long)
-    block_diagonal = len(seen) == len(set(seen.tolist()))
-    out = {}
-    for t, r, c in zip(targets, rows, cols, strict=True):
-        if len(c) == 0:
-            continue  # this projection had no LoRA
-        if block_diagonal:
-            a, b = piece.A[c], r[:, c]
-        else:
-            a, b = piece.A, r
-        out[t] = Piece(a.contiguous(), b.contiguous(), piece.scale * a.shape[0])
-    return out
+    for mod, p in list(lora.weights.items()) + list(lora.biases.items()):
+        q = p.parent if isinstance(p, Rows) else p
+        ts = [q] if torch.is_tensor(q) else [v for v in vars(q).values() if torch.is_tensor(v)]
+        if not all(torch.isfinite(t).all() for t in ts) or not math.isfinite(getattr(q, "alpha", 0.0) or 0.0):
+            raise FileFormatError(f"{mod} holds NaN or infinite values",
+                                  "the training that wrote it diverged: use an earlier checkpoint")
 
 
 # --------------------------------------------------------------------------- writing
 
 
-def _to_native(pieces: dict[str, Piece], arch: str) -> dict[str, Piece]:
-    import torch
+def write(lora: Lora, dst, fmt: str, arch: str | None, dtype=None, extra_metadata: dict | None = None,
+          base: dict | None = None) -> Path:
+    """Write a LoRA in a format (atomically). Returns the written path.
 
-    table = _native_map(arch, _n_blocks(pieces))
-    owner = {}
-    for native, rec in table.items():
-        for d in rec.targets:
-            owner.setdefault(d, []).append(native)
-    out = {}
-    for mod in pieces:
-        if mod not in owner:
-            raise InputError(f"{mod} has no {arch} native name in this build", "keep the diffusers format")
-    for native, rec in table.items():
-        ds = list(rec.targets)
-        present = [d for d in ds if d in pieces]
-        if not present:
-            continue
-        if len(ds) == 1:
-            p = pieces[ds[0]]
-            out[native] = Piece(p.A, _swap_halves(p.B), p.alpha) if rec.swap_halves else p
-            continue
-        ps = [pieces.get(d) for d in ds]
-        ref = next(p for p in ps if p is not None)
-        scale = ref.scale
-        same = all(p is None or abs(p.scale - scale) <= 1e-12 * abs(scale) for p in ps)
-        hidden = int(ref.A.shape[1])
-        sizes = [hidden] * 3 + [4 * hidden] if rec.split == "qkv_mlp" else [hidden] * len(ds)
-        for j, p in enumerate(ps):
-            if p is not None:
-                sizes[j] = int(p.B.shape[0])
-        a_parts, total = [], sum(p.rank for p in ps if p is not None)
-        dtype = ref.A.dtype
-        col = 0
-        b = torch.zeros(sum(sizes), total, dtype=ref.B.dtype)
-        row = 0
-        for p, n in zip(ps, sizes, strict=True):
-            if p is not None:
-                a_parts.append(p.A)
-                blk = p.B if same else (p.B.double() * (p.scale / scale)).to(p.B.dtype)
-                b[row:row + n, col:col + p.rank] = blk
-                col += p.rank
-            row += n
-        out[native] = Piece(torch.cat(a_parts).to(dtype), b, scale * total)
-    return out
+    Args:
+        base: diffusers module -> base weight; needed for DoRA into ComfyUI's convention (`dora_scale`).
 
-
-def write(pieces: dict[str, Piece], dst, fmt: str, arch: str | None, dtype=None,
-          extra_metadata: dict | None = None) -> Path:
-    """Write pieces in a format (atomically). Returns the written path."""
-    import torch
-
+    Raises:
+        InputError: the format cannot hold what the LoRA carries (named), or DoRA without the base weights.
+    """
     from lorakit.io import save
 
     if fmt not in FORMATS:
@@ -362,12 +385,20 @@ def write(pieces: dict[str, Piece], dst, fmt: str, arch: str | None, dtype=None,
     dst = Path(dst)
 
     def cast(t):
-        return t.to(dtype).contiguous() if dtype is not None else t.contiguous()
+        return t.to(dtype).contiguous() if dtype is not None and t.is_floating_point() else t.contiguous()
 
     meta = {"format": "pt", **(extra_metadata or {})}
     if fmt in ("diffusers", "peft"):
-        prefix = "transformer." if fmt == "diffusers" else "base_model.model."
-        sd, cfg = to_peft(pieces, prefix)
+        other = [m for m, p in lora.weights.items() if not isinstance(p, LowRank)] + list(lora.biases)
+        if other:
+            raise InputError(f"the {fmt} layout holds LoRA/DoRA only; {len(other)} module(s) carry other patches "
+                             f"(LyCORIS or differences), e.g. {other[0]}", "use --to comfyui or --to kohya")
+        sd, cfg = to_peft(lora.weights, "transformer." if fmt == "diffusers" else "base_model.model.")
+        if base is not None:  # ComfyUI reads DoRA from `dora_scale` (diffusers drops that key on loading)
+            for m, p in lora.weights.items():
+                if p.magnitude is not None and m in base:
+                    sd[f"{'transformer.' if fmt == 'diffusers' else 'base_model.model.'}{m}.dora_scale"] = \
+                        magnitude_to_dora_scale(p, base[m])
         sd = {k: cast(v) for k, v in sd.items()}
         if fmt == "diffusers":
             meta["lora_adapter_metadata"] = json.dumps({f"transformer.{k}": v for k, v in cfg.items()},
@@ -385,60 +416,110 @@ def write(pieces: dict[str, Piece], dst, fmt: str, arch: str | None, dtype=None,
 
         raise InputError("cannot tell which model this LoRA is for (attention-only keys are shared by several)",
                          f"pass --family (one of: {', '.join(arch_names())})")
-    native = _to_native(pieces, arch)
+    weights = {}
+    for m, p in lora.weights.items():
+        if isinstance(p, LowRank) and p.magnitude is not None and p.dora_scale is None:
+            if base is None or m not in base:
+                raise InputError("DoRA in the ComfyUI/kohya convention depends on the base weights",
+                                 "pass the model: convert lora ... --model DIR")
+            p = LowRank(p.A, p.B, p.alpha, None, magnitude_to_dora_scale(p, base[m]))
+        weights[m] = p
+    widths = {m: w.shape[0] for m, w in base.items()} if base else None
+    native = fuse_patches(weights, arch, widths)
+    biases = fuse_biases(lora.biases, arch, widths)
     sd = {}
-    for name, p in native.items():
-        if fmt == "kohya":
-            k = "lora_unet_" + _flat(name)
-            sd[f"{k}.lora_down.weight"], sd[f"{k}.lora_up.weight"] = cast(p.A), cast(p.B)
-        else:
-            k = "diffusion_model." + name
-            sd[f"{k}.lora_A.weight"], sd[f"{k}.lora_B.weight"] = cast(p.A), cast(p.B)
-        sd[f"{k}.alpha"] = torch.tensor(p.alpha, dtype=torch.float32)
+    for name in sorted(set(native) | set(biases)):
+        k = ("lora_unet_" + flat(name)) if fmt == "kohya" else ("diffusion_model." + name)
+        if name in native:
+            sd.update(_native_keys(k, native[name], fmt, cast))
+        if name in biases:
+            sd[f"{k}.diff_b"] = cast(biases[name])
     return save(sd, dst, metadata=meta)
 
 
-def to_peft(pieces: dict[str, Piece], prefix: str = "transformer.") -> tuple[dict, dict]:
-    """(lora_A/lora_B state dict with `prefix`, the peft LoraConfig dict giving each module its rank and alpha)."""
-    sd = {}
-    for m, p in pieces.items():
-        sd[f"{prefix}{m}.lora_A.weight"] = p.A
-        sd[f"{prefix}{m}.lora_B.weight"] = p.B
-    return sd, _peft_config(pieces)
-
-
-def _peft_config(pieces: dict[str, Piece]) -> dict:
-    """A peft LoraConfig dict that gives every module its rank and alpha (the commonest as defaults)."""
-    from collections import Counter
-
-    ranks = Counter(p.rank for p in pieces.values())
-    r = ranks.most_common(1)[0][0]
-    alphas = Counter(p.alpha for p in pieces.values() if p.rank == r)
-    alpha = alphas.most_common(1)[0][0]
-    rank_pattern = {m: p.rank for m, p in pieces.items() if p.rank != r}
-    alpha_pattern = {m: p.alpha for m, p in pieces.items() if p.alpha != alpha}
-    return {"r": r, "lora_alpha": alpha, "rank_pattern": rank_pattern, "alpha_pattern": alpha_pattern,
-            "target_modules": sorted(pieces), "lora_dropout": 0.0, "bias": "none", "use_dora": False,
-            "init_lora_weights": True, "use_rslora": False}
-
-
-def deltas_equal(a: dict[str, Piece], b: dict[str, Piece], rtol: float = 1e-6, probes: int = 8) -> tuple[bool, str]:
-    """Do two LoRAs change every layer the same way? Compared through random probes (delta @ x), so a
-    full-size layer's delta never has to be materialised."""
+def _native_keys(k: str, p, fmt: str, cast) -> dict:
     import torch
 
-    if set(a) != set(b):
-        diff = sorted(set(a) ^ set(b))
-        return False, f"modules differ: {diff[:3]}"
+    if isinstance(p, Rows):
+        p = Full(p.delta().float())  # a view that does not fuse back: its exact difference
+    alpha = None if getattr(p, "alpha", None) is None else torch.tensor(float(p.alpha), dtype=torch.float32)
+    if isinstance(p, LowRank):
+        down, up = (".lora_down.weight", ".lora_up.weight") if fmt == "kohya" else (".lora_A.weight", ".lora_B.weight")
+        out = {f"{k}{down}": cast(p.A), f"{k}{up}": cast(p.B), f"{k}.alpha": alpha}
+        if p.dora_scale is not None:
+            out[f"{k}.dora_scale"] = cast(p.dora_scale)
+        return out
+    if isinstance(p, LoKr):
+        out = {f"{k}.{n}": cast(getattr(p, n)) for n in ("w1", "w2", "w1_a", "w1_b", "w2_a", "w2_b")
+               if getattr(p, n) is not None}
+        out = {kk.replace(f"{k}.", f"{k}.lokr_"): v for kk, v in out.items()}
+    elif isinstance(p, LoHa):
+        out = {f"{k}.hada_w1_a": cast(p.w1a), f"{k}.hada_w1_b": cast(p.w1b), f"{k}.hada_w2_a": cast(p.w2a),
+               f"{k}.hada_w2_b": cast(p.w2b)}
+    else:
+        return {f"{k}.diff": cast(p.diff)}
+    if alpha is not None:
+        out[f"{k}.alpha"] = alpha
+    return out
+
+
+def to_peft(weights: dict, prefix: str = "transformer.") -> tuple[dict, dict]:
+    """(state dict, peft LoraConfig dict) with alpha folded into B: every module's alpha equals its rank, so the
+    file means the same to readers that take alpha from the config and to those that ignore it. DoRA modules
+    carry peft's `lora_magnitude_vector`."""
+    from collections import Counter
+
+    sd, ranks, dora = {}, {}, set()
+    for m, p in weights.items():
+        if not isinstance(p, LowRank):
+            raise InputError(f"{m}: a {kind_name(p)} patch has no peft LoRA form")
+        q = p.folded()
+        sd[f"{prefix}{m}.lora_A.weight"] = q.A
+        sd[f"{prefix}{m}.lora_B.weight"] = q.B
+        if p.dora:
+            if p.magnitude is None:
+                raise InputError(f"{m}: DoRA stored as ComfyUI's dora_scale needs the base weights",
+                                 "pass the model (--model DIR)")
+            sd[f"{prefix}{m}.lora_magnitude_vector"] = p.magnitude
+            dora.add(m)
+        ranks[m] = q.rank
+    r = Counter(ranks.values()).most_common(1)[0][0] if ranks else 1
+    rank_pattern = {m: rr for m, rr in ranks.items() if rr != r}
+    if dora and len(dora) != len(weights):
+        raise InputError("a LoRA with DoRA on some modules only has no single peft config",
+                         "use --to comfyui or --to kohya")
+    return sd, {"r": r, "lora_alpha": r, "rank_pattern": rank_pattern, "alpha_pattern": dict(rank_pattern),
+                "target_modules": sorted(weights), "lora_dropout": 0.0, "bias": "none", "use_dora": bool(dora),
+                "init_lora_weights": True, "use_rslora": False}
+
+
+# --------------------------------------------------------------------------- comparing
+
+
+def deltas_equal(a, b, rtol: float = 1e-6, probes: int = 8, base: dict | None = None) -> tuple[bool, str]:
+    """Do two LoRAs change every weight and bias the same way? Compared through random probes (delta @ x), so a
+    full-size layer's delta never has to be materialised (DoRA needs `base`)."""
+    import torch
+
+    wa, wb = (getattr(x, "weights", x) for x in (a, b))
+    ba, bb = (getattr(x, "biases", {}) for x in (a, b))
+    if set(wa) != set(wb):
+        return False, f"modules differ: {sorted(set(wa) ^ set(wb))[:3]}"
+    if set(ba) != set(bb):
+        return False, f"bias differences differ: {sorted(set(ba) ^ set(bb))[:3]}"
     g = torch.Generator().manual_seed(0)
-    for m in a:
-        pa, pb = a[m], b[m]
-        if pa.B.shape[0] != pb.B.shape[0] or pa.A.shape[1] != pb.A.shape[1]:
-            return False, f"{m}: shapes differ"
-        x = torch.randn(pa.A.shape[1], probes, generator=g, dtype=torch.float64)
-        ya = pa.B.double() @ (pa.A.double() @ x) * pa.scale
-        yb = pb.B.double() @ (pb.A.double() @ x) * pb.scale
+    for m in wa:
+        pa, pb = wa[m], wb[m]
+        if tuple(pa.shape) != tuple(pb.shape):
+            return False, f"{m}: shapes differ {tuple(pa.shape)} vs {tuple(pb.shape)}"
+        W = base.get(m) if base else None
+        x = torch.randn(pa.shape[-1], probes, generator=g, dtype=torch.float64) if len(pa.shape) == 2 else None
+        ya, yb = (pa.probe(x, W), pb.probe(x, W)) if x is not None else (pa.delta(), pb.delta())
         err = float((ya - yb).norm() / ya.norm().clamp(min=1e-30))
         if err > rtol:
             return False, f"{m}: relative difference {err:.2e}"
+    for m in ba:
+        err = float((ba[m].double() - bb[m].double()).norm() / ba[m].double().norm().clamp(min=1e-30))
+        if err > rtol:
+            return False, f"{m} bias: relative difference {err:.2e}"
     return True, "equal"

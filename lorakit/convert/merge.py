@@ -1,10 +1,9 @@
-"""Bake a LoRA into a model's transformer weights: W' = W + scale * alpha/rank * B @ A, in float64, stored back
-in the weight's own dtype. The output is a complete model folder (other components copied), written to a
+"""Bake a LoRA into a model's transformer weights: W' = W + scale * delta (LoRA: alpha/rank * B @ A; DoRA, LoKr,
+LoHa, full and bias differences likewise), in float64, stored back in the weight's own dtype. The output is a complete model folder (other components copied), written to a
 temporary sibling and renamed, so a failure leaves nothing half-written."""
 
 from __future__ import annotations
 
-import json
 import shutil
 import tempfile
 from pathlib import Path
@@ -14,31 +13,30 @@ from lorakit.errors import InputError
 
 def merge(model_dir, lora_path, dst, scale: float = 1.0) -> dict:
     from lorakit.convert import lora as L
-    from lorakit.infer import file_hash
+    from lorakit.infer import family_of_folder, file_hash
     from lorakit.io import load, resolve_files, save_sharded
-    from lorakit.models.registry import family_info, family_of_pipeline
+    from lorakit.models.registry import family_info
 
     model_dir, dst = Path(model_dir), Path(dst)
-    index_file = model_dir / "model_index.json"
-    if not index_file.is_file():
-        raise InputError(f"{model_dir} is not a diffusers model folder (no model_index.json)")
     if dst.exists():
         raise InputError(f"{dst} exists", "name a new folder for the merged model")
-    cls = json.loads(index_file.read_text()).get("_class_name")
-    family = family_of_pipeline(cls)
-    pieces, facts = L.read(lora_path, arch=family_info(family).arch if family else None)
+    family = family_of_folder(model_dir)
     tdir = model_dir / "transformer"
     weights = load(tdir, copy=True)
-    missing = [m for m in pieces if f"{m}.weight" not in weights]
+    base = {k.removesuffix(".weight"): v for k, v in weights.items() if k.endswith(".weight")}
+    lora = L.read(lora_path, arch=family_info(family).arch if family else None, base=base)
+    missing = [m for m in lora.weights if m not in base] + [m for m in lora.biases if f"{m}.bias" not in weights]
     if missing:
         raise InputError(f"{lora_path}: modules the model does not have: {', '.join(missing[:3])}",
                          "is the LoRA for another model?")
-    for m, p in pieces.items():
+    for m, p in lora.weights.items():
         w = weights[f"{m}.weight"]
-        if tuple(w.shape) != (p.B.shape[0], p.A.shape[1]):
-            raise InputError(f"{m}: LoRA delta {tuple(p.B.shape[0:1]) + tuple(p.A.shape[1:])} does not fit the "
-                             f"weight {tuple(w.shape)}")
-        weights[f"{m}.weight"] = (w.double() + p.delta() * scale).to(w.dtype)
+        if tuple(w.shape) != tuple(p.shape):
+            raise InputError(f"{m}: the LoRA changes a {tuple(p.shape)} weight, the model's is {tuple(w.shape)}")
+        weights[f"{m}.weight"] = (w.double() + p.delta(w) * scale).to(w.dtype)  # DoRA: W + scale * (W' - W)
+    for m, b in lora.biases.items():
+        w = weights[f"{m}.bias"]
+        weights[f"{m}.bias"] = (w.double() + b.double() * scale).to(w.dtype)
     dst.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", dir=dst.parent))
     try:
@@ -58,4 +56,5 @@ def merge(model_dir, lora_path, dst, scale: float = 1.0) -> dict:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return {"model": str(model_dir), "lora": str(lora_path), "scale": scale, "output": str(dst),
-            "modules": len(pieces), "lora_format": facts["format"]}
+            "modules": len(lora.weights), "biases": len(lora.biases), "lora_format": lora.facts["format"],
+            "kinds": lora.facts["kinds"], "not_applied": [{"key": k, "why": w} for k, w in lora.unused]}

@@ -31,7 +31,8 @@ class Adapter:
 
     # ---- facts (each family declares all of them; `missing_facts` names any left out) ----
     FACTS = ("layout", "max_controls", "guidance", "guidance_arg", "lora_presets", "published", "attention_cases",
-             "full_config", "native_names", "lora_marks", "text_parts", "max_sequence_length", "temporal")
+             "full_config", "native_names", "lora_marks", "text_parts", "max_sequence_length", "temporal",
+             "comfy_diffusers_prefixes")
     layout: str | None = None  # dataset layout: "flat" (image + caption), "edit" (target + controls), "video"
     max_controls: int | None = None  # control images per item (0 unless layout == "edit")
     guidance: str | None = None  # "embedded" (a guidance input, FLUX) | "cfg" (classifier-free, against empty text)
@@ -47,6 +48,10 @@ class Adapter:
     temporal: int | None = None  # VAE frames per latent frame (video), 1 for images
     # known failures of SDPA backends inside this architecture: (backend, cuDNN version prefix, capability, why)
     known_bad_attention: tuple[tuple[str, str, str, str], ...] = ()
+    # prefixes under which ComfyUI's LoRA loader (comfy/lora.py, model_lora_keys_unet) takes this architecture's
+    # diffusers module names ("" = the bare name, DiffSynth); native names it always takes under "diffusion_model."
+    # and, with "_" for ".", under "lora_unet_"
+    comfy_diffusers_prefixes: tuple[str, ...] | None = None
     vae_part = "vae"
 
     def __init__(self, family: str, model_dir, device: str = "cpu", dtype=None, backend: str = "auto"):
@@ -115,10 +120,15 @@ class Adapter:
                 for i in range(n_blocks):
                     out[n.native.format(i=i)] = NativeName(n.native.format(i=i),
                                                            tuple(t.format(i=i) for t in n.targets),
-                                                           n.split, n.swap_halves)
+                                                           n.split, n.swap_halves, n.param)
             else:
                 out[n.native] = n
         return out
+
+    @property
+    def native_is_diffusers(self) -> bool:
+        """The original checkpoints use the diffusers module names (Qwen-Image, Kandinsky 5)."""
+        return all(n.targets == (n.native,) and not n.swap_halves and n.param == "weight" for n in self.native_names)
 
     @classmethod
     def recognises(cls, modules) -> bool:

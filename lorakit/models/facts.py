@@ -49,6 +49,7 @@ class NativeName:
     targets: tuple[str, ...]
     split: str = "equal"
     swap_halves: bool = False
+    param: str = "weight"  # the original's name for what diffusers calls `weight` (FLUX's RMSNorms: "scale")
 
 
 @dataclass(frozen=True)

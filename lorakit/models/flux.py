@@ -34,6 +34,13 @@ FLUX_NATIVE = (
     NativeName("vector_in.out_layer", ("time_text_embed.text_embedder.linear_2",)),
     NativeName("guidance_in.in_layer", ("time_text_embed.guidance_embedder.linear_1",)),
     NativeName("guidance_in.out_layer", ("time_text_embed.guidance_embedder.linear_2",)),
+    # the attention RMSNorms (no LoRA on them, but ComfyUI's model-diff extracts carry their differences)
+    NativeName("double_blocks.{i}.img_attn.norm.query_norm", (_D + "attn.norm_q",), param="scale"),
+    NativeName("double_blocks.{i}.img_attn.norm.key_norm", (_D + "attn.norm_k",), param="scale"),
+    NativeName("double_blocks.{i}.txt_attn.norm.query_norm", (_D + "attn.norm_added_q",), param="scale"),
+    NativeName("double_blocks.{i}.txt_attn.norm.key_norm", (_D + "attn.norm_added_k",), param="scale"),
+    NativeName("single_blocks.{i}.norm.query_norm", (_S + "attn.norm_q",), param="scale"),
+    NativeName("single_blocks.{i}.norm.key_norm", (_S + "attn.norm_k",), param="scale"),
 )
 
 
@@ -59,6 +66,9 @@ class FluxAdapter(Adapter):
     text_parts = ("text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2")
     max_sequence_length = 512
     temporal = 1
+    # ComfyUI's Flux branch: diffusers names ("transformer." regular, "lycoris_" SimpleTuner, "lora_transformer_"
+    # OneTrainer, bare for DiffSynth), placed into the BFL weights by row offsets (flux_to_diffusers)
+    comfy_diffusers_prefixes = ("transformer.", "lycoris_", "lora_transformer_", "")
     known_bad_attention = (
         ("cudnn", "919", "9.0", "cuDNN 9.19 attention backward on sm_90: non-finite gradients / illegal memory "
                                 "access inside the FLUX transformer in some runs (seen on an H100, 2026-11-22)"),)

@@ -45,6 +45,7 @@ class QwenImageAdapter(Adapter):
     lora_marks = (r"\.(img|txt)_(mlp|mod)\.", r"^img_in$", r"^txt_norm")
     max_sequence_length = 1024
     temporal = 1
+    comfy_diffusers_prefixes = ("", "transformer.", "lycoris_")  # ComfyUI's QwenImage branch
 
     @property
     def layout(self):

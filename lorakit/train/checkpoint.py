@@ -40,10 +40,15 @@ def save(tr, final: bool = False) -> Path:
         if tr.full:
             _save_transformer(tr.transformer, weights, ck / "transformer")
         else:
-            save_lora(tr.transformer, ck / "lora.safetensors", tr.peft_config, {"lorakit_step": tr.step})
+            tr.consumer_check = save_lora(tr.transformer, ck / "lora.safetensors", tr.cfg.model.family,
+                                          {"lorakit_step": tr.step})
             opt_state = tr.opt.state_dict()
         state = {"step": tr.step, "optimizer": opt_state, "scheduler": tr.sched.state_dict(),
                  "torch_rng": torch.get_rng_state(), "world": tr.dist.world, "global_batch": tr.global_batch}
+        if not tr.full:  # the trainable tensors bit for bit (the file has alpha folded into B)
+            from lorakit.train.lora import lora_state_dict
+
+            state["lora"] = {k: v.cpu() for k, v in lora_state_dict(tr.transformer).items()}
         with atomic_path(ck / "state.pt") as tmp:
             torch.save(state, tmp)
         if not final:
@@ -69,7 +74,7 @@ def resume(tr, ck: Path) -> dict:
     if tr.full:
         _resume_full(tr, ck, weights, state)
     else:
-        load_lora_into(tr.transformer, weights)
+        load_lora_into(tr.transformer, state["lora"] if "lora" in state else weights)  # older: the file is raw
         tr.opt.load_state_dict(state["optimizer"])
     tr.sched.load_state_dict(state["scheduler"])
     torch.set_rng_state(state["torch_rng"])

@@ -44,6 +44,7 @@ class Trainer:
         sched_file = Path(cfg.model.path or ".") / "scheduler" / "scheduler_config.json"
         self.sched_cfg = json.loads(sched_file.read_text()) if cfg.model.path and sched_file.is_file() else {}
         self.stop_requested = False
+        self.consumer_check = None  # the last saved LoRA, read back by diffusers' and ComfyUI's rules
 
     def _gen(self, step: int, micro: int):
         import torch
@@ -240,7 +241,7 @@ def run(cfg, prov: dict, resume: str | None = None, progress=None, stop_at: int 
     if sampler and d.main and (out / "samples" / "progress.png").is_file():
         result["samples"] = str(out / "samples" / "progress.png")
     if not interrupted and d.main:
-        result.update(checkpoint.export(tr, ck))
+        result.update(checkpoint.export(tr, ck), consumer_check=tr.consumer_check)
         result["loss_curve"] = str(loss_curve(log.path, out / "loss_curve.png"))
     d.barrier()
     return result

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 
@@ -57,34 +56,49 @@ def add_lora(transformer, adapter, cfg) -> dict:
 
 
 def lora_state_dict(transformer) -> dict:
-    """The trained LoRA tensors with diffusers' key names ("transformer." + peft names)."""
+    """The trainable LoRA tensors exactly as they are (peft names, "transformer." prefix): what resume restores."""
     from peft.utils import get_peft_model_state_dict
 
     return {f"transformer.{k}": v.detach().contiguous() for k, v in get_peft_model_state_dict(transformer).items()}
 
 
-def save_lora(transformer, path: Path, peft_config: dict, extra: dict | None = None) -> Path:
-    """Write the LoRA atomically in diffusers' format (pipe.load_lora_weights reads it)."""
-    from lorakit.io import save
+def save_lora(transformer, path: Path, family: str, extra: dict | None = None, check: bool = True) -> dict | None:
+    """Write the LoRA the way every consumer reads alike (`convert.lora.write`, diffusers layout: alpha folded
+    into B; DoRA with ComfyUI's dora_scale beside peft's magnitude), then read it back as diffusers and as
+    ComfyUI would and compare with the trained modules (`convert.verify`). Returns that comparison.
 
-    # Dropout is for training only. diffusers' load_lora_weights creates the LoRA layers in training mode,
-    # so a non-zero lora_dropout in the file would make every stock inference stochastic: write 0.
-    cfg = {**peft_config, "lora_dropout": 0.0}
-    meta = {f"transformer.{k}": (sorted(v) if isinstance(v, set) else v) for k, v in cfg.items()}
-    metadata = {"format": "pt", "lora_adapter_metadata": json.dumps(meta, indent=2, sort_keys=True, default=str)}
-    metadata.update({k: str(v) for k, v in (extra or {}).items()})
-    return save({k: v.cpu() for k, v in lora_state_dict(transformer).items()}, path, metadata=metadata)
+    Raises:
+        RuntimeError: a consumer would apply something else than what was trained (a bug: nothing is hidden).
+    """
+    from lorakit.convert import lora as L
+    from lorakit.convert import verify as V
+    from lorakit.models.registry import family_info
+
+    t = V.trained(transformer)
+    base = V.base_weights(transformer, t.weights) if any(p.dora for p in t.weights.values()) else None
+    meta = {k: str(v) for k, v in (extra or {}).items()}
+    L.write(t, path, "diffusers", family_info(family).arch, extra_metadata=meta, base=base)
+    if not check:
+        return None
+    result = V.check_file(path, family, t, base, shapes=V.module_shapes(transformer))
+    bad = {k: v for k, v in result.items() if v != "equal" and not v.startswith("not compared")}
+    if bad:
+        raise RuntimeError(f"{path}: read back as a consumer would, it differs from what was trained: {bad}")
+    return result
 
 
-def load_lora_into(transformer, path: Path) -> None:
-    """Restore LoRA weights written by save_lora into an adapter of the same shape."""
+def load_lora_into(transformer, source) -> None:
+    """Restore LoRA tensors (lora_state_dict's, or an older checkpoint's raw lora.safetensors) into an adapter of
+    the same shape."""
     from peft.utils import set_peft_model_state_dict
 
     from lorakit.io import load
 
-    sd = {k.removeprefix("transformer."): v for k, v in load(path, copy=True).items()}
+    raw = source if isinstance(source, dict) else load(source, copy=True)
+    sd = {k.removeprefix("transformer."): v for k, v in raw.items() if not k.endswith(".dora_scale")}
     result = set_peft_model_state_dict(transformer, sd)
     if getattr(result, "unexpected_keys", None):
         from lorakit.errors import FileFormatError
 
-        raise FileFormatError(f"{path}: LoRA keys this model does not have: {result.unexpected_keys[:3]}")
+        raise FileFormatError(f"{source if not isinstance(source, dict) else 'checkpoint'}: LoRA keys this model "
+                              f"does not have: {result.unexpected_keys[:3]}")

@@ -138,13 +138,14 @@ def test_default_config_runs_every_path(tmp_path, tiny, family):
     assert (ours - base).abs().max() > 0  # three steps at the default learning rate changed the output
 
     # every format and back, exactly
-    pieces, facts = L.read(res["lora"])
-    assert facts["arch"] in (family_info(family).arch, None)
+    pieces = L.read(res["lora"])
+    assert pieces.facts["arch"] in (family_info(family).arch, None) and pieces.unused == []
+    assert res["consumer_check"] == {"diffusers": "equal", "comfyui": "equal"}  # re-read as each consumer does
     for fmt in ("peft", "kohya", "comfyui", "diffusers"):
         dst = tmp_path / ("peft" if fmt == "peft" else f"{fmt}.safetensors")
         r = run.invoke(app, ["convert", "lora", res["lora"], str(dst), "--to", fmt, "--family", family, "--json"])
         assert r.exit_code == 0 and json.loads(r.output)["deltas_equal"], r.output
-        back, _ = L.read(dst, arch=family_info(family).arch)
+        back = L.read(dst, arch=family_info(family).arch)
         assert L.deltas_equal(pieces, back)[0]
 
     # infer with the LoRA through the CLI (edit families from a control image of the dataset)

@@ -50,7 +50,7 @@ def test_kohya_lora_gives_the_same_images_as_the_diffusers_one(tiny, tmp_path):
 
     folder = tiny("qwen-image")
     lora = _lora(tiny, "qwen-image", tmp_path / "l.safetensors", alpha=16)
-    kohya = L.write(L.read(lora)[0], tmp_path / "k.safetensors", "kohya", "qwen-image")
+    kohya = L.write(L.read(lora), tmp_path / "k.safetensors", "kohya", "qwen-image")
     outs = []
     for i, f in enumerate((lora, kohya)):
         r = CliRunner().invoke(app, ["infer", str(folder), "-p", "a red circle", "--steps", "2", "--width", "64",

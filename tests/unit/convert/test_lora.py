@@ -6,6 +6,7 @@ from typer.testing import CliRunner
 
 from lorakit.cli.app import app
 from lorakit.convert import lora as L
+from lorakit.convert.patches import LowRank
 from lorakit.errors import InputError
 from tests.loras import trained_like
 
@@ -23,19 +24,20 @@ def _same_tensors(a, b):
 @pytest.mark.parametrize("fmt", ["kohya", "comfyui", "peft"])
 def test_round_trips_are_lossless(tiny, tmp_path, family, fmt):
     src = _trained_like(tiny, family, tmp_path)
-    orig, facts = L.read(src)
-    assert facts["format"] == "diffusers" and facts["modules"] > 10
+    orig = L.read(src)
+    facts = orig.facts
+    assert facts["format"] == "diffusers" and facts["modules"] > 10 and orig.unused == []
     mid = L.write(orig, tmp_path / ("mid" if fmt == "peft" else "mid.safetensors"), fmt, facts["arch"])
-    back, f2 = L.read(mid)
-    assert f2["format"] == fmt
-    end, _ = L.read(L.write(back, tmp_path / "end.safetensors", "diffusers", f2["arch"]))
+    back = L.read(mid)
+    assert back.facts["format"] == fmt and back.unused == []
+    end = L.read(L.write(back, tmp_path / "end.safetensors", "diffusers", back.facts["arch"]))
     assert L.deltas_equal(orig, end, rtol=1e-6)[0] and _same_tensors(orig, end)
 
 
 def _oracle_pieces(sd: dict) -> dict:
-    """diffusers' converted state dict (alpha already folded in) as pieces."""
+    """diffusers' converted state dict (alpha already folded in) as patches."""
     return {k.removeprefix("transformer.").removesuffix(".lora_A.weight"):
-            L.Piece(v, sd[k.replace("lora_A", "lora_B")], float(v.shape[0]))
+            LowRank(v, sd[k.replace("lora_A", "lora_B")], float(v.shape[0]))
             for k, v in sd.items() if k.endswith(".lora_A.weight")}
 
 
@@ -43,7 +45,7 @@ def _oracle_pieces(sd: dict) -> dict:
 def test_qwen_files_load_through_diffusers_own_converter(tiny, tmp_path, fmt):
     from diffusers import QwenImagePipeline
 
-    orig, facts = L.read(_trained_like(tiny, "qwen-image", tmp_path, alpha=16))
+    orig = L.read(_trained_like(tiny, "qwen-image", tmp_path, alpha=16))
     out = L.write(orig, tmp_path / f"{fmt}.safetensors", fmt, "qwen-image")
     ok, why = L.deltas_equal(orig, _oracle_pieces(QwenImagePipeline.lora_state_dict(str(out))), rtol=1e-6)
     assert ok, why
@@ -55,7 +57,7 @@ def test_flux_kohya_file_loads_through_diffusers_own_converter(tmp_path):
     g = torch.Generator().manual_seed(1)
 
     def piece(out, inp, r=4, alpha=8.0):
-        return L.Piece(torch.randn(r, inp, generator=g), torch.randn(out, r, generator=g), alpha)
+        return LowRank(torch.randn(r, inp, generator=g), torch.randn(out, r, generator=g), alpha)
 
     h = 3072
     orig = {f"transformer_blocks.0.attn.{m}": piece(h, h) for m in ("to_q", "to_k", "to_v", "to_out.0",
@@ -64,21 +66,21 @@ def test_flux_kohya_file_loads_through_diffusers_own_converter(tmp_path):
     orig.update({f"single_transformer_blocks.0.attn.{m}": piece(h, h, alpha=2.0) for m in ("to_q", "to_k", "to_v")})
     orig["single_transformer_blocks.0.proj_mlp"] = piece(4 * h, h, alpha=2.0)
     orig["single_transformer_blocks.0.proj_out"] = piece(h, 5 * h)
-    out = L.write(orig, tmp_path / "k.safetensors", "kohya", "flux")
+    out = L.write(L.Lora(orig), tmp_path / "k.safetensors", "kohya", "flux")
     from diffusers import FluxPipeline
 
     ok, why = L.deltas_equal(orig, _oracle_pieces(FluxPipeline.lora_state_dict(str(out))), rtol=1e-6)
     assert ok, why
-    back, facts = L.read(out)
-    assert facts["format"] == "kohya" and _same_tensors(orig, back)
+    back = L.read(out)
+    assert back.facts["format"] == "kohya" and _same_tensors(orig, back)
 
 
 def test_fusing_unequal_scales_keeps_every_delta(tmp_path):
     g = torch.Generator().manual_seed(2)
-    orig = {f"transformer_blocks.0.attn.to_{c}": L.Piece(torch.randn(r, 16, generator=g),
+    orig = {f"transformer_blocks.0.attn.to_{c}": LowRank(torch.randn(r, 16, generator=g),
                                                         torch.randn(16, r, generator=g), a)
             for c, r, a in (("q", 2, 2.0), ("k", 4, 1.0), ("v", 3, 12.0))}
-    back, _ = L.read(L.write(orig, tmp_path / "k.safetensors", "kohya", "flux"))
+    back = L.read(L.write(L.Lora(orig), tmp_path / "k.safetensors", "kohya", "flux"))
     assert L.deltas_equal(orig, back, rtol=1e-6)[0]
 
 
@@ -93,7 +95,7 @@ def test_cli_converts_and_names_the_input_format(tiny, tmp_path):
     r = CliRunner().invoke(app, ["convert", "lora", str(tmp_path / "k.safetensors"), str(tmp_path / "b.safetensors"),
                                  "--to", "diffusers", "--dtype", "bf16"])
     assert r.exit_code == 0 and "kohya" in r.output, r.output
-    assert L.read(tmp_path / "b.safetensors")[1]["dtype"] == "bfloat16"
+    assert L.read(tmp_path / "b.safetensors").facts["dtype"] == "bfloat16"
 
 
 def test_bad_inputs_get_a_clear_message_and_write_nothing(tiny, tmp_path):

@@ -1,0 +1,260 @@
+"""Native (original / ComfyUI / kohya) module names <-> diffusers module names, for every patch kind.
+
+The names are each architecture's facts (`Adapter.native_names`). For Qwen-Image and Kandinsky 5 they are the
+diffusers names. FLUX's Black Forest Labs names fuse projections (img_attn.qkv = to_q|to_k|to_v; single blocks'
+linear1 = to_q|to_k|to_v|proj_mlp) and store the final norm's modulation halves the other way round; all are
+handled exactly:
+
+- low-rank patches fuse by stacking the A matrices and placing the B matrices block-diagonally (the rank adds
+  up, every delta is unchanged; different alphas are folded into B) and split by giving each projection its rows
+  of B — and, when B is block-diagonal (as fusing made it), only its own columns — so round trips return the
+  original tensors; DoRA magnitudes (one per output row) split and fuse with their rows;
+- other patches (LoKr, LoHa, full differences) split into `Rows` views of the fused patch and fuse back to it;
+- biases split and fuse by rows; swapped halves are swapped back.
+"""
+
+from __future__ import annotations
+
+import re
+
+from lorakit.convert.patches import LowRank, Rows
+from lorakit.errors import FileFormatError, InputError
+
+
+def flat(name: str) -> str:
+    return name.replace(".", "_")
+
+
+def n_blocks(names) -> int:
+    """1 + the largest block index in module names (0 when none has one)."""
+    idx = [int(m.group(1)) for n in names for m in [re.search(r"blocks[._](\d+)(?:[._]|$)", n)] if m]
+    return max(idx) + 1 if idx else 0
+
+
+def native_table(arch: str, blocks: int, flat_names: bool = False) -> dict:
+    """native name (kohya: '_' for '.') -> its `NativeName` record, for blocks 0 .. blocks-1."""
+    from lorakit.models.base import arch_adapter
+
+    table = arch_adapter(arch).native_table(max(blocks, 1))
+    return {flat(k): v for k, v in table.items()} if flat_names else table
+
+
+def diffusers_table(arch: str, blocks: int, flat_names: bool = False) -> dict[str, str]:
+    """diffusers module name (or its '_' form) -> itself, for every module the architecture's tables know."""
+    names = {t for rec in native_table(arch, blocks).values() for t in rec.targets}
+    return {(flat(n) if flat_names else n): n for n in names}
+
+
+def identity_arch(arch: str) -> bool:
+    from lorakit.models.base import arch_adapter
+
+    return arch_adapter(arch).native_is_diffusers
+
+
+def guess_native_arch(names, flat_names: bool) -> str:
+    """The architecture whose native names these are (the one that knows all of them, else the most)."""
+    from lorakit.models.registry import arch_names
+
+    names = list(names)
+    n = n_blocks(names)
+    known = {a: sum(1 for x in names if x in native_table(a, n, flat_names)) for a in arch_names()}
+    best = max(known, key=known.get)
+    if not known[best]:
+        raise InputError("cannot tell which model this LoRA is for from its keys", "pass --family")
+    return best
+
+
+# --------------------------------------------------------------------------- native -> diffusers
+
+
+def swap_halves(t):
+    """Exchange the two halves of the rows (FLUX's final norm: [scale, shift] <-> [shift, scale])."""
+    import torch
+
+    first, second = t.chunk(2, dim=0)
+    return torch.cat([second, first], dim=0).contiguous()
+
+
+def _swap_index(n: int) -> list:
+    return list(range(n // 2, n)) + list(range(n // 2))
+
+
+def row_sizes(rec, out_rows: int, in_features: int) -> list[int]:
+    """How the fused weight's output rows divide among the record's targets."""
+    k = len(rec.targets)
+    if rec.split == "qkv_mlp":  # FLUX linear1: q, k, v (the input width each) then the MLP input
+        return [in_features] * 3 + [out_rows - 3 * in_features]
+    if out_rows % k:
+        raise FileFormatError(f"{rec.native}: fused weight of {k} projections has {out_rows} output rows")
+    return [out_rows // k] * k
+
+
+def split_patch(p, rec) -> dict:
+    """A patch of a native module -> patches of its diffusers modules."""
+    if rec.swap_halves:
+        p = LowRank(p.A, swap_halves(p.B), p.alpha, _swap_opt(p.magnitude), _swap_opt(p.dora_scale)) \
+            if isinstance(p, LowRank) else Rows(p, _swap_index(p.shape[0]))
+    if len(rec.targets) == 1:
+        return {rec.targets[0]: p}
+    sizes = row_sizes(rec, p.shape[0], p.shape[1])
+    if sum(sizes) != p.shape[0] or min(sizes) <= 0:
+        raise FileFormatError(f"{rec.native}: fused rows {p.shape[0]} do not split as {sizes}")
+    if isinstance(p, LowRank):
+        return _split_low_rank(p, list(rec.targets), sizes)
+    out, start = {}, 0
+    for t, n in zip(rec.targets, sizes, strict=True):
+        out[t] = Rows(p, list(range(start, start + n)))
+        start += n
+    return out
+
+
+def _swap_opt(t):
+    return None if t is None or t.shape[0] == 1 else swap_halves(t)
+
+
+def _split_low_rank(p: LowRank, targets: list[str], sizes: list[int]) -> dict:
+    import torch
+
+    if p.dora_scale is not None and p.dora_scale.shape[0] == 1:
+        raise FileFormatError("a DoRA scale over the input axis cannot be split into the fused projections",
+                              "convert from the file's own layout")
+    rows = torch.split(p.B, sizes, dim=0)
+    cols = [torch.nonzero(r.abs().sum(0)).flatten() for r in rows]
+    seen = torch.cat(cols) if cols else torch.empty(0, dtype=torch.long)
+    block_diagonal = len(seen) == len(set(seen.tolist()))
+    mags = torch.split(p.magnitude, sizes) if p.magnitude is not None else [None] * len(sizes)
+    scales = torch.split(p.dora_scale, sizes) if p.dora_scale is not None else [None] * len(sizes)
+    out = {}
+    for t, r, c, m, d in zip(targets, rows, cols, mags, scales, strict=True):
+        if len(c) == 0:
+            continue  # this projection had no LoRA
+        a, b = (p.A[c], r[:, c]) if block_diagonal else (p.A, r)
+        out[t] = LowRank(a.contiguous(), b.contiguous(), p.scale * a.shape[0],
+                         None if m is None else m.contiguous(), None if d is None else d.contiguous())
+    return out
+
+
+def split_bias(b, rec, in_features: int | None = None) -> dict:
+    """A bias difference of a native module -> its diffusers modules' rows."""
+    if rec.swap_halves:
+        b = swap_halves(b)
+    if len(rec.targets) == 1:
+        return {rec.targets[0]: b}
+    if in_features is None and rec.split == "qkv_mlp":
+        raise FileFormatError(f"{rec.native}: its bias difference cannot be split without the layer's width")
+    sizes = row_sizes(rec, b.shape[0], in_features or 0)
+    out, start = {}, 0
+    for t, n in zip(rec.targets, sizes, strict=True):
+        out[t] = b[start:start + n].contiguous()
+        start += n
+    return out
+
+
+# --------------------------------------------------------------------------- diffusers -> native
+
+
+def owners(arch: str, blocks: int) -> dict[str, str]:
+    """diffusers module name -> the native module holding it."""
+    return {t: native for native, rec in native_table(arch, blocks).items() for t in rec.targets}
+
+
+def fuse_patches(patches: dict, arch: str, widths: dict | None = None) -> dict:
+    """Patches by diffusers name -> patches by native name (fused where the original fuses).
+
+    Args:
+        widths: diffusers module -> its output rows, for fused weights whose other projections have no patch
+            (the base model's shapes; without them FLUX's widths are assumed: q/k/v the input width, MLP 4x).
+    """
+    table = native_table(arch, n_blocks(patches))
+    own = owners(arch, n_blocks(patches))
+    if not identity_arch(arch):
+        unknown = [m for m in patches if m not in own]
+        if unknown:
+            raise InputError(f"{unknown[0]} has no {arch} native name in this build", "keep the diffusers format")
+    out = {m: p for m, p in patches.items() if m not in own}  # identity architectures: any name is native
+    for native, rec in table.items():
+        present = [t for t in rec.targets if t in patches]
+        if not present:
+            continue
+        if len(rec.targets) == 1:
+            p = patches[rec.targets[0]]
+            out[native] = _unswap(p) if rec.swap_halves else p
+            continue
+        out[native] = _fuse(native, rec, patches, widths)
+    return out
+
+
+def _unswap(p):
+    if isinstance(p, LowRank):
+        return LowRank(p.A, swap_halves(p.B), p.alpha, _swap_opt(p.magnitude), _swap_opt(p.dora_scale))
+    if isinstance(p, Rows) and p.index == _swap_index(p.parent.shape[0]):
+        return p.parent
+    return Rows(p, _swap_index(p.shape[0]))
+
+
+def _fuse(native: str, rec, patches: dict, widths: dict | None):
+    import torch
+
+    ps = [patches.get(t) for t in rec.targets]
+    given = [p for p in ps if p is not None]
+    parents = {id(p.parent) for p in given if isinstance(p, Rows)}
+    if len(parents) == 1 and all(isinstance(p, Rows) for p in given) and len(given) == len(ps):
+        return given[0].parent  # the views a split made: the original fused patch
+    if not all(isinstance(p, LowRank) for p in given):
+        raise InputError(f"{native}: its projections carry different kinds of patches; the original layout "
+                         "fuses them into one weight", "keep the diffusers format")
+    ref = given[0]
+    hidden = int(ref.A.shape[1])
+    sizes = [hidden] * 3 + [4 * hidden] if rec.split == "qkv_mlp" else [hidden] * len(ps)
+    for j, (t, p) in enumerate(zip(rec.targets, ps, strict=True)):
+        if p is not None:
+            sizes[j] = int(p.B.shape[0])
+        elif widths and t in widths:
+            sizes[j] = int(widths[t])
+    dora = [p.dora for p in given]
+    if any(dora) and not all(dora) or (any(dora) and len(given) < len(ps)):
+        raise InputError(f"{native}: DoRA on some of its fused projections only cannot be written fused",
+                         "keep the diffusers format")
+    scale = ref.scale
+    same = all(abs(p.scale - scale) <= 1e-12 * abs(scale) for p in given)
+    total = sum(p.rank for p in given)
+    b = torch.zeros(sum(sizes), total, dtype=ref.B.dtype)
+    a_parts, row, col = [], 0, 0
+    for p, n in zip(ps, sizes, strict=True):
+        if p is not None:
+            a_parts.append(p.A)
+            blk = p.B if same else (p.B.double() * (p.scale / scale)).to(p.B.dtype)
+            b[row:row + n, col:col + p.rank] = blk
+            col += p.rank
+        row += n
+    mag = torch.cat([p.magnitude for p in given]) if all(p.magnitude is not None for p in given) and dora[0] \
+        else None
+    ds = torch.cat([p.dora_scale for p in given]) if all(p.dora_scale is not None for p in given) and dora[0] \
+        else None
+    return LowRank(torch.cat(a_parts).to(ref.A.dtype), b, scale * total, mag, ds)
+
+
+def fuse_biases(biases: dict, arch: str, widths: dict | None = None) -> dict:
+    """Bias differences by diffusers name -> by native name (rows concatenated; missing rows zero)."""
+    import torch
+
+    if not biases:
+        return {}
+    table = native_table(arch, n_blocks(biases))
+    own = owners(arch, n_blocks(biases))
+    out = {m: b for m, b in biases.items() if m not in own}
+    for native, rec in table.items():
+        present = [t for t in rec.targets if t in biases]
+        if not present:
+            continue
+        if len(rec.targets) == 1:
+            b = biases[rec.targets[0]]
+            out[native] = swap_halves(b) if rec.swap_halves else b
+            continue
+        if len(present) < len(rec.targets) and not widths:
+            raise InputError(f"{native}: bias differences for only some of its fused projections",
+                             "keep the diffusers format")
+        parts = [biases[t] if t in biases else torch.zeros(int(widths[t]), dtype=biases[present[0]].dtype)
+                 for t in rec.targets]
+        out[native] = torch.cat(parts)
+    return out

@@ -1,0 +1,215 @@
+"""After every save: the file read back the way each consumer reads it, against what was trained.
+
+- diffusers: the family pipeline's own `lora_state_dict` (its key conversions) and the peft config diffusers
+  builds from the file's `lora_adapter_metadata` (rank and alpha per module, by peft's own pattern matching);
+- ComfyUI: `convert/comfy.py`'s restatement of its key map and loader, into the original (native) weights.
+
+Each view's change of every weight is compared with the trained one through random probe vectors (cheap at
+any size); DoRA needs the base weights. Returns one line per consumer ("equal" or where it differs).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from lorakit.convert.lora import Lora
+from lorakit.convert.patches import LowRank
+
+
+def trained(transformer) -> Lora:
+    """The LoRA as it lives in a peft-wrapped transformer (A, B, scaling, DoRA magnitudes), read from the
+    modules themselves — not from any file."""
+    out = Lora()
+    for name, mod in transformer.named_modules():
+        a = getattr(mod, "lora_A", None)
+        if a is None or not hasattr(a, "keys") or "default" not in a.keys():
+            continue
+        A, B = mod.lora_A["default"].weight.detach().float().cpu(), mod.lora_B["default"].weight.detach().float().cpu()
+        alpha = float(mod.scaling["default"]) * A.shape[0]
+        mags = getattr(mod, "lora_magnitude_vector", None)
+        mag = mags["default"].weight.detach().float().cpu() if mags is not None and "default" in mags.keys() else None
+        out.weights[name] = LowRank(A, B, alpha, mag)
+    return out
+
+
+def base_weights(transformer, modules) -> dict:
+    """module -> its frozen base weight (the peft base layer's; an fp8 layer dequantized), float32, where it
+    lives. Empty when a layer is stored in 4 bits (the DoRA comparison is then skipped, and says so)."""
+    import torch
+
+    layers = {}
+    for name, mod in transformer.named_modules():
+        if name not in modules:
+            continue
+        layer = getattr(mod, "base_layer", mod)
+        dt = layer.weight.dtype
+        if not (dt in (torch.float32, torch.bfloat16, torch.float16)
+                or (dt == torch.float8_e4m3fn and hasattr(layer, "scale"))):
+            return {}
+        layers[name] = layer
+    return _Weights(layers)
+
+
+class _Weights(dict):
+    """module -> base weight, read from the layer when asked (no full-size copy of every weight at once)."""
+
+    def __init__(self, layers: dict):
+        super().__init__()
+        self.layers = layers
+
+    def __contains__(self, k):
+        return k in self.layers
+
+    def __getitem__(self, k):
+        layer = self.layers[k]
+        w = layer.weight.detach()
+        return w.float() * layer.scale.float()[:, None] if hasattr(layer, "scale") and w.element_size() == 1 else w
+
+    def get(self, k, default=None):
+        return self[k] if k in self.layers else default
+
+    def keys(self):
+        return self.layers.keys()
+
+    def __iter__(self):
+        return iter(self.layers)
+
+    def __len__(self):
+        return len(self.layers)
+
+    def __bool__(self):
+        return bool(self.layers)
+
+    def items(self):
+        return ((k, self[k]) for k in self.layers)
+
+
+def module_shapes(transformer) -> dict:
+    """diffusers parameter name -> shape, of every Linear weight (peft's wrappers seen through)."""
+    import torch
+
+    out = {}
+    for name, mod in transformer.named_modules():
+        layer = getattr(mod, "base_layer", None)
+        if isinstance(layer, torch.nn.Linear):
+            out[f"{name}.weight"] = tuple(layer.weight.shape)
+        elif isinstance(mod, torch.nn.Linear) and not name.endswith(".base_layer") and ".lora_" not in name:
+            out[f"{name}.weight"] = tuple(mod.weight.shape)
+    return out
+
+
+def diffusers_view(path: Path, family: str) -> Lora:
+    """The file as diffusers loads it: the pipeline's lora_state_dict + the peft config from its metadata."""
+    from peft.utils.other import get_pattern_key
+
+    from lorakit.models.base import family_adapter
+
+    cls = family_adapter(family).pipeline_class()
+    got = cls.lora_state_dict(str(path), return_lora_metadata=True)
+    sd, meta = got[0], got[-1]
+    sd = {k.removeprefix("transformer."): v for k, v in sd.items() if k.startswith("transformer.")}
+    meta = {k.removeprefix("transformer."): v for k, v in (meta or {}).items() if k.startswith("transformer.")}
+    out = Lora()
+    for k, a in sd.items():
+        if not k.endswith(".lora_A.weight"):
+            continue
+        m = k.removesuffix(".lora_A.weight")
+        rank = int(a.shape[0])
+        if meta:
+            r = meta.get("rank_pattern", {}).get(get_pattern_key(meta.get("rank_pattern", {}).keys(), m),
+                                                 meta.get("r", rank))
+            alpha = meta.get("alpha_pattern", {}).get(get_pattern_key(meta.get("alpha_pattern", {}).keys(), m),
+                                                      meta.get("lora_alpha", r))
+            scale = alpha / r
+        else:
+            scale = 1.0  # no metadata and no alphas: diffusers' convention is alpha == rank
+        mag = sd.get(f"{m}.lora_magnitude_vector")
+        out.weights[m] = LowRank(a.float(), sd[f"{m}.lora_B.weight"].float(), scale * rank,
+                                 None if mag is None else mag.float().reshape(-1))
+    return out
+
+
+def comfy_probe_check(path: Path, arch: str, expected: Lora, base: dict | None, rtol: float,
+                      shapes: dict | None = None) -> str:
+    """The file through ComfyUI's rules, compared in the original (native) weights with `expected` (`shapes`:
+    the model's weight shapes, for fused weights whose other projections the LoRA leaves alone)."""
+    import torch
+
+    from lorakit.convert import comfy
+    from lorakit.convert.native import fuse_patches
+    from lorakit.io import load
+
+    sd = load(path, copy=True)
+    shapes = dict(shapes or {})
+    shapes.update({f"{m}.weight": tuple(p.shape) for m, p in expected.weights.items()})
+    if base:
+        shapes.update({f"{m}.weight": tuple(w.shape) for m, w in base.items()})
+    keys = comfy.model_keys(arch, shapes)
+    patches, loaded = comfy.load(sd, comfy.key_map(arch, keys))
+    # what ComfyUI does to each native weight, through probes: sum of its patches' rows
+    widths = {m: s[0] for m, s in ((k[:-7], v) for k, v in shapes.items())}
+    want_native = fuse_patches(expected.weights, arch, widths)
+    g = torch.Generator().manual_seed(0)
+    for native, p in want_native.items():
+        key = f"diffusion_model.{native}.weight"
+        if key not in keys:
+            continue
+        rows, cols = keys[key]
+        x = torch.randn(cols, 4, generator=g, dtype=torch.float64)
+        Wn = _native_base(native, arch, base) if base else None
+        want = p.probe(x, Wn)
+        got = torch.zeros(rows, 4, dtype=torch.float64)
+        for target, q in patches.items():
+            k2, offset, function = (target, None, None) if isinstance(target, str) else target
+            if k2 != key:
+                continue
+            W = Wn if Wn is not None else torch.zeros(rows, cols, dtype=torch.float64)
+            changed = comfy.calculate(W, q, offset, function) - W
+            got += changed @ x
+        err = float((got - want).norm() / want.norm().clamp(min=1e-30))
+        if err > rtol:
+            return f"{native}: relative difference {err:.2e}"
+    unused = [k for k in sd if k not in loaded]
+    if unused:
+        return f"{len(unused)} key(s) ComfyUI would not load, e.g. {unused[0]}"
+    return "equal"
+
+
+def _native_base(native: str, arch: str, base: dict):
+    """The original (fused) base weight of a native module, from the diffusers weights."""
+    import torch
+
+    from lorakit.convert.native import n_blocks, native_table, swap_halves
+
+    rec = native_table(arch, n_blocks(base)).get(native)
+    if rec is None:
+        return base[native].double() if native in base else None
+    parts = [base.get(t) for t in rec.targets]
+    if any(p is None for p in parts):
+        return None
+    w = torch.cat([p.double() for p in parts])
+    return swap_halves(w) if rec.swap_halves else w
+
+
+def check_file(path: Path, family: str, expected: Lora, base: dict | None = None, rtol: float = 1e-5,
+               shapes: dict | None = None) -> dict:
+    """{"diffusers": ..., "comfyui": ...}: each consumer's reading of the file against `expected`."""
+    from lorakit.convert.lora import deltas_equal
+    from lorakit.models.registry import family_info
+
+    out = {}
+    dora = any(getattr(p, "dora", False) for p in expected.weights.values())
+    try:
+        view = diffusers_view(path, family)
+        ok, why = deltas_equal(expected.weights, view.weights, rtol=rtol, base=base)
+        out["diffusers"] = why if ok or not (dora and not base) else "not compared: DoRA needs the base weights"
+    except Exception as e:  # noqa: BLE001 - the check reports, it does not stop the run
+        out["diffusers"] = f"not readable by diffusers: {type(e).__name__}: {str(e)[:160]}"
+    if dora and not base:
+        out["comfyui"] = "not compared: DoRA needs the base weights"
+        return out
+    try:
+        out["comfyui"] = comfy_probe_check(path, family_info(family).arch, expected, base, rtol, shapes)
+    except Exception as e:  # noqa: BLE001
+        out["comfyui"] = f"check failed: {type(e).__name__}: {str(e)[:160]}"
+    return out
