@@ -6,7 +6,7 @@ import torch
 
 
 def trained_like(tiny, family: str, path, targets="all_linear", alpha: float = 8, rank: int = 4, scale: float = 1.0,
-                 seed: int = 0, dora: bool = False):
+                 seed: int = 0, dora: bool = False, io: bool = False):
     """Write a LoRA for the tiny model of `family` to `path` through `train.lora.save_lora`; returns the path."""
     from peft import LoraConfig
 
@@ -15,7 +15,7 @@ def trained_like(tiny, family: str, path, targets="all_linear", alpha: float = 8
     from lorakit.models.base import family_adapter
 
     tr = load_component(tiny(family) / "transformer")
-    names = tl.target_modules(tr, family_adapter(family), targets)
+    names = tl.target_modules(tr, family_adapter(family), targets, io=io)
     cfg = LoraConfig(r=rank, lora_alpha=alpha, target_modules=names, init_lora_weights="gaussian", use_dora=dora)
     tr.add_adapter(cfg)
     g = torch.Generator().manual_seed(seed)

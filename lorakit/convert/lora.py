@@ -209,6 +209,11 @@ def _read(path, arch: str | None, base: dict | None) -> Lora:
         if ns == "native" or flat_names:
             table = (native_table(arch, blocks, flat_names) if ns == "native" else
                      diffusers_table(arch, blocks, True)) if arch else {}
+            if not arch and ns != "native":  # shared names: every architecture that knows one reads it alike
+                from lorakit.models.registry import arch_names
+
+                readings = {diffusers_table(a, blocks, True).get(module) for a in arch_names()} - {None}
+                table = {module: readings.pop()} if len(readings) == 1 else {}
             rec = table.get(module)
             if rec is None and not (ns == "native" and not flat_names and arch and identity_arch(arch)):
                 lora.unused += [(k, f"no {arch or 'known'} module named {module}") for k in keys]
@@ -266,9 +271,9 @@ def _guess_arch(groups: dict) -> str | None:
         return guess_arch(dotted)
     flat_mods = [m for (ns, fl, m) in groups if ns == "diffusers" and fl]  # lycoris_, lora_transformer_
     n = n_blocks(flat_mods)
-    known = {a: sum(m in diffusers_table(a, n, True) for m in flat_mods) for a in arch_names()}
-    best = max(known, key=known.get)
-    return best if known[best] else None
+    tables = {a: diffusers_table(a, n, True) for a in arch_names()}
+    dotted = [next(t[m] for t in tables.values() if m in t) for m in flat_mods if any(m in t for t in tables.values())]
+    return guess_arch(dotted) if dotted else None  # None when the names are shared (attention-only)
 
 
 def _patch(module: str, roles: dict, alpha_of):
@@ -425,7 +430,7 @@ def write(lora: Lora, dst, fmt: str, arch: str | None, dtype=None, extra_metadat
             p = LowRank(p.A, p.B, p.alpha, None, magnitude_to_dora_scale(p, base[m]))
         weights[m] = p
     widths = {m: w.shape[0] for m, w in base.items()} if base else None
-    native = fuse_patches(weights, arch, widths)
+    native = fuse_patches(weights, arch, widths, base)
     biases = fuse_biases(lora.biases, arch, widths)
     sd = {}
     for name in sorted(set(native) | set(biases)):

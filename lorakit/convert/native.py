@@ -158,12 +158,14 @@ def owners(arch: str, blocks: int) -> dict[str, str]:
     return {t: native for native, rec in native_table(arch, blocks).items() for t in rec.targets}
 
 
-def fuse_patches(patches: dict, arch: str, widths: dict | None = None) -> dict:
+def fuse_patches(patches: dict, arch: str, widths: dict | None = None, base: dict | None = None) -> dict:
     """Patches by diffusers name -> patches by native name (fused where the original fuses).
 
     Args:
         widths: diffusers module -> its output rows, for fused weights whose other projections have no patch
             (the base model's shapes; without them FLUX's widths are assumed: q/k/v the input width, MLP 4x).
+        base: diffusers module -> base weight: DoRA on some projections of a fused weight is written with the
+            identity scale (||W|| + eps, ComfyUI's convention) on the others' rows.
     """
     table = native_table(arch, n_blocks(patches))
     own = owners(arch, n_blocks(patches))
@@ -180,7 +182,7 @@ def fuse_patches(patches: dict, arch: str, widths: dict | None = None) -> dict:
             p = patches[rec.targets[0]]
             out[native] = _unswap(p) if rec.swap_halves else p
             continue
-        out[native] = _fuse(native, rec, patches, widths)
+        out[native] = _fuse(native, rec, patches, widths, base)
     return out
 
 
@@ -192,7 +194,7 @@ def _unswap(p):
     return Rows(p, _swap_index(p.shape[0]))
 
 
-def _fuse(native: str, rec, patches: dict, widths: dict | None):
+def _fuse(native: str, rec, patches: dict, widths: dict | None, base: dict | None = None):
     import torch
 
     ps = [patches.get(t) for t in rec.targets]
@@ -212,9 +214,10 @@ def _fuse(native: str, rec, patches: dict, widths: dict | None):
         elif widths and t in widths:
             sizes[j] = int(widths[t])
     dora = [p.dora for p in given]
-    if any(dora) and not all(dora) or (any(dora) and len(given) < len(ps)):
-        raise InputError(f"{native}: DoRA on some of its fused projections only cannot be written fused",
-                         "keep the diffusers format")
+    partial = any(dora) and (not all(dora) or len(given) < len(ps))
+    if partial and not (base and all(t in base for t in rec.targets)):
+        raise InputError(f"{native}: DoRA on some of its fused projections only is written fused with the base "
+                         "weights", "pass the model (--model DIR), or keep the diffusers format")
     scale = ref.scale
     same = all(abs(p.scale - scale) <= 1e-12 * abs(scale) for p in given)
     total = sum(p.rank for p in given)
@@ -227,10 +230,14 @@ def _fuse(native: str, rec, patches: dict, widths: dict | None):
             b[row:row + n, col:col + p.rank] = blk
             col += p.rank
         row += n
-    mag = torch.cat([p.magnitude for p in given]) if all(p.magnitude is not None for p in given) and dora[0] \
-        else None
-    ds = torch.cat([p.dora_scale for p in given]) if all(p.dora_scale is not None for p in given) and dora[0] \
-        else None
+    mag = ds = None
+    if any(dora) and not partial and all(p.magnitude is not None for p in given):
+        mag = torch.cat([p.magnitude for p in given])
+    if any(dora) and (partial or all(p.dora_scale is not None for p in given)):
+        eps = torch.finfo(torch.float32).eps  # rows without DoRA: ComfyUI's identity scale, ||W|| + eps
+        ds = torch.cat([p.dora_scale.reshape(-1, 1).float() if p is not None and p.dora_scale is not None
+                        else (base[t].double().norm(dim=1) + eps).reshape(-1, 1).float()
+                        for t, p in zip(rec.targets, ps, strict=True)])
     return LowRank(torch.cat(a_parts).to(ref.A.dtype), b, scale * total, mag, ds)
 
 
@@ -257,4 +264,24 @@ def fuse_biases(biases: dict, arch: str, widths: dict | None = None) -> dict:
         parts = [biases[t] if t in biases else torch.zeros(int(widths[t]), dtype=biases[present[0]].dtype)
                  for t in rec.targets]
         out[native] = torch.cat(parts)
+    return out
+
+
+def native_weights(sd: dict, arch: str) -> dict:
+    """A diffusers state dict -> the original checkpoint's weights ("diffusion_model.<native>.<param>"): fused
+    rows concatenated, swapped halves swapped, FLUX's norm scales renamed — what ComfyUI's model holds."""
+    import torch
+
+    table = native_table(arch, n_blocks(sd))
+    out, used = {}, set()
+    for native, rec in table.items():
+        for param, dparam in ((rec.param, "weight"), ("bias", "bias")):
+            parts = [sd.get(f"{t}.{dparam}") for t in rec.targets]
+            if any(p is None for p in parts):
+                continue
+            w = torch.cat(parts) if len(parts) > 1 else parts[0]
+            out[f"diffusion_model.{native}.{param}"] = swap_halves(w) if rec.swap_halves else w
+            used.update(f"{t}.{dparam}" for t in rec.targets)
+    if identity_arch(arch):
+        out.update({f"diffusion_model.{k}": v for k, v in sd.items() if k not in used})
     return out

@@ -136,7 +136,7 @@ def comfy_probe_check(path: Path, arch: str, expected: Lora, base: dict | None, 
     import torch
 
     from lorakit.convert import comfy
-    from lorakit.convert.native import fuse_patches
+    from lorakit.convert.native import swap_halves
     from lorakit.io import load
 
     sd = load(path, copy=True)
@@ -146,48 +146,60 @@ def comfy_probe_check(path: Path, arch: str, expected: Lora, base: dict | None, 
         shapes.update({f"{m}.weight": tuple(w.shape) for m, w in base.items()})
     keys = comfy.model_keys(arch, shapes)
     patches, loaded = comfy.load(sd, comfy.key_map(arch, keys))
-    # what ComfyUI does to each native weight, through probes: sum of its patches' rows
-    widths = {m: s[0] for m, s in ((k[:-7], v) for k, v in shapes.items())}
-    want_native = fuse_patches(expected.weights, arch, widths)
+
+    # what ComfyUI does to each native weight, through probes, against the expected modules' rows
+    from lorakit.convert.native import n_blocks, native_table, row_sizes
+
     g = torch.Generator().manual_seed(0)
-    for native, p in want_native.items():
-        key = f"diffusion_model.{native}.weight"
-        if key not in keys:
+    for native, rec in native_table(arch, n_blocks(shapes)).items():
+        key = f"diffusion_model.{native}.{rec.param}"
+        if key not in keys or not any(t in expected.weights for t in rec.targets) or len(keys[key]) != 2:
             continue
         rows, cols = keys[key]
         x = torch.randn(cols, 4, generator=g, dtype=torch.float64)
-        Wn = _native_base(native, arch, base) if base else None
-        want = p.probe(x, Wn)
+        sizes = row_sizes(rec, rows, cols) if len(rec.targets) > 1 else [rows]
+        parts = []
+        for t, n in zip(rec.targets, sizes, strict=True):
+            p = expected.weights.get(t)
+            parts.append(p.probe(x, base[t] if base and t in base else None) if p is not None
+                         else torch.zeros(n, 4, dtype=torch.float64))
+        want = torch.cat(parts)
+        if rec.swap_halves:
+            want = swap_halves(want)
+        Wn = _native_base(native, arch, base, rows, cols) if base else None
         got = torch.zeros(rows, 4, dtype=torch.float64)
         for target, q in patches.items():
             k2, offset, function = (target, None, None) if isinstance(target, str) else target
             if k2 != key:
                 continue
             W = Wn if Wn is not None else torch.zeros(rows, cols, dtype=torch.float64)
-            changed = comfy.calculate(W, q, offset, function) - W
-            got += changed @ x
+            got += (comfy.calculate(W, q, offset, function) - W) @ x
         err = float((got - want).norm() / want.norm().clamp(min=1e-30))
         if err > rtol:
             return f"{native}: relative difference {err:.2e}"
-    unused = [k for k in sd if k not in loaded]
+    # peft's DoRA magnitudes are for diffusers; ComfyUI reads the `dora_scale` written beside them (and logs the
+    # magnitude keys as not loaded, harmlessly)
+    unused = [k for k in sd if k not in loaded and not (k.endswith(".lora_magnitude_vector")
+                                                          and k.replace(".lora_magnitude_vector", ".dora_scale") in sd)]
     if unused:
         return f"{len(unused)} key(s) ComfyUI would not load, e.g. {unused[0]}"
     return "equal"
 
 
-def _native_base(native: str, arch: str, base: dict):
-    """The original (fused) base weight of a native module, from the diffusers weights."""
+def _native_base(native: str, arch: str, base: dict, rows: int, cols: int):
+    """The original (fused) base weight of a native module from the diffusers weights; projections whose weight
+    is not given are zero rows (ComfyUI's row-offset patches of the others never read them)."""
     import torch
 
-    from lorakit.convert.native import n_blocks, native_table, swap_halves
+    from lorakit.convert.native import n_blocks, native_table, row_sizes, swap_halves
 
     rec = native_table(arch, n_blocks(base)).get(native)
     if rec is None:
         return base[native].double() if native in base else None
-    parts = [base.get(t) for t in rec.targets]
-    if any(p is None for p in parts):
-        return None
-    w = torch.cat([p.double() for p in parts])
+    sizes = row_sizes(rec, rows, cols) if len(rec.targets) > 1 else [rows]
+    parts = [base[t].double().cpu() if t in base else torch.zeros(n, cols, dtype=torch.float64)
+             for t, n in zip(rec.targets, sizes, strict=True)]
+    w = torch.cat(parts)
     return swap_halves(w) if rec.swap_halves else w
 
 

@@ -1,0 +1,103 @@
+"""The LoRA file lorakit writes gives the same weights in every consumer: diffusers (`load_lora_weights` +
+`fuse_lora`, its own code) and ComfyUI (its rules, `convert/comfy.py`), whatever alpha/rank is — DoRA included."""
+
+import pytest
+import torch
+
+from lorakit.convert import comfy
+from lorakit.convert import lora as L
+from lorakit.convert.native import native_weights
+from lorakit.io.modules import load_component
+from lorakit.models.registry import family_info
+from tests.loras import trained_like
+
+
+def _diffusers_fused(tiny, family, lora_path) -> dict:
+    from diffusers import DiffusionPipeline
+
+    pipe = DiffusionPipeline.from_pretrained(tiny(family))
+    pipe.load_lora_weights(str(lora_path))
+    pipe.fuse_lora()
+    pipe.unload_lora_weights()  # the fused weights stay
+    return {k: v.detach().clone() for k, v in pipe.transformer.state_dict().items()}
+
+
+def _comfy(tiny, family, lora_path) -> tuple[dict, dict, set]:
+    from lorakit.io import load
+
+    arch = family_info(family).arch
+    base = native_weights(load_component(tiny(family) / "transformer").state_dict(), arch)
+    sd = load(lora_path, copy=True)
+    changed, loaded = comfy.apply(sd, arch, base)
+    return base, changed, set(sd) - loaded
+
+
+def _compare(tiny, family, lora_path, tol=1e-6):
+    arch = family_info(family).arch
+    want = native_weights(_diffusers_fused(tiny, family, lora_path), arch)
+    base, got, not_loaded = _comfy(tiny, family, lora_path)
+    # ComfyUI uses every key of the file but peft's DoRA magnitudes (it reads the dora_scale written beside them)
+    assert not {k for k in not_loaded if not k.endswith(".lora_magnitude_vector")}, sorted(not_loaded)[:5]
+    assert got, "ComfyUI changed nothing"
+    worst = 0.0
+    for k in want:
+        w, g = want[k].double(), got.get(k, base[k]).double()
+        b = base[k].double()
+        if not torch.equal(want[k], base[k]) or k in got:
+            rel = float((g - w).norm() / (w - b).norm().clamp(min=1e-30))  # relative to the change itself
+            worst = max(worst, rel)
+    assert worst <= tol, worst
+    return got
+
+
+@pytest.mark.parametrize("family", ["flux", "qwen-image", "kandinsky5-t2i", "flux-kontext"])
+@pytest.mark.parametrize("alpha_of_rank", [2.0, 0.5])
+def test_the_default_file_loads_alike_in_diffusers_and_comfyui(tiny, tmp_path, family, alpha_of_rank):
+    # every Linear of the blocks, and the latent in/out layers (FLUX's norm_out: swapped halves in the original)
+    path = trained_like(tiny, family, tmp_path / "l.safetensors", targets="all_linear", rank=4,
+                        alpha=4 * alpha_of_rank, io=True)
+    got = _compare(tiny, family, path)
+    if family_info(family).arch == "flux":
+        assert "diffusion_model.final_layer.adaLN_modulation.1.weight" in got
+
+
+def test_dora_loads_alike_in_diffusers_and_comfyui_and_converts_exactly(tiny, tmp_path):
+    from lorakit.io import load
+
+    path = trained_like(tiny, "flux", tmp_path / "d.safetensors", targets="attention", dora=True, alpha=8)
+    sd = load(path)
+    assert any(k.endswith(".lora_magnitude_vector") for k in sd) and any(k.endswith(".dora_scale") for k in sd)
+    _compare(tiny, "flux", path, tol=1e-5)  # diffusers reads the magnitudes, ComfyUI the dora_scale keys
+    base = {k.removesuffix(".weight"): v for k, v in load(tiny("flux") / "transformer").items() if k.endswith("weight")}
+    src = L.read(path, base=base)
+    assert src.facts["kinds"] == ["dora"]
+    for fmt in ("comfyui", "kohya", "diffusers"):
+        out = L.write(src, tmp_path / f"{fmt}.safetensors", fmt, "flux", base=base)
+        back = L.read(out, base=base)
+        assert back.facts["kinds"] == ["dora"] and L.deltas_equal(src, back, base=base)[0], fmt
+    with pytest.raises(Exception, match="base weights"):
+        L.write(L.read(path), tmp_path / "x.safetensors", "comfyui", "flux")  # without the model: refused
+
+
+def test_lorakit_infer_applies_dora_as_diffusers_does(tiny, tmp_path):
+    """`lorakit infer` on lorakit's own DoRA file used to disagree with diffusers by 1.9e-2."""
+    from diffusers import DiffusionPipeline
+
+    from lorakit.infer import add_loras, assemble
+    from lorakit.models.base import load_adapter
+
+    path = trained_like(tiny, "flux", tmp_path / "d.safetensors", targets="attention", dora=True, alpha=8)
+    ours, _ = assemble(tiny("flux"), "cpu", torch.float32)
+    add_loras(ours, [(path, 1.0)], "flux")
+    stock = DiffusionPipeline.from_pretrained(tiny("flux"))
+    stock.load_lora_weights(str(path))
+    a = load_adapter("flux", None)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(1, 16, 8, 8, generator=g)
+    text = {"prompt_embeds": torch.randn(1, 7, 32, generator=g), "pooled": torch.randn(1, 32, generator=g)}
+    with torch.no_grad():
+        va = a.predict(ours.transformer, x, torch.tensor([0.5]), text)
+        vb = a.predict(stock.transformer, x, torch.tensor([0.5]), text)
+        base = a.predict(load_component(tiny("flux") / "transformer"), x, torch.tensor([0.5]), text)
+    assert (va - base).abs().max() > 1e-3
+    torch.testing.assert_close(va, vb, rtol=1e-5, atol=1e-5)

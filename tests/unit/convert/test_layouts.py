@@ -1,0 +1,179 @@
+"""Files in other trainers' layouts, read exactly: each file's change of every weight, computed here by hand
+from its own keys, equals what lorakit reads — and what ComfyUI's rules apply. Nothing is dropped silently."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import save_file
+from typer.testing import CliRunner
+
+from lorakit.cli.app import app
+from lorakit.convert import comfy
+from lorakit.convert import lora as L
+from lorakit.convert.native import native_weights, swap_halves
+from lorakit.io.modules import load_component
+
+g = torch.Generator().manual_seed(0)
+H = 32  # the tiny FLUX / Qwen-Image hidden width
+
+
+def r(*shape):
+    return torch.randn(*shape, generator=g)
+
+
+def _check(tiny, family, arch, path, expected: dict, biases: dict | None = None, comfy_too: bool = True):
+    """lorakit's reading equals the hand computation; ComfyUI's rules change the original weights alike."""
+    lora = L.read(path, arch=arch)
+    assert lora.unused == [] and lora.facts["arch"] == arch, (lora.unused[:3], lora.facts)
+    alone = L.read(path)  # without being told: the same reading (the architecture itself may stay unknown)
+    assert L.deltas_equal(lora, alone)[0] and alone.facts["arch"] in (arch, None)
+    assert set(lora.weights) == set(expected), sorted(set(lora.weights) ^ set(expected))
+    for m, want in expected.items():
+        got = lora.weights[m].delta()
+        assert torch.allclose(got, want.double(), rtol=1e-5, atol=1e-6), m  # the hand sums are float32
+    for m, want in (biases or {}).items():
+        assert torch.allclose(lora.biases[m].double(), want.double()), m
+    if not comfy_too:
+        return lora
+    from lorakit.io import load
+
+    sd_model = load_component(tiny(family) / "transformer").state_dict()
+    base = native_weights(sd_model, arch)
+    changed, loaded = comfy.apply(load(path, copy=True), arch, base)
+    assert loaded == set(load(path)), sorted(set(load(path)) - loaded)[:3]
+    after = dict(sd_model)
+    for m, p in lora.weights.items():
+        after[f"{m}.weight"] = (after[f"{m}.weight"].double() + p.delta()).float()
+    for m, b in lora.biases.items():
+        after[f"{m}.bias"] = (after[f"{m}.bias"].double() + b.double()).float()
+    ours = native_weights(after, arch)
+    for k, w in changed.items():
+        assert torch.allclose(w.float(), ours[k], rtol=1e-5, atol=1e-6), k
+    return lora
+
+
+def test_kohya_flux_fused_split_qkv_and_final_norm(tiny, tmp_path):
+    # split_qkv (sd-scripts): down stacks three rank-2 LoRAs, up is block-diagonal; plain: one rank-4 LoRA
+    d3, u3 = r(6, H), torch.block_diag(r(H, 2), r(H, 2), r(H, 2))
+    d1, u1 = r(4, H), r(3 * H, 4)
+    dn, un = r(4, H), r(2 * H, 4)  # final_layer.adaLN_modulation.1: [scale, shift] rows in the original
+    sd = {"lora_unet_double_blocks_0_img_attn_qkv.lora_down.weight": d3,
+          "lora_unet_double_blocks_0_img_attn_qkv.lora_up.weight": u3,
+          "lora_unet_double_blocks_0_img_attn_qkv.alpha": torch.tensor(3.0),
+          "lora_unet_double_blocks_0_txt_attn_qkv.lora_down.weight": d1,
+          "lora_unet_double_blocks_0_txt_attn_qkv.lora_up.weight": u1,
+          "lora_unet_final_layer_adaLN_modulation_1.lora_down.weight": dn,
+          "lora_unet_final_layer_adaLN_modulation_1.lora_up.weight": un,
+          "lora_unet_final_layer_adaLN_modulation_1.alpha": torch.tensor(8.0)}
+    save_file(sd, tmp_path / "k.safetensors")
+    fused3 = (u3 @ d3) * 3.0 / 6
+    fused1 = u1 @ d1  # no alpha key: alpha = rank
+    exp = {f"transformer_blocks.0.attn.to_{c}": fused3[i * H:(i + 1) * H] for i, c in enumerate("qkv")}
+    exp.update({f"transformer_blocks.0.attn.add_{c}_proj": fused1[i * H:(i + 1) * H] for i, c in enumerate("qkv")})
+    exp["norm_out.linear"] = swap_halves(un @ dn * 8.0 / 4)  # diffusers stores [shift, scale]
+    lora = _check(tiny, "flux", "flux", tmp_path / "k.safetensors", exp)
+    for fmt in ("comfyui", "kohya"):  # and back: norm_out has its original name again
+        out = L.write(lora, tmp_path / f"{fmt}.safetensors", fmt, "flux")
+        back = L.read(out)
+        assert L.deltas_equal(lora, back)[0] and "norm_out.linear" in back.weights
+
+
+def test_ai_toolkit_diffsynth_and_onetrainer_diffusers_names(tiny, tmp_path):
+    m = "transformer_blocks.0.ff.net.2"  # in 4H, out H
+    a, b = r(4, 4 * H), r(H, 4)
+    layouts = {"ai-toolkit": {f"transformer.{m}.lora_A.weight": a, f"transformer.{m}.lora_B.weight": b},  # alpha = rank
+               "diffsynth": {f"{m}.lora_A.default.weight": a, f"{m}.lora_B.default.weight": b},
+               "onetrainer": {f"lora_transformer_{m.replace('.', '_')}.lora_down.weight": a,
+                              f"lora_transformer_{m.replace('.', '_')}.lora_up.weight": b}}
+    for name, sd in layouts.items():
+        save_file(sd, tmp_path / f"{name}.safetensors")
+        _check(tiny, "flux", "flux", tmp_path / f"{name}.safetensors", {m: b @ a})
+
+
+def test_musubi_qwen_comfyui_extract_with_bias_and_norm_differences(tiny, tmp_path):
+    m, n = "transformer_blocks.0.attn.to_q", "transformer_blocks.0.attn.norm_q"
+    d, u, db, dn = r(4, H), r(H, 4), r(H), r(16)
+    save_file({f"lora_unet_{m.replace('.', '_')}.lora_down.weight": d, f"lora_unet_{m.replace('.', '_')}.lora_up.weight": u,
+               f"lora_unet_{m.replace('.', '_')}.alpha": torch.tensor(2.0)}, tmp_path / "musubi.safetensors")
+    _check(tiny, "qwen-image", "qwen-image", tmp_path / "musubi.safetensors", {m: u @ d * 2.0 / 4})
+    # ComfyUI's model-diff extract: low-rank weights, the biases' differences, a norm's difference
+    save_file({f"diffusion_model.{m}.lora_up.weight": u, f"diffusion_model.{m}.lora_down.weight": d,
+               f"diffusion_model.{m}.alpha": torch.tensor(4.0), f"diffusion_model.{m}.diff_b": db,
+               f"diffusion_model.{n}.diff": dn}, tmp_path / "extract.safetensors")
+    lora = _check(tiny, "qwen-image", "qwen-image", tmp_path / "extract.safetensors", {m: u @ d, n: dn},
+                  biases={m: db})
+    assert lora.facts["kinds"] == ["diff", "diff_b", "lora"]
+    # kept by the layouts that can hold it; refused, by name, by the one that cannot
+    back = L.read(L.write(lora, tmp_path / "c.safetensors", "comfyui", "qwen-image"))
+    assert L.deltas_equal(lora, back)[0] and back.biases.keys() == {m}
+    r_ = CliRunner().invoke(app, ["convert", "lora", str(tmp_path / "extract.safetensors"), str(tmp_path / "o.safetensors")])
+    assert r_.exit_code == 2 and "--to comfyui" in r_.output and not (tmp_path / "o.safetensors").exists()
+
+
+def test_lycoris_lokr_and_loha_read_merged_and_inferred(tiny, tmp_path):
+    m = "transformer_blocks.0.attn.to_k"
+    w1, w2a, w2b = r(4, 4), r(8, 2), r(2, 8)  # kron((4,4), (8,8)) = (32, 32); factored w2: alpha / 2
+    h1a, h1b, h2a, h2b = r(H, 3), r(3, H), r(H, 3), r(3, H)
+    save_file({f"lycoris_{m.replace('.', '_')}.lokr_w1": w1, f"lycoris_{m.replace('.', '_')}.lokr_w2_a": w2a,
+               f"lycoris_{m.replace('.', '_')}.lokr_w2_b": w2b, f"lycoris_{m.replace('.', '_')}.alpha": torch.tensor(1.0),
+               "lycoris_transformer_blocks_0_attn_to_v.hada_w1_a": h1a, "lycoris_transformer_blocks_0_attn_to_v.hada_w1_b": h1b,
+               "lycoris_transformer_blocks_0_attn_to_v.hada_w2_a": h2a, "lycoris_transformer_blocks_0_attn_to_v.hada_w2_b": h2b,
+               "lycoris_transformer_blocks_0_attn_to_v.alpha": torch.tensor(6.0)}, tmp_path / "ly.safetensors")
+    exp = {m: torch.kron(w1, w2a @ w2b) * 1.0 / 2,
+           "transformer_blocks.0.attn.to_v": (h1a @ h1b) * (h2a @ h2b) * 6.0 / 3}
+    lora = _check(tiny, "qwen-image", "qwen-image", tmp_path / "ly.safetensors", exp)
+    assert lora.facts["kinds"] == ["loha", "lokr"]
+    r_ = CliRunner().invoke(app, ["convert", "merge", str(tiny("qwen-image")), str(tmp_path / "ly.safetensors"),
+                                  str(tmp_path / "merged"), "--json"])
+    assert r_.exit_code == 0, r_.output
+    merged = load_component(tmp_path / "merged" / "transformer").state_dict()
+    base = load_component(tiny("qwen-image") / "transformer").state_dict()
+    for mod, d in exp.items():
+        assert torch.allclose(merged[f"{mod}.weight"].double(), base[f"{mod}.weight"].double() + d.double(), atol=1e-6)
+    from lorakit.infer import add_loras, assemble
+
+    pipe, _ = assemble(tiny("qwen-image"), "cpu", torch.float32)
+    facts = add_loras(pipe, [(tmp_path / "ly.safetensors", 0.5)], "qwen-image")
+    assert facts[0]["added_to_weights"] == 2
+    sd = pipe.transformer.state_dict()
+    assert torch.allclose(sd[f"{m}.weight"].double(), base[f"{m}.weight"].double() + 0.5 * exp[m].double(), atol=1e-6)
+
+
+def test_text_encoder_keys_are_listed_not_refused_and_strict_fails(tiny, tmp_path):
+    m = "transformer_blocks_0_attn_to_q"
+    save_file({f"lora_unet_{m}.lora_down.weight": r(4, H), f"lora_unet_{m}.lora_up.weight": r(H, 4),
+               "lora_te1_text_model_encoder_layers_0_mlp_fc1.lora_down.weight": r(4, 32),
+               "lora_te1_text_model_encoder_layers_0_mlp_fc1.lora_up.weight": r(64, 4),
+               "some_random_tensor": r(3)}, tmp_path / "te.safetensors")
+    lora = L.read(tmp_path / "te.safetensors")
+    assert list(lora.weights) == ["transformer_blocks.0.attn.to_q"]
+    assert sorted(k for k, _ in lora.unused) == ["lora_te1_text_model_encoder_layers_0_mlp_fc1.lora_down.weight",
+                                                 "lora_te1_text_model_encoder_layers_0_mlp_fc1.lora_up.weight",
+                                                 "some_random_tensor"]
+    run = CliRunner()
+    r_ = run.invoke(app, ["convert", "lora", str(tmp_path / "te.safetensors"), str(tmp_path / "o.safetensors"),
+                          "--to", "comfyui"])
+    out = " ".join(r_.output.split())
+    assert r_.exit_code == 0 and "NOT converted" in out and "deltas equal (all" not in out
+    assert "lora_te1_text_model_encoder_layers_0_mlp_fc1.lora_down.weight" in out.replace(" ", "")
+    data = json.loads(run.invoke(app, ["convert", "lora", str(tmp_path / "te.safetensors"),
+                                       str(tmp_path / "o2.safetensors"), "--to", "comfyui", "--json"]).output)
+    assert len(data["not_converted"]) == 3 and data["deltas_equal"]
+    r_ = run.invoke(app, ["convert", "lora", str(tmp_path / "te.safetensors"), str(tmp_path / "o3.safetensors"),
+                          "--strict"])
+    assert r_.exit_code == 2 and "3 key(s) cannot be applied" in " ".join(r_.output.split())
+
+
+@pytest.mark.parametrize("fmt", ["kohya", "comfyui"])
+def test_flux_train_io_lora_converts_to_the_original_names(tiny, tmp_path, fmt):
+    """FLUX's norm_out.linear (lora.train_io) had no native name: --to comfyui|kohya failed."""
+    from tests.loras import trained_like
+
+    src = trained_like(tiny, "flux", tmp_path / "io.safetensors", targets="attention", io=True)
+    r_ = CliRunner().invoke(app, ["convert", "lora", str(src), str(tmp_path / "o.safetensors"), "--to", fmt, "--json"])
+    assert r_.exit_code == 0 and json.loads(r_.output)["deltas_equal"], r_.output
+    from lorakit.io import load
+
+    keys = load(tmp_path / "o.safetensors")
+    assert any("final_layer_adaLN_modulation_1" in k or "final_layer.adaLN_modulation.1" in k for k in keys)
