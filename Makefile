@@ -2,6 +2,7 @@
 #
 #   make setup   virtual environment + torch + lorakit (editable, with dev and quant extras)
 #   make demo    the whole path on tiny offline models (no downloads)
+#   make demo-edit  the same for an edit family (Qwen-Image-Edit-Plus, two controls per item)
 #   make test    the test suite (CPU; GPU tests run where a GPU is present)
 #   make lint    ruff
 #
@@ -20,7 +21,7 @@ PYTEST_ARGS ?=
 TEST_WORKERS ?= auto
 XDIST       := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --maxprocesses=4 --dist worksteal)
 
-.PHONY: setup demo test test-fast lint clean
+.PHONY: setup demo demo-edit test test-fast lint clean
 
 setup: $(STAMP)
 
@@ -33,6 +34,9 @@ $(STAMP): pyproject.toml
 
 demo: setup
 	$(BIN)/lorakit demo --out $(DEMO_OUT)
+
+demo-edit: setup
+	$(BIN)/lorakit demo --family qwen-image-edit-plus --out $(DEMO_OUT)-edit
 
 test: setup
 	$(BIN)/python -m pytest -q $(XDIST) $(PYTEST_ARGS)

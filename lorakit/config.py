@@ -56,7 +56,18 @@ class DataConfig(_Section):
     repeats: int = Field(1, ge=1, description="times each item is seen per epoch")
     control_dirs: list[str] = Field(default_factory=lambda: ["control"],
                                     description="edit families: control image folders beside images/")
-    frames: int = Field(17, ge=1, description="video families: frames per clip (cut to 4k+1)")
+    frames: int | list[int] = Field(17, description="video families: frames per training clip, one count or a "
+                                                    "list (frame buckets: each count gives its own windows; "
+                                                    "the family's rule, e.g. 4k+1)")
+    fps: float | None = Field(None, gt=0, description="video families: frames per second sampled from clips "
+                                                     "(default: each clip's own rate)")
+    start: float = Field(0.0, ge=0, description="video families: seconds skipped at the start of every clip")
+    windows: int = Field(1, ge=1, description="video families: windows per clip and frame count, spread evenly "
+                                              "over the clip")
+    control_resolution: int | None = Field(None, description="edit families: control images at about this many "
+                                                             "pixels squared, at their own aspect ratio (default: "
+                                                             "the stock pipeline's rule, 1024² for Qwen-Image-Edit "
+                                                             "and Kontext)")
     cache_dir: Path | None = Field(None, description="where `lorakit cache` stores embeddings and latents "
                                                      "(default: <output.dir>/cache)")
 
@@ -73,6 +84,34 @@ class DataConfig(_Section):
         if v % 16:
             raise ValueError(f"must be a multiple of 16 (try {_suggest_multiple(v, 16)})")
         return v
+
+    @field_validator("frames")
+    @classmethod
+    def _frame_counts(cls, v: Any) -> Any:
+        counts = [v] if isinstance(v, int) else v
+        if not counts:
+            raise ValueError("give at least one frame count")
+        if any(n < 1 for n in counts):
+            raise ValueError("frame counts must be at least 1")
+        return v
+
+    @field_validator("control_resolution")
+    @classmethod
+    def _control_res(cls, v: int | None) -> int | None:
+        if v is not None and (v < 64 or v % 16):
+            raise ValueError("must be a multiple of 16, at least 64")
+        return v
+
+    @property
+    def frame_counts(self) -> tuple[int, ...]:
+        """The frame counts, ascending."""
+        return tuple(sorted({self.frames} if isinstance(self.frames, int) else set(self.frames)))
+
+    def sampling(self):
+        """How clips are cut into training windows (`lorakit.data.video.Sampling`)."""
+        from lorakit.data.video import Sampling
+
+        return Sampling(self.frame_counts, self.fps, self.start, self.windows)
 
     @field_validator("caption_ext")
     @classmethod
@@ -165,8 +204,14 @@ class SamplingConfig(_Section):
     enabled: bool = Field(True, description="render sample grids during training (samples/)")
     every: int = Field(0, ge=0, description="sample every N steps (0: only before and after)")
     prompts: list[str] = Field(default_factory=list, description="sample prompts (default: the captions of the "
-                                                                 "first 4 training items); edit families pair "
-                                                                 "prompt k with item k's control images")
+                                                                 "first 4 items); edit families pair prompt k "
+                                                                 "with item k's control images (items: the "
+                                                                 "held-out validation items if any, else the "
+                                                                 "training items); samples are shown beside "
+                                                                 "their controls")
+    controls: list[Path | list[Path]] = Field(default_factory=list, description="edit families: control images "
+                                              "for the prompts, in order (a path, or a list of paths for several "
+                                              "controls); prompts without one take item k's")
     steps: int = Field(20, ge=1, description="inference steps per sample")
     guidance: float = Field(3.5, ge=0, description="FLUX guidance / Qwen true-CFG scale")
     seed: int = Field(42, description="sampling seed")
@@ -205,6 +250,28 @@ class Config(_Section):
         problems = []
         if self.data.resolution % info.patch:
             problems.append(f"data.resolution must be a multiple of {info.patch} for {info.name}")
+        from lorakit.models.base import family_adapter
+
+        facts = family_adapter(self.model.family)
+        t = facts.temporal or 1
+        if facts.layout == "video" and t > 1:
+            bad = [n for n in self.data.frame_counts if (n - 1) % t]
+            if bad:
+                fix = ", ".join(f"{n} -> {(n - 1) // t * t + 1} or {((n - 1) // t + 1) * t + 1}" for n in bad)
+                problems.append(f"data.frames: {info.name} takes {t}k+1 frames (its VAE packs {t} frames into "
+                                f"one latent frame after the first); got {bad} ({fix})")
+        sc = self.sampling.controls
+        if sc and not facts.max_controls:
+            problems.append(f"sampling.controls: {info.name} takes no control images")
+        elif sc:
+            if len(sc) > len(self.sampling.prompts):
+                problems.append(f"sampling.controls: {len(sc)} given for {len(self.sampling.prompts)} "
+                                "sampling.prompts (one per prompt, in order)")
+            for k, c in enumerate(sc):
+                n = 1 if isinstance(c, Path) else len(c)
+                if not 1 <= n <= facts.max_controls:
+                    problems.append(f"sampling.controls[{k}]: {n} images; {info.name} takes 1 to "
+                                    f"{facts.max_controls}")
         m = self.memory
         if self.method == "full" and m.blocks_to_swap:
             problems.append(f"memory.blocks_to_swap={m.blocks_to_swap} keeps frozen weights on the host, but "
@@ -464,6 +531,10 @@ def check_paths(cfg: Config, model: bool = True, data: bool = True) -> None:
                 problems.append(f"data.dirs: no such folder: {d}")
             elif not d.is_dir():
                 problems.append(f"data.dirs: {d} is a file, not a dataset folder")
+        for k, c in enumerate(cfg.sampling.controls if cfg.sampling.enabled else ()):
+            for p in [c] if isinstance(c, Path) else c:
+                if not p.is_file():
+                    problems.append(f"sampling.controls[{k}]: no such image file: {p}")
     for key, path in (("output.dir", cfg.output.dir), ("data.cache_dir", cfg.data.cache_dir)):
         why = _writable_dir_problem(key, Path(path)) if path is not None else None
         if why:

@@ -40,10 +40,19 @@ class DemoResult:
 
 
 def demo_config(family: str, model_dir: Path, data_dir: Path, out_dir: Path) -> dict:
-    """The YAML config the demo writes (also a starting point for real runs)."""
+    """The YAML config the demo writes (also a starting point for real runs: drop the tiny sizes, i.e.
+    resolution, bucket sides, control_resolution and frames, to get the defaults)."""
+    from lorakit.models.base import family_adapter
+
+    facts = family_adapter(family)
+    tiny_sizes = {"resolution": 64, "bucket_min_side": 32, "bucket_max_side": 128}
+    if facts.max_controls:  # the pipelines encode controls at 1024²: minutes per step on a CPU
+        tiny_sizes["control_resolution"] = 64
+    if facts.layout == "video":  # the demo clips are 5 frames long
+        tiny_sizes["frames"] = 5
     return {
         "model": {"family": family, "path": str(model_dir)},
-        "data": {"dirs": [str(data_dir)], "resolution": 64, "bucket_min_side": 32, "bucket_max_side": 128},
+        "data": {"dirs": [str(data_dir)], **tiny_sizes},
         "lora": {"rank": 16, "targets": "attention_mlp"},
         "optim": {"lr": 5e-3},
         "schedule": {"steps": 60, "warmup_steps": 5},

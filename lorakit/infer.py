@@ -27,6 +27,7 @@ class Request:
     batch: int = 1
     images: list[Path] = field(default_factory=list)
     frames: int = 17
+    fps: float = 24.0  # video: the rate written into the .mp4 / GIF
 
 
 def parse_lora(spec: str) -> tuple[Path, float]:
@@ -192,12 +193,18 @@ def generate(model_dir: Path, req: Request, loras: list[tuple[Path, float]], out
         raise InputError(f"{family} takes no --image")
     if len(controls) > facts.max_controls:
         raise InputError(f"{family} takes at most {facts.max_controls} --image, got {len(controls)}")
+    if video and (req.frames < 1 or (req.frames - 1) % facts.temporal):
+        t = facts.temporal
+        raise InputError(f"--frames {req.frames}: {family} makes {t}k+1 frames",
+                         f"e.g. --frames {max(1, (req.frames - 1) // t * t + 1)} or {((req.frames - 1) // t + 1) * t + 1}")
+    if req.fps <= 0:
+        raise InputError(f"--fps must be positive, got {req.fps:g}")
     read = read_loras(loras, facts.arch)
     pipe, adapter = assemble(model_dir, device, dtype)
     lora_facts = add_loras(pipe, read, adapter.arch)
     out_dir.mkdir(parents=True, exist_ok=True)
     model_hash = file_hash(Path(model_dir) / "model_index.json")
-    files, images, k = [], [], 0
+    files, images, gifs, k = [], [], [], 0
     total = len(req.prompts) * req.batch
     for prompt in req.prompts:
         for _ in range(req.batch):
@@ -222,11 +229,18 @@ def generate(model_dir: Path, req: Request, loras: list[tuple[Path, float]], out
                               for f in lora_facts], "lorakit": __version__}
             for key, v in meta.items():
                 info.add_text(f"lorakit:{key}", v if isinstance(v, str) else json.dumps(v))
-            if video:
+            if video:  # an .mp4 (H.264, the metadata in its comment) and a GIF beside it for quick looks
+                from lorakit.data.video import write_clip
+
                 frames = [_to_pil(f) for f in result.frames[0]]
-                path = out_dir / f"{k:04d}-seed{seed}.gif"
+                path = out_dir / f"{k:04d}-seed{seed}.mp4"
                 with atomic_path(path) as tmp:
-                    frames[0].save(tmp, format="GIF", save_all=True, append_images=frames[1:], duration=100, loop=0)
+                    write_clip(tmp, frames, fps=req.fps, metadata={"comment": json.dumps(meta)}, ext=".mp4")
+                gif = path.with_suffix(".gif")
+                with atomic_path(gif) as tmp:
+                    frames[0].save(tmp, format="GIF", save_all=True, append_images=frames[1:],
+                                   duration=round(1000 / req.fps), loop=0)
+                gifs.append(str(gif))
                 img = frames[len(frames) // 2]
             else:
                 images_ = getattr(result, "images", None)
@@ -244,7 +258,8 @@ def generate(model_dir: Path, req: Request, loras: list[tuple[Path, float]], out
         sheet = out_dir / "contact_sheet.png"
         with atomic_path(sheet) as tmp:
             contact_sheet(images).save(tmp, format="PNG")
-    return {"files": files, "contact_sheet": str(sheet) if sheet else None, "model": str(model_dir),
+    return {"files": files, **({"gifs": gifs} if gifs else {}),
+            "contact_sheet": str(sheet) if sheet else None, "model": str(model_dir),
             "family": family, "device": device, "dtype": dtype_name, "loras": lora_facts}
 
 

@@ -9,11 +9,10 @@ from pathlib import Path
 
 from lorakit.cache.store import Store, item_key
 from lorakit.config import device_and_dtype
-from lorakit.data.buckets import POLICY, fit, make_buckets, nearest_bucket
-from lorakit.data.check import control_dirs_for
-from lorakit.data.dataset import IMAGE_EXTS, open_image, scan
+from lorakit.data.buckets import POLICY, fit, to_pixels
+from lorakit.data.dataset import open_image
+from lorakit.data.video import ClipError, read_window
 from lorakit.errors import InputError
-from lorakit.models.registry import family_info
 
 # One item per encoder call: batched convolutions and padded attention round differently with other
 # items in the batch, and a content-addressed entry must not depend on its neighbours.
@@ -33,6 +32,7 @@ class Summary:
     skipped: list = field(default_factory=list)
     verified_bad: list = field(default_factory=list)
     cleaned: int = 0  # temporary files of an interrupted build, removed
+    clips: int = 0  # video: the clips the items (windows) come from
 
     def to_dict(self) -> dict:
         return dict(self.__dict__)
@@ -42,24 +42,7 @@ def cache_dir_for(cfg) -> Path:
     return Path(cfg.data.cache_dir) if cfg.data.cache_dir else Path(cfg.output.dir) / "cache"
 
 
-def _pixels(images):
-    import numpy as np
-    import torch
-
-    # the same arithmetic as diffusers' VaeImageProcessor (x / 255, then 2x - 1), bit for bit
-    arr = np.stack([np.asarray(im).astype(np.float32) / 255.0 for im in images])
-    arr = 2.0 * arr - 1.0
-    return torch.from_numpy(arr.transpose(0, 3, 1, 2))  # the processor's layout too (channels-last strides)
-
-
-def _frames(folder: Path, bucket, max_frames: int, temporal: int = 4):
-    """Frames of a clip folder, fitted to the bucket, cut to 4k+1 frames (the VAE's temporal rule)."""
-
-    files = sorted(p for p in folder.iterdir() if p.suffix.lower() in IMAGE_EXTS)
-    n = min(len(files), max_frames)
-    n = ((n - 1) // temporal) * temporal + 1
-    pix = _pixels([fit(open_image(f), bucket) for f in files[:n]])  # (T, 3, H, W)
-    return pix.permute(1, 0, 2, 3).unsqueeze(0)  # (1, 3, T, H, W)
+_pixels = to_pixels  # the tests' name for it
 
 
 def build(cfg, force: bool = False, verify: bool = False, strict: bool = False, progress=None,
@@ -80,35 +63,21 @@ def build(cfg, force: bool = False, verify: bool = False, strict: bool = False, 
 
     check_paths(cfg, model=adapter is None, data=True)  # every path problem at once
     family = cfg.model.family
-    from lorakit.models.base import family_adapter
+    from lorakit.data.plan import plan_data
 
-    layout = family_adapter(family).layout
-    info = family_info(family)
     store = Store(cache_dir_for(cfg))
     summary = Summary(cache_dir=str(store.root))
     if dist.main:  # temporary files a killed build left behind (finished entries are whole: atomic renames)
         from lorakit.io import clean_orphans
 
         summary.cleaned = len(clean_orphans(store.root, recursive=True))
-    items = []
-    for root in cfg.data.dirs:
-        root = Path(root)
-        controls = control_dirs_for(cfg, root) if root.is_dir() else cfg.data.control_dirs
-        s = scan(root, layout=layout, control_dirs=controls, caption_ext=cfg.data.caption_ext,
-                 min_side=cfg.data.bucket_min_side, trigger=cfg.data.trigger)
-        summary.skipped += [p.__dict__ for p in s.problems]
-        for it in s.items:
-            if it.size is None:  # an .mp4 clip: lorakit reads frame folders
-                summary.skipped.append({"path": str(it.target), "code": "unreadable",
-                                        "message": "mp4 clips are not decoded here: extract the frames into "
-                                                   f"clips/{it.stem}/ (e.g. ffmpeg -i {it.target.name} "
-                                                   f"{it.stem}/%03d.png)"})
-            else:
-                items.append(it)
+    data = plan_data(cfg)
+    layout = data.layout
+    summary.skipped += data.problems
     if strict and summary.skipped:
         raise InputError(f"{len(summary.skipped)} dataset problem(s) and --strict",
                          "run `lorakit cache CONFIG --check` to list them")
-    if not items:
+    if not data.entries:
         raise InputError("no valid items to cache", "run `lorakit cache CONFIG --check` to see why")
 
     if adapter is None:
@@ -117,15 +86,13 @@ def build(cfg, force: bool = False, verify: bool = False, strict: bool = False, 
         device, dtype = device_and_dtype(cfg)
         adapter = load_adapter(family, cfg.model.path, device=device, dtype=dtype, backend=cfg.memory.loader)
     identity = adapter.identity()
-    settings = {"family": family, "dtype": cfg.model.dtype, "policy": POLICY, "frames": cfg.data.frames,
+    settings = {"family": family, "dtype": cfg.model.dtype, "policy": POLICY,
                 "max_sequence_length": getattr(adapter, "max_sequence_length", None)}
-    buckets = make_buckets(cfg.data.resolution, info.patch, cfg.data.bucket_min_side, cfg.data.bucket_max_side)
-
     planned = []
-    for it in items:
-        bucket = nearest_bucket(it.size, buckets)
-        key = item_key([it.target, *it.controls], it.caption, identity, settings, bucket)
-        planned.append((it, bucket, key))
+    for e in data.entries:
+        key = item_key([e.item.target, *e.item.controls], e.item.caption, identity, {**settings, **e.settings()},
+                       e.bucket)
+        planned.append((e, e.bucket, key))
     keys = [k for _, _, k in planned]
     if verify and dist.main:
         summary.verified_bad = store.verify([k for k in keys if store.path(k).is_file()])
@@ -138,35 +105,41 @@ def build(cfg, force: bool = False, verify: bool = False, strict: bool = False, 
     todo = dist.share(todo)
     delay = float(os.environ.get("LORAKIT_CACHE_ITEM_DELAY", "0") or 0)  # testing aid: makes a build interruptible
 
-    by_bucket: dict = {}
+    by_group: dict = {}  # entries of one batch group (bucket, control sizes) encode one after another
     for p in todo:
-        by_bucket.setdefault(p[1], []).append(p)
+        by_group.setdefault(p[0].group, []).append(p)
     done = 0
     if progress:
         progress(0, len(todo), "encoding")
-    for bucket, group in sorted(by_bucket.items()):
+    for _, group in sorted(by_group.items()):
         for i in range(0, len(group), BATCH):
             batch = group[i:i + BATCH]
-            _encode_batch(adapter, store, batch, bucket, layout, cfg)
+            summary.encoded += _encode_batch(adapter, store, batch, layout, cfg)
             done += len(batch)
-            summary.encoded += len(batch)
             if progress:
-                progress(done, len(todo), f"{bucket[0]}x{bucket[1]}")
+                progress(done, len(todo), "x".join(str(x) for x in batch[0][1]))
             if delay:
                 time.sleep(delay)
     dist.barrier()  # every rank's items are in the store
+    if dist.main:  # entries that failed to encode (a clip damaged past its first frame): left out, by name
+        failed = _collect_failures(store)
+        summary.skipped += [failed[k] for k in keys if k in failed]
+        planned = [p for p in planned if p[2] not in failed]
+        keys = [k for k in keys if k not in failed]
     empty = _empty_caption(adapter, store, identity, settings, layout) if dist.main else None
     empty = dist.broadcast(empty)
     if dist.main:
         summary.pruned = store.prune(set(keys) | {empty})
     hist: dict = {}
     for _, b, _ in planned:
-        hist[f"{b[0]}x{b[1]}"] = hist.get(f"{b[0]}x{b[1]}", 0) + 1
-    summary.buckets = dict(sorted(hist.items()))
+        name = "x".join(str(x) for x in b)
+        hist[name] = hist.get(name, 0) + 1
+    summary.buckets = dict(sorted(hist.items(), key=lambda kv: [int(x) for x in kv[0].split("x")]))
+    summary.clips = len({id(e.item) for e, _, _ in planned}) if layout == "video" else 0
     if dist.main:
         _write_manifest(store, family, identity, settings, layout, empty, planned, summary)
     dist.barrier()
-    summary.bytes = sum(store.path(k).stat().st_size for k in set(keys))
+    summary.bytes = sum(store.path(k).stat().st_size for k in set(keys) if store.path(k).is_file())
     summary.seconds = round(time.perf_counter() - t0, 2)
     if cfg.memory.free_encoders_after_cache:
         adapter.unload(list(adapter.parts))
@@ -177,38 +150,68 @@ def _write_manifest(store, family, identity, settings, layout, empty, planned, s
     store.write_manifest({
         "family": family, "identity": identity, "settings": settings, "policy": POLICY,
         "empty_caption": empty if layout != "edit" else None,
-        "items": [{"stem": it.stem, "key": k, "bucket": list(b), "caption": it.caption, "source": str(it.target),
-                   "controls": [str(c) for c in it.controls]} for it, b, k in planned],
+        "items": [{"stem": e.item.stem, "label": e.label, "key": k, "bucket": list(b), "group": list(e.group),
+                   "caption": e.item.caption, "source": str(e.item.target),
+                   "controls": [str(c) for c in e.item.controls], **e.settings()} for e, b, k in planned],
         "skipped": summary.skipped})
 
 
-def _encode_batch(adapter, store: Store, batch, bucket, layout: str, cfg) -> None:
-    its = [b[0] for b in batch]
-    controls = None
-    tensors = [dict() for _ in batch]
-    if layout == "video":
-        for j, it in enumerate(its):
-            frames = _frames(it.target, bucket, cfg.data.frames)
-            tensors[j]["latents"] = adapter.encode_video(frames)[0]
-    else:
-        lat = adapter.encode_images(_pixels([fit(open_image(it.target), bucket) for it in its]))
-        for j in range(len(its)):
-            tensors[j]["latents"] = lat[j]
-        if layout == "edit":
-            controls = [[fit(open_image(c), bucket) for c in it.controls] for it in its]
-            n_ctrl = len(controls[0])
-            for c in range(n_ctrl):
-                clat = adapter.encode_images(_pixels([ctrl[c] for ctrl in controls]))
-                for j in range(len(its)):
-                    tensors[j][f"control_latents_{c}"] = clat[j]
-    text = adapter.encode_prompts([it.caption for it in its], controls=controls)
-    if layout == "edit" and cfg.data.caption_dropout > 0:  # an empty instruction still sees its controls
-        empty = adapter.encode_prompts([""] * len(its), controls=controls)
-        for j in range(len(its)):
-            tensors[j]["empty_prompt_embeds"] = empty[j]["prompt_embeds"]
-    for j, (it, _, key) in enumerate(batch):
-        tensors[j].update(text[j])
-        store.put(key, tensors[j], {"stem": it.stem, "caption": it.caption, "bucket": f"{bucket[0]}x{bucket[1]}"})
+def _encode_batch(adapter, store: Store, batch, layout: str, cfg) -> int:
+    """Encode entries of one group (one at a time: see BATCH) and store each; a clip that fails to decode is
+    recorded as a failure (by key) instead of stopping the build. Returns how many were stored."""
+    stored = 0
+    for e, bucket, key in batch:
+        it = e.item
+        tensors = {}
+        controls = None
+        if layout == "video":
+            try:
+                frames = read_window(it.target, e.window)
+            except ClipError as err:
+                _record_failure(store, key, {"path": str(it.target), "code": "unreadable",
+                                             "message": f"{e.label}: {err.message.removeprefix(f'{it.target}: ')}"})
+                continue
+            pix = to_pixels([fit(f, bucket[:2]) for f in frames])  # (T, 3, H, W)
+            tensors["latents"] = adapter.encode_video(pix.permute(1, 0, 2, 3).unsqueeze(0))[0]
+        else:
+            tensors["latents"] = adapter.encode_images(to_pixels([fit(open_image(it.target), bucket)]))[0]
+            if layout == "edit":
+                controls = [open_image(c) for c in it.controls]
+                for c, lat in enumerate(adapter.encode_controls(controls, cfg.data.control_resolution)):
+                    tensors[f"control_latents_{c}"] = lat
+        texts = adapter.encode_prompts([it.caption], controls=[controls] if controls else None)
+        tensors.update(texts[0])
+        if layout == "edit" and cfg.data.caption_dropout > 0:  # an empty instruction still sees its controls
+            tensors["empty_prompt_embeds"] = adapter.encode_prompts([""], controls=[controls])[0]["prompt_embeds"]
+        store.put(key, tensors, {"stem": it.stem, "label": e.label, "caption": it.caption,
+                                 "bucket": "x".join(str(x) for x in bucket)})
+        stored += 1
+    return stored
+
+
+def _record_failure(store: Store, key: str, problem: dict) -> None:
+    import json
+
+    from lorakit.io import atomic_path
+
+    folder = store.root / "failed"
+    folder.mkdir(parents=True, exist_ok=True)
+    with atomic_path(folder / f"{key}.json") as tmp:
+        tmp.write_text(json.dumps(problem), encoding="utf-8")
+
+
+def _collect_failures(store: Store) -> dict:
+    import json
+
+    folder = store.root / "failed"
+    out = {}
+    if folder.is_dir():
+        for p in sorted(folder.glob("*.json")):
+            out[p.stem] = json.loads(p.read_text(encoding="utf-8"))
+            p.unlink()
+        if not any(folder.iterdir()):
+            folder.rmdir()
+    return out
 
 
 def _empty_caption(adapter, store: Store, identity: str, settings: dict, layout: str) -> str:

@@ -62,7 +62,8 @@ def _build(cfg, force: bool, verify: bool, strict: bool, as_json: bool) -> None:
 
 
 def _render_summary(s) -> None:
-    console.print(f"[bold]cache[/] {s.cache_dir}: {s.items} items ({s.encoded} encoded, {s.reused} reused"
+    what = f"{s.items} windows of {s.clips} clips" if s.clips else f"{s.items} items"
+    console.print(f"[bold]cache[/] {s.cache_dir}: {what} ({s.encoded} encoded, {s.reused} reused"
                   f"{f', {s.pruned} stale removed' if s.pruned else ''}), {s.bytes / 2**20:.1f} MiB, {s.seconds:.1f} s")
     if s.buckets:
         console.print("buckets: " + ", ".join(f"{b} x{n}" for b, n in s.buckets.items()))
@@ -79,20 +80,28 @@ def _render(report: dict) -> None:
 
     t = Table(title=f"datasets for {report['family']}", title_justify="left")
     t.add_column("folder", overflow="fold")
-    for c in ("layout", "items", "problems"):
+    video = any(d["layout"] == "video" for d in report["datasets"])
+    for c in ("layout", "items", *(("windows",) if video else ()), "problems"):
         t.add_column(c)
     for d in report["datasets"]:
         t.add_row(d["dir"], d["layout"] + (f" ({', '.join(d['controls'])})" if d["controls"] else ""),
-                  str(d["items"]), str(d["problems"]))
+                  str(d["items"]), *((str(d["entries"]),) if video else ()), str(d["problems"]))
     console.print(t)
     if report["problems"]:
-        p = Table(title="problems (these items are skipped)", title_justify="left")
+        roots = [d["dir"] for d in report["datasets"]]
+        where = f" (paths in {roots[0]})" if len(roots) == 1 else ""
+        p = Table(title=f"problems (these items or windows are skipped){where}", title_justify="left")
         p.add_column("file", overflow="fold")
         p.add_column("problem", no_wrap=True)
         p.add_column("detail")
         for pr in report["problems"]:
-            p.add_row(pr["path"], pr["code"], pr["message"])
+            path = pr["path"]
+            if len(roots) == 1 and path.startswith(roots[0].rstrip("/") + "/"):
+                path = path[len(roots[0].rstrip("/")) + 1:]
+            p.add_row(path, pr["code"], pr["message"])
         console.print(p)
     if report["buckets"]:
-        console.print("buckets: " + ", ".join(f"{b} x{n}" for b, n in report["buckets"].items()))
-    console.print(f"{report['items']} items ready, {len(report['problems'])} problems")
+        what = "buckets (width x height x frames)" if video else "buckets"
+        console.print(f"{what}: " + ", ".join(f"{b} x{n}" for b, n in report["buckets"].items()))
+    ready = f"{report['items']} clips, {report['entries']} windows ready" if video else f"{report['items']} items ready"
+    console.print(f"{ready}, {len(report['problems'])} problems")

@@ -20,14 +20,16 @@ def infer(
     prompt: list[str] | None = typer.Option(None, "--prompt", "-p", help="prompt (repeatable)"),
     prompts_file: Path | None = typer.Option(None, "--prompts", help="file with one prompt per line"),
     negative: str | None = typer.Option(None, "--negative", help="negative prompt"),
-    image: list[Path] | None = typer.Option(None, "--image", help="control image(s) for edit families"),
+    image: list[Path] | None = typer.Option(None, "--image", help="control image for edit families (repeatable: "
+                                            "Qwen-Image-Edit-Plus takes up to 3, in order)"),
     seed: int = typer.Option(0, "--seed", help="seed of the first image; image k uses seed + k"),
     steps: int = typer.Option(28, "--steps", min=1),
     guidance: float | None = typer.Option(None, "--guidance", help="FLUX guidance / Qwen true-CFG scale"),
     width: int | None = typer.Option(None, "--width"),
     height: int | None = typer.Option(None, "--height"),
     batch: int = typer.Option(1, "--batch", min=1, help="images per prompt"),
-    frames: int = typer.Option(17, "--frames", help="frames per clip (video families)"),
+    frames: int = typer.Option(17, "--frames", help="frames per clip (video families: 4k+1)"),
+    fps: float = typer.Option(24.0, "--fps", help="frame rate of the .mp4 and GIF written (video families)"),
     dtype: str | None = typer.Option(None, "--dtype", help="bf16 | fp16 | fp32 (default: bf16 on GPU)"),
     device: str | None = typer.Option(None, "--device", help="cuda[:N] or cpu"),
     out: Path = typer.Option(Path("out"), "--out", "-o", help="folder for the images"),
@@ -49,7 +51,7 @@ def infer(
             raise InputError(f"--width/--height must be multiples of 16, got {side}")
     loras = [parse_lora(s) for s in (lora or [])]
     req = Request(prompts=texts, seed=seed, steps=steps, guidance=guidance, negative=negative, width=width,
-                  height=height, batch=batch, images=list(image or []), frames=frames)
+                  height=height, batch=batch, images=list(image or []), frames=frames, fps=fps)
     from lorakit.quiet import quiet_libraries
 
     quiet_libraries()

@@ -4,7 +4,8 @@ Layouts:
 - `flat`:  name.{png,jpg,jpeg,webp,bmp,tif,tiff,gif} + name.txt
 - `edit`:  images/ (targets + captions) and one or more control folders (control/, control_2/, ...)
            holding images with the same stems
-- `video`: clips/<name>/ frame folders or clips/<name>.mp4, each with clips/<name>.txt
+- `video`: clips/<name>.{mp4,webm,mov,mkv,avi,m4v,gif,webp} or clips/<name>/ frame folders, each with
+           clips/<name>.txt (clips are probed here: `lorakit.data.video`)
 Extensions (of images and captions) are matched case-insensitively. Every file and folder in a dataset is
 either used or reported by name: captions without an image, files of other kinds, broken links, folders
 named like images, hidden files (one line per folder). Images are opened with their EXIF orientation applied
@@ -19,10 +20,11 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from lorakit.data.video import CLIP_EXTS, ClipError, ClipInfo, frame_files, probe
 from lorakit.errors import InputError
 
 IMAGE_EXTS = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".tif", ".tiff", ".gif")
-VIDEO_EXTS = (".mp4",)
+VIDEO_EXTS = CLIP_EXTS
 LAYOUTS = ("auto", "flat", "edit", "video")
 
 
@@ -32,8 +34,10 @@ class Item:
     target: Path  # image file, frame folder, or video file
     caption: str
     controls: list[Path] = field(default_factory=list)
-    size: tuple[int, int] | None = None  # (width, height) after EXIF orientation
+    size: tuple[int, int] | None = None  # (width, height) after EXIF orientation (clips: as displayed)
     frames: int | None = None
+    control_sizes: list[tuple[int, int]] = field(default_factory=list)  # (width, height) of each control
+    clip: ClipInfo | None = None  # frame times (video layout)
 
 
 @dataclass
@@ -274,16 +278,16 @@ def _items(s: Scan, listing: _Listing, controls: dict, ext: str, min_side: int, 
         used.add(stem)
         caption = _caption(path, listing, s.problems, trigger, ext)
         size = _check_image(path, min_side, s.problems) if check else None
-        ctrl = []
+        ctrl, sizes = [], []
         for name, cmedia in controls.items():
             if stem not in cmedia:
                 s.problems.append(Problem(str(path), "no-control", f"target without a control in {name}/"))
             else:
                 ctrl.append(cmedia[stem])
                 if check:
-                    _check_image(cmedia[stem], min_side, s.problems)
+                    sizes.append(_check_image(cmedia[stem], min_side, s.problems))
         if len(s.problems) == before:
-            s.items.append(Item(stem, path, caption, ctrl, size))
+            s.items.append(Item(stem, path, caption, ctrl, size, control_sizes=sizes))
     return used
 
 
@@ -294,28 +298,34 @@ def _video_items(s: Scan, clips: Path, ext: str, min_side: int, trigger, check: 
     listing = _list(clips, VIDEO_EXTS, ext)
     folders = listing.folders
     for stem in sorted(set(listing.media) & set(folders)):
-        s.problems.append(Problem(str(folders[stem]), "duplicate-stem", f"{stem}.mp4 and {stem}/ are both clips"))
+        s.problems.append(Problem(str(folders[stem]), "duplicate-stem",
+                                  f"{listing.media[stem].name} and {stem}/ are both clips"))
     used = set()
     for stem, path in sorted({**listing.media, **folders}.items()):
         before = len(s.problems)
         used.add(stem)
         caption = _caption(path, listing, s.problems, trigger, ext)
-        frames, size = None, None
         if path.is_dir():
             flist = _list(path, IMAGE_EXTS, None)
-            frame_files = sorted(flist.media.values())
             _report_unused(s, flist, set())
-            if not frame_files:
-                s.problems.append(Problem(str(path), "unreadable", "frame folder holds no images"))
-            elif check:
-                sizes = {_check_image(f, min_side, s.problems) for f in frame_files}
-                if len(sizes - {None}) > 1:
-                    s.problems.append(Problem(str(path), "frame-sizes", f"frames differ in size: {sorted(sizes - {None})}"))
-                size = next(iter(sizes - {None}), None)
-            frames = len(frame_files)
+            if check and len(frame_files(path)) > 1:
+                sizes = {_check_image(f, min_side, s.problems) for f in frame_files(path)} - {None}
+                if len(sizes) > 1:
+                    s.problems.append(Problem(str(path), "frame-sizes", f"frames differ in size: {sorted(sizes)}"))
         elif path.stat().st_size == 0:
             s.problems.append(Problem(str(path), "unreadable", "empty video file"))
+        clip = None
+        if check and len(s.problems) == before:
+            try:
+                clip = probe(path)
+            except ClipError as e:
+                s.problems.append(Problem(str(path), "unreadable", e.message.removeprefix(f"{path}: ")))
+            else:
+                if min(clip.size) < min_side:
+                    s.problems.append(Problem(str(path), "too-small", f"{clip.size[0]}x{clip.size[1]} is smaller "
+                                                                      f"than the smallest bucket side {min_side}"))
         if len(s.problems) == before:
-            s.items.append(Item(stem, path, caption, [], size, frames))
+            s.items.append(Item(stem, path, caption, [], clip.size if clip else None,
+                                clip.frames if clip else None, clip=clip))
     listing.folders = {}  # every folder in clips/ is a clip (used or reported above)
     _report_unused(s, listing, used, what=" clip")

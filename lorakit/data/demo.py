@@ -81,7 +81,7 @@ def _save(img: Image.Image, path: Path) -> None:
 
 
 def make_demo_dataset(out_dir: str | Path, layout: str = "flat", count: int = 8, size: int = 64,
-                      seed: int = 0, frames: int = 5) -> Path:
+                      seed: int = 0, frames: int = 5, clip_format: str = "mp4") -> Path:
     """Write a demo dataset.
 
     Args:
@@ -91,12 +91,15 @@ def make_demo_dataset(out_dir: str | Path, layout: str = "flat", count: int = 8,
         size: image side in pixels.
         seed: same seed, same files.
         frames: frames per clip (`video`).
+        clip_format: `video` clips as "mp4" files (H.264, 8 fps) or "frames" (a folder of PNGs per clip).
 
     Returns:
         The dataset folder.
     """
     if layout not in LAYOUTS:
         raise InputError(f"unknown demo layout {layout!r}", "valid: " + ", ".join(LAYOUTS))
+    if clip_format not in ("frames", "mp4", "webm", "mov", "mkv", "gif", "webp"):
+        raise InputError(f"unknown clip format {clip_format!r}", "valid: frames, mp4, webm, mov, mkv, gif, webp")
     if count < 1 or size < 16:
         raise InputError(f"demo dataset needs count >= 1 and size >= 16, got count={count} size={size}")
     out = Path(out_dir)
@@ -131,12 +134,16 @@ def make_demo_dataset(out_dir: str | Path, layout: str = "flat", count: int = 8,
         for i in range(count):
             s = random_scene(rng)
             stem = f"clip_{i:03d}"
-            cdir = clips / stem
-            cdir.mkdir(exist_ok=True)
             y = (ROWS.index(s.row) + 0.5) / 3
-            for f in range(frames):
-                x = 0.2 + 0.6 * f / max(frames - 1, 1)
-                _save(draw(s, size, center=(x, y)), cdir / f"{f:03d}.png")
+            images = [draw(s, size, center=(0.2 + 0.6 * f / max(frames - 1, 1), y)) for f in range(frames)]
+            if clip_format == "frames":
+                (clips / stem).mkdir(exist_ok=True)
+                for f, im in enumerate(images):
+                    _save(im, clips / stem / f"{f:03d}.png")
+            else:
+                from lorakit.data.video import write_clip
+
+                write_clip(clips / f"{stem}.{clip_format}", images, fps=8)
             (clips / f"{stem}.txt").write_text(
                 f"a {s.color} {s.shape} moving from left to right on a {s.background} background\n",
                 encoding="utf-8")

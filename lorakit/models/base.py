@@ -106,11 +106,41 @@ class Adapter:
         p = self.lora_presets
         return p.attention + (p.mlp if preset == "attention_mlp" else ())
 
-    def image_tokens(self, resolution: int, frames: int = 1) -> int:
-        """Transformer tokens of one item's latents at a square resolution (controls and frames counted)."""
+    def image_tokens(self, resolution: int, frames: int = 1, controls: int | None = None,
+                     control_resolution: int | None = None) -> int:
+        """Transformer tokens of one item at a square resolution: its latents (frames counted) and its control
+        images (default: the family's maximum) at the size the family encodes them (`control_size`)."""
         per_image = (resolution // self.info.patch) ** 2
         latent_frames = (frames - 1) // self.temporal + 1 if self.layout == "video" else 1
-        return per_image * latent_frames * (1 + (self.max_controls or 0))
+        n = self.max_controls if controls is None else controls
+        per_control = 0
+        if n:
+            w, h = self.control_size(resolution, resolution, control_resolution)
+            per_control = (w // self.info.patch) * (h // self.info.patch)
+        return per_image * latent_frames + n * per_control
+
+    def control_size(self, width: int, height: int, resolution: int | None = None) -> tuple[int, int]:
+        """(width, height) at which the stock pipeline VAE-encodes a control image of this size (edit families;
+        `resolution`: about resolution² pixels at the image's aspect ratio instead, `data.control_resolution`)."""
+        raise InputError(f"family {self.family} takes no control images")
+
+    def prompt_controls(self, images: list) -> list | None:
+        """The control images as the stock pipeline hands them to its text encoder (None: the prompt does not see
+        them), from the images as given."""
+        return None
+
+    def encode_controls(self, images: list, resolution: int | None = None) -> list:
+        """Control images as given (PIL) -> one latent (C, h, w) each, resized by `control_size` as the stock
+        pipeline resizes them (Lanczos, no crop) and encoded one at a time."""
+        from PIL import Image
+
+        from lorakit.data.buckets import to_pixels
+
+        out = []
+        for im in images:
+            size = self.control_size(*im.size, resolution)
+            out.append(self.encode_images(to_pixels([im.resize(size, Image.LANCZOS)]))[0])
+        return out
 
     def native_table(self, n_blocks: int) -> dict[str, NativeName]:
         """native name -> its record, with `{i}` expanded for blocks 0 .. n_blocks-1."""

@@ -8,6 +8,11 @@ from __future__ import annotations
 from lorakit.models.facts import AttentionCase
 from lorakit.models.flux import FluxAdapter
 
+# FluxKontextPipeline's PREFERRED_KONTEXT_RESOLUTIONS (the sizes Kontext was trained at), as (width, height)
+PREFERRED = ((672, 1568), (688, 1504), (720, 1456), (752, 1392), (800, 1328), (832, 1248), (880, 1184), (944, 1104),
+             (1024, 1024), (1104, 944), (1184, 880), (1248, 832), (1328, 800), (1392, 752), (1456, 720), (1504, 688),
+             (1568, 672))
+
 
 class FluxKontextAdapter(FluxAdapter):
     layout = "edit"
@@ -15,6 +20,16 @@ class FluxKontextAdapter(FluxAdapter):
     # FLUX's shapes, plus the sequence of a 1024² target with its 1024² control (2 x 4096 image + 512 text)
     attention_cases = FluxAdapter.attention_cases + (AttentionCase("1024px+control", 8704, False),
                                                      AttentionCase("1024px+control single", 8704, False, "single"))
+
+    def control_size(self, width, height, resolution=None):
+        """FluxKontextPipeline's rule: the preferred Kontext size nearest the image's aspect ratio (resolution:
+        that many pixels squared at the image's aspect ratio instead), sides cut to multiples of 16."""
+        w0, h0 = width // 16 * 16, height // 16 * 16  # the pipeline's image processor's default size for it
+        if resolution:
+            w, h = round((resolution * resolution * w0 / h0) ** 0.5), round((resolution * resolution * h0 / w0) ** 0.5)
+        else:
+            _, w, h = min((abs(w0 / h0 - pw / ph), pw, ph) for pw, ph in PREFERRED)
+        return w // 16 * 16, h // 16 * 16
 
     def call_kwargs(self, width: int, height: int, frames: int = 1) -> dict:
         # FluxKontextPipeline rescales the requested size to `max_area` (1024² by default) at its aspect ratio

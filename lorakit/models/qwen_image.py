@@ -8,6 +8,7 @@ from lorakit.models.base import Adapter
 from lorakit.models.facts import AttentionCase, LoraPresets, NativeName, Published
 
 CONDITION_AREA = 384 * 384  # Edit-Plus: prompt images are resized to this area, as the pipeline does
+VAE_AREA = 1024 * 1024  # Edit and Edit-Plus: control images are VAE-encoded at this area, at their aspect ratio
 
 _BLOCK = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "attn.add_q_proj", "attn.add_k_proj",
           "attn.add_v_proj", "attn.to_add_out", "img_mlp.net.0.proj", "img_mlp.net.2", "txt_mlp.net.0.proj",
@@ -60,8 +61,21 @@ class QwenImageAdapter(Adapter):
         base = ("text_encoder", "tokenizer")
         return base + (("processor",) if self.info.variant else ())
 
+    def control_size(self, width, height, resolution=None):
+        if not self.info.variant:
+            return super().control_size(width, height, resolution)
+        return condition_size(width, height, resolution * resolution if resolution else VAE_AREA)
+
+    def prompt_controls(self, images):
+        """Edit: the image at its VAE size (the pipeline prompts with that); Edit-Plus: each image at 384² area."""
+        from PIL import Image
+
+        if self.info.variant == "edit":
+            return [im.resize(self.control_size(*im.size), Image.LANCZOS) for im in images[:1]]
+        return [im.resize(condition_size(*im.size), Image.LANCZOS) for im in images]
+
     def encode_prompts(self, texts, controls=None):
-        """controls: per text, a list of PIL control images (edit variants), already at the target size."""
+        """controls: per text, the list of PIL control images as given to the pipeline (edit variants)."""
         import torch
 
         self.load(self.text_parts)
@@ -70,12 +84,9 @@ class QwenImageAdapter(Adapter):
         with torch.no_grad():
             for i, text in enumerate(texts):  # one at a time: prompts carry different images
                 kw = {}
-                if self.info.variant == "edit":
-                    kw["image"] = controls[i][0]
-                elif self.info.variant == "edit-plus":
-                    imgs = controls[i]
-                    kw["image"] = [pipe.image_processor.resize(im, *reversed(condition_size(*im.size)))
-                                   for im in imgs]
+                if self.info.variant:
+                    imgs = self.prompt_controls(controls[i])
+                    kw["image"] = imgs[0] if self.info.variant == "edit" else imgs
                 embeds, mask = pipe.encode_prompt(prompt=[text], max_sequence_length=self.max_sequence_length, **kw)
                 n = int(mask[0].sum()) if mask is not None else embeds.shape[1]  # None: no padding
                 out.append({"prompt_embeds": embeds[0, :n]})

@@ -53,7 +53,7 @@ class CachedData:
         self.bucket_of = {}
         for it in self.items:
             for r in range(repeats):
-                self.bucket_of[f"{it['key']}#{r}"] = tuple(it["bucket"])
+                self.bucket_of[f"{it['key']}#{r}"] = tuple(it.get("group", it["bucket"]))  # + control sizes
         self._epoch_cache: dict[int, list] = {}
         self._empty = None
 

@@ -74,8 +74,10 @@ def estimate(cfg, world: int = 1) -> dict:
     from lorakit.models.base import family_adapter
 
     adapter = family_adapter(cfg.model.family)
-    per_image = adapter.image_tokens(cfg.data.resolution, cfg.data.frames) // (1 + (adapter.max_controls or 0))
-    tokens = (per_image * (1 + controls_in_use(cfg, adapter)) + adapter.published.text_tokens) * cfg.schedule.batch_size
+    frames = max(cfg.data.frame_counts)  # the longest window (frame buckets)
+    per_item = adapter.image_tokens(cfg.data.resolution, frames, controls_in_use(cfg, adapter),
+                                    cfg.data.control_resolution)
+    tokens = (per_item + adapter.published.text_tokens) * cfg.schedule.batch_size
     per_block = tokens * hidden * 2 * WORKING_SET
     acts = (tokens * hidden * 2 * blocks + per_block) if cfg.memory.gradient_checkpointing else per_block * blocks
     parts = {"base": base / GIB, "lora_and_optimizer": lora / GIB, "activations": acts / GIB, "overhead": OVERHEAD_GIB}

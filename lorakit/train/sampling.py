@@ -23,6 +23,7 @@ class Condition:
     shape: tuple  # latent shape without the batch dimension
     controls: list = field(default_factory=list)  # batch-of-1 control latents (edit)
     uncond: dict | None = None  # the empty caption, for classifier-free guidance
+    control_images: list = field(default_factory=list)  # the controls as PIL images (shown beside the sample)
 
 
 def _batch1(d: dict) -> dict:
@@ -30,12 +31,17 @@ def _batch1(d: dict) -> dict:
 
 
 def conditions(cfg, adapter, data, limit: int = 4) -> list[Condition]:
-    """What to render: `sampling.prompts` (encoded now; edit families pair prompt k with item k's controls),
-    or else the captions of the first `limit` training items (their cached embeddings)."""
-    items = data.items
-    entries = [data.store.get(it["key"]) for it in items[:max(limit, len(cfg.sampling.prompts or []))]]
+    """What to render: `sampling.prompts` (encoded now) or else the captions of the first `limit` items.
+
+    Edit families: prompt k takes the control images `sampling.controls[k]` when given, else those of item k;
+    items are the held-out validation items when there are any (an edit the LoRA has not trained on), else the
+    training items. Each sample is shown beside the control images it started from."""
+    items = data.validation or data.items
+    prompts = list(cfg.sampling.prompts or [])
+    entries = [data.store.get(it["key"]) for it in items[:max(limit, len(prompts))]]
     n_ctrl = sum(1 for k in entries[0] if k.startswith("control_latents_"))
     empty = data.empty()
+    explicit = [[Path(p)] if isinstance(p, (str, Path)) else [Path(x) for x in p] for p in cfg.sampling.controls]
 
     def parts(j: int):
         e = entries[j % len(entries)]
@@ -44,30 +50,54 @@ def conditions(cfg, adapter, data, limit: int = 4) -> list[Condition]:
               else (_batch1(empty) if empty else None))
         return e, controls, un
 
+    def shown(j: int, controls: list) -> list:
+        """The control images of item j as given (files), or decoded from their latents if the files are gone."""
+        it = items[j % len(items)]
+        from lorakit.data.dataset import open_image
+
+        try:
+            return [open_image(Path(c)) for c in it["controls"]]
+        except Exception:  # noqa: BLE001 - moved or deleted since caching: show what the model sees
+            return [_to_image(adapter.decode_latents(c)[0]) for c in controls]
+
     out = []
-    prompts = list(cfg.sampling.prompts or [])
     if prompts:
+        from lorakit.data.dataset import open_image
+
         size = cfg.sampling.size or cfg.data.resolution
         ctrl_images = None
-        if n_ctrl:
-            from lorakit.data.buckets import fit
-            from lorakit.data.dataset import open_image
-
-            ctrl_images = []
-            for j in range(len(prompts)):
-                it = items[j % len(items)]
-                ctrl_images.append([fit(open_image(Path(c)), tuple(it["bucket"])) for c in it["controls"]])
+        if n_ctrl or explicit:
+            ctrl_images = [[open_image(p) for p in explicit[j]] if j < len(explicit)
+                           else [open_image(Path(c)) for c in items[j % len(items)]["controls"]]
+                           for j in range(len(prompts))]
         encoded = adapter.encode_prompts(prompts, controls=ctrl_images)
         for j, (p, enc) in enumerate(zip(prompts, encoded, strict=True)):
             e, controls, un = parts(j)
+            images = []
+            if ctrl_images is not None:
+                images = ctrl_images[j]
+                if j < len(explicit):  # this prompt's own controls: encode them (and its empty prompt with them)
+                    controls = [c.unsqueeze(0) for c in adapter.encode_controls(images, cfg.data.control_resolution)]
+                    if "empty_prompt_embeds" in e:
+                        un = _batch1(adapter.encode_prompts([""], controls=[images])[0])
             shape = tuple(e["latents"].shape) if (n_ctrl or e["latents"].dim() == 4) else \
                 (e["latents"].shape[0], size // 8, size // 8)
-            out.append(Condition(p, _batch1(enc), shape, controls, un))
+            out.append(Condition(p, _batch1(enc), shape, controls, un, images))
     else:
         for j, it in enumerate(items[:limit]):
             e, controls, un = parts(j)
-            out.append(Condition(it.get("caption", it["key"]), _batch1(e), tuple(e["latents"].shape), controls, un))
+            out.append(Condition(it.get("caption", it["key"]), _batch1(e), tuple(e["latents"].shape), controls, un,
+                                 shown(j, controls) if controls else []))
     return out
+
+
+def _to_image(pix):
+    """(3, H, W) in [-1, 1] -> PIL."""
+    import numpy as np
+    from PIL import Image
+
+    arr = ((pix.float().clamp(-1, 1).permute(1, 2, 0).cpu().numpy() + 1) * 127.5).round().astype(np.uint8)
+    return Image.fromarray(arr)
 
 
 def sigma_schedule(steps: int, image_seq_len: int, scheduler_config: dict):
@@ -88,9 +118,7 @@ def sigma_schedule(steps: int, image_seq_len: int, scheduler_config: dict):
 
 def render(trainer, conds: list[Condition]) -> list:
     """One PIL image per condition from the model as it is now (eval mode, no gradients)."""
-    import numpy as np
     import torch
-    from PIL import Image
 
     cfg, dev, dt = trainer.cfg, trainer.device, trainer.dtype
     guidance = cfg.sampling.guidance
@@ -122,9 +150,7 @@ def render(trainer, conds: list[Condition]) -> list:
                         vu = trainer.adapter.predict(trainer.transformer, x.to(dt), st, un, controls=controls).float()
                         v = vu + guidance * (v - vu)
                     x = x + (float(s_next) - float(s)) * v
-                pix = trainer.adapter.decode_latents(x)[0].float().clamp(-1, 1)
-                arr = ((pix.permute(1, 2, 0).cpu().numpy() + 1) * 127.5).round().astype(np.uint8)
-                images.append(Image.fromarray(arr))
+                images.append(_to_image(trainer.adapter.decode_latents(x)[0]))
     finally:
         trainer.transformer.train(was)
         vae = trainer.adapter.parts.get(trainer.adapter.vae_part) if cfg.memory.cpu_offload else None
@@ -133,18 +159,38 @@ def render(trainer, conds: list[Condition]) -> list:
     return images
 
 
-def _labelled_row(images, labels, title: str, cell: int):
+def _fit_box(im, w: int, h: int):
+    """The image scaled to fit a w x h box (aspect kept; nearest-neighbour when enlarging tiny samples)."""
+    from PIL import Image
+
+    scale = min(w / im.width, h / im.height)
+    size = (max(1, round(im.width * scale)), max(1, round(im.height * scale)))
+    return im.resize(size, Image.NEAREST if scale > 1 else Image.LANCZOS)
+
+
+def _labelled_row(images, labels, title: str, cell: int, controls=None):
+    """One row of a grid: the title, then per condition its control images (edit: stacked in a column, each
+    1/n of the cell high, marked "in") and the sample, labelled with its prompt."""
     from PIL import Image, ImageDraw
 
-    pad, text_h = 4, 14
-    row = Image.new("RGB", (len(images) * (cell + pad) + pad + 90, cell + text_h + 2 * pad), "white")
+    pad, text_h, head = 4, 14, 90
+    controls = controls or [[] for _ in images]
+    cols = [(cell // len(c) + pad if c else 0) + cell + pad for c in controls]
+    row = Image.new("RGB", (head + pad + sum(cols), cell + text_h + 2 * pad), "white")
     d = ImageDraw.Draw(row)
     d.text((pad, pad), title, fill="black")
-    for i, (im, lab) in enumerate(zip(images, labels, strict=True)):
-        x = 90 + pad + i * (cell + pad)
-        scaled = im.resize((cell, max(1, round(im.height * cell / im.width))), Image.NEAREST)
-        row.paste(scaled, (x, pad))
-        d.text((x, pad + cell + 1), lab[: max(4, cell // 6)], fill="black")
+    x = head + pad
+    for im, lab, ctrl, width in zip(images, labels, controls, cols, strict=True):
+        sx = x
+        if ctrl:
+            side = cell // len(ctrl)
+            for k, c in enumerate(ctrl):
+                row.paste(_fit_box(c, side, side), (x, pad + k * side))
+            d.text((x, pad + cell + 1), "in", fill="gray")
+            sx = x + side + pad
+        row.paste(_fit_box(im, cell, cell), (sx, pad))
+        d.text((sx, pad + cell + 1), lab[: max(4, cell // 6)], fill="black")
+        x += width
     return row
 
 
@@ -169,7 +215,8 @@ class Sampler:
         from lorakit.io import atomic_path
 
         cell = min(self.cell, max(64, images[0].width * 2))
-        row = _labelled_row(images, [c.label for c in self.conds], f"step {step}", cell)
+        row = _labelled_row(images, [c.label for c in self.conds], f"step {step}", cell,
+                            [c.control_images for c in self.conds])
         self.folder.mkdir(parents=True, exist_ok=True)
         path = self.folder / f"step-{step:06d}.png"
         with atomic_path(path) as tmp:

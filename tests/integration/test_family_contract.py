@@ -81,10 +81,15 @@ def test_published_size_and_full_config_agree(family):
 
 
 def _default_config(tmp_path, family, model) -> tuple:
-    """The built-in defaults (+ the cpu profile), with only what the tiny models and a short run need."""
-    data = make_demo_dataset(tmp_path / "data", demo_layout_for(family), count=4, size=64)
+    """The built-in defaults (+ the cpu profile), with only what the tiny models and a short run need: sizes
+    scaled down (64 px targets, and controls at 64² instead of the pipelines' 1024²: the builder and oracle
+    tests encode controls at the default size), clips as long as the default window (17 frames)."""
+    data = make_demo_dataset(tmp_path / "data", demo_layout_for(family), count=4, size=64, frames=17)
+    scaled = {"resolution": 64, "bucket_min_side": 32, "bucket_max_side": 128}
+    if family_adapter(family).max_controls:
+        scaled["control_resolution"] = 64
     cfg = {"model": {"family": family, "path": str(model)},
-           "data": {"dirs": [str(data)], "resolution": 64, "bucket_min_side": 32, "bucket_max_side": 128},
+           "data": {"dirs": [str(data)], **scaled},
            "schedule": {"steps": 3}, "sampling": {"steps": 3},
            "output": {"dir": str(tmp_path / "out"), "save_every": 3}}
     path = tmp_path / "run.yaml"

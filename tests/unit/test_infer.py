@@ -76,3 +76,49 @@ def test_infer_bad_inputs(tiny, tmp_path):
         r = CliRunner().invoke(app, ["infer", *args, "-o", str(tmp_path / "bad"), "--steps", "1"])
         assert r.exit_code == 2 and words in r.output, (args, r.output)
     assert not (tmp_path / "bad").exists() or not any((tmp_path / "bad").iterdir())
+
+
+def test_t2v_writes_an_mp4_and_a_gif_of_the_stock_pipelines_frames(tiny, tmp_path):
+    from diffusers import DiffusionPipeline
+
+    from lorakit.data.video import Window, probe, read_window
+
+    folder = tiny("kandinsky5-t2v")
+    args = ["infer", str(folder), "-p", "a red circle moving", "--steps", "2", "--width", "64", "--height", "64",
+            "-o", str(tmp_path / "v"), "--json"]
+    bad = CliRunner().invoke(app, args + ["--frames", "6"])
+    assert bad.exit_code == 2 and "4k+1" in bad.output and "--frames 5 or 9" in bad.output
+    r = CliRunner().invoke(app, args + ["--frames", "5", "--fps", "12"])
+    assert r.exit_code == 0, r.output
+    data = json.loads(r.output)
+    mp4, gif = data["files"][0], data["gifs"][0]
+    assert mp4.endswith(".mp4") and gif.endswith(".gif")
+    info = probe(mp4)
+    assert info.frames == 5 and info.size == (64, 64) and abs(info.fps - 12) < 0.01
+    import av
+
+    with av.open(mp4) as c:
+        assert json.loads(c.metadata["comment"])["prompt"] == "a red circle moving"
+    pipe = DiffusionPipeline.from_pretrained(folder, dtype=torch.float32)
+    pipe.set_progress_bar_config(disable=True)
+    ref = pipe(prompt="a red circle moving", num_inference_steps=2, width=64, height=64, num_frames=5,
+               generator=torch.Generator().manual_seed(0), output_type="pil").frames[0]
+    got = read_window(mp4, Window(0.0, tuple(range(5))))
+    for a, b in zip(got, ref, strict=True):  # H.264 (yuv420p, crf 1): the brightness within a few levels
+        la, lb = (np.asarray(x.convert("L"), dtype=float) for x in (a, b))  # (colour is stored at half size)
+        assert np.abs(la - lb).mean() < 3
+    with Image.open(gif) as g:
+        assert g.n_frames == 5
+
+
+def test_edit_plus_takes_up_to_three_images(tiny, tmp_path):
+    folder = tiny("qwen-image-edit-plus")
+    paths = []
+    for k, color in enumerate(["red", "green", "blue", "white"]):
+        paths.append(tmp_path / f"c{k}.png")
+        Image.new("RGB", (64, 64), color).save(paths[-1])
+    base = ["infer", str(folder), "-p", "combine them", "--steps", "2", "-o", str(tmp_path / "o"), "--json"]
+    r = CliRunner().invoke(app, base + [a for p in paths[:3] for a in ("--image", str(p))])
+    assert r.exit_code == 0, r.output
+    r = CliRunner().invoke(app, base + [a for p in paths for a in ("--image", str(p))])
+    assert r.exit_code == 2 and "at most 3 --image, got 4" in r.output

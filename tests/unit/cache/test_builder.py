@@ -95,14 +95,21 @@ def test_edit_plus_and_video_entries(tmp_path, tiny):
     _, cached = entries(cfg)
     e = next(iter(cached.values()))
     assert set(e) == {"prompt_embeds", "empty_prompt_embeds", "latents", "control_latents_0", "control_latents_1"}
-    assert e["latents"].shape == e["control_latents_1"].shape == (16, 8, 8)
+    # controls are encoded as the stock pipeline encodes them: 1024² area at their aspect ratio, whatever the
+    # target's bucket (data.control_resolution trades that for memory)
+    assert e["latents"].shape == (16, 8, 8) and e["control_latents_1"].shape == (16, 128, 128)
+    small = config(tmp_path / "s", "qwen-image-edit-plus", tiny("qwen-image-edit-plus"), data, control_resolution=64)
+    assert build(small).encoded == 2
+    assert next(iter(entries(small)[1].values()))["control_latents_0"].shape == (16, 8, 8)
 
-    vdata = make_demo_dataset(tmp_path / "v", "video", count=2, size=64, frames=6)
-    vcfg = config(tmp_path / "vv", "kandinsky5-t2v", tiny("kandinsky5-t2v"), vdata, frames=6)
-    assert build(vcfg).encoded == 2
-    _, vcached = entries(vcfg)
-    v = next(iter(vcached.values()))
-    assert v["latents"].shape[:2] == (16, 2)  # 6 frames -> 5 (4k+1) -> 2 latent frames
+    vdata = make_demo_dataset(tmp_path / "v", "video", count=2, size=64, frames=6)  # .mp4 clips of 6 frames
+    vcfg = config(tmp_path / "vv", "kandinsky5-t2v", tiny("kandinsky5-t2v"), vdata, frames=5, windows=2)
+    s = build(vcfg)
+    assert (s.encoded, s.clips, s.skipped) == (4, 2, [])  # two windows of 5 frames per clip (starts 0 and 1)
+    m, _ = entries(vcfg)
+    assert sorted(i["label"] for i in m["items"])[:2] == ["clip_000@0.125s/5f", "clip_000@0s/5f"]
+    v = Store(cache_dir_for(vcfg)).get(m["items"][0]["key"])
+    assert v["latents"].shape[:2] == (16, 2)  # 5 frames (4k+1) -> 2 latent frames
     assert v["pooled"].shape == (32,)
 
 

@@ -1,5 +1,6 @@
 import hashlib
 
+import numpy as np
 import pytest
 from PIL import Image
 
@@ -54,11 +55,20 @@ def test_edit_plus_has_two_controls(tmp_path):
 
 
 def test_video_frames_move(tmp_path):
-    d = make_demo_dataset(tmp_path / "v", "video", count=2, size=32, frames=4)
+    from lorakit.data.video import Window, probe, read_window
+
+    d = make_demo_dataset(tmp_path / "v", "video", count=2, size=32, frames=4, clip_format="frames")
     clip = d / "clips" / "clip_000"
     frames = sorted(clip.glob("*.png"))
     assert len(frames) == 4 and (d / "clips" / "clip_000.txt").read_text().strip().endswith("background")
     assert Image.open(frames[0]).tobytes() != Image.open(frames[-1]).tobytes()
+    m = make_demo_dataset(tmp_path / "m", "video", count=2, size=32, frames=4)  # the default: .mp4 clips
+    mp4 = m / "clips" / "clip_000.mp4"
+    assert probe(mp4).frames == 4 and probe(mp4).size == (32, 32)
+    decoded = read_window(mp4, Window(0.0, (0, 3)))
+    for got, want in zip(decoded, (frames[0], frames[-1]), strict=True):  # H.264 at crf 1: near-lossless
+        a, b = np.asarray(got, dtype=float), np.asarray(Image.open(want).convert("RGB"), dtype=float)
+        assert np.abs(a - b).mean() < 4
 
 
 def test_deterministic_by_seed(tmp_path):

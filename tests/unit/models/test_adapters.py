@@ -38,8 +38,8 @@ def test_text_embeddings_equal_the_pipeline(tiny, family):
                 close(ours[i]["pooled"], c[0])
             else:
                 kw = {}
-                if family == "qwen-image-edit":
-                    kw["image"] = controls()[i][0]
+                if family == "qwen-image-edit":  # the pipeline prompts with the image resized to 1024² area
+                    kw["image"] = pipe.image_processor.resize(controls()[i][0], 1024, 1024)
                 elif family == "qwen-image-edit-plus":  # the pipeline resizes prompt images to 384² area
                     kw["image"] = [pipe.image_processor.resize(im, 384, 384) for im in controls()[i]]
                 e, m = pipe.encode_prompt(prompt=[text], **kw)

@@ -11,17 +11,20 @@ from lorakit.cache.store import Store
 from lorakit.config import validate
 from lorakit.data.demo import demo_layout_for, make_demo_dataset
 from lorakit.io.modules import load_component
-from lorakit.models.base import load_adapter
+from lorakit.models.base import family_adapter, load_adapter
 from lorakit.models.registry import family_names
 from lorakit.train.data import CachedData
 from lorakit.train.loop import Trainer, run
 
 
 def make_cfg(tmp_path, family, model, steps=12, **over):
+    """Sizes scaled to the tiny models: 64 px targets, controls at 64² (not the pipelines' 1024²), 5-frame clips."""
     data = make_demo_dataset(tmp_path / "d", demo_layout_for(family), count=4, size=64)
     raw = {"profile": "cpu", "seed": 7, "model": {"family": family, "path": str(model), "dtype": "fp32"},
            "data": {"dirs": [str(data)], "resolution": 64, "bucket_min_side": 32, "bucket_max_side": 128,
-                    "control_dirs": ["control", "control_2"] if family.endswith("plus") else ["control"]},
+                    "control_dirs": ["control", "control_2"] if family.endswith("plus") else ["control"],
+                    **({"control_resolution": 64} if family_adapter(family).max_controls else {}),
+                    **({"frames": 5} if family_adapter(family).layout == "video" else {})},
            "lora": {"rank": 16, "targets": "attention_mlp", "dropout": 0.1},
            "optim": {"lr": 5e-3}, "schedule": {"steps": steps, "warmup_steps": 2, "lr_schedule": "cosine"},
            "output": {"dir": str(tmp_path / "out"), "save_every": 4, "keep_last": 2}}

@@ -78,3 +78,54 @@ def test_samples_can_be_turned_off(tmp_path, tiny):
 
     doctor = json.loads((tmp_path / "out" / "doctor.json").read_text())  # the doctor summary beside the LoRA
     assert doctor["profile"]["name"] == "cpu" and doctor["facts"] and doctor["summary"]["fail"] == 0
+
+
+@pytest.mark.slow
+def test_edit_samples_show_their_control_images_and_take_explicit_ones(tmp_path, tiny):
+    import numpy as np
+    from PIL import Image
+
+    from lorakit.train.sampling import Sampler
+
+    family = "qwen-image-edit-plus"
+    red, blue = tmp_path / "red.png", tmp_path / "blue.png"
+    Image.new("RGB", (64, 64), (255, 0, 0)).save(red)
+    Image.new("RGB", (80, 64), (0, 0, 255)).save(blue)
+    cfg = make_cfg(tmp_path, family, tiny(family), steps=2,
+                   sampling={"steps": 2, "prompts": ["paint it", "paint it again"], "controls": [[red, blue]],
+                             "validation_items": 1})
+    a = load_adapter(family, tiny(family))
+    build(cfg, adapter=a)
+    st = Store(cache_dir_for(cfg))
+    data = CachedData(st, st.read_manifest(), 1, 0, hold_out=1)
+    conds = conditions(cfg, a, data)
+    # prompt 0: the given images, encoded as the cache encodes controls; prompt 1: the held-out item's controls
+    assert [np.asarray(im)[0, 0].tolist() for im in conds[0].control_images] == [[255, 0, 0], [0, 0, 255]]
+    want = a.encode_controls([Image.open(red).convert("RGB"), Image.open(blue).convert("RGB")], 64)
+    for got, w in zip(conds[0].controls, want, strict=True):
+        torch.testing.assert_close(got[0], w)
+    held = data.validation[0]
+    assert [Image.open(c).tobytes() for c in held["controls"]] == [im.tobytes() for im in conds[1].control_images]
+    tr = Trainer(cfg, a, load_component(tiny(family) / "transformer"), data, tmp_path / "o", "cpu", torch.float32)
+    row = Image.open(Sampler(tr, conds, tmp_path / "s")(0)).convert("RGB")
+    px = np.asarray(row)
+    # the first condition's column starts with its two controls, stacked, each half the cell high: red over blue
+    assert (px[10, 100] == [255, 0, 0]).all() and (px[80, 100] == [0, 0, 255]).all()
+
+
+def test_sampling_controls_are_checked_with_the_config(tmp_path):
+    from lorakit.config import check_paths, validate
+    from lorakit.errors import ConfigError
+
+    with pytest.raises(ConfigError) as e:
+        validate({"model": {"family": "flux"}, "sampling": {"prompts": ["a"], "controls": ["x.png"]}})
+    assert "flux takes no control images" in str(e.value)
+    with pytest.raises(ConfigError) as e:
+        validate({"model": {"family": "qwen-image-edit-plus"},
+                  "sampling": {"prompts": ["a"], "controls": [["1.png", "2.png", "3.png", "4.png"], "5.png"]}})
+    assert "2 given for 1 sampling.prompts" in str(e.value) and "sampling.controls[0]: 4 images" in str(e.value)
+    cfg = validate({"model": {"family": "qwen-image-edit"}, "data": {"dirs": [str(tmp_path)]},
+                    "sampling": {"prompts": ["a"], "controls": [str(tmp_path / "gone.png")]},
+                    "output": {"dir": str(tmp_path / "o")}})
+    with pytest.raises(ConfigError, match="sampling.controls\\[0\\]: no such image file"):
+        check_paths(cfg, model=False)

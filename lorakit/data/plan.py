@@ -1,0 +1,95 @@
+"""What a run's datasets give: one entry per thing that is encoded and trained on, and every problem.
+
+An image item is one entry; a clip gives one entry per window (`data.frames / fps / start / windows`); an
+edit item records the size each control is encoded at (the family's `control_size`). `lorakit cache --check`
+prints this plan, and the cache builder encodes it: both see the same entries and the same problems.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from lorakit.data.buckets import make_buckets, nearest_bucket
+from lorakit.data.dataset import Item, scan
+from lorakit.data.video import Window
+from lorakit.data.video import plan as plan_windows
+
+
+@dataclass
+class Entry:
+    item: Item
+    bucket: tuple  # (width, height), video: (width, height, frames)
+    window: Window | None = None
+    control_sizes: list[tuple[int, int]] = field(default_factory=list)  # VAE size of each control (edit)
+
+    @property
+    def label(self) -> str:
+        if self.window is None:
+            return self.item.stem
+        return f"{self.item.stem}@{self.window.start:g}s/{self.window.frames}f"
+
+    @property
+    def group(self) -> tuple:
+        """Entries of one group can share a batch: same target bucket, same control sizes."""
+        return tuple(self.bucket) + tuple(x for wh in self.control_sizes for x in wh)
+
+    def settings(self) -> dict:
+        """What this entry's tensors depend on beyond its files, caption and bucket."""
+        out = {}
+        if self.window is not None:
+            out["window"] = {"start": self.window.start, "indices": list(self.window.indices)}
+        if self.control_sizes:
+            out["control_sizes"] = [list(s) for s in self.control_sizes]
+        return out
+
+
+@dataclass
+class DataPlan:
+    layout: str
+    entries: list[Entry] = field(default_factory=list)
+    problems: list[dict] = field(default_factory=list)  # {"path", "code", "message"}
+    datasets: list[dict] = field(default_factory=list)
+
+    def buckets(self) -> dict[str, int]:
+        hist = Counter("x".join(str(x) for x in e.bucket) for e in self.entries)
+        return dict(sorted(hist.items(), key=lambda kv: [int(x) for x in kv[0].split("x")]))
+
+
+def plan_data(cfg) -> DataPlan:
+    """Scan every dataset of a config and cut its items into entries (no model needed)."""
+    from lorakit.data.check import control_dirs_for
+    from lorakit.models.base import family_adapter
+    from lorakit.models.registry import family_info
+
+    facts = family_adapter(cfg.model.family)
+    layout = facts.layout
+    buckets = make_buckets(cfg.data.resolution, family_info(cfg.model.family).patch, cfg.data.bucket_min_side,
+                           cfg.data.bucket_max_side)
+    sampling = cfg.data.sampling()
+    out = DataPlan(layout)
+    for root in cfg.data.dirs:
+        root = Path(root)
+        controls = control_dirs_for(cfg, root) if root.is_dir() else cfg.data.control_dirs
+        s = scan(root, layout=layout, control_dirs=controls, caption_ext=cfg.data.caption_ext,
+                 min_side=cfg.data.bucket_min_side, trigger=cfg.data.trigger)
+        out.problems += [p.__dict__ for p in s.problems]
+        before, problems_before = len(out.entries), len(out.problems) - len(s.problems)
+        for it in s.items:
+            if it.size is None:
+                continue
+            bucket = nearest_bucket(it.size, buckets)
+            if layout == "video":
+                p = plan_windows(it.clip, sampling)
+                out.problems += [{"path": str(it.target), "code": c, "message": m} for c, m in p.problems]
+                out.entries += [Entry(it, (*bucket, w.frames), w) for w in p.windows]
+            elif layout == "edit":
+                sizes = [facts.control_size(w, h, cfg.data.control_resolution) for w, h in it.control_sizes]
+                out.entries.append(Entry(it, bucket, control_sizes=sizes))
+            else:
+                out.entries.append(Entry(it, bucket))
+        out.datasets.append({"dir": str(root), "layout": s.layout, "items": len(s.items),
+                             "entries": len(out.entries) - before, "problems": len(out.problems) - problems_before,
+                             "controls": controls if layout == "edit" else []})
+    return out
