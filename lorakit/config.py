@@ -548,6 +548,9 @@ def device_and_dtype(cfg: Config):
     import torch
 
     device = "cuda" if (cfg.profile != "cpu" and torch.cuda.is_available()) else "cpu"
+    from lorakit.train.memory import apply_cap
+
+    apply_cap(device)  # LORAKIT_MEMORY_CAP_GIB: a smaller card, emulated
     return device, torch_dtype(cfg.model.dtype)
 
 

@@ -168,6 +168,9 @@ def generate(model_dir: Path, req: Request, loras: list[tuple[Path, float]], out
     from lorakit.io import atomic_path
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    from lorakit.train.memory import apply_cap
+
+    apply_cap(device)  # LORAKIT_MEMORY_CAP_GIB: a smaller card, emulated
     dtype_name = dtype_name or ("bf16" if device.startswith("cuda") else "fp32")
     dtype = torch_dtype(dtype_name)
     if not req.prompts:
@@ -200,8 +203,12 @@ def generate(model_dir: Path, req: Request, loras: list[tuple[Path, float]], out
     if req.fps <= 0:
         raise InputError(f"--fps must be positive, got {req.fps:g}")
     read = read_loras(loras, facts.arch)
+    import time
+
+    t_load = time.perf_counter()
     pipe, adapter = assemble(model_dir, device, dtype)
     lora_facts = add_loras(pipe, read, adapter.arch)
+    t_gen = time.perf_counter()
     out_dir.mkdir(parents=True, exist_ok=True)
     model_hash = file_hash(Path(model_dir) / "model_index.json")
     files, images, gifs, k = [], [], [], 0
@@ -258,7 +265,11 @@ def generate(model_dir: Path, req: Request, loras: list[tuple[Path, float]], out
         sheet = out_dir / "contact_sheet.png"
         with atomic_path(sheet) as tmp:
             contact_sheet(images).save(tmp, format="PNG")
-    return {"files": files, **({"gifs": gifs} if gifs else {}),
+    timing = {"seconds_per_image": round((time.perf_counter() - t_gen) / max(k, 1), 3),
+              "load_s": round(t_gen - t_load, 2)}
+    if device.startswith("cuda"):
+        timing["peak_gpu_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+    return {"files": files, **({"gifs": gifs} if gifs else {}), **timing,
             "contact_sheet": str(sheet) if sheet else None, "model": str(model_dir),
             "family": family, "device": device, "dtype": dtype_name, "loras": lora_facts}
 

@@ -20,13 +20,19 @@ _MARK = {"ok": "[green]✓[/]", "warn": "[yellow]⚠[/]", "fail": "[red]✗[/]",
 def doctor(
     profile: str | None = ProfileOpt,
     quick: bool = typer.Option(False, "--quick", help="skip the attention self-test and the library trials"),
-    retest: bool = typer.Option(False, "--retest", help="re-run the attention self-test (ignore the cache)"),
+    retest: bool = typer.Option(False, "--retest", help="measure again: the attention self-test and the library "
+                                                       "trials (ignore their cached results)"),
     disk: Path = typer.Option(Path("."), "--disk", help="where outputs go (free space is checked there)"),
     from_file: Path | None = typer.Option(None, "--from", help="re-read a `doctor --json` report (e.g. "
                                              "from a bug report) instead of probing this machine"),
     as_json: bool = JsonOpt,
 ) -> None:
     use_json(as_json)
+    import time
+
+    t0 = time.perf_counter()
+    out = _Lines(not as_json)
+    out.first("lorakit doctor: probing this machine...")  # before torch is imported: the first line is instant
     from lorakit.hardware import doctor as doc
     from lorakit.hardware.attention import AttentionReport
     from lorakit.hardware.attention import choose as choose_attention
@@ -34,6 +40,7 @@ def doctor(
     from lorakit.hardware.profiles import choose
 
     attention = None
+    timings = {}
     if from_file is not None:
         saved = _read_report(from_file)
         facts = Facts.from_dict(saved["facts"])
@@ -43,29 +50,118 @@ def doctor(
         quick = True
     else:
         facts = probe(disk)
+    timings["probe_s"] = round(time.perf_counter() - t0, 2)
     choice = choose(profile or "auto", facts)
-    if not quick and facts.gpus:
-        from lorakit.hardware.attention import self_test
+    results: list = []
 
-        with console.status("attention self-test (forward + backward of each SDPA backend)...") \
-                if not as_json else _null():
-            attention = self_test("cuda", use_cache=not retest)
-    libs = None
-    if not quick:
-        from lorakit.hardware.libs import CHECKS, run_check
+    def add(c) -> None:
+        results.append(c)
+        out.check(c)
 
-        device = "cuda" if facts.gpus else "cpu"
-        with console.status("trying optimum-quanto and bitsandbytes on this device...") if not as_json else _null():
-            libs = {n: run_check(n, device) for n in CHECKS if facts.packages.get(n)}
-    results = doc.checks(facts, choice, attention, libs)
+    if doc.base_checks(facts, add):
+        libs, attention = _measure(facts, quick, retest, out, timings) if not quick else (None, attention)
+        doc.quant_checks(facts, add, libs or {})
+        doc.profile_check(choice, add)
+        if attention is not None:
+            doc.attention_checks(attention, add)
     counts = doc.summary(results)
+    timings["total_s"] = round(time.perf_counter() - t0, 2)
     data = {"summary": counts, "profile": {"name": choice.profile.name, "reason": choice.reason,
                                            "warnings": choice.warnings},
             "checks": doc.to_dicts(results), "facts": facts.to_dict(),
-            "attention": attention.to_dict() if attention else None}
-    emit(as_json, data, lambda: _render(results, choice, attention, facts, from_file))
+            "attention": attention.to_dict() if attention else None, "timings": timings}
+    emit(as_json, data, lambda: _render(counts, choice, attention, facts, from_file, timings))
     if counts["fail"]:
         raise typer.Exit(1)
+
+
+def _measure(facts, quick: bool, retest: bool, out, timings: dict):
+    """The library trials and the attention self-test, at the same time (each runs in its own children);
+    each result line is printed as it arrives. Both are cached per machine."""
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    from lorakit.hardware.libs import CHECKS, run_checks
+
+    device = "cuda" if facts.gpus else "cpu"
+    names = [n for n in CHECKS if facts.packages.get(n)]
+
+    def libs():
+        t = time.perf_counter()
+        r = run_checks(names, device, facts, use_cache=not retest,
+                       progress=lambda x: out.note(f"{x.name} trial: {'works' if x.ok else 'fails'}"))
+        timings["libs_s"] = round(time.perf_counter() - t, 2)
+        return r
+
+    def attention():
+        if not facts.gpus:
+            return None
+        from lorakit.hardware.attention import self_test
+
+        t = time.perf_counter()
+        r = self_test("cuda", use_cache=not retest, progress=_AttentionProgress(out))
+        timings["attention_s"] = round(time.perf_counter() - t, 2)
+        if r.cached:
+            out.note("attention: cached result for this machine (--retest measures again)")
+        return r
+
+    with ThreadPoolExecutor(max_workers=2) as ex:
+        fl, fa = ex.submit(libs), ex.submit(attention)
+        return fl.result(), fa.result()
+
+
+class _AttentionProgress:
+    """One line per SDPA backend once its bare shapes are done, and one per in-model case."""
+
+    def __init__(self, out):
+        self.out = out
+        self.seen: dict[str, list] = {}
+
+    def __call__(self, r) -> None:
+        from lorakit.hardware.attention import all_cases, all_model_cases
+
+        if r.case in all_model_cases():
+            state = f"ok ({r.ms:.1f} ms)" if r.ok else f"fails: {r.error}"
+            self.out.note(f"sdpa {r.backend} inside the {r.case} transformer: {state}")
+            return
+        rs = self.seen.setdefault(r.backend, [])
+        rs.append(r)
+        if len(rs) == len(all_cases()):
+            bad = [x.case for x in rs if not x.ok]
+            self.out.note(f"sdpa {r.backend}: {len(rs) - len(bad)}/{len(rs)} shapes pass forward+backward"
+                          + (f" (fails: {', '.join(bad)})" if bad else ""))
+
+
+class _Lines:
+    """doctor's output as it happens: one line per check (mark, name, result, what to do)."""
+
+    def __init__(self, enabled: bool):
+        self.enabled = enabled
+        import threading
+
+        self.lock = threading.Lock()
+
+    def first(self, text: str) -> None:
+        if self.enabled:
+            console.print(f"[bold]{text}[/]")
+
+    def check(self, c) -> None:
+        if not self.enabled:
+            return
+        from rich.markup import escape
+
+        hint = f"  [dim]→ {escape(c.hint)}[/]" if c.hint else ""
+        with self.lock:
+            console.print(f"{_MARK[c.status]} [bold]{escape(c.name):<22}[/] {escape(c.detail)}{hint}",
+                          soft_wrap=True, highlight=False)
+
+    def note(self, text: str) -> None:
+        if not self.enabled:
+            return
+        from rich.markup import escape
+
+        with self.lock:
+            console.print(f"  [dim]… {escape(text)}[/]", soft_wrap=True, highlight=False)
 
 
 def _read_report(path: Path) -> dict:
@@ -82,25 +178,8 @@ def _read_report(path: Path) -> dict:
                          "produce one with: lorakit doctor --json > report.json") from None
 
 
-class _null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *a):
-        return False
-
-
-def _render(results, choice, attention, facts, from_file=None) -> None:
-    from rich.table import Table
-
-    t = Table(title="lorakit doctor", show_lines=False, title_justify="left")
-    t.add_column("", width=1)
-    t.add_column("check", style="bold")
-    t.add_column("result")
-    t.add_column("what to do", style="dim")
-    for c in results:
-        t.add_row(_MARK[c.status], c.name, c.detail, c.hint)
-    console.print(t)
+def _render(counts, choice, attention, facts, from_file=None, timings=None) -> None:
+    """What follows the check lines: the profile, the attention choice, the verdict."""
     console.print(f"[bold]profile:[/] {choice.profile.name} — {choice.reason}")
     for w in choice.warnings:
         console.print(f"[yellow]warning:[/] {w}")
@@ -112,6 +191,6 @@ def _render(results, choice, attention, facts, from_file=None) -> None:
         console.print(f"[bold]attention:[/] {pretty}{cached}")
     elif not facts.gpus:
         console.print("[bold]attention:[/] CPU - PyTorch's SDPA (math / CPU flash); no GPU self-test needed")
-    fails = sum(c.status == "fail" for c in results)
-    warns = sum(c.status == "warn" for c in results)
-    console.print(f"{'[red]not ready[/]' if fails else '[green]ready[/]'}: {fails} failed, {warns} warnings")
+    took = f" ({timings['total_s']:.1f} s)" if timings and from_file is None else ""
+    console.print(f"{'[red]not ready[/]' if counts['fail'] else '[green]ready[/]'}: {counts['fail']} failed, "
+                  f"{counts['warn']} warnings{took}")

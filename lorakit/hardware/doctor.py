@@ -26,20 +26,34 @@ def _ver_tuple(v: str | None) -> tuple:
 
 
 def checks(facts: Facts, choice=None, attention=None, libs: dict | None = None) -> list[Check]:
-    """Turn probe facts (plus the profile choice, attention self-test and library checks) into checks.
+    """Turn probe facts (plus the profile choice, attention self-test and library checks) into checks, in the
+    order `lorakit doctor` prints them (it prints each section as soon as its inputs are known).
 
     Args:
         libs: name -> `libs.LibResult` from running each optional library for real (None: not run).
     """
     out: list[Check] = []
     add = out.append
+    if not base_checks(facts, add):
+        return out
+    quant_checks(facts, add, libs or {})
+    if choice is not None:
+        profile_check(choice, add)
+    if attention is not None:
+        attention_checks(attention, add)
+    return out
+
+
+def base_checks(facts: Facts, add) -> bool:
+    """Python, platform, torch, packages, GPUs, disk, loaders: what the probe alone says. False: no torch
+    (nothing further can be checked)."""
     py = _ver_tuple(facts.python)
     add(Check("python", OK if py >= (3, 10) else FAIL, facts.python,
               "" if py >= (3, 10) else "lorakit needs Python 3.10 or newer"))
     add(Check("platform", INFO, f"{facts.os} {facts.arch}, {facts.cpu_count} cores, {facts.ram_gib:.0f} GiB RAM"))
     if facts.torch is None:
         add(Check("torch", FAIL, "not installed", "pip install torch (see README: GPU install notes)"))
-        return out
+        return False
     add(Check("torch", OK, f"{facts.torch} (CUDA {facts.torch_cuda or 'none'}, cuDNN {facts.cudnn or 'none'})"))
     pk = facts.packages
     for name, minimum in (("diffusers", (0, 42)), ("transformers", (4, 51)), ("peft", (0, 15)),
@@ -56,13 +70,12 @@ def checks(facts: Facts, choice=None, attention=None, libs: dict | None = None) 
               f"{facts.disk_free_gib} GiB free at {facts.disk_path}",
               "" if (facts.disk_free_gib or 0) >= 50 else "a 20 B model plus caches and checkpoints wants 50+ GiB"))
     loader_checks(facts, add)
-    quant_checks(facts, add, libs or {})
-    if choice is not None:
-        add(Check("profile", WARN if choice.warnings else OK, f"{choice.profile.name}: {choice.reason}",
-                  "; ".join(choice.warnings)))
-    if attention is not None:
-        attention_checks(attention, add)
-    return out
+    return True
+
+
+def profile_check(choice, add) -> None:
+    add(Check("profile", WARN if choice.warnings else OK, f"{choice.profile.name}: {choice.reason}",
+              "; ".join(choice.warnings)))
 
 
 def gpu_checks(facts: Facts, add) -> None:

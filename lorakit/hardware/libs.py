@@ -50,6 +50,54 @@ def _bnb(device: str) -> str:
 CHECKS = {"optimum-quanto": _quanto, "bitsandbytes": _bnb}
 
 
+def run_checks(names, device: str, facts=None, use_cache: bool = True, progress=None) -> dict:
+    """Every named library's check, in parallel children; results are cached per machine and library versions
+    (`facts`: the probe's, for the fingerprint), so a second doctor answers at once."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    names = list(names)
+    path = _cache_file(device, facts, names) if facts is not None else None
+    if use_cache and path is not None and path.is_file():
+        try:
+            out = {n: LibResult(**d) for n, d in json.loads(path.read_text()).items()}
+            if set(out) == set(names):
+                for r in out.values():
+                    if progress:
+                        progress(r)
+                return out
+        except (ValueError, TypeError):
+            pass  # a damaged cache is simply re-run
+    out = {}
+    with ThreadPoolExecutor(max_workers=max(1, len(names))) as ex:
+        for r in ex.map(lambda n: run_check(n, device), names):
+            out[r.name] = r
+            if progress:
+                progress(r)
+    if path is not None:
+        import os
+
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps({n: asdict(r) for n, r in out.items()}))
+            os.replace(tmp, path)
+        except OSError:
+            pass  # an unwritable cache only costs a re-run
+    return out
+
+
+def _cache_file(device: str, facts, names):
+    import hashlib
+
+    from lorakit.hardware.attention import cache_root
+
+    key = {"device": device, "names": sorted(names), "python": facts.python, "torch": facts.torch,
+           "driver": facts.driver, "gpus": [g.name for g in facts.gpus], "arch": facts.arch,
+           "versions": {n: facts.packages.get(n) for n in names}}
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]
+    return cache_root() / "libs" / f"{digest}.json"
+
+
 def run_check(name: str, device: str, timeout: float = 120) -> LibResult:
     """One library's smallest real use, in a child process."""
     code = f"from lorakit.hardware.libs import _child; _child({name!r}, {device!r})"

@@ -151,15 +151,10 @@ def run(cfg, prov: dict, resume: str | None = None, progress=None, stop_at: int 
     from lorakit.train import memory, sampling
     from lorakit.train.data import CachedData
     from lorakit.train.prepare import load_base
-    from lorakit.train.report import MetricsLog, doctor_summary, loss_curve
+    from lorakit.train.report import MetricsLog, Notes, Timeline, doctor_summary, loss_curve, peak_rss_gib
 
-    warnings: list[str] = []
-
-    def note(msg: str) -> None:
-        warnings.append(msg)
-        if warn:
-            warn(msg)
-
+    note = Notes(warn)  # the run's warnings, each also passed on as it happens
+    mark = Timeline()  # seconds since run() began, by phase: how long a user waits, and on what
     check_paths(cfg, model=True, data=True)  # every path problem at once, before anything is loaded
     device, dtype = device_and_dtype(cfg)
     if device.startswith("cuda") and cfg.memory.expandable_segments:
@@ -177,6 +172,7 @@ def run(cfg, prov: dict, resume: str | None = None, progress=None, stop_at: int 
     torch.manual_seed(cfg.seed)
     adapter = load_adapter(cfg.model.family, cfg.model.path, device=device, dtype=dtype, backend=cfg.memory.loader)
     cache = build(cfg, adapter=adapter, dist=d)  # the ranks encode a share of the items each
+    mark("cached")
     store = Store(cache_dir_for(cfg))
     data = CachedData(store, store.read_manifest(), cfg.schedule.batch_size * d.world, cfg.seed, cfg.data.repeats,
                       hold_out=cfg.sampling.validation_items, in_memory=cfg.memory.cache_in_memory)
@@ -189,6 +185,7 @@ def run(cfg, prov: dict, resume: str | None = None, progress=None, stop_at: int 
     if d.main:
         doctor_summary(out, cfg.profile, choice)
     tr = Trainer(cfg, adapter, load_base(cfg, device, dtype), data, out, device, dtype, dist=d)
+    mark("model_ready")
     resumed = None
     if resume:
         ck, damaged = checkpoint.latest(out, tr.full) if resume == "latest" else (Path(resume), [])
@@ -205,6 +202,7 @@ def run(cfg, prov: dict, resume: str | None = None, progress=None, stop_at: int 
     sampler = sampling.Sampler(tr, conds, out / "samples") if conds and (d.main or tr.sharded) else None
     if sampler and tr.step == 0:  # FSDP: every rank takes part in the forward passes
         sampler(0, write=d.main)
+        mark("first_samples")
     t_start = time.perf_counter()
     end = cfg.schedule.steps if stop_at is None else min(stop_at, cfg.schedule.steps)
     with checkpoint.stop_on_signals(tr):
@@ -212,7 +210,9 @@ def run(cfg, prov: dict, resume: str | None = None, progress=None, stop_at: int 
             while tr.step < end and not tr.stop_requested:
                 t0 = time.perf_counter()
                 rec = {"step": None, "loss": tr.train_step()}
-                rec.update(step=tr.step, lr=tr.sched.get_last_lr()[0], s_per_step=round(time.perf_counter() - t0, 4))
+                rec.update(step=tr.step, lr=tr.sched.get_last_lr()[0], s_per_step=round(time.perf_counter() - t0, 4),
+                           time=round(time.time(), 3))
+                mark("first_step")
                 if device.startswith("cuda"):
                     rec["gpu_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
                 every = cfg.sampling.validation_every
@@ -235,7 +235,9 @@ def run(cfg, prov: dict, resume: str | None = None, progress=None, stop_at: int 
     result = {"steps": tr.step, "interrupted": interrupted, "checkpoint": str(ck), "metrics": str(log.path),
               "seconds": round(time.perf_counter() - t_start, 2), "cache": cache.to_dict(), "profile": prov,
               "memory_estimate": estimate, "memory_note": memory_note, "method": cfg.method,
-              "processes": d.world, "global_batch": tr.global_batch, "rank": d.rank, "warnings": warnings}
+              "processes": d.world, "global_batch": tr.global_batch, "rank": d.rank, "warnings": list(note),
+              "timeline": dict(mark), "peak_rss_gib": peak_rss_gib(),
+              "peak_gpu_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if device != "cpu" else None}
     if resumed:
         result["resumed"] = resumed
     if sampler and d.main and (out / "samples" / "progress.png").is_file():
@@ -245,4 +247,3 @@ def run(cfg, prov: dict, resume: str | None = None, progress=None, stop_at: int 
         result["loss_curve"] = str(loss_curve(log.path, out / "loss_curve.png"))
     d.barrier()
     return result
-

@@ -154,6 +154,7 @@ def fit_to_gpu(cfg, cap_gib: float | None = None, world: int = 1):
     hw = load_profile(cfg.profile).hardware
     if not hw.get("gpu"):
         return cfg, None, None
+    cap_gib = cap_gib or env_cap_gib()
     if cap_gib:
         budget = cap_gib
     elif torch.cuda.is_available():
@@ -178,3 +179,38 @@ def expandable_segments() -> None:
         torch.cuda.memory._set_allocator_settings("expandable_segments:True")
     except (AttributeError, RuntimeError):  # older torch: the environment variable (read at CUDA start) holds
         pass
+
+
+CAP_ENV = "LORAKIT_MEMORY_CAP_GIB"
+
+
+def env_cap_gib() -> float | None:
+    """LORAKIT_MEMORY_CAP_GIB: emulate a smaller card (e.g. 24 for an RTX 4090 on an H100) in every command."""
+    import os
+
+    raw = os.environ.get(CAP_ENV, "").strip()
+    if not raw:
+        return None
+    try:
+        v = float(raw)
+        assert v > 0
+    except (ValueError, AssertionError):
+        from lorakit.errors import InputError
+
+        raise InputError(f"{CAP_ENV}={raw!r}: give the GiB a process may use, e.g. 24") from None
+    return v
+
+
+def apply_cap(device: str) -> float | None:
+    """Hold this process to LORAKIT_MEMORY_CAP_GIB of the GPU (PyTorch's allocator refuses past it, as a card
+    that small would). Returns the cap, or None."""
+    cap = env_cap_gib()
+    if not cap or not str(device).startswith("cuda"):
+        return None
+    import torch
+
+    dev = torch.device(device)
+    index = dev.index if dev.index is not None else torch.cuda.current_device()
+    total = torch.cuda.get_device_properties(index).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(cap * 2**30 / total, 1.0), index)
+    return cap

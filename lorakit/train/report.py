@@ -144,3 +144,40 @@ class MetricsLog:
         if self._hook is not None:
             threading.excepthook = self._hook
             self._hook = None
+
+
+def peak_rss_gib() -> float:
+    """This process's peak resident memory in GiB (Linux reports KiB, macOS bytes)."""
+    import resource
+    import sys
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return round(peak / (2**30 if sys.platform == "darwin" else 2**20), 2)
+
+
+class Timeline(dict):
+    """phase -> seconds since it was made; `mark(phase)` records a phase's first time only."""
+
+    def __init__(self):
+        super().__init__()
+        import time
+
+        self._t0 = time.perf_counter()
+
+    def __call__(self, phase: str) -> None:
+        import time
+
+        self.setdefault(phase, round(time.perf_counter() - self._t0, 2))
+
+
+class Notes(list):
+    """Warnings collected in order; each is also handed to `warn` (if given) as it happens."""
+
+    def __init__(self, warn=None):
+        super().__init__()
+        self._warn = warn
+
+    def __call__(self, msg: str) -> None:
+        self.append(msg)
+        if self._warn:
+            self._warn(msg)

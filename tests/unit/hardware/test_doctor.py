@@ -60,3 +60,60 @@ def test_installed_but_broken_library_is_a_warning_with_a_hint():
     assert "lorakit[quant]" not in d["bitsandbytes"].hint and d["bitsandbytes"].hint
     assert d["optimum-quanto"].status == "ok" and "qfloat8" in d["optimum-quanto"].detail
     assert by_name(checks(DGX_SPARK))["bitsandbytes"].status == "info"  # not exercised with --quick
+
+
+def test_library_trials_are_cached_per_machine(monkeypatch):
+    from lorakit.hardware import libs
+
+    calls = []
+
+    def fake(name, device, timeout=120):
+        calls.append(name)
+        return libs.LibResult(name, True, f"{name} ran")
+
+    monkeypatch.setattr(libs, "run_check", fake)
+    first = libs.run_checks(["optimum-quanto", "bitsandbytes"], "cuda", H100)
+    assert sorted(calls) == ["bitsandbytes", "optimum-quanto"] and first["bitsandbytes"].ok
+    seen = []
+    again = libs.run_checks(["optimum-quanto", "bitsandbytes"], "cuda", H100, progress=seen.append)
+    assert len(calls) == 2 and again == first and len(seen) == 2  # answered from the cache, still reported
+    libs.run_checks(["optimum-quanto", "bitsandbytes"], "cuda", H100, use_cache=False)  # --retest
+    assert len(calls) == 4
+    other = machine(GpuFacts(0, "NVIDIA H200", (9, 0), 139.8))  # another machine: measured again
+    libs.run_checks(["bitsandbytes"], "cuda", other)
+    assert len(calls) == 5
+
+
+def test_doctor_prints_each_check_as_it_completes(monkeypatch):
+    """The first line comes before the probe; every check is a line of its own, in order, as it is known."""
+    from typer.testing import CliRunner
+
+    from lorakit.cli.app import app
+    from lorakit.hardware import libs, probe
+
+    order = []
+    real_probe = probe.probe
+
+    def slow_probe(disk):
+        order.append("probe")
+        return real_probe(disk)
+
+    def trial(name, device, timeout=120):
+        order.append(f"trial {name}")
+        return libs.LibResult(name, True, "fine")
+
+    monkeypatch.setattr(probe, "probe", slow_probe)
+    monkeypatch.setattr(libs, "run_check", trial)
+    r = CliRunner().invoke(app, ["doctor", "--disk", "/tmp"])
+    assert r.exit_code == 0, r.output
+    lines = r.output.splitlines()
+    assert lines[0] == "lorakit doctor: probing this machine..."
+    names = [ln.split()[1] for ln in lines if ln[:1] in "✓⚠✗·"]
+    assert names[:3] == ["python", "platform", "torch"] and "bitsandbytes" in names and names[-1] == "profile"
+    trial_line = next(i for i, ln in enumerate(lines) if "bitsandbytes trial: works" in ln)
+    assert trial_line < next(i for i, ln in enumerate(lines) if ln.startswith("✓ bitsandbytes"))
+    assert lines[-1].startswith("ready: 0 failed") and lines[-1].endswith(" s)")  # with the time it took
+    data = CliRunner().invoke(app, ["doctor", "--json", "--disk", "/tmp"]).output
+    import json
+
+    assert set(json.loads(data)["timings"]) >= {"probe_s", "libs_s", "total_s"}

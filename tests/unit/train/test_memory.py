@@ -82,3 +82,16 @@ def test_checkpointing_is_turned_on_only_when_needed(tmp_path):
     assert not out.memory.gradient_checkpointing and note is None
     out, est, note = fit_to_gpu(cfg, cap_gib=40.0)  # 1024² without checkpointing needs ~49 GiB
     assert out.memory.gradient_checkpointing and "gradient checkpointing on" in note and est["gib"] < 40
+
+
+def test_memory_cap_from_the_environment(monkeypatch):
+    from lorakit.errors import InputError
+    from lorakit.train.memory import apply_cap, env_cap_gib
+
+    monkeypatch.delenv("LORAKIT_MEMORY_CAP_GIB", raising=False)
+    assert env_cap_gib() is None and apply_cap("cuda") is None
+    monkeypatch.setenv("LORAKIT_MEMORY_CAP_GIB", "24")
+    assert env_cap_gib() == 24.0 and apply_cap("cpu") is None  # a CPU has no allocator to hold back
+    monkeypatch.setenv("LORAKIT_MEMORY_CAP_GIB", "lots")
+    with pytest.raises(InputError, match="give the GiB"):
+        env_cap_gib()

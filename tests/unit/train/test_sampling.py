@@ -74,6 +74,9 @@ def test_samples_can_be_turned_off(tmp_path, tiny):
     cfg = make_cfg(tmp_path, "flux", tiny("flux"), steps=2, sampling={"enabled": False})
     res = run(cfg, {})
     assert "samples" not in res and not (tmp_path / "out" / "samples").exists()
+    t = res["timeline"]  # how long a user waited, and on what
+    assert t["cached"] <= t["model_ready"] <= t["first_step"] and "first_samples" not in t
+    assert res["peak_rss_gib"] > 0.1 and res["peak_gpu_gib"] is None
     import json
 
     doctor = json.loads((tmp_path / "out" / "doctor.json").read_text())  # the doctor summary beside the LoRA
