@@ -33,6 +33,8 @@ class Summary:
     verified_bad: list = field(default_factory=list)
     cleaned: int = 0  # temporary files of an interrupted build, removed
     clips: int = 0  # video: the clips the items (windows) come from
+    items_per_s: float = 0.0  # encoded items per second of encoding (model loading excluded)
+    peak_gpu_gib: float | None = None
 
     def to_dict(self) -> dict:
         return dict(self.__dict__)
@@ -109,6 +111,9 @@ def build(cfg, force: bool = False, verify: bool = False, strict: bool = False, 
     for p in todo:
         by_group.setdefault(p[0].group, []).append(p)
     done = 0
+    if todo:  # the encoders load now, so that items/s times encoding only
+        adapter.load((*adapter.text_parts, adapter.vae_part))
+    t_enc = time.perf_counter()
     if progress:
         progress(0, len(todo), "encoding")
     for _, group in sorted(by_group.items()):
@@ -120,6 +125,8 @@ def build(cfg, force: bool = False, verify: bool = False, strict: bool = False, 
                 progress(done, len(todo), "x".join(str(x) for x in batch[0][1]))
             if delay:
                 time.sleep(delay)
+    if summary.encoded:
+        summary.items_per_s = round(summary.encoded / max(time.perf_counter() - t_enc, 1e-9), 3)
     dist.barrier()  # every rank's items are in the store
     if dist.main:  # entries that failed to encode (a clip damaged past its first frame): left out, by name
         failed = _collect_failures(store)
@@ -141,6 +148,10 @@ def build(cfg, force: bool = False, verify: bool = False, strict: bool = False, 
     dist.barrier()
     summary.bytes = sum(store.path(k).stat().st_size for k in set(keys) if store.path(k).is_file())
     summary.seconds = round(time.perf_counter() - t0, 2)
+    if str(adapter.device).startswith("cuda"):
+        import torch
+
+        summary.peak_gpu_gib = round(torch.cuda.max_memory_allocated() / 2**30, 2)
     if cfg.memory.free_encoders_after_cache:
         adapter.unload(list(adapter.parts))
     return summary

@@ -356,8 +356,8 @@ def self_test(device: str = "cuda", use_cache: bool = True, repeats: int = 5, ca
 
 def _model_case(report: AttentionReport, case: str, device: str, watchdog: float, progress) -> list[CaseResult]:
     """The in-model case of one architecture, with candidate backends fastest first, until every family of the
-    architecture has a backend that passed everything. Each candidate runs twice, each time in a fresh process
-    (a kernel that fails only now and then, as cuDNN inside FLUX did, gets two chances to show it)."""
+    architecture has a backend that passed everything. Each candidate runs twice, in two fresh processes at
+    once (a kernel that fails only now and then, as cuDNN inside FLUX did, gets two chances to show it)."""
     from lorakit.models.registry import family_names
 
     fams = [f for f in family_names() if model_case(f) == case]
@@ -377,7 +377,9 @@ def _model_case(report: AttentionReport, case: str, device: str, watchdog: float
                   and not known_bad(report.fingerprint, backend, f)]
         if not wanted:
             continue
-        tries = [run_jobs([(backend, case)], device, 5, watchdog=watchdog * 2)[0] for _ in range(2)]
+        with ThreadPoolExecutor(max_workers=2) as ex:  # two fresh processes at once
+            tries = list(ex.map(lambda job: run_jobs([job], device, 5, watchdog=watchdog * 2)[0],
+                                [(backend, case)] * 2))
         bad = [t for t in tries if not t.ok]
         row = bad[0] if bad else min(tries, key=lambda t: t.ms or 0.0)
         rows.append(row)
