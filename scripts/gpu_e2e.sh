@@ -12,7 +12,9 @@ df -h /tmp | tail -1 >> "$LOG"; free -g | head -2 >> "$LOG"
 e2e() { local t=$1; shift; timeout "$t" python3 scripts/e2e.py "$@" --models $M --work $W 2>&1 \
           | grep -v -e "Writing model shards" -e "it/s]" >> "$LOG"; echo "rc=${PIPESTATUS[0]} :: $*" >> "$LOG"; }
 case $1 in
-  flux-a) e2e 560 synth doctor data cache train --family flux --profile datacenter ;;
+  flux-a) e2e 540 synth doctor data cache train --family flux --profile datacenter
+          python3 -X importtime -m lorakit doctor --quick > /dev/null 2> "$OUT/importtime.txt"
+          python3 scripts/probe_times.py >> "$LOG" 2>&1 ;;
   flux-b) e2e 330 warm infer reproduce --family flux --profile datacenter
           e2e 250 cache train --family flux --profile rtx4090 --cap 24 ;;
   qwen-a) e2e 60 drop --family flux

@@ -117,7 +117,8 @@ def write_model(family: str, out, device: str = "cuda", seed: int = 0, scale: st
             old.unlink()
         if kind == "diffusers":
             module.save_config(folder)
-        else:
+        else:  # a model built from its config has no `architectures` yet; save_pretrained would set it
+            module.config.architectures = [type(module).__name__]
             module.config.save_pretrained(folder)
         tensors = _unique_tensors(module)
         save_sharded(tensors, folder, base="diffusion_pytorch_model" if kind == "diffusers" else "model",

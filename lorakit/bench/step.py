@@ -73,7 +73,9 @@ def build_random(family: str, size: str, device: str, dtype, seed: int = 0, keep
             t.normal_(0.0, 0.02, generator=g)
         sd[n] = t if keep_on is None else t.to(keep_on)
     model.load_state_dict(sd, strict=True, assign=True)
-    return model.to(keep_on or device).eval().requires_grad_(False)
+    from lorakit.io.modules import keep_fp32
+
+    return keep_fp32(model.to(keep_on or device)).eval().requires_grad_(False)
 
 
 def reference_targets(family: str) -> list[str]:

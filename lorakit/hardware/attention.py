@@ -220,15 +220,28 @@ def _context_lost(r: CaseResult) -> bool:
     return not r.ok and any(s in (r.error or "") for s in ("CUDA error", "AcceleratorError", "CUBLAS_STATUS"))
 
 
-def _child_main(spec: dict) -> None:
-    """The child process: run the jobs in order, one JSON line each as it finishes; stop after a job that lost
-    the CUDA context (the parent starts a fresh child for the rest)."""
+def _child_main(mode: str) -> None:
+    """The child process: import what the jobs need, say "ready", read the jobs (one JSON line on stdin), run
+    them in order, one JSON line each as it finishes; stop after a job that lost the CUDA context (the parent
+    starts a fresh child for the rest). A "models" child also imports diffusers and the families before it is
+    ready, so one started early (a spare) has its imports done when its model case comes."""
     import torch  # noqa: F401 - imported before "ready": the watchdog then times the cases only
 
+    if mode == "models":
+        import diffusers  # noqa: F401
+
+        from lorakit.hardware import attention_model  # noqa: F401
+        from lorakit.models.registry import family_names
+
+        family_names()
+    print(json.dumps({"ready": True}), flush=True)
+    line = sys.stdin.readline()
+    if not line:
+        return  # an unused spare
+    spec = json.loads(line)
     cases = {c["name"]: AttentionCase(**c) for c in spec["cases"]}
     # testing aid: LORAKIT_ATTENTION_TEST_SLEEP="case=seconds" makes that case hang like a stuck kernel
     hang = dict(x.split("=") for x in os.environ.get("LORAKIT_ATTENTION_TEST_SLEEP", "").split(",") if "=" in x)
-    print(json.dumps({"ready": True}), flush=True)
     for backend, name in spec["jobs"]:
         if name in hang:
             time.sleep(float(hang[name]))
@@ -243,6 +256,24 @@ def _child_main(spec: dict) -> None:
             return
         if spec["device"].startswith("cuda"):
             torch.cuda.empty_cache()
+
+
+def spawn(models: bool = False) -> subprocess.Popen:
+    """A child process for `run_jobs` (it starts importing at once and then waits for its jobs)."""
+    return subprocess.Popen([sys.executable, "-m", "lorakit.hardware.attention", "models" if models else "bare"],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _close(p: subprocess.Popen) -> None:
+    if p.poll() is None:
+        p.kill()
+    p.wait()
+    for f in (p.stdin, p.stdout, p.stderr):
+        if f is not None and not f.closed:
+            try:
+                f.close()
+            except OSError:
+                pass
 
 
 # --------------------------------------------------------------------------- children, watched
@@ -263,19 +294,26 @@ def _read_line(p: subprocess.Popen, timeout: float) -> str | None:
 
 
 def run_jobs(jobs: list[tuple[str, str]], device: str, repeats: int, cases=(), watchdog: float = WATCHDOG_S,
-             startup: float = STARTUP_S, progress=None) -> list[CaseResult]:
+             startup: float = STARTUP_S, progress=None, spare: subprocess.Popen | None = None) -> list[CaseResult]:
     """Run (backend, case) jobs in watched child processes: a job that fails with a lost CUDA context, kills
-    its process or gives no answer within `watchdog` seconds is recorded, and a fresh child takes the rest."""
+    its process or gives no answer within `watchdog` seconds is recorded, and a fresh child takes the rest.
+    `spare`: a child from `spawn` already started, used first."""
     todo = list(jobs)
     out: list[CaseResult] = []
+    models = any(name.startswith("model ") for _, name in jobs)
     while todo:
         spec = {"jobs": todo, "device": device, "repeats": repeats, "cases": [asdict(c) for c in cases]}
-        p = subprocess.Popen([sys.executable, "-m", "lorakit.hardware.attention", json.dumps(spec)],
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        p, spare = spare or spawn(models), None
         try:
             ready = _read_line(p, startup)
             if ready is None:
                 out.append(_dead(todo.pop(0), p, f"no answer in {startup:.0f} s while starting"))
+                continue
+            try:
+                p.stdin.write(json.dumps(spec) + "\n")
+                p.stdin.close()
+            except OSError:
+                out.append(_dead(todo.pop(0), p))
                 continue
             while todo:
                 line = _read_line(p, watchdog)
@@ -293,11 +331,7 @@ def run_jobs(jobs: list[tuple[str, str]], device: str, repeats: int, cases=(), w
                 if _context_lost(r):
                     break
         finally:
-            if p.poll() is None:
-                p.kill()
-            p.wait()
-            p.stdout.close()
-            p.stderr.close()
+            _close(p)
     return out
 
 
@@ -334,12 +368,19 @@ def self_test(device: str = "cuda", use_cache: bool = True, repeats: int = 5, ca
         except (ValueError, KeyError, TypeError):
             pass  # a damaged cache is simply re-measured
     report = AttentionReport(fingerprint=fp)
-    jobs = [(b, c.name) for b in BACKENDS for c in cases]
-    report.results += run_jobs(jobs, device, repeats, cases, watchdog, progress=progress)
-    if models:
-        with ThreadPoolExecutor(max_workers=len(models)) as ex:  # architectures in parallel children
-            for rows in ex.map(lambda m: _model_case(report, m, device, watchdog, progress), models):
-                report.results += rows
+    # two children per model case start now, so their imports (torch, diffusers) overlap the bare shapes
+    spares = {m: [spawn(models=True), spawn(models=True)] for m in models}
+    try:
+        jobs = [(b, c.name) for b in BACKENDS for c in cases]
+        report.results += run_jobs(jobs, device, repeats, cases, watchdog, progress=progress)
+        if models:
+            with ThreadPoolExecutor(max_workers=len(models)) as ex:  # architectures in parallel children
+                for rows in ex.map(lambda m: _model_case(report, m, device, watchdog, progress, spares[m]),
+                                   models):
+                    report.results += rows
+    finally:
+        for p in (p for ps in spares.values() for p in ps):
+            _close(p)
     from lorakit.models.registry import family_names
 
     report.choice = {fam: choose(report, fam) for fam in family_names()}
@@ -354,7 +395,8 @@ def self_test(device: str = "cuda", use_cache: bool = True, repeats: int = 5, ca
     return report
 
 
-def _model_case(report: AttentionReport, case: str, device: str, watchdog: float, progress) -> list[CaseResult]:
+def _model_case(report: AttentionReport, case: str, device: str, watchdog: float, progress,
+                spares: list | None = None) -> list[CaseResult]:
     """The in-model case of one architecture, with candidate backends fastest first, until every family of the
     architecture has a backend that passed everything. Each candidate runs twice, in two fresh processes at
     once (a kernel that fails only now and then, as cuDNN inside FLUX did, gets two chances to show it)."""
@@ -378,7 +420,8 @@ def _model_case(report: AttentionReport, case: str, device: str, watchdog: float
         if not wanted:
             continue
         with ThreadPoolExecutor(max_workers=2) as ex:  # two fresh processes at once
-            tries = list(ex.map(lambda job: run_jobs([job], device, 5, watchdog=watchdog * 2)[0],
+            tries = list(ex.map(lambda job: run_jobs([job], device, 5, watchdog=watchdog * 2,
+                                                     spare=spares.pop() if spares else None)[0],
                                 [(backend, case)] * 2))
         bad = [t for t in tries if not t.ok]
         row = bad[0] if bad else min(tries, key=lambda t: t.ms or 0.0)
@@ -476,4 +519,4 @@ def restore(prev: dict) -> None:
 
 
 if __name__ == "__main__":  # the child process of run_jobs
-    _child_main(json.loads(sys.argv[1]))
+    _child_main(sys.argv[1])

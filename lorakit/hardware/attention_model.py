@@ -19,12 +19,18 @@ def _build(case: str, device: str, dtype):
     import diffusers
     import torch
 
+    from lorakit.io.modules import keep_fp32
     from lorakit.models.base import arch_adapter
 
     adapter = arch_adapter(case.removeprefix("model "))
     config = adapter.attention_model_config()
-    with torch.device(device):
-        model = getattr(diffusers, adapter.info.transformer_class)(**config)
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # built in bf16 (a later whole-model .to(dtype) would warn)
+    try:
+        with torch.device(device):
+            model = getattr(diffusers, adapter.info.transformer_class)(**config)
+    finally:
+        torch.set_default_dtype(prev)
     g = torch.Generator().manual_seed(0)
     batch = adapter.example_inputs(config, 1024, 512, g)
     text = {k: v.to(device) for k, v in batch.text.items()}
@@ -33,7 +39,7 @@ def _build(case: str, device: str, dtype):
     text = {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in text.items()}
     x = batch.latents.to(device, dtype).requires_grad_(True)
     controls = [c.to(device, dtype) for c in batch.controls]
-    return adapter, model.to(dtype).eval().requires_grad_(False), (x, text, controls)
+    return adapter, keep_fp32(model).eval().requires_grad_(False), (x, text, controls)
 
 
 def run_model_case(case: str, backend: str | None, device: str = "cuda", repeats: int = 2):

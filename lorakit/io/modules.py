@@ -51,6 +51,19 @@ def _fp32_names(model) -> list[str]:
     return list(keep)
 
 
+def keep_fp32(model):
+    """Put back in float32 the modules the class keeps there (`_keep_in_fp32_modules`, e.g. Kandinsky 5's time
+    embeddings and modulations, which its forward feeds float32 inputs) after a whole-model `.to(bf16)`, as
+    loading does; returns the model."""
+    import torch
+
+    keep = _fp32_names(model)
+    for name, module in model.named_modules():
+        if keep and any(f in name.split(".") for f in keep):
+            module.to(torch.float32)
+    return model
+
+
 def load_component(folder, device: str = "cpu", dtype=None, backend: str = "auto", unified_memory: bool = False):
     """Build one pipeline component from its folder.
 
