@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # On a lent GPU machine: the user's whole path at real size (scripts/e2e.py), one plan per call; the stage
 # JSONs, metrics and sample grids come back in $OUT/e2e-PLAN.tgz, the log in $OUT/log-PLAN.txt.
-#   bash scripts/gpu_e2e.sh flux-a      (then flux-b on the same warm machine: the model folder stays in /tmp)
+#   bash scripts/gpu_e2e.sh flux|flux-4090|qwen-edit|qwen-4090   (each plan synthesizes its own model folder:
+#   a lent machine goes back 30 s after a call, so nothing carries over between calls)
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   && export PYTHONPATH=/tmp/site:$PWD || exit 1
@@ -12,15 +13,11 @@ df -h /tmp | tail -1 >> "$LOG"; free -g | head -2 >> "$LOG"
 e2e() { local t=$1; shift; timeout "$t" python3 scripts/e2e.py "$@" --models $M --work $W 2>&1 \
           | grep -v -e "Writing model shards" -e "it/s]" >> "$LOG"; echo "rc=${PIPESTATUS[0]} :: $*" >> "$LOG"; }
 case $1 in
-  flux-a) e2e 540 synth doctor data cache train --family flux --profile datacenter
-          python3 -X importtime -m lorakit doctor --quick > /dev/null 2> "$OUT/importtime.txt"
-          python3 scripts/probe_times.py >> "$LOG" 2>&1 ;;
-  flux-b) e2e 330 warm infer reproduce --family flux --profile datacenter
-          e2e 250 cache train --family flux --profile rtx4090 --cap 24 ;;
-  qwen-a) e2e 60 drop --family flux
-          e2e 520 synth data cache train --family qwen-image-edit-plus --profile datacenter --images 20 ;;
-  qwen-b) e2e 300 warm infer reproduce --family qwen-image-edit-plus --profile datacenter
-          e2e 280 synth data cache train --family qwen-image --profile rtx4090 --cap 24 --like qwen-image-edit-plus ;;
+  flux) e2e 530 synth doctor data cache train infer reproduce warm --family flux --profile datacenter
+        python3 scripts/probe_times.py >> "$LOG" 2>&1 ;;
+  flux-4090) e2e 560 synth data cache train infer --family flux --profile rtx4090 --cap 24 ;;
+  qwen-edit) e2e 560 synth data cache train infer reproduce --family qwen-image-edit-plus --profile datacenter ;;
+  qwen-4090) e2e 560 synth data cache train infer --family qwen-image --profile rtx4090 --cap 24 ;;
   tiny) e2e 500 synth doctor data cache train warm infer reproduce --family flux --profile datacenter --tiny \
           --images 4 --steps 12 ;;
   *) echo "unknown plan $1" >> "$LOG" ;;

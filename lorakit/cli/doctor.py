@@ -41,25 +41,36 @@ def doctor(
 
     attention = None
     timings = {}
-    if from_file is not None:
-        saved = _read_report(from_file)
-        facts = Facts.from_dict(saved["facts"])
-        if saved.get("attention"):
-            attention = AttentionReport.from_dict(saved["attention"])
-            attention.choice = {f: choose_attention(attention, f) for f in attention.choice}
-        quick = True
-    else:
-        facts = probe(disk)
-    timings["probe_s"] = round(time.perf_counter() - t0, 2)
-    choice = choose(profile or "auto", facts)
-    results: list = []
+    early = _prestart(quick or from_file is not None, retest)
+    try:
+        if from_file is not None:
+            saved = _read_report(from_file)
+            facts = Facts.from_dict(saved["facts"])
+            if saved.get("attention"):
+                attention = AttentionReport.from_dict(saved["attention"])
+                attention.choice = {f: choose_attention(attention, f) for f in attention.choice}
+            quick = True
+        else:
+            facts = probe(disk, use_cache=not retest)
+        timings["probe_s"] = round(time.perf_counter() - t0, 2)
+        if facts.cached and from_file is None:
+            out.note("machine facts: this machine's earlier probe (same driver, GPUs and packages; --retest probes "
+                     "again)")
+        choice = choose(profile or "auto", facts)
+        results: list = []
 
-    def add(c) -> None:
-        results.append(c)
-        out.check(c)
+        def add(c) -> None:
+            results.append(c)
+            out.check(c)
 
-    if doc.base_checks(facts, add):
-        libs, attention = _measure(facts, quick, retest, out, timings) if not quick else (None, attention)
+        ok = doc.base_checks(facts, add)
+        if ok and not quick:
+            libs, attention = _measure(facts, retest, out, timings, early)
+        else:
+            libs = None
+    finally:
+        _stop(early)
+    if ok:
         doc.quant_checks(facts, add, libs or {})
         doc.profile_check(choice, add)
         if attention is not None:
@@ -75,7 +86,30 @@ def doctor(
         raise typer.Exit(1)
 
 
-def _measure(facts, quick: bool, retest: bool, out, timings: dict):
+def _prestart(quick: bool, retest: bool) -> dict | None:
+    """On a GPU machine whose probe is not cached yet (a first doctor, or --retest), start the children of
+    the library trials and the attention self-test before the probe imports torch: their own imports (4 s
+    each on an H100 host) then overlap it. They wait for their jobs; unused ones are stopped."""
+    from lorakit.hardware.probe import facts_cached, machine_key
+
+    if quick or machine_key() is None or (facts_cached() and not retest):
+        return None
+    from lorakit.hardware import attention, libs
+    from lorakit.hardware.probe import _version
+
+    return {"libs": {n: libs.spawn(n) for n in libs.CHECKS if _version(n)}, "attention": attention.prestart()}
+
+
+def _stop(early: dict | None) -> None:
+    if not early:
+        return
+    from lorakit.hardware import attention, libs
+
+    libs._stop(early.get("libs", {}))
+    attention.close_children(early.get("attention"))
+
+
+def _measure(facts, retest: bool, out, timings: dict, early: dict | None):
     """The library trials and the attention self-test, at the same time (each runs in its own children);
     each result line is printed as it arrives. Both are cached per machine."""
     import time
@@ -89,7 +123,8 @@ def _measure(facts, quick: bool, retest: bool, out, timings: dict):
     def libs():
         t = time.perf_counter()
         r = run_checks(names, device, facts, use_cache=not retest,
-                       progress=lambda x: out.note(f"{x.name} trial: {'works' if x.ok else 'fails'}"))
+                       progress=lambda x: out.note(f"{x.name} trial: {'works' if x.ok else 'fails'}"),
+                       children=(early or {}).pop("libs", None))
         timings["libs_s"] = round(time.perf_counter() - t, 2)
         return r
 
@@ -99,7 +134,8 @@ def _measure(facts, quick: bool, retest: bool, out, timings: dict):
         from lorakit.hardware.attention import self_test
 
         t = time.perf_counter()
-        r = self_test("cuda", use_cache=not retest, progress=_AttentionProgress(out))
+        r = self_test("cuda", use_cache=not retest, progress=_AttentionProgress(out), facts=facts,
+                      children=(early or {}).pop("attention", None))
         timings["attention_s"] = round(time.perf_counter() - t, 2)
         if r.cached:
             out.note("attention: cached result for this machine (--retest measures again)")

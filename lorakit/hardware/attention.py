@@ -34,7 +34,7 @@ from lorakit.models.facts import AttentionCase
 BACKENDS = ("flash", "efficient", "cudnn", "math")
 WATCHDOG_S = 20.0  # one case (after the child's imports) may take this long before it counts as hung
 STARTUP_S = 180.0  # a child's imports (torch, diffusers) on a cold machine
-VERSION = 5  # bump when what a cached report means changes
+VERSION = 6  # bump when what a cached report means changes
 
 
 @dataclass
@@ -129,18 +129,24 @@ def _sdp_backend(name: str):
             "cudnn": SDPBackend.CUDNN_ATTENTION, "math": SDPBackend.MATH}[name]
 
 
-def fingerprint(device: str = "cuda") -> dict:
-    """What the self-test result depends on: GPU, driver, torch, CUDA, cuDNN."""
-    import torch
+def fingerprint(device: str = "cuda", facts=None) -> dict:
+    """What the self-test result depends on: GPU, driver, torch, CUDA, cuDNN (from the probe's `facts`, so a
+    cached doctor answers without importing torch; probed when None)."""
+    if facts is None:
+        from lorakit.hardware.probe import probe
 
-    from lorakit.hardware.probe import _driver_version
-
-    fp = {"torch": torch.__version__, "cuda": torch.version.cuda,
-          "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
-          "device": device}
-    if device.startswith("cuda") and torch.cuda.is_available():
-        p = torch.cuda.get_device_properties(torch.device(device))
-        fp.update(gpu=p.name, capability=f"{p.major}.{p.minor}", driver=_driver_version())
+        facts = probe()
+    cudnn = facts.cudnn
+    if cudnn and "." in cudnn:  # "9.19.0" -> 91900, as torch.backends.cudnn.version() says it
+        a, b, c = (int(x) for x in (cudnn.split(".") + ["0", "0"])[:3])
+        cudnn = a * 10000 + b * 100 + c
+    elif cudnn:
+        cudnn = int(cudnn)
+    fp = {"torch": facts.torch, "cuda": facts.torch_cuda, "cudnn": cudnn, "device": device}
+    index = int(device.split(":")[1]) if ":" in device else 0
+    if device.startswith("cuda") and len(facts.gpus) > index:
+        g = facts.gpus[index]
+        fp.update(gpu=g.name, capability=f"{g.capability[0]}.{g.capability[1]}", driver=facts.driver)
     else:
         import platform
 
@@ -346,8 +352,23 @@ def _dead(job: tuple[str, str], p: subprocess.Popen, why: str | None = None) -> 
 # --------------------------------------------------------------------------- the self-test
 
 
+def prestart(models=None) -> dict:
+    """Children for a coming `self_test`, started now so their imports overlap the parent's own (doctor
+    starts them before it probes): one for the bare shapes, two per model case."""
+    models = all_model_cases() if models is None else models
+    return {"bare": spawn(), "models": {m: [spawn(models=True), spawn(models=True)] for m in models}}
+
+
+def close_children(children: dict | None) -> None:
+    """Stop the children `prestart` made that were not used."""
+    for p in [(children or {}).get("bare")] + [p for ps in (children or {}).get("models", {}).values() for p in ps]:
+        if p is not None:
+            _close(p)
+
+
 def self_test(device: str = "cuda", use_cache: bool = True, repeats: int = 5, cases=None, models=None,
-              progress=None, watchdog: float = WATCHDOG_S) -> AttentionReport:
+              progress=None, watchdog: float = WATCHDOG_S, facts=None, children: dict | None = None
+              ) -> AttentionReport:
     """Forward+backward of every SDPA backend at the families' shapes, then the real transformers with the
     backends that could be chosen; cached per machine fingerprint.
 
@@ -355,24 +376,33 @@ def self_test(device: str = "cuda", use_cache: bool = True, repeats: int = 5, ca
         cases: bare cases (default: every family's `attention_cases`).
         models: in-model cases (default: every architecture's on CUDA, none on the CPU).
         progress: called with each `CaseResult` as it arrives.
+        facts: the probe's (for the fingerprint; probed when None).
+        children: from `prestart` (used where they fit, the rest stopped).
     """
     t0 = time.perf_counter()
     cases = tuple(cases) if cases is not None else all_cases()
     models = (all_model_cases() if device.startswith("cuda") else ()) if models is None else tuple(models)
-    fp = fingerprint(device)
+    fp = fingerprint(device, facts)
     fp.update(cases=[asdict(c) for c in cases], models=list(models), version=VERSION)
     path = _cache_file(fp)
     if use_cache and path.is_file():
         try:
-            return AttentionReport.from_dict(json.loads(path.read_text()))
+            report = AttentionReport.from_dict(json.loads(path.read_text()))
+            close_children(children)
+            return report
         except (ValueError, KeyError, TypeError):
             pass  # a damaged cache is simply re-measured
     report = AttentionReport(fingerprint=fp)
-    # two children per model case start now, so their imports (torch, diffusers) overlap the bare shapes
-    spares = {m: [spawn(models=True), spawn(models=True)] for m in models}
+    # two children per model case start now (or came started), so their imports (torch, diffusers) overlap
+    # the bare shapes
+    children = children or {}
+    spares = {m: children.get("models", {}).pop(m, None) or [spawn(models=True), spawn(models=True)]
+              for m in models}
+    bare = children.pop("bare", None)
+    close_children(children)
     try:
         jobs = [(b, c.name) for b in BACKENDS for c in cases]
-        report.results += run_jobs(jobs, device, repeats, cases, watchdog, progress=progress)
+        report.results += run_jobs(jobs, device, repeats, cases, watchdog, progress=progress, spare=bare)
         if models:
             with ThreadPoolExecutor(max_workers=len(models)) as ex:  # architectures in parallel children
                 for rows in ex.map(lambda m: _model_case(report, m, device, watchdog, progress, spares[m]),
@@ -470,8 +500,13 @@ def choose(report: AttentionReport, family: str) -> str | None:
     return best
 
 
-def apply(backend: str | None) -> dict:
+def apply(backend: str | None, fallback: bool = False) -> dict:
     """Put one SDPA backend in force globally (forward, backward and recompute alike).
+
+    `fallback`: keep the math backend on as the last resort for attention calls the chosen kernel cannot
+    take at all. The self-test showed the chosen kernel takes every call of the family's transformer, so
+    PyTorch never picks math there; the VAEs' single 512-wide head (FLUX) or 384-wide (Qwen-Image) in the
+    sample decode is such a call, and with every other backend off PyTorch fails it ("Invalid backend").
 
     Returns:
         the previous switch states, for `restore`.
@@ -492,7 +527,7 @@ def apply(backend: str | None) -> dict:
     b.enable_flash_sdp("flash" in names)
     b.enable_mem_efficient_sdp("efficient" in names)
     b.enable_cudnn_sdp("cudnn" in names)
-    b.enable_math_sdp("math" in names)
+    b.enable_math_sdp("math" in names or fallback)
     return prev
 
 
@@ -503,7 +538,7 @@ def for_run(cfg, device: str) -> str | None:
         return None
     choice = cfg.memory.attention if cfg.memory.attention != "auto" else self_test(device).choice.get(
         cfg.model.family)
-    apply(choice)
+    apply(choice, fallback=True)
     return choice
 
 

@@ -50,12 +50,37 @@ def _bnb(device: str) -> str:
 CHECKS = {"optimum-quanto": _quanto, "bitsandbytes": _bnb}
 
 
-def run_checks(names, device: str, facts=None, use_cache: bool = True, progress=None) -> dict:
+def spawn(name: str) -> subprocess.Popen:
+    """A child for one library's check, started early (it imports torch and the library, then waits for the
+    device on stdin)."""
+    return subprocess.Popen([sys.executable, "-c", f"from lorakit.hardware.libs import _child; _child({name!r})"],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _stop(children: dict) -> None:
+    for p in children.values():
+        if p.poll() is None:
+            p.kill()
+        p.communicate()
+
+
+def run_checks(names, device: str, facts=None, use_cache: bool = True, progress=None,
+               children: dict | None = None) -> dict:
     """Every named library's check, in parallel children; results are cached per machine and library versions
-    (`facts`: the probe's, for the fingerprint), so a second doctor answers at once."""
-    from concurrent.futures import ThreadPoolExecutor
+    (`facts`: the probe's, for the fingerprint), so a second doctor answers at once. `children`: from `spawn`,
+    by name (used where they fit, the rest stopped)."""
 
     names = list(names)
+    children = dict(children or {})
+    try:
+        return _run_checks(names, device, facts, use_cache, progress, children)
+    finally:
+        _stop(children)
+
+
+def _run_checks(names, device, facts, use_cache, progress, children) -> dict:
+    from concurrent.futures import ThreadPoolExecutor
+
     path = _cache_file(device, facts, names) if facts is not None else None
     if use_cache and path is not None and path.is_file():
         try:
@@ -69,7 +94,7 @@ def run_checks(names, device: str, facts=None, use_cache: bool = True, progress=
             pass  # a damaged cache is simply re-run
     out = {}
     with ThreadPoolExecutor(max_workers=max(1, len(names))) as ex:
-        for r in ex.map(lambda n: run_check(n, device), names):
+        for r in ex.map(lambda n: run_check(n, device, child=children.pop(n, None)), names):
             out[r.name] = r
             if progress:
                 progress(r)
@@ -98,26 +123,33 @@ def _cache_file(device: str, facts, names):
     return cache_root() / "libs" / f"{digest}.json"
 
 
-def run_check(name: str, device: str, timeout: float = 120) -> LibResult:
-    """One library's smallest real use, in a child process."""
-    code = f"from lorakit.hardware.libs import _child; _child({name!r}, {device!r})"
+def run_check(name: str, device: str, timeout: float = 120, child: subprocess.Popen | None = None) -> LibResult:
+    """One library's smallest real use, in a child process (`child`: one from `spawn`)."""
+    p = child or spawn(name)
     try:
-        p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout)
+        out, err = p.communicate(device + "\n", timeout=timeout)
     except subprocess.TimeoutExpired:
+        p.kill()
+        p.communicate()
         return LibResult(name, False, f"hung: no answer in {timeout:.0f} s")
     try:
-        return LibResult(**json.loads(p.stdout.strip().splitlines()[-1]))
+        return LibResult(**json.loads(out.strip().splitlines()[-1]))
     except (ValueError, IndexError, TypeError):
-        tail = (p.stderr.strip().splitlines() or ["no output"])[-1][:200]
+        tail = (err.strip().splitlines() or ["no output"])[-1][:200]
         return LibResult(name, False, f"crashed (exit {p.returncode}): {tail}")
 
 
-def _child(name: str, device: str) -> None:
+def _child(name: str) -> None:
     import logging
     import warnings
 
     logging.disable(logging.WARNING)
     warnings.filterwarnings("ignore")
+    import torch  # noqa: F401 - before the device comes: a child started early has it loaded
+
+    device = sys.stdin.readline().strip()
+    if not device:
+        return  # not needed after all
     try:
         res = LibResult(name, True, CHECKS[name](device))
     except Exception as e:  # noqa: BLE001 - the failure is the result

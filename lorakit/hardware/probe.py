@@ -69,6 +69,7 @@ class Facts:
     packages: dict[str, str | None] = field(default_factory=dict)  # name -> version or None
     fastsafetensors_gpu: bool | None = None  # can fastsafetensors reach the GPU runtime
     env: dict[str, str] = field(default_factory=dict)
+    cached: bool = False  # the torch-side facts came from this machine's earlier probe (`probe(use_cache=True)`)
 
     @property
     def gpu(self) -> GpuFacts | None:
@@ -181,8 +182,74 @@ PACKAGES = ("diffusers", "transformers", "peft", "accelerate", "safetensors", "f
             "prodigyopt", "tensorboard")
 
 
-def probe(disk_path: str | os.PathLike = ".") -> Facts:
-    """Read this machine's facts (imports torch)."""
+def machine_key() -> dict | None:
+    """What the probe's torch-side answer depends on, read without importing torch: package versions, the
+    NVIDIA driver and the GPUs it lists (/proc/driver/nvidia), the device-selection environment. None where
+    the GPUs cannot be listed that way (no NVIDIA Linux driver): there the probe is never cached."""
+    gpus = sorted(Path("/proc/driver/nvidia/gpus").glob("*/information"))
+    version = Path("/proc/driver/nvidia/version")
+    try:
+        if not gpus or not version.is_file():
+            return None
+        return {"key": 1, "python": platform.python_version(), "arch": platform.machine(),
+                "packages": {n: _version(n) for n in ("torch", *PACKAGES)}, "driver": version.read_text(),
+                "gpus": [g.read_text() for g in gpus],
+                "env": {k: v for k, v in os.environ.items() if k.endswith("VISIBLE_DEVICES")
+                        or k.startswith(("CUDA_", "PYTORCH_"))}}
+    except OSError:
+        return None
+
+
+def facts_cached() -> bool:
+    """Would `probe(use_cache=True)` answer without importing torch?"""
+    key = machine_key()
+    return key is not None and _facts_file(key).is_file()
+
+
+def _facts_file(key: dict) -> Path:
+    import hashlib
+    import json
+
+    from lorakit.hardware.attention import cache_root
+
+    return cache_root() / "machine" / (hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]
+                                       + ".json")
+
+
+def probe(disk_path: str | os.PathLike = ".", use_cache: bool = False) -> Facts:
+    """Read this machine's facts (imports torch).
+
+    `use_cache`: answer the torch-side facts (torch build, GPUs, code support) from this machine's last probe
+    when `machine_key` is unchanged, without importing torch (4 s on an H100 host); disk, RAM, packages and
+    environment are read fresh. GPU free memory is then the earlier reading.
+    """
+    import json
+
+    key = machine_key()
+    if use_cache and key is not None:
+        try:
+            f = Facts.from_dict(json.loads(_facts_file(key).read_text()))
+            fresh = _probe_host(disk_path)
+            for name in ("cpu_count", "ram_gib", "disk_free_gib", "disk_path", "packages", "env"):
+                setattr(f, name, getattr(fresh, name))
+            f.cached = True
+            return f
+        except (OSError, ValueError, TypeError, KeyError):
+            pass  # absent or damaged: probe
+    f = _probe(disk_path)
+    if key is not None:
+        try:
+            path = _facts_file(key)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(f.to_dict()))
+            os.replace(tmp, path)
+        except OSError:
+            pass  # an unwritable cache only costs a probe
+    return f
+
+
+def _probe_host(disk_path) -> Facts:
     f = Facts(os=platform.system(), arch=platform.machine(), cpu_count=os.cpu_count() or 0,
               ram_gib=round(_ram_gib(), 1), python=platform.python_version(), disk_path=str(disk_path))
     try:
@@ -192,6 +259,11 @@ def probe(disk_path: str | os.PathLike = ".") -> Facts:
     f.packages = {name: _version(name) for name in PACKAGES}
     f.env = {k: v for k, v in os.environ.items()
              if k.startswith(("CUDA_", "PYTORCH_", "NCCL_", "LORAKIT_")) or k in ("HF_HOME",)}
+    return f
+
+
+def _probe(disk_path) -> Facts:
+    f = _probe_host(disk_path)
     try:
         import torch
     except ImportError:

@@ -214,3 +214,27 @@ def test_gpu_choice_holds_in_forward_backward_and_recompute(family, gpu_report):
         assert _KERNEL_OP[backend] in bwd.ops  # the recompute ran the same kernel
     other = [op for b, op in _KERNEL_OP.items() if b != backend]
     assert not any(op in bwd.ops for op in other)
+
+
+def test_a_run_keeps_math_only_as_the_last_resort():
+    prev = att.apply("flash", fallback=True)
+    try:
+        b = torch.backends.cuda
+        assert (b.flash_sdp_enabled(), b.mem_efficient_sdp_enabled(), b.cudnn_sdp_enabled(),
+                b.math_sdp_enabled()) == (True, False, False, True)
+    finally:
+        att.restore(prev)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_vae_head_the_chosen_kernel_cannot_take_runs_under_a_runs_switches():
+    """FLUX's VAE attends with one 512-wide head; flash alone fails it with "Invalid backend" (seen at real
+    size on an H100: the end-of-training samples failed)."""
+    import torch.nn.functional as F
+
+    q = torch.randn(1, 1, 1024, 512, device="cuda", dtype=torch.bfloat16)
+    prev = att.apply("flash", fallback=True)
+    try:
+        assert F.scaled_dot_product_attention(q, q, q).isfinite().all()
+    finally:
+        att.restore(prev)

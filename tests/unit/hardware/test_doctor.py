@@ -67,7 +67,7 @@ def test_library_trials_are_cached_per_machine(monkeypatch):
 
     calls = []
 
-    def fake(name, device, timeout=120):
+    def fake(name, device, timeout=120, child=None):
         calls.append(name)
         return libs.LibResult(name, True, f"{name} ran")
 
@@ -94,11 +94,11 @@ def test_doctor_prints_each_check_as_it_completes(monkeypatch):
     order = []
     real_probe = probe.probe
 
-    def slow_probe(disk):
+    def slow_probe(disk, use_cache=False):
         order.append("probe")
         return real_probe(disk)
 
-    def trial(name, device, timeout=120):
+    def trial(name, device, timeout=120, child=None):
         order.append(f"trial {name}")
         return libs.LibResult(name, True, "fine")
 
