@@ -16,7 +16,10 @@ case $1 in
   flux) e2e 530 synth doctor data cache train infer reproduce warm --family flux --profile datacenter
         python3 scripts/probe_times.py >> "$LOG" 2>&1 ;;
   flux-4090) e2e 560 synth data cache train infer --family flux --profile rtx4090 --cap 24 ;;
+  flux-4090-short) e2e 280 synth data cache train --family flux --profile rtx4090 --cap 24 --steps 30 ;;
   qwen-edit) e2e 560 synth data cache train infer reproduce --family qwen-image-edit-plus --profile datacenter ;;
+  qwen-edit-short) e2e 420 synth data cache train reproduce --family qwen-image-edit-plus --profile datacenter \
+                   --steps 30 ;;
   qwen-4090) e2e 560 synth data cache train infer --family qwen-image --profile rtx4090 --cap 24 ;;
   tiny) e2e 500 synth doctor data cache train warm infer reproduce --family flux --profile datacenter --tiny \
           --images 4 --steps 12 ;;
