@@ -16,7 +16,7 @@ case $1 in
   flux) e2e 530 synth doctor data cache train infer reproduce warm --family flux --profile datacenter
         python3 scripts/probe_times.py >> "$LOG" 2>&1 ;;
   flux-4090) e2e 560 synth data cache train infer --family flux --profile rtx4090 --cap 24 ;;
-  flux-4090-short) e2e 280 synth data cache train --family flux --profile rtx4090 --cap 24 --steps 30 ;;
+  flux-4090-short) e2e 235 synth data cache train --family flux --profile rtx4090 --cap 24 --steps 20 ;;
   qwen-edit) e2e 560 synth data cache train infer reproduce --family qwen-image-edit-plus --profile datacenter ;;
   qwen-edit-short) e2e 420 synth data cache train reproduce --family qwen-image-edit-plus --profile datacenter \
                    --steps 30 ;;
