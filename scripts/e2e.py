@@ -156,11 +156,12 @@ class Run:
                 "--height", str(self.res), "-o", str(self.dir / "infer"), "--json", *ctrl]
         for p in PROMPTS:
             args += ["-p", p]
+        warmed = _read_all(self.model)  # both sides start from a warm page cache (neither pays the other's reads)
         ours = sh(lorakit(*args), env=self.env)
         stock = sh([sys.executable, __file__, "stock-infer", "--family", self.fam, "--models", self.a.models,
                     "--work", self.a.work, "--profile", self.profile, *(["--tiny"] if self.a.tiny else []),
                     "--lora", str(lora), *ctrl], env=self.env)
-        return {"lorakit": ours, "stock": stock}
+        return {"lorakit": ours, "stock": stock, "page_cache_warmed_gib": warmed}
 
     def reproduce(self) -> dict:
         return sh([sys.executable, __file__, "stock-reproduce", "--family", self.fam, "--models", self.a.models,
@@ -189,6 +190,16 @@ def _alias(family: str, out: Path, like: Path) -> dict:
     (out / "lorakit_synthetic.json").write_text(json.dumps({"family": family, "linked_from": str(like),
                                                             "components": linked}))
     return {"linked_from": str(like), "components": linked}
+
+
+def _read_all(folder: Path) -> float:
+    """Read every weight file of a model folder once (into the page cache); GiB read."""
+    n = 0
+    for f in sorted(folder.rglob("*.safetensors")):
+        with open(f, "rb") as fh:
+            while chunk := fh.read(64 << 20):
+                n += len(chunk)
+    return round(n / 2**30, 1)
 
 
 def _drop_page_cache() -> bool:

@@ -199,7 +199,7 @@ def run(cfg, prov: dict, resume: str | None = None, progress=None, stop_at: int 
         progress(tr.step, cfg.schedule.steps, {"start": True, "global_batch": tr.global_batch, "world": d.world,
                                                 "resumed": resumed})
     log = MetricsLog(out, tr.step if resume else None, main=d.main, warn=note)
-    sampler = sampling.Sampler(tr, conds, out / "samples") if conds and (d.main or tr.sharded) else None
+    sampler = sampling.Sampler(tr, conds, out / "samples", warn=note) if conds and (d.main or tr.sharded) else None
     if sampler and tr.step == 0:  # FSDP: every rank takes part in the forward passes
         sampler(0, write=d.main)
         mark("first_samples")

@@ -96,7 +96,8 @@ def _to_image(pix):
     import numpy as np
     from PIL import Image
 
-    arr = ((pix.float().clamp(-1, 1).permute(1, 2, 0).cpu().numpy() + 1) * 127.5).round().astype(np.uint8)
+    pix = pix.float().nan_to_num(0.0, 1.0, -1.0)  # non-finite pixels are reported by render, drawn mid-grey here
+    arr = ((pix.clamp(-1, 1).permute(1, 2, 0).cpu().numpy() + 1) * 127.5).round().astype(np.uint8)
     return Image.fromarray(arr)
 
 
@@ -116,8 +117,10 @@ def sigma_schedule(steps: int, image_seq_len: int, scheduler_config: dict):
     return torch.cat([s, torch.zeros(1, dtype=torch.float64)]).float()
 
 
-def render(trainer, conds: list[Condition]) -> list:
-    """One PIL image per condition from the model as it is now (eval mode, no gradients)."""
+def render(trainer, conds: list[Condition], problems: list | None = None) -> list:
+    """One PIL image per condition from the model as it is now (eval mode, no gradients). The transformer runs
+    under autocast as training does; the VAE decodes outside it, as the stock pipelines decode. `problems`
+    gets one line per sample that came out non-finite, naming where (a black square says nothing)."""
     import torch
 
     cfg, dev, dt = trainer.cfg, trainer.device, trainer.dtype
@@ -130,8 +133,9 @@ def render(trainer, conds: list[Condition]) -> list:
     if vae is not None:  # memory.cpu_offload: the VAE waits on the CPU between grids
         vae.to(dev)
     try:
-        with torch.no_grad(), torch.autocast(dev.split(":")[0], dtype=dt, enabled=dt != torch.float32):
-            for k, c in enumerate(conds):
+        for k, c in enumerate(conds):
+            bad = None
+            with torch.no_grad(), torch.autocast(dev.split(":")[0], dtype=dt, enabled=dt != torch.float32):
                 g = torch.Generator().manual_seed(cfg.sampling.seed + k)
                 x = torch.randn((1, *c.shape), generator=g).to(dev, torch.float32)
                 seq = (c.shape[-1] // 2) * (c.shape[-2] // 2)
@@ -142,7 +146,7 @@ def render(trainer, conds: list[Condition]) -> list:
                     else None
                 if un is not None and "pooled" in text and "pooled" not in un:
                     un["pooled"] = torch.zeros_like(text["pooled"])
-                for s, s_next in zip(sig[:-1], sig[1:], strict=True):
+                for i, (s, s_next) in enumerate(zip(sig[:-1], sig[1:], strict=True)):
                     st = s.view(1).to(dev)
                     v = trainer.adapter.predict(trainer.transformer, x.to(dt), st, text,
                                                 guidance=guidance if embedded else 1.0, controls=controls).float()
@@ -150,7 +154,15 @@ def render(trainer, conds: list[Condition]) -> list:
                         vu = trainer.adapter.predict(trainer.transformer, x.to(dt), st, un, controls=controls).float()
                         v = vu + guidance * (v - vu)
                     x = x + (float(s_next) - float(s)) * v
-                images.append(_to_image(trainer.adapter.decode_latents(x)[0]))
+                    if bad is None and not torch.isfinite(x).all():
+                        bad = f"the transformer's prediction at sampling step {i + 1} of {len(sig) - 1}"
+            with torch.no_grad():
+                pix = trainer.adapter.decode_latents(x)[0]
+            if bad is None and not torch.isfinite(pix).all():
+                bad = f"the VAE decode (latents finite, max |x| {x.abs().max().item():.3g})"
+            if bad and problems is not None:
+                problems.append(f"sample {k + 1} ({c.label[:40]!r}) is not finite: {bad} produced NaN/inf")
+            images.append(_to_image(pix))
     finally:
         trainer.transformer.train(was)
         vae = trainer.adapter.parts.get(trainer.adapter.vae_part) if cfg.memory.cpu_offload else None
@@ -198,10 +210,10 @@ class Sampler:
     """Renders the fixed conditions and keeps every grid: samples/step-NNNNNN.png, and samples/progress.png
     with one row per render (first row: before training)."""
 
-    def __init__(self, trainer, conds: list[Condition], folder: Path, cell: int = 256):
+    def __init__(self, trainer, conds: list[Condition], folder: Path, cell: int = 256, warn=None):
         from PIL import Image
 
-        self.trainer, self.conds, self.folder, self.cell = trainer, conds, folder, cell
+        self.trainer, self.conds, self.folder, self.cell, self.warn = trainer, conds, folder, cell, warn
         self.rows: list = []
         for p in sorted(folder.glob("step-*.png")):  # a resumed run keeps the rows rendered before
             step = int(p.stem.split("-")[1])
@@ -209,7 +221,11 @@ class Sampler:
                 self.rows.append((step, Image.open(p).convert("RGB")))
 
     def __call__(self, step: int, write: bool = True) -> Path | None:
-        images = render(self.trainer, self.conds)
+        problems: list[str] = []
+        images = render(self.trainer, self.conds, problems)
+        for p in problems:
+            if self.warn:
+                self.warn(f"samples at step {step}: {p}")
         if not write:
             return None
         from lorakit.io import atomic_path

@@ -132,3 +132,29 @@ def test_sampling_controls_are_checked_with_the_config(tmp_path):
                     "output": {"dir": str(tmp_path / "o")}})
     with pytest.raises(ConfigError, match="sampling.controls\\[0\\]: no such image file"):
         check_paths(cfg, model=False)
+
+
+def test_a_non_finite_sample_is_reported_with_where_it_broke(tmp_path, tiny):
+    """A black square says nothing: the sampler names the stage that produced NaN (at real size on an H100 the
+    FLUX grids came out black while the loss and `infer` were finite)."""
+    cfg = make_cfg(tmp_path, "flux", tiny("flux"), steps=2, sampling={"steps": 3, "seed": 5})
+    a = load_adapter("flux", tiny("flux"))
+    build(cfg, adapter=a)
+    st = Store(cache_dir_for(cfg))
+    data = CachedData(st, st.read_manifest(), 1, 0)
+    conds = conditions(cfg, a, data, limit=1)
+    tr = Trainer(cfg, a, load_component(tiny("flux") / "transformer"), data, tmp_path / "o", "cpu", torch.float32)
+    problems = []
+    render(tr, conds, problems)
+    assert problems == []
+    vae = a.parts[a.vae_part]
+    w = next(p for n, p in vae.named_parameters() if n.startswith("decoder") and p.dim() == 4)
+    with torch.no_grad():
+        w[0, 0, 0, 0] = float("nan")
+    render(tr, conds, problems)
+    assert len(problems) == 1 and "the VAE decode" in problems[0] and "sample 1" in problems[0]
+    problems.clear()
+    with torch.no_grad():
+        tr.transformer.proj_out.bias[0] = float("inf")
+    render(tr, conds, problems)
+    assert len(problems) == 1 and "prediction at sampling step 1 of 3" in problems[0], problems
