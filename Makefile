@@ -5,6 +5,7 @@
 #   make demo-edit  the same for an edit family (Qwen-Image-Edit-Plus, two controls per item)
 #   make test    the test suite (CPU; GPU tests run where a GPU is present)
 #   make lint    ruff
+#   make check-aarch64  the whole install resolves to binary wheels for a DGX Spark (aarch64, CPython 3.12)
 #
 # torch: the default pins are the pair tested on x86_64 (a CUDA 13.0 build that also runs on the CPU).
 # Another build: make setup TORCH_SPEC="torch torchvision" TORCH_INDEX=https://download.pytorch.org/whl/cu130
@@ -21,7 +22,7 @@ PYTEST_ARGS ?=
 TEST_WORKERS ?= auto
 XDIST       := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --maxprocesses=4 --dist worksteal)
 
-.PHONY: setup demo demo-edit test test-fast lint clean
+.PHONY: setup demo demo-edit test test-fast lint check-aarch64 clean
 
 setup: $(STAMP)
 
@@ -46,6 +47,9 @@ test-fast: setup
 
 lint: setup
 	$(BIN)/ruff check lorakit tests scripts
+
+check-aarch64: setup
+	PYTHON=$(BIN)/python TORCH_SPEC="$(TORCH_SPEC)" bash scripts/check_aarch64_wheels.sh
 
 clean:
 	rm -rf $(DEMO_OUT) .pytest_cache .ruff_cache build *.egg-info
