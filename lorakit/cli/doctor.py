@@ -20,8 +20,8 @@ _MARK = {"ok": "[green]✓[/]", "warn": "[yellow]⚠[/]", "fail": "[red]✗[/]",
 def doctor(
     profile: str | None = ProfileOpt,
     quick: bool = typer.Option(False, "--quick", help="skip the attention self-test and the library trials"),
-    retest: bool = typer.Option(False, "--retest", help="measure again: the attention self-test and the library "
-                                                       "trials (ignore their cached results)"),
+    retest: bool = typer.Option(False, "--retest", help="measure again: the machine probe, the attention self-test "
+                                                       "and the library trials (ignore their cached results)"),
     disk: Path = typer.Option(Path("."), "--disk", help="where outputs go (free space is checked there)"),
     from_file: Path | None = typer.Option(None, "--from", help="re-read a `doctor --json` report (e.g. "
                                              "from a bug report) instead of probing this machine"),
