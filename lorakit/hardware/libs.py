@@ -58,10 +58,10 @@ def spawn(name: str) -> subprocess.Popen:
 
 
 def _stop(children: dict) -> None:
+    from lorakit.hardware.attention import _close
+
     for p in children.values():
-        if p.poll() is None:
-            p.kill()
-        p.communicate()
+        _close(p)
 
 
 def run_checks(names, device: str, facts=None, use_cache: bool = True, progress=None,

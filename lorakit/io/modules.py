@@ -51,6 +51,11 @@ def _fp32_names(model) -> list[str]:
     return list(keep)
 
 
+def _kept_fp32(name: str, keep: list[str]) -> bool:
+    """Does this parameter or module name fall under the class's `_keep_in_fp32_modules`?"""
+    return any(f in name for f in keep)
+
+
 def keep_fp32(model):
     """Put back in float32 the modules the class keeps there (`_keep_in_fp32_modules`, e.g. Kandinsky 5's time
     embeddings and modulations, which its forward feeds float32 inputs) after a whole-model `.to(bf16)`, as
@@ -59,7 +64,7 @@ def keep_fp32(model):
 
     keep = _fp32_names(model)
     for name, module in model.named_modules():
-        if keep and any(f in name.split(".") for f in keep):
+        if keep and _kept_fp32(name, keep):
             module.to(torch.float32)
     return model
 
@@ -87,7 +92,7 @@ def load_component(folder, device: str = "cpu", dtype=None, backend: str = "auto
     sd = load(folder, device=device, backend=backend, unified_memory=unified_memory)
     if dtype is not None:
         keep = _fp32_names(model)
-        sd = {k: (v.to(dtype) if v.is_floating_point() and not any(f in k for f in keep) else v)
+        sd = {k: (v.to(dtype) if v.is_floating_point() and not _kept_fp32(k, keep) else v)
               for k, v in sd.items()}
     unexpected = [k for k in sd if k not in expected]
     if unexpected and kind == "transformers":

@@ -7,7 +7,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -20,6 +19,7 @@ from typer.testing import CliRunner
 from lorakit.cli.app import app
 from lorakit.data.demo import make_demo_dataset
 from tests.loras import trained_like
+from tests.runs import interrupt_train
 
 runner = CliRunner()
 
@@ -222,16 +222,8 @@ def test_resume_latest_skips_a_damaged_newest_checkpoint(tmp_path, tiny):
 @pytest.mark.slow
 def test_sigterm_saves_and_exits_75(tmp_path, tiny):
     path = run_cfg(tmp_path, tiny, steps=100000, output={"save_every": 0})
-    p = subprocess.Popen([sys.executable, "-m", "lorakit", "train", str(path), "--json"], stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True)
-    metrics = tmp_path / "out" / "metrics.jsonl"
-    deadline = time.time() + 120
-    while time.time() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 2):
-        time.sleep(0.05)
-    p.send_signal(signal.SIGTERM)
-    out, err = p.communicate(timeout=120)
-    assert p.returncode == 75, err
-    res = json.loads(out)
+    p, res = interrupt_train(path, tmp_path / "out", signal.SIGTERM, after_steps=2)
+    assert p.returncode == 75, p.stderr
     assert res["interrupted"] and (tmp_path / "out" / "checkpoints" / f"step-{res['steps']:06d}").is_dir()
 
 

@@ -122,25 +122,16 @@ def test_overfitting_four_items_lowers_the_fixed_sigma_loss_by_30_percent(tmp_pa
 @pytest.mark.slow
 def test_sigint_saves_a_checkpoint_and_exits_interrupted_resumable(tmp_path, tiny):
     import signal
-    import subprocess
-    import sys
-    import time
 
     import yaml
+
+    from tests.runs import interrupt_train
 
     cfg = make_cfg(tmp_path, "flux", tiny("flux"), steps=100000)
     path = tmp_path / "run.yaml"
     path.write_text(yaml.safe_dump(cfg.to_dict()))
-    p = subprocess.Popen([sys.executable, "-m", "lorakit", "train", str(path), "--json"], stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True)
-    metrics = tmp_path / "out" / "metrics.jsonl"
-    deadline = time.time() + 120
-    while time.time() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 3):
-        time.sleep(0.05)
-    p.send_signal(signal.SIGINT)
-    out, err = p.communicate(timeout=120)
-    assert p.returncode == 75, err  # interrupted, resumable: a scheduler must not see success
-    res = json.loads(out)
+    p, res = interrupt_train(path, tmp_path / "out", signal.SIGINT, after_steps=3)
+    assert p.returncode == 75, p.stderr  # interrupted, resumable: a scheduler must not see success
     assert res["interrupted"] and 3 <= res["steps"] < 100000
     assert (tmp_path / "out" / "checkpoints" / f"step-{res['steps']:06d}" / "state.pt").is_file()
 
