@@ -132,10 +132,10 @@ def _sdp_backend(name: str):
 def fingerprint(device: str = "cuda", facts=None) -> dict:
     """What the self-test result depends on: GPU, driver, torch, CUDA, cuDNN (from the probe's `facts`, so a
     cached doctor answers without importing torch; probed when None)."""
-    if facts is None:
+    if facts is None:  # a training run: the same answer doctor keyed its report by, probed once per machine
         from lorakit.hardware.probe import probe
 
-        facts = probe()
+        facts = probe(use_cache=True)
     cudnn = facts.cudnn
     if cudnn and "." in cudnn:  # "9.19.0" -> 91900, as torch.backends.cudnn.version() says it
         a, b, c = (int(x) for x in (cudnn.split(".") + ["0", "0"])[:3])
