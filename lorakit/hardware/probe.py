@@ -192,7 +192,7 @@ def machine_key() -> dict | None:
         if not gpus or not version.is_file():
             return None
         return {"key": 1, "python": platform.python_version(), "arch": platform.machine(),
-                "packages": {n: _version(n) for n in ("torch", *PACKAGES)}, "driver": version.read_text(),
+                "packages": {n: _version(n) for n in ("torch", "nvidia-cudnn-cu12", "nvidia-cudnn-cu13", *PACKAGES)}, "driver": version.read_text(),
                 "gpus": [g.read_text() for g in gpus],
                 "env": {k: v for k, v in os.environ.items() if k.endswith("VISIBLE_DEVICES")
                         or k.startswith(("CUDA_", "PYTORCH_"))}}
