@@ -28,6 +28,7 @@ class Request:
     images: list[Path] = field(default_factory=list)
     frames: int = 17
     fps: float = 24.0  # video: the rate written into the .mp4 / GIF
+    offload: str = "auto"  # lorakit.placement: none | model | group, auto by the weights and the card
 
 
 def parse_lora(spec: str) -> tuple[Path, float]:
@@ -206,8 +207,12 @@ def generate(model_dir: Path, req: Request, loras: list[tuple[Path, float]], out
     import time
 
     t_load = time.perf_counter()
-    pipe, adapter = assemble(model_dir, device, dtype)
+    plan = _placement(model_dir, device, dtype, req.offload)
+    pipe, adapter = assemble(model_dir, device if plan.mode == "none" else "cpu", dtype)
     lora_facts = add_loras(pipe, read, adapter.arch)
+    from lorakit.placement import apply
+
+    apply(pipe, plan, device)
     t_gen = time.perf_counter()
     out_dir.mkdir(parents=True, exist_ok=True)
     model_hash = file_hash(Path(model_dir) / "model_index.json")
@@ -275,12 +280,26 @@ def generate(model_dir: Path, req: Request, loras: list[tuple[Path, float]], out
     timing = {"seconds_per_image": round(sorted(gen_times)[len(gen_times) // 2], 3) if gen_times else None,
               "generation_s": [round(t, 3) for t in gen_times],
               "wall_per_image_s": round((time.perf_counter() - t_gen) / max(k, 1), 3),
-              "load_s": round(t_gen - t_load, 2)}
+              "load_s": round(t_gen - t_load, 2), "offload": plan.mode, "offload_why": plan.why}
     if device.startswith("cuda"):
         timing["peak_gpu_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
     return {"files": files, **({"gifs": gifs} if gifs else {}), **timing,
             "contact_sheet": str(sheet) if sheet else None, "model": str(model_dir),
             "family": family, "device": device, "dtype": dtype_name, "loras": lora_facts}
+
+
+def _placement(model_dir, device: str, dtype, mode: str):
+    """Where the weights wait while generating (lorakit.placement); everything on the CPU when device is."""
+    from lorakit import placement
+
+    if not device.startswith("cuda"):
+        return placement.Plan("none", "the CPU", {})
+    import torch
+
+    index = json.loads((Path(model_dir) / "model_index.json").read_text(encoding="utf-8"))
+    names = [k for k in index if not k.startswith("_")]  # those with weight files are counted
+    sizes = placement.component_gib(model_dir, names, torch.empty((), dtype=dtype).element_size())
+    return placement.choose(sizes, placement.budget_gib(device), mode)
 
 
 def contact_sheet(images, columns: int = 4):

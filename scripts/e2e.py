@@ -147,7 +147,7 @@ class Run:
         return _with_steps(sh(lorakit("train", str(cfg), "--json"), env=self.env), out / "metrics.jsonl")
 
     def infer(self) -> dict:
-        lora = self.dir / "run" / "lora.safetensors"
+        lora = Path(self.a.lora) if self.a.lora else self.dir / "run" / "lora.safetensors"
         ctrl = []
         for folder in sorted(p for p in self.data.iterdir() if p.is_dir() and p.name.startswith("control")):
             ctrl += ["--image", str(sorted(folder.glob("*.png"))[0])]
@@ -158,6 +158,8 @@ class Run:
             args += ["-p", p]
         warmed = _read_all(self.model)  # both sides start from a warm page cache (neither pays the other's reads)
         ours = sh(lorakit(*args), env=self.env)
+        if self.a.no_stock:
+            return {"lorakit": ours, "page_cache_warmed_gib": warmed}
         stock = sh([sys.executable, __file__, "stock-infer", "--family", self.fam, "--models", self.a.models,
                     "--work", self.a.work, "--profile", self.profile, *(["--tiny"] if self.a.tiny else []),
                     "--lora", str(lora), *ctrl], env=self.env)
@@ -237,9 +239,18 @@ def stock_infer(a) -> None:
 
     apply_cap(dev)
     t0 = time.perf_counter()
-    pipe = DiffusionPipeline.from_pretrained(run.model, torch_dtype=torch.float32 if a.tiny else torch.bfloat16)
-    pipe.to(dev)
+    dt = torch.float32 if a.tiny else torch.bfloat16
+    plan = None
+    pipe = DiffusionPipeline.from_pretrained(run.model, torch_dtype=dt)
     pipe.load_lora_weights(a.lora)
+    if dev == "cuda":  # the placement lorakit infer chose (on a small card: diffusers' own offloading)
+        from lorakit import placement
+
+        names = [k for k, v in pipe.components.items() if isinstance(v, torch.nn.Module)]
+        plan = placement.choose(placement.component_gib(run.model, names, 2), placement.budget_gib(dev))
+        if plan.mode == "none":
+            pipe.to(dev)
+        placement.apply(pipe, plan, dev)
     pipe.set_progress_bar_config(disable=True)
     load_s = time.perf_counter() - t0
     from lorakit.models.base import family_adapter
@@ -261,7 +272,8 @@ def stock_infer(a) -> None:
         times.append(time.perf_counter() - t)
     peak = round(torch.cuda.max_memory_allocated() / 2**30, 2) if dev == "cuda" else None
     print(json.dumps({"load_s": round(load_s, 2), "seconds_per_image": round(sorted(times)[len(times) // 2], 3),
-                      "times": [round(t, 3) for t in times], "peak_gpu_gib": peak}))
+                      "times": [round(t, 3) for t in times], "peak_gpu_gib": peak,
+                      "offload": plan.mode if plan else None}))
 
 
 def stock_reproduce(a) -> None:
@@ -329,7 +341,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=100)
     p.add_argument("--tiny", action="store_true", help="the tiny layout on a CPU (this script's test)")
     p.add_argument("--like", help="synth: link the weights of this already written family (same architecture)")
-    p.add_argument("--lora")
+    p.add_argument("--lora", help="infer: this LoRA instead of the run's")
+    p.add_argument("--no-stock", action="store_true", help="infer: lorakit only")
     p.add_argument("--image", action="append", default=[])
     a = p.parse_args()
     if a.stages[0] == "stock-infer":

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On a lent GPU machine: the user's whole path at real size (scripts/e2e.py), one plan per call; the stage
 # JSONs, metrics and sample grids come back in $OUT/e2e-PLAN.tgz, the log in $OUT/log-PLAN.txt.
-#   bash scripts/gpu_e2e.sh flux|flux-4090|qwen-edit|qwen-4090   (each plan synthesizes its own model folder:
+#   bash scripts/gpu_e2e.sh flux|flux-4090|qwen-edit|qwen-4090|flux-pair|qwen-pair   (each plan synthesizes its own model folder:
 #   a lent machine goes back 30 s after a call, so nothing carries over between calls)
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -21,6 +21,17 @@ case $1 in
   qwen-edit-short) e2e 420 synth data cache train reproduce --family qwen-image-edit-plus --profile datacenter \
                    --steps 30 ;;
   qwen-4090) e2e 560 synth data cache train infer --family qwen-image --profile rtx4090 --cap 24 ;;
+  flux-pair) rm -rf $M/qwen*  # a warm machine keeps /tmp: the disk is for this plan's folder
+        e2e 290 synth data cache train --family flux --profile rtx4090 --cap 24 --steps 30
+        e2e 150 infer --family flux --profile rtx4090 --cap 24 --no-stock
+        e2e 125 infer --family flux --profile datacenter --lora $W/flux-rtx4090-cap24/run/lora.safetensors ;;
+  qwen-pair) rm -rf $M/flux*
+        e2e 420 synth data cache train reproduce --family qwen-image-edit-plus --profile datacenter --steps 20
+        e2e 140 infer --family qwen-image-edit-plus --profile datacenter --no-stock ;;
+  qwen-4090-after) rm -rf $M/flux*  # right after qwen-pair on a warm machine: its weights linked, not rewritten
+        like=(); [ -f $M/qwen-image-edit-plus/lorakit_synthetic.json ] && like=(--like qwen-image-edit-plus)
+        e2e 400 synth data cache train --family qwen-image "${like[@]}" --profile rtx4090 --cap 24 --steps 20
+        e2e 150 infer --family qwen-image --profile rtx4090 --cap 24 --no-stock ;;
   tiny) e2e 500 synth doctor data cache train warm infer reproduce --family flux --profile datacenter --tiny \
           --images 4 --steps 12 ;;
   *) echo "unknown plan $1" >> "$LOG" ;;

@@ -32,6 +32,10 @@ def infer(
     fps: float = typer.Option(24.0, "--fps", help="frame rate of the .mp4 and GIF written (video families)"),
     dtype: str | None = typer.Option(None, "--dtype", help="bf16 | fp16 | fp32 (default: bf16 on GPU)"),
     device: str | None = typer.Option(None, "--device", help="cuda[:N] or cpu"),
+    offload: str = typer.Option("auto", "--offload", help="auto | none | model | group: where the weights wait "
+                                "while the GPU works (auto: all on the GPU when they fit the card or "
+                                "LORAKIT_MEMORY_CAP_GIB, else each component while it runs, else the "
+                                "transformer's blocks streamed from CPU memory)"),
     out: Path = typer.Option(Path("out"), "--out", "-o", help="folder for the images"),
     as_json: bool = JsonOpt,
 ) -> None:
@@ -50,7 +54,11 @@ def infer(
         if side is not None and side % 16:
             raise InputError(f"--width/--height must be multiples of 16, got {side}")
     loras = [parse_lora(s) for s in (lora or [])]
-    req = Request(prompts=texts, seed=seed, steps=steps, guidance=guidance, negative=negative, width=width,
+    from lorakit.placement import MODES
+
+    if offload not in MODES:
+        raise InputError(f"--offload {offload!r}: not one of {', '.join(MODES)}")
+    req = Request(prompts=texts, offload=offload, seed=seed, steps=steps, guidance=guidance, negative=negative, width=width,
                   height=height, batch=batch, images=list(image or []), frames=frames, fps=fps)
     from lorakit.quiet import quiet_libraries
 

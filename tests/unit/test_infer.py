@@ -71,6 +71,7 @@ def test_infer_bad_inputs(tiny, tmp_path):
         ([str(folder), "-p", "x", "--lora", str(other)], "is a qwen-image LoRA"),
         ([str(folder), "-p", "x", "--image", str(other)], "not a readable image"),
         ([str(folder), "-p", "x", "--width", "100"], "multiples of 16"),
+        ([str(folder), "-p", "x", "--offload", "fast"], "--offload 'fast'"),
     ]
     for args, words in cases:
         r = CliRunner().invoke(app, ["infer", *args, "-o", str(tmp_path / "bad"), "--steps", "1"])
