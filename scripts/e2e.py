@@ -154,7 +154,7 @@ class Run:
         steps = "2" if self.a.tiny else "28"
         args = ["infer", str(self.model), "--lora", str(lora), "--steps", steps, "--width", str(self.res),
                 "--height", str(self.res), "-o", str(self.dir / "infer"), "--json", *ctrl]
-        for p in PROMPTS:
+        for p in PROMPTS[:self.a.prompts]:
             args += ["-p", p]
         warmed = _read_all(self.model)  # both sides start from a warm page cache (neither pays the other's reads)
         ours = sh(lorakit(*args), env=self.env)
@@ -342,6 +342,7 @@ def main() -> None:
     p.add_argument("--tiny", action="store_true", help="the tiny layout on a CPU (this script's test)")
     p.add_argument("--like", help="synth: link the weights of this already written family (same architecture)")
     p.add_argument("--lora", help="infer: this LoRA instead of the run's")
+    p.add_argument("--prompts", type=int, default=len(PROMPTS), help="infer: images made (one per prompt)")
     p.add_argument("--no-stock", action="store_true", help="infer: lorakit only")
     p.add_argument("--image", action="append", default=[])
     a = p.parse_args()

@@ -25,6 +25,15 @@ case $1 in
         e2e 290 synth data cache train --family flux --profile rtx4090 --cap 24 --steps 30
         e2e 150 infer --family flux --profile rtx4090 --cap 24 --no-stock
         e2e 125 infer --family flux --profile datacenter --lora $W/flux-rtx4090-cap24/run/lora.safetensors ;;
+  flux-small) rm -rf $M/qwen*  # FLUX under the rtx4090 profile and a 24 GiB cap, then the fair infer row
+        e2e 345 synth data cache train --family flux --profile rtx4090 --cap 24 --steps 10
+        e2e 160 infer --family flux --profile rtx4090 --cap 24 --no-stock
+        left=$((575 - SECONDS)); [ $left -gt 90 ] && e2e $left infer --family flux --profile datacenter \
+          --lora $W/flux-rtx4090-cap24/run/lora.safetensors ;;
+  qwen-small) rm -rf $M/flux*  # Qwen-Image under the rtx4090 profile and a 24 GiB cap
+        e2e 420 synth data cache train --family qwen-image --profile rtx4090 --cap 24 --steps 10
+        left=$((575 - SECONDS)); [ $left -gt 60 ] && e2e $left infer --family qwen-image --profile rtx4090 --cap 24 \
+          --no-stock --prompts 2 ;;
   qwen-pair) rm -rf $M/flux*
         e2e 420 synth data cache train reproduce --family qwen-image-edit-plus --profile datacenter --steps 20
         e2e 140 infer --family qwen-image-edit-plus --profile datacenter --no-stock ;;
