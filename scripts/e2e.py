@@ -152,7 +152,7 @@ class Run:
         for folder in sorted(p for p in self.data.iterdir() if p.is_dir() and p.name.startswith("control")):
             ctrl += ["--image", str(sorted(folder.glob("*.png"))[0])]
         steps = "2" if self.a.tiny else "28"
-        args = ["infer", str(self.model), "--lora", str(lora), "--steps", steps, "--width", str(self.res),
+        args = ["infer", str(self.model), "--lora", str(lora), "--steps", steps, "--offload", self.a.offload, "--width", str(self.res),
                 "--height", str(self.res), "-o", str(self.dir / "infer"), "--json", *ctrl]
         for p in PROMPTS[:self.a.prompts]:
             args += ["-p", p]
@@ -164,6 +164,38 @@ class Run:
                     "--work", self.a.work, "--profile", self.profile, *(["--tiny"] if self.a.tiny else []),
                     "--lora", str(lora), *ctrl], env=self.env)
         return {"lorakit": ours, "stock": stock, "page_cache_warmed_gib": warmed}
+
+    def stage_name(self, stage: str) -> str:
+        return f"{stage}-{self.a.offload}" if stage == "infer" and self.a.offload != "auto" else stage
+
+    def lora(self) -> dict:
+        """A random rank-16 LoRA on the default targets, in the file layout `lorakit train` writes (for an
+        infer measurement without training first)."""
+        import torch
+        from accelerate import init_empty_weights
+
+        from lorakit.config import LoraConfig
+        from lorakit.io import save
+        from lorakit.io.modules import _class_of
+        from lorakit.models.base import family_adapter
+        from lorakit.train.lora import target_modules
+
+        folder = self.model / "transformer"
+        cls = _class_of(folder)[1]
+        with init_empty_weights():
+            tr = cls.from_config(cls.load_config(folder))
+        fa = family_adapter(self.fam)
+        g = torch.Generator().manual_seed(0)
+        mods = dict(tr.named_modules())
+        out = {}
+        for m in target_modules(tr, fa, LoraConfig().targets):
+            o, i = mods[m].weight.shape
+            out[f"transformer.{m}.lora_A.weight"] = torch.randn(16, i, generator=g) / i ** 0.5
+            out[f"transformer.{m}.lora_B.weight"] = torch.randn(o, 16, generator=g) * 1e-3
+        path = self.dir / "run" / "lora.safetensors"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        save(out, path)
+        return {"path": str(path), "modules": len(out) // 2}
 
     def reproduce(self) -> dict:
         return sh([sys.executable, __file__, "stock-reproduce", "--family", self.fam, "--models", self.a.models,
@@ -326,7 +358,7 @@ def stock_reproduce(a) -> None:
                       "shape": list(ours.shape)}))
 
 
-STAGES = ("synth", "doctor", "data", "cache", "train", "warm", "infer", "reproduce", "drop")
+STAGES = ("synth", "doctor", "data", "cache", "train", "lora", "warm", "infer", "reproduce", "drop")
 
 
 def main() -> None:
@@ -343,6 +375,7 @@ def main() -> None:
     p.add_argument("--like", help="synth: link the weights of this already written family (same architecture)")
     p.add_argument("--lora", help="infer: this LoRA instead of the run's")
     p.add_argument("--prompts", type=int, default=len(PROMPTS), help="infer: images made (one per prompt)")
+    p.add_argument("--offload", default="auto", help="infer: lorakit infer --offload")
     p.add_argument("--no-stock", action="store_true", help="infer: lorakit only")
     p.add_argument("--image", action="append", default=[])
     a = p.parse_args()
@@ -358,7 +391,7 @@ def main() -> None:
         except Exception as e:  # noqa: BLE001 - recorded; the next stages still run
             rec = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-4000:]}
         rec["stage_s"] = round(time.time() - t0, 2)
-        run.save(stage, rec)
+        run.save(run.stage_name(stage), rec)
 
 
 if __name__ == "__main__":
