@@ -149,7 +149,8 @@ class Run:
     def infer(self) -> dict:
         lora = Path(self.a.lora) if self.a.lora else self.dir / "run" / "lora.safetensors"
         ctrl = []
-        for folder in sorted(p for p in self.data.iterdir() if p.is_dir() and p.name.startswith("control")):
+        folders = sorted(self.data.iterdir()) if self.data.is_dir() else []  # none when the LoRA is made, not trained
+        for folder in [p for p in folders if p.is_dir() and p.name.startswith("control")]:
             ctrl += ["--image", str(sorted(folder.glob("*.png"))[0])]
         steps = "2" if self.a.tiny else "28"
         args = ["infer", str(self.model), "--lora", str(lora), "--steps", steps, "--offload", self.a.offload, "--width", str(self.res),
