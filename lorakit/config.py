@@ -163,12 +163,37 @@ class ScheduleConfig(_Section):
     grad_accum: int = Field(1, ge=1, description="micro-batches per optimizer step")
     lr_schedule: Literal["constant", "linear", "cosine"] = Field("constant", description="LR schedule after warmup")
     warmup_steps: int = Field(0, ge=0, description="linear warmup steps")
-    timesteps: Literal["uniform", "logit_normal", "shift", "resolution_shift"] = Field(
-        "resolution_shift", description="how training sigmas are drawn")
+    timesteps: Literal["uniform", "logit_normal", "shift", "resolution_shift", "sigmoid", "mode"] = Field(
+        "resolution_shift", description="how training sigmas are drawn: uniform; logit_normal (logit_mean, "
+                                        "logit_std); shift (shift); resolution_shift (the family scheduler's own "
+                                        "shift for the image's token count); sigmoid (sigmoid(timestep_scale * "
+                                        "N(0,1))); mode (SD3's mode sampling, timestep_scale in [-1, 1.75])")
     shift: float = Field(3.0, gt=0, description="sigma shift for timesteps=shift")
     logit_mean: float = Field(0.0, description="logit-normal mean")
     logit_std: float = Field(1.0, gt=0, description="logit-normal std")
+    timestep_scale: float | None = Field(None, description="scale of timesteps=sigmoid (default 1.0) or "
+                                                           "timesteps=mode (default 1.29)")
     loss_weighting: Literal["none", "sigma_sqrt", "cosmap"] = Field("none", description="per-sigma loss weight")
+
+    @model_validator(mode="after")
+    def _scale(self) -> ScheduleConfig:
+        import math
+
+        if self.timestep_scale is not None and self.timesteps not in ("sigmoid", "mode"):
+            raise ValueError(f"timestep_scale is used by timesteps=sigmoid or mode, not {self.timesteps}")
+        if self.timesteps == "mode" and not -1 <= self.scale <= 2 / (math.pi - 2):
+            raise ValueError(f"timestep_scale {self.scale:g}: mode sampling needs -1 <= scale <= "
+                             f"{2 / (math.pi - 2):.3f} (outside, sigmas leave (0, 1))")
+        if self.timesteps == "sigmoid" and self.scale <= 0:
+            raise ValueError(f"timestep_scale {self.scale:g}: sigmoid sampling needs a positive scale")
+        return self
+
+    @property
+    def scale(self) -> float:
+        """timestep_scale, or the sampler's usual default (sigmoid 1.0; mode 1.29, diffusers' SD3 choice)."""
+        if self.timestep_scale is not None:
+            return self.timestep_scale
+        return 1.29 if self.timesteps == "mode" else 1.0
 
     @model_validator(mode="after")
     def _warmup(self) -> ScheduleConfig:
@@ -216,9 +241,26 @@ class SamplingConfig(_Section):
     guidance: float = Field(3.5, ge=0, description="FLUX guidance / Qwen true-CFG scale")
     seed: int = Field(42, description="sampling seed")
     size: int | None = Field(None, description="sample side in pixels (default: data.resolution)")
-    validation_items: int = Field(0, ge=0, description="items held out of training; their loss at fixed sigmas "
-                                                        "and noise is logged as val_loss")
-    validation_every: int = Field(0, ge=0, description="log val_loss every N steps (0: at the end only)")
+
+
+class EmaConfig(_Section):
+    enabled: bool = Field(False, description="keep an exponential moving average of the trained LoRA weights; "
+                                             "samples, checkpoints' LoRA files and the final LoRA use it")
+    decay: float = Field(0.999, gt=0, lt=1, description="ema = decay * ema + (1 - decay) * weights, each step")
+    start_step: int = Field(0, ge=0, description="the average follows the weights exactly up to this step")
+    device: Literal["auto", "gpu", "cpu"] = Field("auto", description="where the average lives (auto: the "
+                                                                     "profile's choice, else the training device)")
+
+
+class ValidationConfig(_Section):
+    items: int = Field(0, ge=0, description="items held out of training; their loss at fixed sigmas and noise "
+                                            "is logged as val_loss")
+    every: int = Field(0, ge=0, description="val_loss every N steps (0: at the end only)")
+    best: bool = Field(True, description="keep checkpoints/best: the step with the lowest val_loss, with its "
+                                         "samples (needs items > 0)")
+    patience: int = Field(0, ge=0, description="stop early after this many val_loss checks without a new best "
+                                               "(0: never); the final LoRA is then the best step's")
+    min_delta: float = Field(0.0, ge=0, description="an improvement smaller than this does not count as a new best")
 
 
 class OutputConfig(_Section):
@@ -243,6 +285,8 @@ class Config(_Section):
     memory: MemoryConfig = Field(default_factory=MemoryConfig)
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
     output: OutputConfig = Field(default_factory=OutputConfig)
+    ema: EmaConfig = Field(default_factory=EmaConfig)
+    validation: ValidationConfig = Field(default_factory=ValidationConfig)
 
     @model_validator(mode="after")
     def _family_constraints(self) -> Config:
@@ -283,6 +327,13 @@ class Config(_Section):
             problems.append("memory.base_quant=nf4 with memory.blocks_to_swap is not supported (the 4-bit weights "
                             "keep their quantization state on the GPU): use base_quant=fp8 with block swapping, "
                             "or nf4 without it")
+        if self.ema.enabled and self.method == "full":
+            problems.append("ema.enabled with method=full: an average of every weight is another copy of the model; "
+                            "EMA is for LoRA runs (--set ema.enabled=false)")
+        v = self.validation
+        if (v.patience or v.every) and not v.items:
+            problems.append(f"validation.{'patience' if v.patience else 'every'} needs held-out items "
+                            "(--set validation.items=N)")
         if problems:
             raise ValueError("\n".join(problems))  # one problem per line (see _format_error)
         return self
@@ -415,12 +466,17 @@ def _fields_at(loc: tuple) -> list[str]:
     return list(getattr(model, "model_fields", {}))
 
 
+MOVED = {"sampling.validation_items": "validation.items", "sampling.validation_every": "validation.every"}
+
+
 def _format_error(err: dict) -> str:
     loc = tuple(str(p) for p in err["loc"])
     path = ".".join(loc) or "(top level)"
     kind = err["type"]
     if not loc and kind == "value_error":  # checks across sections: each line names its keys
         return err["msg"].removeprefix("Value error, ")
+    if kind == "extra_forbidden" and path in MOVED:
+        return f"{path}: moved to {MOVED[path]}"
     if kind == "extra_forbidden":
         valid = _fields_at(loc[:-1])
         close = difflib.get_close_matches(loc[-1], valid, n=1)

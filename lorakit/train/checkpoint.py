@@ -20,14 +20,15 @@ from pathlib import Path
 from lorakit.errors import InputError
 
 
-def save(tr, final: bool = False) -> Path:
-    """Write a checkpoint of the trainer (rank 0 writes; every rank takes part in gathering FSDP shards)."""
+def save(tr, final: bool = False, name: str | None = None) -> Path:
+    """Write a checkpoint of the trainer (rank 0 writes; every rank takes part in gathering FSDP shards).
+    `name`: a checkpoint other than step-N / final (best)."""
     import torch
 
     from lorakit.io import atomic_path
     from lorakit.train.lora import save_lora
 
-    name = "final" if final else f"step-{tr.step:06d}"
+    name = name or ("final" if final else f"step-{tr.step:06d}")
     ck = tr.out / "checkpoints" / name
     if tr.full:
         weights, opt_state = _full_state(tr)
@@ -40,8 +41,10 @@ def save(tr, final: bool = False) -> Path:
         if tr.full:
             _save_transformer(tr.transformer, weights, ck / "transformer")
         else:
-            tr.consumer_check = save_lora(tr.transformer, ck / "lora.safetensors", tr.cfg.model.family,
-                                          {"lorakit_step": tr.step})
+            with tr.averaged():  # the LoRA file holds the EMA weights when EMA is on
+                tr.consumer_check = save_lora(tr.transformer, ck / "lora.safetensors", tr.cfg.model.family,
+                                              {"lorakit_step": tr.step, **({"lorakit_ema_decay": tr.ema.decay}
+                                                                           if tr.ema else {})})
             opt_state = tr.opt.state_dict()
         state = {"step": tr.step, "optimizer": opt_state, "scheduler": tr.sched.state_dict(),
                  "torch_rng": torch.get_rng_state(), "world": tr.dist.world, "global_batch": tr.global_batch}
@@ -49,9 +52,13 @@ def save(tr, final: bool = False) -> Path:
             from lorakit.train.lora import lora_state_dict
 
             state["lora"] = {k: v.cpu() for k, v in lora_state_dict(tr.transformer).items()}
+        if tr.ema:
+            state["ema"] = tr.ema.state_dict()
+        if tr.best:
+            state["best"] = tr.best.state()
         with atomic_path(ck / "state.pt") as tmp:
             torch.save(state, tmp)
-        if not final:
+        if not final and name.startswith("step-"):
             kept = sorted(p for p in (tr.out / "checkpoints").glob("step-*") if p.is_dir())
             for old in kept[: -tr.cfg.output.keep_last]:
                 shutil.rmtree(old)
@@ -79,11 +86,21 @@ def resume(tr, ck: Path) -> dict:
     tr.sched.load_state_dict(state["scheduler"])
     torch.set_rng_state(state["torch_rng"])
     tr.step = int(state["step"])
+    notes = []
+    if tr.ema and "ema" in state:
+        tr.ema.load_state_dict(state["ema"], str(ck / "state.pt"))
+    elif tr.ema:  # the checkpoint was written without EMA: the average starts from its weights
+        tr.ema.update(tr.params, 0)
+        notes.append("ema: the checkpoint has no average; it starts from the checkpoint's weights")
+    elif "ema" in state:
+        notes.append("ema: the checkpoint has an average, this run has ema.enabled false; it is not used")
+    if tr.best and "best" in state:
+        tr.best.load(state["best"])
     was = state.get("global_batch", tr.global_batch)
-    return {"from_world": state.get("world", 1), "from_global_batch": was,
-            "note": None if was == tr.global_batch else
-            f"the checkpoint was written with a global batch of {was}, this run's is {tr.global_batch}: "
-            "the data order continues from the same batch index with the new batch size"}
+    if was != tr.global_batch:
+        notes.append(f"the checkpoint was written with a global batch of {was}, this run's is {tr.global_batch}: "
+                     "the data order continues from the same batch index with the new batch size")
+    return {"from_world": state.get("world", 1), "from_global_batch": was, "note": "; ".join(notes) or None}
 
 
 def _resume_full(tr, ck: Path, weights: Path, state: dict) -> None:
@@ -110,6 +127,26 @@ def _resume_full(tr, ck: Path, weights: Path, state: dict) -> None:
         set_optimizer_state_dict(tr.transformer, tr.opt, state["optimizer"] if main else {},
                                  options=StateDictOptions(full_state_dict=True, strict=False,
                                                           broadcast_from_rank0=tr.sharded))
+
+
+@contextlib.contextmanager
+def weights_of(tr, ck: Path):
+    """The trainer with another checkpoint's LoRA (and average) in place for the duration (LoRA runs)."""
+    from lorakit.train.lora import lora_state_dict, load_lora_into
+
+    state = read_state(ck / "state.pt")
+    mine = {k: v.detach().clone() for k, v in lora_state_dict(tr.transformer).items()}
+    shadow = [s.clone() for s in tr.ema.shadow] if tr.ema else None
+    load_lora_into(tr.transformer, state["lora"])
+    if tr.ema and "ema" in state:
+        tr.ema.load_state_dict(state["ema"], str(ck / "state.pt"))
+    try:
+        yield
+    finally:
+        load_lora_into(tr.transformer, mine)
+        if shadow is not None:
+            for s, v in zip(tr.ema.shadow, shadow):
+                s.copy_(v)
 
 
 @contextlib.contextmanager

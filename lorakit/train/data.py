@@ -42,7 +42,7 @@ class CachedData:
         if hold_out and hold_out >= len(items):
             from lorakit.errors import ConfigError
 
-            raise ConfigError([f"sampling.validation_items: {hold_out} would leave no item to train on "
+            raise ConfigError([f"validation.items: {hold_out} would leave no item to train on "
                                f"(the cache has {len(items)})"])
         held = set(random.Random(seed).sample(range(len(items)), hold_out)) if hold_out else set()
         self.validation = [it for i, it in enumerate(items) if i in held]  # fixed by the seed

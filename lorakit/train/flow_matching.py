@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 
-METHODS = ("uniform", "logit_normal", "shift", "resolution_shift")
+METHODS = ("uniform", "logit_normal", "shift", "resolution_shift", "sigmoid", "mode")
 
 
 def resolution_mu(image_seq_len: int, scheduler_config: dict) -> float:
@@ -23,12 +23,16 @@ def resolution_mu(image_seq_len: int, scheduler_config: dict) -> float:
 
 
 def sample_sigmas(n: int, method: str = "uniform", generator=None, *, shift: float = 3.0, logit_mean: float = 0.0,
-                  logit_std: float = 1.0, image_seq_len: int | None = None, scheduler_config: dict | None = None):
+                  logit_std: float = 1.0, image_seq_len: int | None = None, scheduler_config: dict | None = None,
+                  scale: float = 1.0):
     """n training sigmas in (0, 1).
 
     Args:
         method: uniform | logit_normal | shift (fixed `shift`) | resolution_shift (the scheduler's own rule:
-            its dynamic exponential shift for `image_seq_len` tokens, or its fixed `shift`).
+            its dynamic exponential shift for `image_seq_len` tokens, or its fixed `shift`) | sigmoid
+            (sigmoid(scale * N(0, 1)): logit-normal about 0.5, wider as `scale` grows) | mode (SD3's mode
+            sampling with heavy tails: 1 - u - scale * (cos²(pi u / 2) - 1 + u), u uniform; scale 0 is
+            uniform, larger puts more weight mid-way; -1 <= scale <= 2 / (pi - 2)).
     """
     import torch
 
@@ -38,8 +42,12 @@ def sample_sigmas(n: int, method: str = "uniform", generator=None, *, shift: flo
         raise UnknownNameError("timestep sampling", method, list(METHODS))
     if method == "logit_normal":
         u = torch.sigmoid(torch.normal(mean=logit_mean, std=logit_std, size=(n,), generator=generator))
+    elif method == "sigmoid":
+        return torch.sigmoid(scale * torch.randn((n,), generator=generator))
     else:
         u = torch.rand(size=(n,), generator=generator)
+    if method == "mode":
+        return 1 - u - scale * (torch.cos(math.pi * u / 2) ** 2 - 1 + u)
     if method == "shift":
         return shift * u / (1 + (shift - 1) * u)
     if method == "resolution_shift":

@@ -44,6 +44,16 @@ class Trainer:
         sched_file = Path(cfg.model.path or ".") / "scheduler" / "scheduler_config.json"
         self.sched_cfg = json.loads(sched_file.read_text()) if cfg.model.path and sched_file.is_file() else {}
         self.stop_requested = False
+        self.ema = None
+        if cfg.ema.enabled:  # an average of the trained weights (train/ema.py)
+            from lorakit.train.ema import EMA
+
+            self.ema = EMA(self.params, cfg.ema.decay, cfg.ema.start_step, ema_device(cfg, device))
+        self.best = None
+        if data is not None and getattr(data, "validation", None) and (cfg.validation.best or cfg.validation.patience):
+            from lorakit.train.validation import Best
+
+            self.best = Best(cfg.validation.patience, cfg.validation.min_delta)
         self.consumer_check = None  # the last saved LoRA, read back by diffusers' and ComfyUI's rules
 
     def _gen(self, step: int, micro: int):
@@ -84,7 +94,8 @@ class Trainer:
             batch = self.data.load([keys[i] for i in idx], [drop[i] for i in idx])
             seq = (batch.latents.shape[-1] // 2) * (batch.latents.shape[-2] // 2)
             sigmas = fm.sample_sigmas(n, s.timesteps, g, shift=s.shift, logit_mean=s.logit_mean,
-                                      logit_std=s.logit_std, image_seq_len=seq, scheduler_config=self.sched_cfg)
+                                      logit_std=s.logit_std, image_seq_len=seq, scheduler_config=self.sched_cfg,
+                                      scale=s.scale)
             noise = torch.randn((n, *batch.latents.shape[1:]), generator=g)
             # this rank's share of the global mean
             loss = self.loss_on(batch, sigmas[idx], noise[idx], reduce="sum") * (weight * fsdp / (n * s.grad_accum))
@@ -104,7 +115,15 @@ class Trainer:
         self.sched.step()
         self.opt.zero_grad(set_to_none=True)
         self.step += 1
+        if self.ema:
+            self.ema.update(self.params, self.step)
         return total
+
+    def averaged(self):
+        """A context with the EMA weights in place (samples, validation, LoRA files); nothing when EMA is off."""
+        import contextlib
+
+        return self.ema.applied(self.params) if self.ema else contextlib.nullcontext()
 
     def eval_loss(self, keys: list[str], sigmas=(0.25, 0.5, 0.75), seed: int = 1234) -> float:
         """Loss on items at fixed sigmas and fixed noise (what overfitting should lower)."""
@@ -113,7 +132,7 @@ class Trainer:
         was = self.transformer.training
         self.transformer.eval()
         out = []
-        with torch.no_grad():
+        with torch.no_grad(), self.averaged():
             for k in keys:
                 b = self.data.load([k])
                 noise = torch.randn(b.latents.shape, generator=torch.Generator().manual_seed(seed))
@@ -126,11 +145,21 @@ class Trainer:
         s = self.cfg.schedule
         return s.batch_size * self.dist.world * s.grad_accum
 
-    def save(self, final: bool = False) -> Path:
-        return checkpoint.save(self, final)
+    def save(self, final: bool = False, name: str | None = None) -> Path:
+        return checkpoint.save(self, final, name)
 
     def resume(self, ck: Path) -> dict:
         return checkpoint.resume(self, ck)
+
+
+def ema_device(cfg, device: str) -> str:
+    """ema.device: auto keeps the average beside the weights, except where the profile saves GPU memory."""
+    if cfg.ema.device == "cpu" or str(device) == "cpu":
+        return "cpu"
+    if cfg.ema.device == "gpu":
+        return device
+    tight = cfg.memory.blocks_to_swap or cfg.memory.base_quant != "none" or cfg.memory.unified_memory
+    return "cpu" if tight else device
 
 
 def run(cfg, prov: dict, resume: str | None = None, progress=None, stop_at: int | None = None, warn=None) -> dict:
@@ -175,7 +204,7 @@ def run(cfg, prov: dict, resume: str | None = None, progress=None, stop_at: int 
     mark("cached")
     store = Store(cache_dir_for(cfg))
     data = CachedData(store, store.read_manifest(), cfg.schedule.batch_size * d.world, cfg.seed, cfg.data.repeats,
-                      hold_out=cfg.sampling.validation_items, in_memory=cfg.memory.cache_in_memory)
+                      hold_out=cfg.validation.items, in_memory=cfg.memory.cache_in_memory)
     conds = sampling.conditions(cfg, adapter, data) if cfg.sampling.enabled else None  # encoded now, once
     if conds and cfg.memory.free_encoders_after_cache:
         adapter.unload(list(adapter.text_parts))
@@ -215,9 +244,12 @@ def run(cfg, prov: dict, resume: str | None = None, progress=None, stop_at: int 
                 mark("first_step")
                 if device.startswith("cuda"):
                     rec["gpu_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
-                every = cfg.sampling.validation_every
+                every = cfg.validation.every
                 if data.validation and ((every and tr.step % every == 0) or tr.step == cfg.schedule.steps):
                     rec["val_loss"] = tr.eval_loss([it["key"] for it in data.validation])
+                    if tr.best and tr.best.offer(tr.step, rec["val_loss"]):
+                        rec["best"] = True
+                        tr.save(name="best")
                 log.write(rec)
                 if progress and d.main:
                     progress(tr.step, cfg.schedule.steps, rec)
@@ -226,9 +258,12 @@ def run(cfg, prov: dict, resume: str | None = None, progress=None, stop_at: int 
                 if cfg.output.save_every and tr.step % cfg.output.save_every == 0:
                     tr.save()
                 tr.stop_requested = d.total(float(tr.stop_requested)) > 0  # a signal to any rank stops them all
+                if tr.best and tr.best.stop:
+                    break
         finally:
             log.close()
-    interrupted = tr.step < cfg.schedule.steps  # a signal after the last step still gets the final LoRA
+    early = bool(tr.best and tr.best.stop)  # validation.patience: no new best in that many checks
+    interrupted = tr.step < cfg.schedule.steps and not early  # a signal after the last step still gets the LoRA
     if sampler and not interrupted and not (cfg.sampling.every and tr.step % cfg.sampling.every == 0):
         sampler(tr.step, write=d.main)
     ck = tr.save(final=not interrupted)
@@ -242,8 +277,18 @@ def run(cfg, prov: dict, resume: str | None = None, progress=None, stop_at: int 
         result["resumed"] = resumed
     if sampler and d.main and (out / "samples" / "progress.png").is_file():
         result["samples"] = str(out / "samples" / "progress.png")
+    best_ck = out / "checkpoints" / "best"
+    if tr.best and tr.best.step is not None:
+        result["best"] = {**tr.best.report(), "checkpoint": str(best_ck)}
+        if sampler and tr.best.step != tr.step:  # the best step's samples beside the others
+            with checkpoint.weights_of(tr, best_ck):
+                result["best"]["samples"] = str(sampler(tr.best.step, write=d.main, name="best"))
+    if early:
+        result["early_stopped"] = {"at_step": tr.step, "patience": cfg.validation.patience,
+                                   "why": f"no val_loss better than step {tr.best.step}'s in "
+                                          f"{cfg.validation.patience} checks; the LoRA is step {tr.best.step}'s"}
     if not interrupted and d.main:
-        result.update(checkpoint.export(tr, ck), consumer_check=tr.consumer_check)
+        result.update(checkpoint.export(tr, best_ck if early else ck), consumer_check=tr.consumer_check)
         result["loss_curve"] = str(loss_curve(log.path, out / "loss_curve.png"))
     d.barrier()
     return result

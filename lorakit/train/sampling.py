@@ -220,9 +220,12 @@ class Sampler:
             if step <= trainer.step:
                 self.rows.append((step, Image.open(p).convert("RGB")))
 
-    def __call__(self, step: int, write: bool = True) -> Path | None:
+    def __call__(self, step: int, write: bool = True, name: str | None = None) -> Path | None:
+        """Render at `step` (with the EMA weights when EMA is on). `name` (best): samples/NAME-step-N.png,
+        outside progress.png."""
         problems: list[str] = []
-        images = render(self.trainer, self.conds, problems)
+        with self.trainer.averaged():
+            images = render(self.trainer, self.conds, problems)
         for p in problems:
             if self.warn:
                 self.warn(f"samples at step {step}: {p}")
@@ -231,12 +234,14 @@ class Sampler:
         from lorakit.io import atomic_path
 
         cell = min(self.cell, max(64, images[0].width * 2))
-        row = _labelled_row(images, [c.label for c in self.conds], f"step {step}", cell,
+        row = _labelled_row(images, [c.label for c in self.conds], f"{name or 'step'} {step}", cell,
                             [c.control_images for c in self.conds])
         self.folder.mkdir(parents=True, exist_ok=True)
-        path = self.folder / f"step-{step:06d}.png"
+        path = self.folder / (f"{name}-step-{step:06d}.png" if name else f"step-{step:06d}.png")
         with atomic_path(path) as tmp:
             row.save(tmp, format="PNG")
+        if name:
+            return path
         self.rows = [r for r in self.rows if r[0] != step] + [(step, row)]
         self._progress()
         return path

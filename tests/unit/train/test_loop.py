@@ -138,7 +138,7 @@ def test_sigint_saves_a_checkpoint_and_exits_interrupted_resumable(tmp_path, tin
 
 @pytest.mark.slow
 def test_held_out_items_get_a_validation_loss_and_are_never_trained_on(tmp_path, tiny):
-    cfg = make_cfg(tmp_path, "flux", tiny("flux"), steps=6, sampling={"validation_items": 1, "validation_every": 3})
+    cfg = make_cfg(tmp_path, "flux", tiny("flux"), steps=6, validation={"items": 1, "every": 3})
     res = run(cfg, {})
     rows = [json.loads(line) for line in open(res["metrics"])]
     assert [r["step"] for r in rows if "val_loss" in r] == [3, 6]

@@ -95,8 +95,8 @@ def test_edit_samples_show_their_control_images_and_take_explicit_ones(tmp_path,
     Image.new("RGB", (64, 64), (255, 0, 0)).save(red)
     Image.new("RGB", (80, 64), (0, 0, 255)).save(blue)
     cfg = make_cfg(tmp_path, family, tiny(family), steps=2,
-                   sampling={"steps": 2, "prompts": ["paint it", "paint it again"], "controls": [[red, blue]],
-                             "validation_items": 1})
+                   sampling={"steps": 2, "prompts": ["paint it", "paint it again"], "controls": [[red, blue]]},
+                   validation={"items": 1})
     a = load_adapter(family, tiny(family))
     build(cfg, adapter=a)
     st = Store(cache_dir_for(cfg))

@@ -1,0 +1,62 @@
+"""The best checkpoint by held-out loss, and early stopping (validation.best / validation.patience)."""
+
+import json
+
+import pytest
+
+from lorakit.io import read_header
+from lorakit.train.checkpoint import read_state
+from lorakit.train.loop import run
+from lorakit.train.validation import Best
+from tests.unit.train.test_loop import make_cfg
+
+# lr 2e-2 on the tiny FLUX: the held-out item's loss falls, then rises as the three training items are overfit
+OVERFIT = dict(steps=20, optim={"lr": 2e-2}, schedule={"lr_schedule": "constant", "warmup_steps": 0},
+               validation={"items": 1, "every": 1})
+
+
+def _val(metrics) -> list[tuple[int, float]]:
+    rows = [json.loads(line) for line in open(metrics)]
+    return [(r["step"], r["val_loss"]) for r in rows if "val_loss" in r]
+
+
+@pytest.mark.slow
+def test_the_best_step_is_where_the_held_out_loss_was_lowest(tmp_path, tiny):
+    res = run(make_cfg(tmp_path / "a", "flux", tiny("flux"), sampling={"enabled": False}, **OVERFIT), {})
+    val = _val(res["metrics"])
+    k, low = min(val, key=lambda x: x[1])
+    assert k <= 16 and all(v > low for s, v in val if s > k)  # the run overfits after step k
+    best = tmp_path / "a" / "out" / "checkpoints" / "best"
+    assert res["best"]["step"] == k and f"at step {k}" in res["best"]["why"]
+    assert read_state(best / "state.pt")["step"] == k
+    assert read_header(best / "lora.safetensors").metadata["lorakit_step"] == str(k)
+    assert res["steps"] == 20  # no patience: the run goes on, and its LoRA is the last step's
+    assert read_header(res["lora"]).metadata["lorakit_step"] == "20"
+
+    # patience 3: stops three checks after k, and the LoRA is step k's; its samples are written beside
+    res2 = run(make_cfg(tmp_path / "b", "flux", tiny("flux"), sampling={"steps": 2},
+                        **{**OVERFIT, "validation": {"items": 1, "every": 1, "patience": 3}}), {})
+    assert res2["steps"] == k + 3 and not res2["interrupted"]
+    assert res2["early_stopped"]["at_step"] == k + 3 and res2["best"]["step"] == k
+    best2 = tmp_path / "b" / "out" / "checkpoints" / "best" / "lora.safetensors"
+    assert open(res2["lora"], "rb").read() == best2.read_bytes()
+    assert res2["best"]["samples"].endswith(f"best-step-{k:06d}.png")
+
+
+def test_best_counts_checks_without_improvement():
+    b = Best(patience=2, min_delta=0.01)
+    assert b.offer(1, 1.0) and not b.stop
+    assert not b.offer(2, 0.995)  # within min_delta: not a new best
+    assert not b.stop
+    assert not b.offer(3, 1.2) and b.stop
+    assert b.report()["step"] == 1 and "+20.0 %" in b.report()["why"]
+    again = Best(patience=2)
+    again.load(b.state())
+    assert again.state() == b.state() and again.stop
+
+
+def test_patience_needs_held_out_items(tmp_path, tiny):
+    from lorakit.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="validation.patience needs held-out items"):
+        make_cfg(tmp_path, "flux", tiny("flux"), validation={"patience": 2})
