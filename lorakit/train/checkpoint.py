@@ -132,7 +132,7 @@ def _resume_full(tr, ck: Path, weights: Path, state: dict) -> None:
 @contextlib.contextmanager
 def weights_of(tr, ck: Path):
     """The trainer with another checkpoint's LoRA (and average) in place for the duration (LoRA runs)."""
-    from lorakit.train.lora import lora_state_dict, load_lora_into
+    from lorakit.train.lora import load_lora_into, lora_state_dict
 
     state = read_state(ck / "state.pt")
     mine = {k: v.detach().clone() for k, v in lora_state_dict(tr.transformer).items()}
@@ -145,7 +145,7 @@ def weights_of(tr, ck: Path):
     finally:
         load_lora_into(tr.transformer, mine)
         if shadow is not None:
-            for s, v in zip(tr.ema.shadow, shadow):
+            for s, v in zip(tr.ema.shadow, shadow, strict=True):
                 s.copy_(v)
 
 

@@ -24,7 +24,7 @@ class EMA:
         import torch
 
         with torch.no_grad():
-            now = [p.detach().to(s.device, torch.float32) for p, s in zip(params, self.shadow)]
+            now = [p.detach().to(s.device, torch.float32) for p, s in zip(params, self.shadow, strict=True)]
             if step <= self.start_step:
                 torch._foreach_copy_(self.shadow, now)
             else:
@@ -37,13 +37,13 @@ class EMA:
 
         with torch.no_grad():
             saved = [p.detach().clone() for p in params]
-            for p, s in zip(params, self.shadow):
+            for p, s in zip(params, self.shadow, strict=True):
                 p.copy_(s.to(p.device, p.dtype))
         try:
             yield
         finally:
             with torch.no_grad():
-                for p, s in zip(params, saved):
+                for p, s in zip(params, saved, strict=True):
                     p.copy_(s)
 
     def state_dict(self) -> dict:
@@ -53,8 +53,10 @@ class EMA:
         from lorakit.errors import InputError
 
         shadow = state.get("shadow") or []
-        if len(shadow) != len(self.shadow) or any(a.shape != b.shape for a, b in zip(shadow, self.shadow)):
+        same = len(shadow) == len(self.shadow) and all(a.shape == b.shape
+                                                        for a, b in zip(shadow, self.shadow, strict=True))
+        if not same:
             raise InputError(f"{where}: its EMA weights do not match this run's LoRA",
                              "resume with the lora settings the checkpoint was written with")
-        for s, v in zip(self.shadow, shadow):
+        for s, v in zip(self.shadow, shadow, strict=True):
             s.copy_(v)

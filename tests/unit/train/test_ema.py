@@ -27,10 +27,10 @@ def test_ema_follows_the_formula_and_resumes_exactly(tmp_path, tiny):
     for step in range(1, 6):
         tr.train_step()
         now = [p.detach() for p in tr.params]
-        expect = [n.clone() if step <= 2 else 0.8 * e + 0.2 * n for e, n in zip(expect, now)]
-        for e, s in zip(expect, tr.ema.shadow):
+        expect = [n.clone() if step <= 2 else 0.8 * e + 0.2 * n for e, n in zip(expect, now, strict=True)]
+        for e, s in zip(expect, tr.ema.shadow, strict=True):
             torch.testing.assert_close(s, e, rtol=1e-6, atol=1e-7)
-    assert any(not torch.equal(s, p) for s, p in zip(tr.ema.shadow, tr.params))  # the average lags
+    assert any(not torch.equal(s, p) for s, p in zip(tr.ema.shadow, tr.params, strict=True))  # the average lags
     ck = tr.save()
     # the checkpoint's LoRA file holds the average: lora_A as trained (alpha is folded into B only)
     names = [n for n, p in tr.transformer.named_parameters() if p.requires_grad]
@@ -46,10 +46,10 @@ def test_ema_follows_the_formula_and_resumes_exactly(tmp_path, tiny):
     # resumed: the same average, and the next steps give the same average as the uninterrupted run
     tr2 = _trainer(cfg, tiny, tmp_path / "b")
     tr2.resume(ck)
-    assert all(torch.equal(a, b) for a, b in zip(at_save, tr2.ema.shadow))
+    assert all(torch.equal(a, b) for a, b in zip(at_save, tr2.ema.shadow, strict=True))
     for _ in range(2):
         tr2.train_step()
-    assert all(torch.equal(a, b) for a, b in zip(tr.ema.shadow, tr2.ema.shadow))
+    assert all(torch.equal(a, b) for a, b in zip(tr.ema.shadow, tr2.ema.shadow, strict=True))
 
 
 def test_ema_is_refused_for_full_fine_tuning(tmp_path, tiny):
