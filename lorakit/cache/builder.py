@@ -92,7 +92,7 @@ def build(cfg, force: bool = False, verify: bool = False, strict: bool = False, 
                 "max_sequence_length": getattr(adapter, "max_sequence_length", None)}
     planned = []
     for e in data.entries:
-        key = item_key([e.item.target, *e.item.controls], e.item.caption, identity, {**settings, **e.settings()},
+        key = item_key([e.item.target, *e.item.controls, *([e.item.mask] if e.item.mask else [])], e.item.caption, identity, {**settings, **e.settings()},
                        e.bucket)
         planned.append((e, e.bucket, key))
     keys = [k for _, _, k in planned]
@@ -186,6 +186,8 @@ def _encode_batch(adapter, store: Store, batch, layout: str, cfg) -> int:
             tensors["latents"] = adapter.encode_video(pix.permute(1, 0, 2, 3).unsqueeze(0))[0]
         else:
             tensors["latents"] = adapter.encode_images(to_pixels([fit(open_image(it.target), bucket)]))[0]
+            if it.mask is not None:  # the loss mask at latent resolution (each latent: its pixels' mean)
+                tensors["loss_mask"] = latent_mask(it.mask, bucket, tensors["latents"].shape)
             if layout == "edit":
                 controls = [open_image(c) for c in it.controls]
                 for c, lat in enumerate(adapter.encode_controls(controls, cfg.data.control_resolution)):
@@ -198,6 +200,21 @@ def _encode_batch(adapter, store: Store, batch, layout: str, cfg) -> int:
                                  "bucket": "x".join(str(x) for x in bucket)})
         stored += 1
     return stored
+
+
+def latent_mask(path, bucket, latent_shape):
+    """A mask image (white: trained, black: ignored, grey: weighted) cropped as its target is, averaged over
+    each latent's pixels: shape (1, [1, ...,] h, w), broadcasting over the latent's channels."""
+    import numpy as np
+    import torch
+
+    from lorakit.data.dataset import open_image
+
+    m = fit(open_image(path).convert("L"), bucket)
+    t = torch.from_numpy(np.asarray(m, dtype=np.float32) / 255.0)[None, None]
+    h, w = latent_shape[-2:]
+    t = torch.nn.functional.interpolate(t, size=(h, w), mode="area")[0]
+    return t.view(1, *([1] * (len(latent_shape) - 3)), h, w)
 
 
 def _record_failure(store: Store, key: str, problem: dict) -> None:

@@ -38,6 +38,7 @@ class Item:
     frames: int | None = None
     control_sizes: list[tuple[int, int]] = field(default_factory=list)  # (width, height) of each control
     clip: ClipInfo | None = None  # frame times (video layout)
+    mask: Path | None = None  # loss mask (masks/<stem>.*): white trains, black is ignored
 
 
 @dataclass
@@ -241,8 +242,9 @@ def scan(root, layout: str = "auto", control_dirs=("control",), caption_ext: str
     s = Scan(root=root, layout=layout)
     if layout == "flat":
         listing = _list(root, IMAGE_EXTS, caption_ext)
-        used = _items(s, listing, {}, caption_ext, min_side, trigger, check_images)
-        _report_unused(s, listing, used, what="n image")
+        masks = _masks(s, root, listing)
+        used = _items(s, listing, {}, caption_ext, min_side, trigger, check_images, masks)
+        _report_unused(s, listing, used, what="n image", folders_used={"masks"})
     elif layout == "edit":
         top = _list(root, (), None)
         if not (root / "images").is_dir():
@@ -259,9 +261,10 @@ def scan(root, layout: str = "auto", control_dirs=("control",), caption_ext: str
             for stem in sorted(set(clist.media) - set(listing.media)):
                 s.problems.append(Problem(str(clist.media[stem]), "no-target", "control without a target in images/"))
             controls[name] = clist.media
-        used = _items(s, listing, controls, caption_ext, min_side, trigger, check_images)
+        masks = _masks(s, root, listing)
+        used = _items(s, listing, controls, caption_ext, min_side, trigger, check_images, masks)
         _report_unused(s, listing, used, what="n image")
-        _report_unused(s, top, set(), folders_used={"images", *control_dirs})
+        _report_unused(s, top, set(), folders_used={"images", "masks", *control_dirs})
     else:
         _report_unused(s, _list(root, (), None), set(), folders_used={"clips"})
         _video_items(s, root / "clips", caption_ext, min_side, trigger, check_images)
@@ -270,7 +273,20 @@ def scan(root, layout: str = "auto", control_dirs=("control",), caption_ext: str
     return s
 
 
-def _items(s: Scan, listing: _Listing, controls: dict, ext: str, min_side: int, trigger, check: bool) -> set[str]:
+def _masks(s: Scan, root: Path, targets: _Listing) -> dict | None:
+    """masks/<stem>.<image ext> beside the targets (None when there is no masks/ folder); a mask without a
+    target and anything else there is reported."""
+    if not (root / "masks").is_dir():
+        return None
+    listing = _list(root / "masks", IMAGE_EXTS, None)
+    _report_unused(s, listing, set())
+    for stem in sorted(set(listing.media) - set(targets.media)):
+        s.problems.append(Problem(str(listing.media[stem]), "no-target", "mask without a target image"))
+    return listing.media
+
+
+def _items(s: Scan, listing: _Listing, controls: dict, ext: str, min_side: int, trigger, check: bool,
+           masks: dict | None = None) -> set[str]:
     """Items from a listing's media; returns the stems whose captions were used."""
     used = set()
     for stem, path in listing.media.items():
@@ -286,8 +302,19 @@ def _items(s: Scan, listing: _Listing, controls: dict, ext: str, min_side: int, 
                 ctrl.append(cmedia[stem])
                 if check:
                     sizes.append(_check_image(cmedia[stem], min_side, s.problems))
+        mask = None
+        if masks is not None:
+            mask = masks.get(stem)
+            if mask is None:
+                s.problems.append(Problem(str(path), "no-mask", "target without a mask in masks/ (every item "
+                                                                "needs one when the folder exists)"))
+            elif check and size:
+                msize = _check_image(mask, 1, s.problems)
+                if msize and msize != size:
+                    s.problems.append(Problem(str(mask), "mask-size", f"mask is {msize[0]}x{msize[1]}, its image "
+                                                                      f"{size[0]}x{size[1]}"))
         if len(s.problems) == before:
-            s.items.append(Item(stem, path, caption, ctrl, size, control_sizes=sizes))
+            s.items.append(Item(stem, path, caption, ctrl, size, control_sizes=sizes, mask=mask))
     return used
 
 

@@ -14,6 +14,7 @@ class Batch:
     latents: object  # (B, C, h, w) or (B, C, T, h, w)
     text: dict  # prompt_embeds (B, L, D) [+ prompt_embeds_mask (B, L)] [+ pooled (B, D)]
     controls: list  # per control index: (B, C, h, w)
+    mask: object = None  # loss mask (B, 1, [1,] h, w) when any item has one (the others: ones)
 
 
 def drop_full_mask(batch: Batch) -> Batch:
@@ -26,7 +27,7 @@ def drop_full_mask(batch: Batch) -> Batch:
     if mask is None or not bool(mask.all()):
         return batch
     return Batch(batch.keys, batch.latents, {k: v for k, v in batch.text.items() if k != "prompt_embeds_mask"},
-                 batch.controls)
+                 batch.controls, batch.mask)
 
 
 class CachedData:
@@ -109,4 +110,9 @@ class CachedData:
             text["pooled"] = torch.stack([t["pooled"] for t in texts])
         n_ctrl = sum(1 for k in entries[0] if k.startswith("control_latents_"))
         controls = [torch.stack([e[f"control_latents_{c}"] for e in entries]) for c in range(n_ctrl)]
-        return drop_full_mask(Batch(keys, torch.stack([e["latents"] for e in entries]), text, controls))
+        masks = [e.get("loss_mask") for e in entries]
+        mask = None
+        if any(m is not None for m in masks):
+            like = next(m for m in masks if m is not None)
+            mask = torch.stack([m if m is not None else torch.ones_like(like) for m in masks]).float()
+        return drop_full_mask(Batch(keys, torch.stack([e["latents"] for e in entries]), text, controls, mask))

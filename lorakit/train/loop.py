@@ -72,7 +72,12 @@ class Trainer:
         with torch.autocast(self.device.split(":")[0], dtype=self.dtype, enabled=self.dtype != torch.float32):
             v = self.adapter.predict(self.transformer, xt, sigmas.to(self.device), text,
                                      guidance=1.0, controls=[c.to(self.device, self.dtype) for c in batch.controls])
-        per = ((v.float() - target.float()) ** 2).flatten(1).mean(1)
+        err = (v.float() - target.float()) ** 2
+        if batch.mask is None:
+            per = err.flatten(1).mean(1)
+        else:  # the mean over what the mask keeps (a masked-out latent adds nothing, and gets no gradient)
+            m = batch.mask.to(self.device, torch.float32).expand_as(err)
+            per = (err * m).flatten(1).sum(1) / m.flatten(1).sum(1).clamp_min(1e-6)
         w = fm.loss_weight(sigmas.to(self.device), self.cfg.schedule.loss_weighting).float()
         return (per * w).mean() if reduce == "mean" else (per * w).sum()
 
