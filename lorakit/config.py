@@ -136,7 +136,13 @@ class LoraConfig(_Section):
     targets: TargetPreset | list[str] = Field(
         "attention", description="a preset (attention, attention_mlp, all_linear) or a list of module names")
     init: Literal["default", "gaussian"] = Field("default", description="LoRA weight initialisation")
-    dora: bool = Field(False, description="train DoRA (weight-decomposed LoRA)")
+    dora: bool = Field(False, description="train DoRA (weight-decomposed LoRA); the same as type: dora")
+    type: Literal["lora", "dora", "lokr", "loha"] = Field(
+        "lora", description="adapter: lora; dora; lokr (LyCORIS Kronecker product: rank = the rank of its "
+                            "factored factor); loha (LyCORIS Hadamard product of two rank-r products). peft "
+                            "trains all four; LoKr/LoHa files use LyCORIS key names (ComfyUI, lorakit infer, peft)")
+    factor: int = Field(-1, description="lokr: the Kronecker factor of each dimension (-1: as balanced as the "
+                                        "dimension allows)")
     train_io: bool = Field(False, description="also put LoRA on the layers between latents and blocks (patch "
                                               "embedder, final norm modulation, output projection)")
 
@@ -146,6 +152,20 @@ class LoraConfig(_Section):
         if isinstance(v, list) and not v:
             raise ValueError("an empty module list trains nothing")
         return v
+
+    @model_validator(mode="after")
+    def _kind(self) -> LoraConfig:
+        if self.dora and self.type not in ("lora", "dora"):
+            raise ValueError(f"dora: true with type: {self.type} (DoRA is a kind of LoRA; pick one)")
+        if self.dora:
+            object.__setattr__(self, "type", "dora")
+        if self.factor != -1 and self.type != "lokr":
+            raise ValueError(f"factor is a LoKr setting (type: {self.type})")
+        return self
+
+    @property
+    def is_dora(self) -> bool:
+        return self.type == "dora"
 
 
 class OptimConfig(_Section):

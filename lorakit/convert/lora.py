@@ -393,6 +393,14 @@ def write(lora: Lora, dst, fmt: str, arch: str | None, dtype=None, extra_metadat
         return t.to(dtype).contiguous() if dtype is not None and t.is_floating_point() else t.contiguous()
 
     meta = {"format": "pt", **(extra_metadata or {})}
+    lyco = [m for m, p in lora.weights.items() if isinstance(p, (LoKr, LoHa))]
+    if fmt == "diffusers" and lyco and len(lyco) == len(lora.weights) and not lora.biases:
+        # LyCORIS patches under diffusers module names (`transformer.<module>.lokr_w1`, `.hada_w1_a`): ComfyUI
+        # maps these names onto its fused weights; peft names its LoKr/LoHa tensors the same way
+        sd = {}
+        for m, p in lora.weights.items():
+            sd.update(_native_keys(f"transformer.{m}", p, "comfyui", cast))
+        return save({k: v for k, v in sd.items() if v is not None}, dst, metadata=meta)
     if fmt in ("diffusers", "peft"):
         other = [m for m, p in lora.weights.items() if not isinstance(p, LowRank)] + list(lora.biases)
         if other:

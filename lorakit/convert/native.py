@@ -203,6 +203,12 @@ def _fuse(native: str, rec, patches: dict, widths: dict | None, base: dict | Non
     if len(parents) == 1 and all(isinstance(p, Rows) for p in given) and len(given) == len(ps):
         return given[0].parent  # the views a split made: the original fused patch
     if not all(isinstance(p, LowRank) for p in given):
+        kinds = sorted({type(p).__name__ for p in given})
+        if kinds in (["LoKr"], ["LoHa"]):
+            raise InputError(f"{native}: {kinds[0]} patches on {', '.join(rec.targets)} do not combine into one "
+                             f"{kinds[0]} of the fused weight the native layout has",
+                             "keep the diffusers-named file (lorakit's default): ComfyUI maps those names onto "
+                             "its fused weights")
         raise InputError(f"{native}: its projections carry different kinds of patches; the original layout "
                          "fuses them into one weight", "keep the diffusers format")
     ref = given[0]

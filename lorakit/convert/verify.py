@@ -13,7 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from lorakit.convert.lora import Lora
-from lorakit.convert.patches import LowRank
+from lorakit.convert.patches import LoHa, LoKr, LowRank
 
 
 def trained(transformer) -> Lora:
@@ -21,6 +21,10 @@ def trained(transformer) -> Lora:
     modules themselves — not from any file."""
     out = Lora()
     for name, mod in transformer.named_modules():
+        lyco = _lycoris(mod)
+        if lyco is not None:
+            out.weights[name] = lyco
+            continue
         a = getattr(mod, "lora_A", None)
         if a is None or not hasattr(a, "keys") or "default" not in a.keys():
             continue
@@ -30,6 +34,27 @@ def trained(transformer) -> Lora:
         mag = mags["default"].weight.detach().float().cpu() if mags is not None and "default" in mags.keys() else None
         out.weights[name] = LowRank(A, B, alpha, mag)
     return out
+
+
+def _lycoris(mod):
+    """A peft LoKr / LoHa layer as its LyCORIS patch, peft's scale (alpha / r) folded into one factor so that
+    the file needs no alpha: every reader applies the same delta. None for other modules."""
+    def get(n):
+        d = getattr(mod, n, None)
+        return d["default"].detach().float().cpu() if d is not None and "default" in d else None
+
+    if get("lokr_w1") is not None or get("lokr_w1_a") is not None:
+        s = float(mod.scaling["default"])
+        f = {n: get(f"lokr_{n}") for n in ("w1", "w2", "w1_a", "w1_b", "w2_a", "w2_b")}
+        if f["w2"] is not None:
+            f["w2"] = f["w2"] * s
+        else:
+            f["w2_b"] = f["w2_b"] * s
+        return LoKr(f["w1"], f["w2"], None, f["w1_a"], f["w1_b"], f["w2_a"], f["w2_b"])
+    if get("hada_w1_a") is not None:
+        s = float(mod.scaling["default"])
+        return LoHa(get("hada_w1_a") * s, get("hada_w1_b"), get("hada_w2_a"), get("hada_w2_b"), None)
+    return None
 
 
 def base_weights(transformer, modules) -> dict:
@@ -203,20 +228,28 @@ def _native_base(native: str, arch: str, base: dict, rows: int, cols: int):
     return swap_halves(w) if rec.swap_halves else w
 
 
+def _diffusers_check(path, family, expected, base, rtol, dora) -> str:
+    from lorakit.convert.lora import deltas_equal
+
+    try:
+        view = diffusers_view(path, family)
+        ok, why = deltas_equal(expected.weights, view.weights, rtol=rtol, base=base)
+        return why if ok or not (dora and not base) else "not compared: DoRA needs the base weights"
+    except Exception as e:  # noqa: BLE001 - the check reports, it does not stop the run
+        return f"not readable by diffusers: {type(e).__name__}: {str(e)[:160]}"
+
+
 def check_file(path: Path, family: str, expected: Lora, base: dict | None = None, rtol: float = 1e-5,
                shapes: dict | None = None) -> dict:
     """{"diffusers": ..., "comfyui": ...}: each consumer's reading of the file against `expected`."""
-    from lorakit.convert.lora import deltas_equal
     from lorakit.models.registry import family_info
 
     out = {}
     dora = any(getattr(p, "dora", False) for p in expected.weights.values())
-    try:
-        view = diffusers_view(path, family)
-        ok, why = deltas_equal(expected.weights, view.weights, rtol=rtol, base=base)
-        out["diffusers"] = why if ok or not (dora and not base) else "not compared: DoRA needs the base weights"
-    except Exception as e:  # noqa: BLE001 - the check reports, it does not stop the run
-        out["diffusers"] = f"not readable by diffusers: {type(e).__name__}: {str(e)[:160]}"
+    if any(isinstance(p, (LoKr, LoHa)) for p in expected.weights.values()):
+        out["diffusers"] = "not compared: diffusers loads LoRA/DoRA only (LoKr/LoHa: ComfyUI, peft, lorakit infer)"
+    else:
+        out["diffusers"] = _diffusers_check(path, family, expected, base, rtol, dora)
     if dora and not base:
         out["comfyui"] = "not compared: DoRA needs the base weights"
         return out

@@ -45,12 +45,20 @@ def target_modules(transformer, adapter, targets, io: bool = False) -> list[str]
 
 def add_lora(transformer, adapter, cfg) -> dict:
     """Attach a LoRA adapter; returns its peft config as a dict (for the file's metadata)."""
-    from peft import LoraConfig
+    from peft import LoHaConfig, LoKrConfig, LoraConfig
 
-    modules = target_modules(transformer, adapter, cfg.lora.targets, io=cfg.lora.train_io)
-    lcfg = LoraConfig(r=cfg.lora.rank, lora_alpha=cfg.lora.alpha or cfg.lora.rank, lora_dropout=cfg.lora.dropout,
-                      init_lora_weights="gaussian" if cfg.lora.init == "gaussian" else True,
-                      target_modules=modules, use_dora=cfg.lora.dora)
+    c = cfg.lora
+    modules = target_modules(transformer, adapter, c.targets, io=c.train_io)
+    alpha = c.alpha or c.rank
+    if c.type == "lokr":  # w2 (or its factors) starts at zero: the adapter begins as the identity
+        lcfg = LoKrConfig(r=c.rank, alpha=alpha, rank_dropout=c.dropout, decompose_factor=c.factor,
+                          target_modules=modules)
+    elif c.type == "loha":
+        lcfg = LoHaConfig(r=c.rank, alpha=alpha, rank_dropout=c.dropout, target_modules=modules)
+    else:
+        lcfg = LoraConfig(r=c.rank, lora_alpha=alpha, lora_dropout=c.dropout,
+                          init_lora_weights="gaussian" if c.init == "gaussian" else True,
+                          target_modules=modules, use_dora=c.is_dora)
     transformer.add_adapter(lcfg)
     return lcfg.to_dict()
 
@@ -75,7 +83,8 @@ def save_lora(transformer, path: Path, family: str, extra: dict | None = None, c
     from lorakit.models.registry import family_info
 
     t = V.trained(transformer)
-    base = V.base_weights(transformer, t.weights) if any(p.dora for p in t.weights.values()) else None
+    base = V.base_weights(transformer, t.weights) if any(getattr(p, 'dora', False) for p in t.weights.values()) \
+        else None
     meta = {k: str(v) for k, v in (extra or {}).items()}
     L.write(t, path, "diffusers", family_info(family).arch, extra_metadata=meta, base=base)
     if not check:

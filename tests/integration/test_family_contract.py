@@ -161,3 +161,64 @@ def test_default_config_runs_every_path(tmp_path, tiny, family):
     r = run.invoke(app, args)
     assert r.exit_code == 0, r.output
     assert len(json.loads(r.output)["files"]) == 1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["lokr", "loha"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_lycoris_adapters_train_and_stock_peft_reproduces_them(tmp_path, tiny, family, kind):
+    """lora.type lokr / loha on the default targets: trains, its file loads into the stock transformer through
+    peft's own LoKr/LoHa layers with lorakit's predictions reproduced, ComfyUI's reading equals the trained
+    patches, and lorakit infer applies it."""
+    from peft import LoHaConfig, LoKrConfig, inject_adapter_in_model, set_peft_model_state_dict
+
+    from lorakit.cache.builder import cache_dir_for
+    from lorakit.cache.store import Store
+    from lorakit.config import resolve
+    from lorakit.io import load
+    from lorakit.io.modules import load_component
+    from lorakit.train.data import CachedData
+    from lorakit.train.loop import Trainer
+
+    run = CliRunner()
+    path, ds = _default_config(tmp_path, family, tiny(family))
+    r = run.invoke(app, ["train", str(path), "--json", "--set", f"lora.type={kind}", "--set", "sampling.enabled=false",
+                         "--set", "optim.lr=1e-2"])
+    assert r.exit_code == 0, r.output
+    res = json.loads(r.output)
+    assert res["consumer_check"]["comfyui"] == "equal"
+    cfg, _ = resolve(path, [f"lora.type={kind}"], None)
+    a = load_adapter(family, tiny(family))
+    st = Store(cache_dir_for(cfg))
+    data = CachedData(st, st.read_manifest(), 1, 0)
+    tr = Trainer(cfg, a, load_component(tiny(family) / "transformer"), data, tmp_path / "x", "cpu", torch.float32)
+    tr.resume(tmp_path / "out" / "checkpoints" / "final")
+    tr.transformer.eval()
+
+    sd = {k.removeprefix("transformer."): v for k, v in load(res["lora"]).items()}
+    assert all(".lokr_" in k or ".hada_" in k for k in sd)
+    modules = sorted({k.rsplit(".", 1)[0] for k in sd})
+    # the file needs no alpha (the scale is folded in): peft's scale alpha / r is 1
+    pcfg = (LoKrConfig if kind == "lokr" else LoHaConfig)(r=cfg.lora.rank, alpha=cfg.lora.rank,
+                                                          target_modules=modules)
+    stock_tr = a.pipeline_class().from_pretrained(tiny(family)).transformer
+    inject_adapter_in_model(pcfg, stock_tr)
+    result = set_peft_model_state_dict(stock_tr, sd)
+    assert not result.unexpected_keys
+    b = data.load([data.items[0]["key"]])
+    xt = torch.randn(b.latents.shape, generator=torch.Generator().manual_seed(0))
+    s = torch.tensor([0.6])
+    with torch.no_grad():
+        ours = a.predict(tr.transformer, xt, s, b.text, controls=b.controls)
+        stock = a.predict(stock_tr.eval(), xt, s, b.text, controls=b.controls)
+        base = a.predict(load_component(tiny(family) / "transformer"), xt, s, b.text, controls=b.controls)
+    torch.testing.assert_close(ours, stock, rtol=1e-5, atol=1e-5)
+    assert (ours - base).abs().max() > 0
+
+    args = ["infer", str(tiny(family)), "-p", "a red circle", "--lora", res["lora"], "--steps", "2", "--width", "64",
+            "--height", "64", "--frames", "5", "-o", str(tmp_path / "img"), "--json"]
+    for folder in sorted(p for p in ds.iterdir() if p.name.startswith("control")):
+        args += ["--image", str(sorted(folder.iterdir())[0])]
+    r = run.invoke(app, args)
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.output)["loras"][0]["kinds"] == [kind]
