@@ -44,8 +44,26 @@ class ModelConfig(_Section):
         return v
 
 
+class DatasetConfig(_Section):
+    dir: Path = Field(description="the dataset folder")
+    weight: float = Field(1.0, gt=0, description="how often its items are seen relative to the others: each item "
+                                                 "weight x repeats times per epoch (fractions: that share of epochs)")
+    repeats: int | None = Field(None, ge=1, description="times each item is seen per epoch (default: data.repeats)")
+    role: Literal["train", "prior"] = Field("train", description="prior: class images for prior preservation "
+                                                                 "(mixed in at data.prior_ratio)")
+    loss_weight: float = Field(1.0, ge=0, description="its items' loss is multiplied by this (e.g. a prior "
+                                                      "dataset's prior-preservation weight)")
+    trigger: str | None = Field(None, description="text put before its captions (default: data.trigger)")
+
+
 class DataConfig(_Section):
-    dirs: list[Path] = Field(default_factory=list, description="dataset folders (images + .txt captions)")
+    dirs: list[Path] = Field(default_factory=list, description="dataset folders (images + .txt captions), each "
+                                                               "with the defaults below")
+    datasets: list[DatasetConfig] = Field(default_factory=list, description="dataset folders with their own "
+                                          "weight, repeats, role (train | prior), loss_weight and trigger; "
+                                          "used beside data.dirs")
+    prior_ratio: float | None = Field(None, gt=0, description="prior datasets are seen this many times per training "
+                                                              "item seen (their weights then share that out)")
     resolution: int = Field(1024, description="training resolution: buckets hold about resolution² pixels")
     buckets: bool = Field(True, description="aspect-ratio buckets (False: center-crop to a square)")
     bucket_min_side: int = Field(256, description="smallest bucket side in pixels")
@@ -53,6 +71,13 @@ class DataConfig(_Section):
     caption_ext: str = Field(".txt", description="caption file extension")
     caption_dropout: float = Field(0.0, ge=0.0, le=1.0, description="probability of training with an empty caption")
     trigger: str | None = Field(None, description="text put before every caption (e.g. a trigger word)")
+    caption_shuffle: bool = Field(False, description="shuffle comma-separated caption tags: each item is cached "
+                                                     "with caption_variants orderings (the first keep_tokens tags "
+                                                     "stay first) and a step trains on one of them")
+    keep_tokens: int = Field(1, ge=0, description="caption_shuffle: tags kept in place at the start (the trigger "
+                                                  "word is part of the first)")
+    caption_variants: int = Field(4, ge=2, le=32, description="caption_shuffle: orderings cached per item (the "
+                                                              "caption as written is the first)")
     repeats: int = Field(1, ge=1, description="times each item is seen per epoch")
     control_dirs: list[str] = Field(default_factory=lambda: ["control"],
                                     description="edit families: control image folders beside images/")
@@ -75,6 +100,14 @@ class DataConfig(_Section):
     @classmethod
     def _one_or_many(cls, v: Any) -> Any:
         return [v] if isinstance(v, (str, Path)) else v
+
+    def all_datasets(self) -> list[DatasetConfig]:
+        """Every dataset: data.dirs (with the defaults), then data.datasets; repeats and trigger filled in."""
+        out = [DatasetConfig(dir=d) for d in self.dirs] + [d.model_copy() for d in self.datasets]
+        for d in out:
+            d.repeats = d.repeats or self.repeats
+            d.trigger = d.trigger if d.trigger is not None else self.trigger
+        return out
 
     @field_validator("resolution", "bucket_min_side", "bucket_max_side")
     @classmethod
@@ -117,6 +150,15 @@ class DataConfig(_Section):
     @classmethod
     def _dot(cls, v: str) -> str:
         return v if v.startswith(".") else "." + v
+
+    @model_validator(mode="after")
+    def _prior(self) -> DataConfig:
+        roles = {d.role for d in self.datasets}
+        if self.prior_ratio is not None and "prior" not in roles:
+            raise ValueError("prior_ratio is set but no dataset has role: prior")
+        if roles == {"prior"} and not self.dirs:
+            raise ValueError("every dataset has role: prior; give a training dataset too")
+        return self
 
     @model_validator(mode="after")
     def _sides(self) -> DataConfig:
@@ -600,13 +642,15 @@ def check_paths(cfg: Config, model: bool = True, data: bool = True) -> None:
         elif not (mp / "model_index.json").is_file():
             problems.append(f"model.path: {mp} has no model_index.json (not a diffusers pipeline folder)")
     if data:
-        if not cfg.data.dirs:
+        if not cfg.data.dirs and not cfg.data.datasets:
             problems.append("data.dirs: no dataset folder given")
-        for d in cfg.data.dirs:
+        named = [("data.dirs", d) for d in cfg.data.dirs] + \
+                [(f"data.datasets[{k}].dir", d.dir) for k, d in enumerate(cfg.data.datasets)]
+        for key, d in named:
             if not d.exists():
-                problems.append(f"data.dirs: no such folder: {d}")
+                problems.append(f"{key}: no such folder: {d}")
             elif not d.is_dir():
-                problems.append(f"data.dirs: {d} is a file, not a dataset folder")
+                problems.append(f"{key}: {d} is a file, not a dataset folder")
         for k, c in enumerate(cfg.sampling.controls if cfg.sampling.enabled else ()):
             for p in [c] if isinstance(c, Path) else c:
                 if not p.is_file():

@@ -90,10 +90,12 @@ def build(cfg, force: bool = False, verify: bool = False, strict: bool = False, 
     identity = adapter.identity()
     settings = {"family": family, "dtype": cfg.model.dtype, "policy": POLICY,
                 "max_sequence_length": getattr(adapter, "max_sequence_length", None)}
+    if cfg.data.caption_shuffle:  # more encodings per item: a different entry
+        settings["caption_variants"] = [cfg.data.caption_variants, cfg.data.keep_tokens]
     planned = []
     for e in data.entries:
-        key = item_key([e.item.target, *e.item.controls, *([e.item.mask] if e.item.mask else [])], e.item.caption, identity, {**settings, **e.settings()},
-                       e.bucket)
+        sources = [e.item.target, *e.item.controls, *([e.item.mask] if e.item.mask else [])]
+        key = item_key(sources, e.item.caption, identity, {**settings, **e.settings()}, e.bucket)
         planned.append((e, e.bucket, key))
     keys = [k for _, _, k in planned]
     if verify and dist.main:
@@ -162,6 +164,7 @@ def _write_manifest(store, family, identity, settings, layout, empty, planned, s
         "family": family, "identity": identity, "settings": settings, "policy": POLICY,
         "empty_caption": empty if layout != "edit" else None,
         "items": [{"stem": e.item.stem, "label": e.label, "key": k, "bucket": list(b), "group": list(e.group),
+                   "dataset": e.dataset,
                    "caption": e.item.caption, "source": str(e.item.target),
                    "controls": [str(c) for c in e.item.controls], **e.settings()} for e, b, k in planned],
         "skipped": summary.skipped})
@@ -194,12 +197,32 @@ def _encode_batch(adapter, store: Store, batch, layout: str, cfg) -> int:
                     tensors[f"control_latents_{c}"] = lat
         texts = adapter.encode_prompts([it.caption], controls=[controls] if controls else None)
         tensors.update(texts[0])
+        if cfg.data.caption_shuffle:  # variants 1..N-1: the tags after the first keep_tokens shuffled
+            for v, caption in enumerate(caption_variants(it.caption, cfg.data.caption_variants,
+                                                         cfg.data.keep_tokens, key)[1:], start=1):
+                enc = adapter.encode_prompts([caption], controls=[controls] if controls else None)[0]
+                tensors.update({f"{k}@{v}": t for k, t in enc.items() if k in ("prompt_embeds", "pooled")})
         if layout == "edit" and cfg.data.caption_dropout > 0:  # an empty instruction still sees its controls
             tensors["empty_prompt_embeds"] = adapter.encode_prompts([""], controls=[controls])[0]["prompt_embeds"]
         store.put(key, tensors, {"stem": it.stem, "label": e.label, "caption": it.caption,
                                  "bucket": "x".join(str(x) for x in bucket)})
         stored += 1
     return stored
+
+
+def caption_variants(caption: str, n: int, keep: int, key: str) -> list[str]:
+    """The caption and n - 1 orderings of its comma-separated tags, the first `keep` in place (seeded by the
+    item's key, so a rebuild encodes the same ones)."""
+    import random
+
+    tags = [t.strip() for t in caption.split(",") if t.strip()]
+    rng = random.Random(key)
+    out = [caption]
+    for _ in range(n - 1):
+        rest = tags[keep:]
+        rng.shuffle(rest)
+        out.append(", ".join(tags[:keep] + rest))
+    return out
 
 
 def latent_mask(path, bucket, latent_shape):

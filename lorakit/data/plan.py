@@ -23,6 +23,7 @@ class Entry:
     bucket: tuple  # (width, height), video: (width, height, frames)
     window: Window | None = None
     control_sizes: list[tuple[int, int]] = field(default_factory=list)  # VAE size of each control (edit)
+    dataset: int = 0  # index in cfg.data.all_datasets()
 
     @property
     def label(self) -> str:
@@ -69,11 +70,11 @@ def plan_data(cfg) -> DataPlan:
                            cfg.data.bucket_max_side)
     sampling = cfg.data.sampling()
     out = DataPlan(layout)
-    for root in cfg.data.dirs:
-        root = Path(root)
+    for ds_index, ds in enumerate(cfg.data.all_datasets()):
+        root = Path(ds.dir)
         controls = control_dirs_for(cfg, root) if root.is_dir() else cfg.data.control_dirs
         s = scan(root, layout=layout, control_dirs=controls, caption_ext=cfg.data.caption_ext,
-                 min_side=cfg.data.bucket_min_side, trigger=cfg.data.trigger)
+                 min_side=cfg.data.bucket_min_side, trigger=ds.trigger)
         out.problems += [p.__dict__ for p in s.problems]
         before, problems_before = len(out.entries), len(out.problems) - len(s.problems)
         for it in s.items:
@@ -83,13 +84,14 @@ def plan_data(cfg) -> DataPlan:
             if layout == "video":
                 p = plan_windows(it.clip, sampling)
                 out.problems += [{"path": str(it.target), "code": c, "message": m} for c, m in p.problems]
-                out.entries += [Entry(it, (*bucket, w.frames), w) for w in p.windows]
+                out.entries += [Entry(it, (*bucket, w.frames), w, dataset=ds_index) for w in p.windows]
             elif layout == "edit":
                 sizes = [facts.control_size(w, h, cfg.data.control_resolution) for w, h in it.control_sizes]
-                out.entries.append(Entry(it, bucket, control_sizes=sizes))
+                out.entries.append(Entry(it, bucket, control_sizes=sizes, dataset=ds_index))
             else:
-                out.entries.append(Entry(it, bucket))
-        out.datasets.append({"dir": str(root), "layout": s.layout, "items": len(s.items),
+                out.entries.append(Entry(it, bucket, dataset=ds_index))
+        out.datasets.append({"dir": str(root), "role": ds.role, "weight": ds.weight, "layout": s.layout,
+                             "items": len(s.items),
                              "entries": len(out.entries) - before, "problems": len(out.problems) - problems_before,
                              "controls": controls if layout == "edit" else []})
     return out

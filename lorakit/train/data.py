@@ -15,6 +15,7 @@ class Batch:
     text: dict  # prompt_embeds (B, L, D) [+ prompt_embeds_mask (B, L)] [+ pooled (B, D)]
     controls: list  # per control index: (B, C, h, w)
     mask: object = None  # loss mask (B, 1, [1,] h, w) when any item has one (the others: ones)
+    weights: object = None  # per-item loss weight (B,) when a dataset has loss_weight != 1
 
 
 def drop_full_mask(batch: Batch) -> Batch:
@@ -27,40 +28,71 @@ def drop_full_mask(batch: Batch) -> Batch:
     if mask is None or not bool(mask.all()):
         return batch
     return Batch(batch.keys, batch.latents, {k: v for k, v in batch.text.items() if k != "prompt_embeds_mask"},
-                 batch.controls, batch.mask)
+                 batch.controls, batch.mask, batch.weights)
 
 
 class CachedData:
     """The items of a built cache, and the batch order of every epoch (a pure function of seed, epoch)."""
 
     def __init__(self, store: Store, manifest: dict, batch_size: int, seed: int, repeats: int = 1,
-                 hold_out: int = 0, in_memory: bool = False):
+                 hold_out: int = 0, in_memory: bool = False, datasets: list | None = None,
+                 prior_ratio: float | None = None):
+        """`datasets`: cfg.data.all_datasets() (weight, repeats, role, loss_weight of each, by the manifest's
+        dataset index); without it every item is seen `repeats` times per epoch."""
         import random
 
         self.store = store
         self.memo: dict | None = {} if in_memory else None  # memory.cache_in_memory: each entry read once
         items = list(manifest["items"])
-        if hold_out and hold_out >= len(items):
+        ds = datasets or []
+
+        def of(it):
+            return ds[it.get("dataset", 0)] if ds else None
+
+        trainable = [i for i, it in enumerate(items) if not of(it) or of(it).role == "train"]
+        if hold_out and hold_out >= len(trainable):
             from lorakit.errors import ConfigError
 
             raise ConfigError([f"validation.items: {hold_out} would leave no item to train on "
-                               f"(the cache has {len(items)})"])
-        held = set(random.Random(seed).sample(range(len(items)), hold_out)) if hold_out else set()
+                               f"(the cache has {len(trainable)})"])
+        held = set(random.Random(seed).sample(trainable, hold_out)) if hold_out else set()
         self.validation = [it for i, it in enumerate(items) if i in held]  # fixed by the seed
         self.items = [it for i, it in enumerate(items) if i not in held]
         self.empty_key = manifest.get("empty_caption")
         self.batch_size = batch_size
         self.seed = seed
-        self.bucket_of = {}
-        for it in self.items:
-            for r in range(repeats):
-                self.bucket_of[f"{it['key']}#{r}"] = tuple(it.get("group", it["bucket"]))  # + control sizes
+        # visits per epoch of each item: repeats x weight; prior datasets scaled to prior_ratio x the training ones
+        self.visits = {it["key"]: (of(it).repeats * of(it).weight if of(it) else repeats) for it in self.items}
+        prior = [it["key"] for it in self.items if of(it) and of(it).role == "prior"]
+        if prior and prior_ratio:
+            train_total = sum(v for k, v in self.visits.items() if k not in set(prior))
+            scale = prior_ratio * train_total / sum(self.visits[k] for k in prior)
+            for k in prior:
+                self.visits[k] *= scale
+        self.loss_weight = {it["key"]: of(it).loss_weight for it in self.items if of(it)}
+        self.group = {it["key"]: tuple(it.get("group", it["bucket"])) for it in self.items}  # + control sizes
         self._epoch_cache: dict[int, list] = {}
         self._empty = None
 
+    def epoch_items(self, e: int) -> dict:
+        """The epoch's visits (key#r -> group): whole visits always, a fraction in that share of epochs."""
+        import random
+
+        rng = random.Random(self.seed * 7919 + e)
+        out = {}
+        for key, v in self.visits.items():
+            n = int(v)
+            if v - n > 1e-9 and rng.random() < v - n:
+                n += 1
+            for r in range(n):
+                out[f"{key}#{r}"] = self.group[key]
+        if not out:  # every item a fraction, none drawn: the most weighted one
+            out[f"{max(self.visits, key=self.visits.get)}#0"] = self.group[max(self.visits, key=self.visits.get)]
+        return out
+
     def epoch(self, e: int) -> list[list[str]]:
         if e not in self._epoch_cache:
-            self._epoch_cache = {e: batches(self.bucket_of, self.batch_size, self.seed * 1000 + e)}
+            self._epoch_cache = {e: batches(self.epoch_items(e), self.batch_size, self.seed * 1000 + e)}
         return self._epoch_cache[e]
 
     def batch_at(self, index: int) -> list[str]:
@@ -85,13 +117,15 @@ class CachedData:
             self.memo[key] = self.store.get(key)
         return self.memo[key]
 
-    def load(self, keys: list[str], drop: list[bool] | None = None) -> Batch:
+    def load(self, keys: list[str], drop: list[bool] | None = None, variants: list[int] | None = None) -> Batch:
+        """`variants`: which cached caption ordering each item uses (data.caption_shuffle; 0: as written)."""
         import torch
 
         entries = [self.entry(k) for k in keys]
         texts = []
         for i, e in enumerate(entries):
-            t = {k: v for k, v in e.items() if k in ("prompt_embeds", "pooled")}
+            v = variants[i] if variants else 0
+            t = {k: e[f"{k}@{v}"] if v else e[k] for k in ("prompt_embeds", "pooled") if k in e}
             if drop and drop[i]:
                 if "empty_prompt_embeds" in e:
                     t["prompt_embeds"] = e["empty_prompt_embeds"]
@@ -115,4 +149,8 @@ class CachedData:
         if any(m is not None for m in masks):
             like = next(m for m in masks if m is not None)
             mask = torch.stack([m if m is not None else torch.ones_like(like) for m in masks]).float()
-        return drop_full_mask(Batch(keys, torch.stack([e["latents"] for e in entries]), text, controls, mask))
+        weights = None
+        if any(self.loss_weight.get(k, 1.0) != 1.0 for k in keys):
+            weights = torch.tensor([self.loss_weight.get(k, 1.0) for k in keys], dtype=torch.float32)
+        return drop_full_mask(Batch(keys, torch.stack([e["latents"] for e in entries]), text, controls, mask,
+                                    weights))

@@ -79,6 +79,8 @@ class Trainer:
             m = batch.mask.to(self.device, torch.float32).expand_as(err)
             per = (err * m).flatten(1).sum(1) / m.flatten(1).sum(1).clamp_min(1e-6)
         w = fm.loss_weight(sigmas.to(self.device), self.cfg.schedule.loss_weighting).float()
+        if batch.weights is not None:  # the item's dataset loss_weight (prior preservation)
+            w = w * batch.weights.to(self.device)
         return (per * w).mean() if reduce == "mean" else (per * w).sum()
 
     def train_step(self) -> float:
@@ -96,7 +98,11 @@ class Trainer:
             idx, weight = d.share(range(n)), 1.0
             if not idx:  # fewer items than ranks: run one with weight 0 (collectives stay in step)
                 idx, weight = [0], 0.0
-            batch = self.data.load([keys[i] for i in idx], [drop[i] for i in idx])
+            variants = None
+            if self.cfg.data.caption_shuffle:  # one of the item's cached tag orderings
+                v = torch.randint(self.cfg.data.caption_variants, (n,), generator=g).tolist()
+                variants = [v[i] for i in idx]
+            batch = self.data.load([keys[i] for i in idx], [drop[i] for i in idx], variants)
             seq = (batch.latents.shape[-1] // 2) * (batch.latents.shape[-2] // 2)
             sigmas = fm.sample_sigmas(n, s.timesteps, g, shift=s.shift, logit_mean=s.logit_mean,
                                       logit_std=s.logit_std, image_seq_len=seq, scheduler_config=self.sched_cfg,
@@ -209,7 +215,8 @@ def run(cfg, prov: dict, resume: str | None = None, progress=None, stop_at: int 
     mark("cached")
     store = Store(cache_dir_for(cfg))
     data = CachedData(store, store.read_manifest(), cfg.schedule.batch_size * d.world, cfg.seed, cfg.data.repeats,
-                      hold_out=cfg.validation.items, in_memory=cfg.memory.cache_in_memory)
+                      hold_out=cfg.validation.items, in_memory=cfg.memory.cache_in_memory,
+                      datasets=cfg.data.all_datasets(), prior_ratio=cfg.data.prior_ratio)
     conds = sampling.conditions(cfg, adapter, data) if cfg.sampling.enabled else None  # encoded now, once
     if conds and cfg.memory.free_encoders_after_cache:
         adapter.unload(list(adapter.text_parts))

@@ -92,7 +92,7 @@ def controls_in_use(cfg, adapter) -> int:
         return 0
     from lorakit.data.check import control_dirs_for
 
-    counts = [len(control_dirs_for(cfg, Path(d))) for d in cfg.data.dirs if Path(d).is_dir()]
+    counts = [len(control_dirs_for(cfg, Path(d))) for d in (x.dir for x in cfg.data.all_datasets()) if Path(d).is_dir()]
     return min(max(counts), adapter.max_controls) if counts else adapter.max_controls
 
 
