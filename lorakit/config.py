@@ -305,6 +305,16 @@ class SamplingConfig(_Section):
     size: int | None = Field(None, description="sample side in pixels (default: data.resolution)")
 
 
+class LoggingConfig(_Section):
+    wandb: bool = Field(False, description="also log metrics, the config and sample grids to Weights & Biases "
+                                           "(pip install 'lorakit[wandb]'); WANDB_MODE=offline works without "
+                                           "a network (wandb sync later)")
+    wandb_project: str = Field("lorakit", description="W&B project")
+    wandb_run_name: str | None = Field(None, description="W&B run name (default: output.name and the time)")
+    wandb_mode: Literal["online", "offline"] | None = Field(None, description="W&B mode (default: WANDB_MODE, "
+                                                                             "else online)")
+
+
 class EmaConfig(_Section):
     enabled: bool = Field(False, description="keep an exponential moving average of the trained LoRA weights; "
                                              "samples, checkpoints' LoRA files and the final LoRA use it")
@@ -348,6 +358,7 @@ class Config(_Section):
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
     output: OutputConfig = Field(default_factory=OutputConfig)
     ema: EmaConfig = Field(default_factory=EmaConfig)
+    logging: LoggingConfig = Field(default_factory=LoggingConfig)
     validation: ValidationConfig = Field(default_factory=ValidationConfig)
 
     @model_validator(mode="after")

@@ -196,6 +196,10 @@ def run(cfg, prov: dict, resume: str | None = None, progress=None, stop_at: int 
     note = Notes(warn)  # the run's warnings, each also passed on as it happens
     mark = Timeline()  # seconds since run() began, by phase: how long a user waits, and on what
     check_paths(cfg, model=True, data=True)  # every path problem at once, before anything is loaded
+    if cfg.logging.wandb:
+        from lorakit.train.report import require_wandb
+
+        require_wandb()
     device, dtype = device_and_dtype(cfg)
     if device.startswith("cuda") and cfg.memory.expandable_segments:
         memory.expandable_segments()
@@ -239,10 +243,10 @@ def run(cfg, prov: dict, resume: str | None = None, progress=None, stop_at: int 
     if progress and d.main:
         progress(tr.step, cfg.schedule.steps, {"start": True, "global_batch": tr.global_batch, "world": d.world,
                                                 "resumed": resumed})
-    log = MetricsLog(out, tr.step if resume else None, main=d.main, warn=note)
+    log = MetricsLog(out, tr.step if resume else None, main=d.main, warn=note, cfg=cfg)
     sampler = sampling.Sampler(tr, conds, out / "samples", warn=note) if conds and (d.main or tr.sharded) else None
     if sampler and tr.step == 0:  # FSDP: every rank takes part in the forward passes
-        sampler(0, write=d.main)
+        log.image("samples", sampler(0, write=d.main), 0)
         mark("first_samples")
     t_start = time.perf_counter()
     end = cfg.schedule.steps if stop_at is None else min(stop_at, cfg.schedule.steps)
@@ -266,7 +270,7 @@ def run(cfg, prov: dict, resume: str | None = None, progress=None, stop_at: int 
                 if progress and d.main:
                     progress(tr.step, cfg.schedule.steps, rec)
                 if sampler and cfg.sampling.every and tr.step % cfg.sampling.every == 0:
-                    sampler(tr.step, write=d.main)
+                    log.image("samples", sampler(tr.step, write=d.main), tr.step)
                 if cfg.output.save_every and tr.step % cfg.output.save_every == 0:
                     tr.save()
                 tr.stop_requested = d.total(float(tr.stop_requested)) > 0  # a signal to any rank stops them all
@@ -277,7 +281,7 @@ def run(cfg, prov: dict, resume: str | None = None, progress=None, stop_at: int 
     early = bool(tr.best and tr.best.stop)  # validation.patience: no new best in that many checks
     interrupted = tr.step < cfg.schedule.steps and not early  # a signal after the last step still gets the LoRA
     if sampler and not interrupted and not (cfg.sampling.every and tr.step % cfg.sampling.every == 0):
-        sampler(tr.step, write=d.main)
+        log.image("samples", sampler(tr.step, write=d.main), tr.step)
     ck = tr.save(final=not interrupted)
     result = {"steps": tr.step, "interrupted": interrupted, "checkpoint": str(ck), "metrics": str(log.path),
               "seconds": round(time.perf_counter() - t_start, 2), "cache": cache.to_dict(), "profile": prov,
@@ -302,5 +306,7 @@ def run(cfg, prov: dict, resume: str | None = None, progress=None, stop_at: int 
     if not interrupted and d.main:
         result.update(checkpoint.export(tr, best_ck if early else ck), consumer_check=tr.consumer_check)
         result["loss_curve"] = str(loss_curve(log.path, out / "loss_curve.png"))
+    log.finish({k: result[k] for k in ("steps", "seconds", "peak_gpu_gib") if k in result}
+               | ({"best_step": result["best"]["step"]} if "best" in result else {}))
     d.barrier()
     return result

@@ -74,14 +74,17 @@ class MetricsLog:
     convenience: when its writer fails (a full disk), it is turned off with one warning, and its background
     thread's traceback is not printed; metrics.jsonl failing is an error naming the file."""
 
-    def __init__(self, out_dir: Path, resumed_at: int | None, main: bool = True, warn=None):
+    def __init__(self, out_dir: Path, resumed_at: int | None, main: bool = True, warn=None, cfg=None):
         self.path = out_dir / "metrics.jsonl"
         self.main = main
         self.warn = warn or (lambda msg: None)
         self.tb = None
+        self.wandb = None
         self._hook = None
         if not main:
             return
+        if cfg is not None and cfg.logging.wandb:
+            self.wandb = start_wandb(cfg, out_dir, resumed_at)
         from lorakit.io import atomic_path
 
         if self.path.exists():
@@ -132,6 +135,39 @@ class MetricsLog:
                         self.tb.add_scalar(f"train/{k}", v, rec["step"])
             except Exception as e:  # noqa: BLE001 - any writer fault only turns TensorBoard off
                 self._tb_failed(e)
+        if self.wandb is not None:
+            try:
+                self.wandb.log({f"train/{k}": v for k, v in rec.items() if k not in ("step", "time")},
+                               step=rec["step"])
+            except Exception as e:  # noqa: BLE001 - a logging service fault does not stop training
+                self._wandb_failed(e)
+
+    def image(self, name: str, path: Path | None, step: int) -> None:
+        """A sample grid to W&B (metrics.jsonl and TensorBoard take scalars only)."""
+        if self.wandb is not None and path is not None:
+            try:
+                import wandb
+
+                self.wandb.log({name: wandb.Image(str(path))}, step=step)
+            except Exception as e:  # noqa: BLE001
+                self._wandb_failed(e)
+
+    def _wandb_failed(self, e: BaseException) -> None:
+        from lorakit.errors import short
+
+        self.wandb = None
+        self.warn(f"W&B logging turned off: {short(e, 120)} (metrics.jsonl goes on)")
+
+    def finish(self, summary: dict | None = None) -> None:
+        """End the W&B run (after the last samples), with the run's result in its summary."""
+        if self.wandb is not None:
+            try:
+                if summary:
+                    self.wandb.summary.update(summary)
+                self.wandb.finish()
+            except Exception as e:  # noqa: BLE001
+                self._wandb_failed(e)
+            self.wandb = None
 
     def close(self) -> None:
         import threading
@@ -144,6 +180,33 @@ class MetricsLog:
         if self._hook is not None:
             threading.excepthook = self._hook
             self._hook = None
+
+
+def require_wandb():
+    """wandb, or an environment fault saying how to get it (checked before any weights load)."""
+    try:
+        import wandb
+    except ImportError:
+        from lorakit.errors import EnvironmentFault
+
+        raise EnvironmentFault("logging.wandb is on but wandb is not installed",
+                               "pip install 'lorakit[wandb]', or --set logging.wandb=false") from None
+    return wandb
+
+
+def start_wandb(cfg, out_dir: Path, resumed_at: int | None):
+    """A W&B run for this training run (its id kept in the output folder, so a resumed run continues it)."""
+    import time
+
+    wandb = require_wandb()
+
+    id_file = out_dir / "wandb_id.txt"
+    run_id = id_file.read_text().strip() if resumed_at is not None and id_file.is_file() else None
+    run = wandb.init(project=cfg.logging.wandb_project, dir=str(out_dir), config=cfg.to_dict(),
+                     name=cfg.logging.wandb_run_name or f"{cfg.output.name}-{time.strftime('%Y%m%d-%H%M%S')}",
+                     mode=cfg.logging.wandb_mode, id=run_id, resume="allow" if run_id else None)
+    id_file.write_text(run.id)
+    return run
 
 
 def peak_rss_gib() -> float:

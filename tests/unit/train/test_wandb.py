@@ -1,0 +1,38 @@
+"""Optional Weights & Biases logging: offline, without a network; a resumed run continues the same W&B run."""
+
+import sys
+
+import pytest
+
+from lorakit.train.loop import run
+from tests.unit.train.test_loop import make_cfg
+
+
+def test_offline_wandb_gets_the_metrics_the_samples_and_the_summary(tmp_path, tiny, monkeypatch):
+    pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    cfg = make_cfg(tmp_path, "flux", tiny("flux"), steps=3, sampling={"steps": 2},
+                   logging={"wandb": True, "wandb_mode": "offline", "wandb_project": "t"})
+    res = run(cfg, {}, stop_at=2)
+    out = tmp_path / "out"
+    first = (out / "wandb_id.txt").read_text()
+    res = run(cfg, {}, resume="latest")
+    assert res["steps"] == 3 and not res["warnings"]
+    assert (out / "wandb_id.txt").read_text() == first  # the resumed run continues the same W&B run
+    runs = sorted((out / "wandb").glob(f"offline-run-*-{first}"))
+    assert len(runs) == 2
+    # offline runs are W&B's own record log (read by `wandb sync`); its protobuf strings are stored as they are
+    log = [next(r.glob("run-*.wandb")).read_bytes() for r in runs]
+    assert log[0].count(b"train/loss") >= 2 and log[1].count(b"train/loss") >= 1  # steps 1-2, then 3
+    assert b'"steps"' in log[1] and b"train/val_loss" not in log[1]
+    assert [sorted(p.name.split("_")[1] for p in (r / "files" / "media" / "images").glob("samples_*.png"))
+            for r in runs] == [["0"], ["3"]]  # the grids before training and at the end
+
+
+def test_wandb_asked_for_but_not_installed_is_an_environment_fault(tmp_path, tiny, monkeypatch):
+    from lorakit.errors import EnvironmentFault
+
+    monkeypatch.setitem(sys.modules, "wandb", None)  # import wandb now raises ImportError
+    cfg = make_cfg(tmp_path, "flux", tiny("flux"), steps=2, logging={"wandb": True})
+    with pytest.raises(EnvironmentFault, match="wandb is not installed"):
+        run(cfg, {})
