@@ -97,16 +97,41 @@ def _default_config(tmp_path, family, model) -> tuple:
     return path, data
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("family", FAMILIES)
-def test_default_config_runs_every_path(tmp_path, tiny, family):
+def _resumed(tmp_path, tiny, family, path, overrides):
+    """The run's final checkpoint resumed into a Trainer (eval mode): (cfg, adapter, data, trainer)."""
     from lorakit.cache.builder import cache_dir_for
     from lorakit.cache.store import Store
     from lorakit.config import resolve
-    from lorakit.convert import lora as L
     from lorakit.io.modules import load_component
     from lorakit.train.data import CachedData
     from lorakit.train.loop import Trainer
+
+    cfg, _ = resolve(path, overrides, None)
+    a = load_adapter(family, tiny(family))
+    st = Store(cache_dir_for(cfg))
+    data = CachedData(st, st.read_manifest(), 1, 0)
+    tr = Trainer(cfg, a, load_component(tiny(family) / "transformer"), data, tmp_path / "x", "cpu", torch.float32)
+    tr.resume(tmp_path / "out" / "checkpoints" / "final")
+    tr.transformer.eval()
+    return cfg, a, data, tr
+
+
+def _infer(run, tiny, family, ds, lora, tmp_path):
+    """`lorakit infer` with the LoRA through the CLI (edit families from a control image of the dataset)."""
+    args = ["infer", str(tiny(family)), "-p", "a red circle", "--lora", lora, "--steps", "2", "--width", "64",
+            "--height", "64", "--frames", "5", "-o", str(tmp_path / "img"), "--json"]
+    for folder in sorted(p for p in ds.iterdir() if p.name.startswith("control")):
+        args += ["--image", str(sorted(folder.iterdir())[0])]
+    r = run.invoke(app, args)
+    assert r.exit_code == 0, r.output
+    return r
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", FAMILIES)
+def test_default_config_runs_every_path(tmp_path, tiny, family):
+    from lorakit.convert import lora as L
+    from lorakit.io.modules import load_component
 
     run = CliRunner()
     path, ds = _default_config(tmp_path, family, tiny(family))
@@ -123,13 +148,7 @@ def test_default_config_runs_every_path(tmp_path, tiny, family):
     assert len(losses) == 3 and all(torch.isfinite(torch.tensor(losses)))
 
     # the LoRA moved the model, and stock diffusers reproduces lorakit's predictions from the file
-    cfg, _ = resolve(path, [], None)
-    a = load_adapter(family, tiny(family))
-    st = Store(cache_dir_for(cfg))
-    data = CachedData(st, st.read_manifest(), 1, 0)
-    tr = Trainer(cfg, a, load_component(tiny(family) / "transformer"), data, tmp_path / "x", "cpu", torch.float32)
-    tr.resume(tmp_path / "out" / "checkpoints" / "final")
-    tr.transformer.eval()
+    cfg, a, data, tr = _resumed(tmp_path, tiny, family, path, [])
     pipe = a.pipeline_class().from_pretrained(tiny(family))
     pipe.load_lora_weights(res["lora"])
     b = data.load([data.items[0]["key"]])
@@ -154,12 +173,7 @@ def test_default_config_runs_every_path(tmp_path, tiny, family):
         assert L.deltas_equal(pieces, back)[0]
 
     # infer with the LoRA through the CLI (edit families from a control image of the dataset)
-    args = ["infer", str(tiny(family)), "-p", "a red circle", "--lora", res["lora"], "--steps", "2", "--width", "64",
-            "--height", "64", "--frames", "5", "-o", str(tmp_path / "img"), "--json"]
-    for folder in sorted(p for p in ds.iterdir() if p.name.startswith("control")):
-        args += ["--image", str(sorted(folder.iterdir())[0])]
-    r = run.invoke(app, args)
-    assert r.exit_code == 0, r.output
+    r = _infer(run, tiny, family, ds, res["lora"], tmp_path)
     assert len(json.loads(r.output)["files"]) == 1
 
 
@@ -172,13 +186,8 @@ def test_lycoris_adapters_train_and_stock_peft_reproduces_them(tmp_path, tiny, f
     patches, and lorakit infer applies it."""
     from peft import LoHaConfig, LoKrConfig, inject_adapter_in_model, set_peft_model_state_dict
 
-    from lorakit.cache.builder import cache_dir_for
-    from lorakit.cache.store import Store
-    from lorakit.config import resolve
     from lorakit.io import load
     from lorakit.io.modules import load_component
-    from lorakit.train.data import CachedData
-    from lorakit.train.loop import Trainer
 
     run = CliRunner()
     path, ds = _default_config(tmp_path, family, tiny(family))
@@ -187,13 +196,7 @@ def test_lycoris_adapters_train_and_stock_peft_reproduces_them(tmp_path, tiny, f
     assert r.exit_code == 0, r.output
     res = json.loads(r.output)
     assert res["consumer_check"]["comfyui"] == "equal"
-    cfg, _ = resolve(path, [f"lora.type={kind}"], None)
-    a = load_adapter(family, tiny(family))
-    st = Store(cache_dir_for(cfg))
-    data = CachedData(st, st.read_manifest(), 1, 0)
-    tr = Trainer(cfg, a, load_component(tiny(family) / "transformer"), data, tmp_path / "x", "cpu", torch.float32)
-    tr.resume(tmp_path / "out" / "checkpoints" / "final")
-    tr.transformer.eval()
+    cfg, a, data, tr = _resumed(tmp_path, tiny, family, path, [f"lora.type={kind}"])
 
     sd = {k.removeprefix("transformer."): v for k, v in load(res["lora"]).items()}
     assert all(".lokr_" in k or ".hada_" in k for k in sd)
@@ -215,10 +218,5 @@ def test_lycoris_adapters_train_and_stock_peft_reproduces_them(tmp_path, tiny, f
     torch.testing.assert_close(ours, stock, rtol=1e-5, atol=1e-5)
     assert (ours - base).abs().max() > 0
 
-    args = ["infer", str(tiny(family)), "-p", "a red circle", "--lora", res["lora"], "--steps", "2", "--width", "64",
-            "--height", "64", "--frames", "5", "-o", str(tmp_path / "img"), "--json"]
-    for folder in sorted(p for p in ds.iterdir() if p.name.startswith("control")):
-        args += ["--image", str(sorted(folder.iterdir())[0])]
-    r = run.invoke(app, args)
-    assert r.exit_code == 0, r.output
+    r = _infer(run, tiny, family, ds, res["lora"], tmp_path)
     assert json.loads(r.output)["loras"][0]["kinds"] == [kind]
