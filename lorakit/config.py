@@ -71,6 +71,9 @@ class DataConfig(_Section):
     caption_ext: str = Field(".txt", description="caption file extension")
     caption_dropout: float = Field(0.0, ge=0.0, le=1.0, description="probability of training with an empty caption")
     trigger: str | None = Field(None, description="text put before every caption (e.g. a trigger word)")
+    alpha_mask: bool = Field(False, description="image families: each image's alpha channel is its loss mask "
+                                                "(opaque trains, transparent is ignored); a masks/ folder, where "
+                                                "there is one, comes first")
     caption_shuffle: bool = Field(False, description="shuffle comma-separated caption tags: each item is cached "
                                                      "with caption_variants orderings (the first keep_tokens tags "
                                                      "stay first) and a step trains on one of them")

@@ -95,7 +95,8 @@ def build(cfg, force: bool = False, verify: bool = False, strict: bool = False, 
     planned = []
     for e in data.entries:
         sources = [e.item.target, *e.item.controls, *([e.item.mask] if e.item.mask else [])]
-        key = item_key(sources, e.item.caption, identity, {**settings, **e.settings()}, e.bucket)
+        mask_kind = {"mask_alpha": True} if e.item.mask_alpha else {}
+        key = item_key(sources, e.item.caption, identity, {**settings, **e.settings(), **mask_kind}, e.bucket)
         planned.append((e, e.bucket, key))
     keys = [k for _, _, k in planned]
     if verify and dist.main:
@@ -190,7 +191,7 @@ def _encode_batch(adapter, store: Store, batch, layout: str, cfg) -> int:
         else:
             tensors["latents"] = adapter.encode_images(to_pixels([fit(open_image(it.target), bucket)]))[0]
             if it.mask is not None:  # the loss mask at latent resolution (each latent: its pixels' mean)
-                tensors["loss_mask"] = latent_mask(it.mask, bucket, tensors["latents"].shape)
+                tensors["loss_mask"] = latent_mask(it.mask, bucket, tensors["latents"].shape, it.mask_alpha)
             if layout == "edit":
                 controls = [open_image(c) for c in it.controls]
                 for c, lat in enumerate(adapter.encode_controls(controls, cfg.data.control_resolution)):
@@ -225,15 +226,16 @@ def caption_variants(caption: str, n: int, keep: int, key: str) -> list[str]:
     return out
 
 
-def latent_mask(path, bucket, latent_shape):
-    """A mask image (white: trained, black: ignored, grey: weighted) cropped as its target is, averaged over
-    each latent's pixels: shape (1, [1, ...,] h, w), broadcasting over the latent's channels."""
+def latent_mask(path, bucket, latent_shape, alpha: bool = False):
+    """A mask image (white: trained, black: ignored, grey: weighted; or an image's alpha channel: opaque
+    trained) cropped as its target is, averaged over each latent's pixels: shape (1, [1, ...,] h, w),
+    broadcasting over the latent's channels."""
     import numpy as np
     import torch
 
-    from lorakit.data.dataset import open_image
+    from lorakit.data.dataset import open_alpha
 
-    m = fit(open_image(path).convert("L"), bucket)
+    m = fit(open_alpha(path) if alpha else open_image(path).convert("L"), bucket)
     t = torch.from_numpy(np.asarray(m, dtype=np.float32) / 255.0)[None, None]
     h, w = latent_shape[-2:]
     t = torch.nn.functional.interpolate(t, size=(h, w), mode="area")[0]

@@ -39,6 +39,7 @@ class Item:
     control_sizes: list[tuple[int, int]] = field(default_factory=list)  # (width, height) of each control
     clip: ClipInfo | None = None  # frame times (video layout)
     mask: Path | None = None  # loss mask (masks/<stem>.*): white trains, black is ignored
+    mask_alpha: bool = False  # the mask is `mask`'s alpha channel (data.alpha_mask: the target's own)
 
 
 @dataclass
@@ -93,6 +94,24 @@ def _to_8bit(im, path: Path):
                          "(HDR or linear data?), so their scale cannot be known",
                          "tone-map it to 0..1 or save an 8-bit PNG")
     return im
+
+
+def has_alpha(path: Path) -> bool:
+    """Whether an image file carries transparency (an alpha channel or a transparent palette entry)."""
+    from PIL import Image
+
+    with Image.open(path) as im:
+        return im.mode in ("RGBA", "LA", "PA", "La", "RGBa") or (im.mode == "P" and "transparency" in im.info)
+
+
+def open_alpha(path: Path):
+    """The alpha channel of an image file as an 8-bit L image, EXIF orientation applied."""
+    from PIL import Image, ImageOps
+
+    with Image.open(path) as im:
+        im = ImageOps.exif_transpose(im)
+        im.load()
+        return _to_8bit(im, Path(path)).convert("RGBA").getchannel("A")
 
 
 def open_image(path: Path):
@@ -231,7 +250,7 @@ def detect_layout(root: Path) -> str:
 
 
 def scan(root, layout: str = "auto", control_dirs=("control",), caption_ext: str = ".txt", min_side: int = 256,
-         trigger: str | None = None, check_images: bool = True) -> Scan:
+         trigger: str | None = None, check_images: bool = True, alpha_mask: bool = False) -> Scan:
     """Find items and every problem (never stops at the first); every entry is used or reported."""
     root = Path(root)
     if not root.is_dir():
@@ -243,7 +262,7 @@ def scan(root, layout: str = "auto", control_dirs=("control",), caption_ext: str
     if layout == "flat":
         listing = _list(root, IMAGE_EXTS, caption_ext)
         masks = _masks(s, root, listing)
-        used = _items(s, listing, {}, caption_ext, min_side, trigger, check_images, masks)
+        used = _items(s, listing, {}, caption_ext, min_side, trigger, check_images, masks, alpha_mask)
         _report_unused(s, listing, used, what="n image", folders_used={"masks"})
     elif layout == "edit":
         top = _list(root, (), None)
@@ -262,7 +281,7 @@ def scan(root, layout: str = "auto", control_dirs=("control",), caption_ext: str
                 s.problems.append(Problem(str(clist.media[stem]), "no-target", "control without a target in images/"))
             controls[name] = clist.media
         masks = _masks(s, root, listing)
-        used = _items(s, listing, controls, caption_ext, min_side, trigger, check_images, masks)
+        used = _items(s, listing, controls, caption_ext, min_side, trigger, check_images, masks, alpha_mask)
         _report_unused(s, listing, used, what="n image")
         _report_unused(s, top, set(), folders_used={"images", "masks", *control_dirs})
     else:
@@ -286,7 +305,7 @@ def _masks(s: Scan, root: Path, targets: _Listing) -> dict | None:
 
 
 def _items(s: Scan, listing: _Listing, controls: dict, ext: str, min_side: int, trigger, check: bool,
-           masks: dict | None = None) -> set[str]:
+           masks: dict | None = None, alpha_mask: bool = False) -> set[str]:
     """Items from a listing's media; returns the stems whose captions were used."""
     used = set()
     for stem, path in listing.media.items():
@@ -302,8 +321,14 @@ def _items(s: Scan, listing: _Listing, controls: dict, ext: str, min_side: int, 
                 ctrl.append(cmedia[stem])
                 if check:
                     sizes.append(_check_image(cmedia[stem], min_side, s.problems))
-        mask = None
-        if masks is not None:
+        mask, alpha = None, False
+        if masks is None and alpha_mask and size:  # data.alpha_mask: the image's own transparency
+            if has_alpha(path):
+                mask, alpha = path, True
+            else:
+                s.problems.append(Problem(str(path), "no-alpha", "data.alpha_mask is on but this image has no "
+                                                                 "alpha channel (give it one, or a masks/ file)"))
+        elif masks is not None:
             mask = masks.get(stem)
             if mask is None:
                 s.problems.append(Problem(str(path), "no-mask", "target without a mask in masks/ (every item "
@@ -314,7 +339,7 @@ def _items(s: Scan, listing: _Listing, controls: dict, ext: str, min_side: int, 
                     s.problems.append(Problem(str(mask), "mask-size", f"mask is {msize[0]}x{msize[1]}, its image "
                                                                       f"{size[0]}x{size[1]}"))
         if len(s.problems) == before:
-            s.items.append(Item(stem, path, caption, ctrl, size, control_sizes=sizes, mask=mask))
+            s.items.append(Item(stem, path, caption, ctrl, size, control_sizes=sizes, mask=mask, mask_alpha=alpha))
     return used
 
 

@@ -81,3 +81,24 @@ def test_every_item_needs_its_mask_and_the_same_size(tmp_path, tiny):
     assert ("no-mask", masks[0].name) in codes
     assert ("mask-size", masks[1].name) in codes
     assert ("no-target", "stray.png") in codes
+
+
+def test_the_alpha_channel_is_the_mask_when_asked(tmp_path, tiny):
+    cfg = make_cfg(tmp_path, "flux", tiny("flux"), steps=2, data={"alpha_mask": True})
+    root = cfg.data.dirs[0]
+    for img in sorted(p for p in root.iterdir() if p.suffix != ".txt")[:3]:  # three PNGs with alpha, one without
+        im = Image.open(img).convert("RGBA")
+        a = Image.new("L", im.size, 0)
+        a.paste(255, (0, 0, im.width // 2, im.height))
+        im.putalpha(a)
+        img.unlink()
+        im.save(img.with_suffix(".png"))
+    problems = scan(root, min_side=32, alpha_mask=True).problems
+    assert [(p.code, os.path.basename(p.path)) for p in problems] == [("no-alpha", "item_003.webp")]
+    build(cfg, adapter=load_adapter("flux", tiny("flux")))
+    st = Store(cache_dir_for(cfg))
+    man = st.read_manifest()
+    assert len(man["items"]) == 3
+    m = st.get(man["items"][0]["key"])["loss_mask"]
+    w = m.shape[-1]
+    assert torch.all(m[..., : w // 2] == 1) and torch.all(m[..., w // 2:] == 0)
