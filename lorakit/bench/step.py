@@ -110,7 +110,7 @@ class SyntheticData:
     def batch_at(self, index: int) -> list[str]:
         return self.batch.keys * self.copies
 
-    def load(self, keys, drop=None):
+    def load(self, keys, drop=None, variants=None):
         from lorakit.train.data import drop_full_mask
 
         return drop_full_mask(self.batch)
