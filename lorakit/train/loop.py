@@ -296,7 +296,7 @@ def run(cfg, prov: dict, resume: str | None = None, progress=None, stop_at: int 
     best_ck = out / "checkpoints" / "best"
     if tr.best and tr.best.step is not None:
         result["best"] = {**tr.best.report(), "checkpoint": str(best_ck)}
-        if sampler and tr.best.step != tr.step:  # the best step's samples beside the others
+        if sampler and tr.best.step != tr.step and not tr.full:  # the best step's samples beside the others
             with checkpoint.weights_of(tr, best_ck):
                 result["best"]["samples"] = str(sampler(tr.best.step, write=d.main, name="best"))
     if early:
