@@ -30,12 +30,12 @@ case $1 in
         e2e 160 infer --family flux --profile rtx4090 --cap 24 --no-stock
         left=$((575 - SECONDS)); [ $left -gt 90 ] && e2e $left infer --family flux --profile datacenter \
           --lora $W/flux-rtx4090-cap24/run/lora.safetensors ;;
-  flux-infer-4090) rm -rf $M/qwen*  # infer under a 24 GiB cap: streamed blocks, then each component whole
+  flux-infer-4090) rm -rf $M/qwen*  # infer under a 24 GiB cap (each component whole, then streamed blocks)
         e2e 120 synth lora --family flux --profile rtx4090 --cap 24
-        e2e 170 infer --family flux --profile rtx4090 --cap 24 --no-stock --prompts 2 --offload group
         e2e 120 infer --family flux --profile rtx4090 --cap 24 --no-stock --prompts 2 --offload model
-        left=$((525 - SECONDS)); [ $left -gt 60 ] && e2e $left infer --family flux --profile datacenter \
-          --lora $W/flux-rtx4090-cap24/run/lora.safetensors ;;
+        e2e 150 infer --family flux --profile datacenter --lora $W/flux-rtx4090-cap24/run/lora.safetensors
+        left=$((560 - SECONDS)); [ $left -gt 60 ] && e2e $left infer --family flux --profile rtx4090 --cap 24 \
+          --no-stock --prompts 2 --offload group ;;
   qwen-small) rm -rf $M/flux*  # Qwen-Image under the rtx4090 profile and a 24 GiB cap
         e2e 420 synth data cache train --family qwen-image --profile rtx4090 --cap 24 --steps 10
         left=$((575 - SECONDS)); [ $left -gt 60 ] && e2e $left infer --family qwen-image --profile rtx4090 --cap 24 \
