@@ -122,6 +122,12 @@ def _render(r: dict) -> None:
         console.print(f"LoRA: {r['lora']}  (diffusers format: pipe.load_lora_weights(path))")
     if r.get("transformer"):
         console.print(f"transformer: {r['transformer']}  (diffusers component folder)")
+    if r.get("early_stopped"):
+        console.print(f"stopped early at step {r['early_stopped']['at_step']}: {r['early_stopped']['why']}")
+    if r.get("best"):
+        b = r["best"]
+        console.print(f"best: step {b['step']} ({b['why']}) -> {b['checkpoint']}"
+                      + (f", samples {b['samples']}" if b.get("samples") else ""))
     if r.get("loss_curve"):
         console.print(f"loss curve: {r['loss_curve']}")
     console.print(f"checkpoint: {r['checkpoint']}\nmetrics: {r['metrics']}")

@@ -41,6 +41,13 @@ def test_the_best_step_is_where_the_held_out_loss_was_lowest(tmp_path, tiny):
     best2 = tmp_path / "b" / "out" / "checkpoints" / "best" / "lora.safetensors"
     assert open(res2["lora"], "rb").read() == best2.read_bytes()
     assert res2["best"]["samples"].endswith(f"best-step-{k:06d}.png")
+    from lorakit.cli.common import console
+    from lorakit.cli.train import _render
+
+    with console.capture() as cap:  # what `lorakit train` prints says which step won and why it stopped
+        _render(res2)
+    text = " ".join(cap.get().split())
+    assert f"stopped early at step {k + 3}" in text and f"best: step {k} (lowest val_loss of" in text
 
 
 def test_best_counts_checks_without_improvement():
