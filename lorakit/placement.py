@@ -7,6 +7,7 @@ anything is loaded; `--offload` forces one. Outputs are the same in every mode (
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,6 +17,7 @@ MODES = ("auto", "none", "model", "group")
 # activations of one 1024² generation plus the VAE decode (FLUX ~3, Qwen-Image ~4 GiB measured on the H100),
 # the LoRA and the allocator's slack
 HEADROOM_GIB = 5.0
+FLOATS = ("BF16", "F16", "F32", "F64")
 
 
 @dataclass
@@ -37,11 +39,8 @@ def component_gib(model_dir: Path, names, dtype_bytes: int) -> dict[str, float]:
             continue
         total = 0
         for f in resolve_files(folder):
-            for info in read_header(f).tensors.values():
-                n = 1
-                for d in info.shape:
-                    n *= d
-                total += n * (dtype_bytes if info.dtype in ("BF16", "F16", "F32", "F64") else info.nbytes // max(n, 1))
+            for info in read_header(f).tensors.values():  # floats load at the run's dtype, the rest as stored
+                total += math.prod(info.shape) * dtype_bytes if info.dtype in FLOATS else info.nbytes
         out[name] = round(total / 2**30, 2)
     return out
 

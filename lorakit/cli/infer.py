@@ -58,8 +58,8 @@ def infer(
 
     if offload not in MODES:
         raise InputError(f"--offload {offload!r}: not one of {', '.join(MODES)}")
-    req = Request(prompts=texts, offload=offload, seed=seed, steps=steps, guidance=guidance, negative=negative, width=width,
-                  height=height, batch=batch, images=list(image or []), frames=frames, fps=fps)
+    req = Request(prompts=texts, seed=seed, steps=steps, guidance=guidance, negative=negative, width=width,
+                  height=height, batch=batch, images=list(image or []), frames=frames, fps=fps, offload=offload)
     from lorakit.quiet import quiet_libraries
 
     quiet_libraries()

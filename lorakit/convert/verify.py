@@ -39,19 +39,19 @@ def trained(transformer) -> Lora:
 def _lycoris(mod):
     """A peft LoKr / LoHa layer as its LyCORIS patch, peft's scale (alpha / r) folded into one factor so that
     the file needs no alpha: every reader applies the same delta. None for other modules."""
-    def get(n):
-        d = getattr(mod, n, None)
-        return d["default"].detach().float().cpu() if d is not None and "default" in d else None
+    def has(n):
+        return "default" in (getattr(mod, n, None) or {})
 
-    if get("lokr_w1") is not None or get("lokr_w1_a") is not None:
+    def get(n):
+        return getattr(mod, n)["default"].detach().float().cpu() if has(n) else None
+
+    if has("lokr_w1") or has("lokr_w1_a"):
         s = float(mod.scaling["default"])
         f = {n: get(f"lokr_{n}") for n in ("w1", "w2", "w1_a", "w1_b", "w2_a", "w2_b")}
-        if f["w2"] is not None:
-            f["w2"] = f["w2"] * s
-        else:
-            f["w2_b"] = f["w2_b"] * s
+        scaled = "w2" if f["w2"] is not None else "w2_b"
+        f[scaled] = f[scaled] * s  # a new tensor: on the CPU in fp32, `get` returns the parameter's own data
         return LoKr(f["w1"], f["w2"], None, f["w1_a"], f["w1_b"], f["w2_a"], f["w2_b"])
-    if get("hada_w1_a") is not None:
+    if has("hada_w1_a"):
         s = float(mod.scaling["default"])
         return LoHa(get("hada_w1_a") * s, get("hada_w1_b"), get("hada_w2_a"), get("hada_w2_b"), None)
     return None

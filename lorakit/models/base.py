@@ -15,6 +15,7 @@ facts, `predict`, `example_inputs` and the tiny builder work without one.
 
 from __future__ import annotations
 
+import abc
 import functools
 import hashlib
 import json
@@ -26,8 +27,10 @@ from lorakit.models.facts import AttentionCase, LoraPresets, NativeName, Publish
 from lorakit.models.registry import family_info
 
 
-class Adapter:
-    """Base of the family adapters. Class attributes are the family's facts (None = not declared)."""
+class Adapter(abc.ABC):
+    """Base of the family adapters. Class attributes are the family's facts (None = not declared); the
+    abstract methods are what every family implements (a family that leaves one out cannot be created, and
+    Python's error names the method)."""
 
     # ---- facts (each family declares all of them; `missing_facts` names any left out) ----
     FACTS = ("layout", "max_controls", "guidance", "guidance_arg", "lora_presets", "published", "attention_cases",
@@ -169,9 +172,9 @@ class Adapter:
         """Size arguments for the stock pipeline's __call__ (families that accept only some sizes override)."""
         return {"width": width, "height": height}
 
+    @abc.abstractmethod
     def attention_model_config(self) -> dict:
         """The full-width transformer config with one block of each kind (doctor's in-model attention case)."""
-        raise NotImplementedError(f"family {self.family} declares no attention model case")
 
     # ------------------------------------------------------------------ loading
 
@@ -240,35 +243,35 @@ class Adapter:
 
     # ------------------------------------------------------------------ what families provide
 
+    @abc.abstractmethod
     def encode_prompts(self, texts: list[str], controls=None) -> list[dict]:
         """Per text: name -> tensor (no batch dimension; padding removed)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def encode_images(self, pixels):
         """pixels (B, 3, H, W) in [-1, 1] -> normalised latents as the family's transformer sees them."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def decode_latents(self, latents):
         """Normalised latents -> pixels (B, 3, H, W) in [-1, 1] (training-time samples)."""
-        raise NotImplementedError
 
     def encode_video(self, frames):
         """frames (B, 3, T, H, W) in [-1, 1] -> normalised latents (video families)."""
         raise InputError(f"family {self.family} does not take video")
 
+    @abc.abstractmethod
     def predict(self, transformer, x_t, sigmas, text: dict, guidance: float = 1.0, controls=None):
         """The transformer's velocity for noisy latents x_t at per-item sigmas, called as the stock pipeline
         calls it (the training loss, the sampler, bench and the oracle tests all use this one call)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def example_inputs(self, config: dict, resolution: int, text_len: int, generator, frames: int = 1):
         """A synthetic batch (CPU tensors, `train.data.Batch`) shaped as the cache gives it for a transformer
         of this config: latents, text embeddings (+ mask / pooled), control latents for edit families."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def build_tiny(self, seed: int):
         """The tiny random pipeline object of this family (`lorakit.models.tiny` saves and caches it)."""
-        raise NotImplementedError
 
 
 def load_adapter(family: str, model_dir, device: str = "cpu", dtype=None, backend: str = "auto") -> Adapter:

@@ -63,9 +63,9 @@ class CachedData:
         self.seed = seed
         # visits per epoch of each item: repeats x weight; prior datasets scaled to prior_ratio x the training ones
         self.visits = {it["key"]: (of(it).repeats * of(it).weight if of(it) else repeats) for it in self.items}
-        prior = [it["key"] for it in self.items if of(it) and of(it).role == "prior"]
+        prior = {it["key"] for it in self.items if of(it) and of(it).role == "prior"}
         if prior and prior_ratio:
-            train_total = sum(v for k, v in self.visits.items() if k not in set(prior))
+            train_total = sum(v for k, v in self.visits.items() if k not in prior)
             scale = prior_ratio * train_total / sum(self.visits[k] for k in prior)
             for k in prior:
                 self.visits[k] *= scale
@@ -87,7 +87,8 @@ class CachedData:
             for r in range(n):
                 out[f"{key}#{r}"] = self.group[key]
         if not out:  # every item a fraction, none drawn: the most weighted one
-            out[f"{max(self.visits, key=self.visits.get)}#0"] = self.group[max(self.visits, key=self.visits.get)]
+            key = max(self.visits, key=self.visits.get)
+            out[f"{key}#0"] = self.group[key]
         return out
 
     def epoch(self, e: int) -> list[list[str]]:

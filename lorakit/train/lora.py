@@ -83,8 +83,8 @@ def save_lora(transformer, path: Path, family: str, extra: dict | None = None, c
     from lorakit.models.registry import family_info
 
     t = V.trained(transformer)
-    base = V.base_weights(transformer, t.weights) if any(getattr(p, 'dora', False) for p in t.weights.values()) \
-        else None
+    dora = any(getattr(p, "dora", False) for p in t.weights.values())  # LoKr/LoHa patches have no DoRA
+    base = V.base_weights(transformer, t.weights) if dora else None
     meta = {k: str(v) for k, v in (extra or {}).items()}
     L.write(t, path, "diffusers", family_info(family).arch, extra_metadata=meta, base=base)
     if not check:
