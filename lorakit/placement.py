@@ -1,8 +1,16 @@
-"""Where a pipeline's weights live while it generates: all on the GPU when they fit, else each component
-moved to the GPU only while it runs (diffusers' model offload), else the transformer's blocks streamed from
-pinned CPU memory one group at a time, overlapped with compute (diffusers' group offload). The choice comes
-from the weight sizes in the safetensors headers and the card's memory (or LORAKIT_MEMORY_CAP_GIB), before
-anything is loaded; `--offload` forces one. Outputs are the same in every mode (the weights are not changed).
+"""Where a pipeline's weights live while it generates, chosen in this order:
+
+- `none`: all on the GPU, when they fit;
+- `model`: each component moved to the GPU only while it runs (diffusers' model offload), when each fits alone;
+- `fp8`: as `model`, with the transformer's block weights stored in float8 e4m3 plus a scale per row (the
+  rtx4090/rtx5090 profiles' training base, `train.quant.Float8Linear`), when that transformer fits; LoRAs are
+  added into the weights before they are stored in 8 bits (as ComfyUI applies a LoRA to an fp8 model);
+- `group`: every block streamed from pinned CPU memory one at a time, overlapped with compute (diffusers'
+  group offload): bf16 on any card, but PCIe-bound.
+
+The choice comes from the weight sizes in the safetensors headers and the card's memory (or
+LORAKIT_MEMORY_CAP_GIB), before anything is loaded; `--offload` forces one. Outputs are the same in every mode
+but `fp8` (its weights are rounded to 8 bits: close to bf16's image, not equal).
 """
 
 from __future__ import annotations
@@ -13,10 +21,13 @@ from pathlib import Path
 
 from lorakit.errors import InputError
 
-MODES = ("auto", "none", "model", "group")
-# activations of one 1024² generation plus the VAE decode (FLUX ~3, Qwen-Image ~4 GiB measured on the H100),
-# the LoRA and the allocator's slack
+MODES = ("auto", "none", "model", "fp8", "group")
+# everything resident: the activations of one 1024² generation plus the VAE decode (FLUX ~3, Qwen-Image ~4 GiB
+# measured on the H100), the LoRA and the allocator's slack; also what a text encoder or VAE needs alone
 HEADROOM_GIB = 5.0
+# the transformer alone: one denoising forward at 1024² without gradients (< 1 GiB for FLUX and Qwen-Image)
+# plus the allocator's slack
+DENOISE_GIB = 3.0
 FLOATS = ("BF16", "F16", "F32", "F64")
 
 
@@ -45,8 +56,43 @@ def component_gib(model_dir: Path, names, dtype_bytes: int) -> dict[str, float]:
     return out
 
 
+def fp8_bytes(folder: Path, dtype_bytes: int) -> int:
+    """A transformer's size with its block Linear weights in float8 plus a float32 scale per row (what
+    `train.quant.quantize_blocks` makes), the rest at `dtype_bytes` (from its headers)."""
+    from lorakit.io.header import read_header
+    from lorakit.io.reader import resolve_files
+
+    total = 0
+    for f in resolve_files(Path(folder)):
+        for name, info in read_header(f).tensors.items():
+            if info.dtype not in FLOATS:
+                total += info.nbytes
+            elif "blocks." in name and name.endswith(".weight") and len(info.shape) == 2:
+                total += math.prod(info.shape) + 4 * info.shape[0]
+            else:
+                total += math.prod(info.shape) * dtype_bytes
+    return total
+
+
+def fp8_gib(folder: Path, dtype_bytes: int) -> float:
+    return round(fp8_bytes(folder, dtype_bytes) / 2**30, 2)
+
+
+def _fits_alone(sizes: dict[str, float], budget_gib: float, transformer_gib: float | None = None) -> bool:
+    """Each component on the GPU by itself: the transformer with a denoising forward's room, the others with
+    the headroom (a text encoder's forward, a VAE decode)."""
+    for name, gib in sizes.items():
+        need = (transformer_gib if transformer_gib is not None else gib) + DENOISE_GIB \
+            if name == "transformer" else gib + HEADROOM_GIB
+        if need > budget_gib:
+            return False
+    return True
+
+
 def choose(sizes: dict[str, float], budget_gib: float, mode: str = "auto",
-           headroom_gib: float = HEADROOM_GIB) -> Plan:
+           headroom_gib: float = HEADROOM_GIB, fp8_transformer_gib: float | None = None) -> Plan:
+    """`sizes`: each component's GiB at the run's dtype; `fp8_transformer_gib`: the transformer's with fp8
+    blocks (`fp8_gib`), None where that is not offered."""
     if mode not in MODES:
         raise InputError(f"--offload {mode}: not one of {', '.join(MODES)}")
     total, largest = sum(sizes.values()), max(sizes.values(), default=0.0)
@@ -54,11 +100,17 @@ def choose(sizes: dict[str, float], budget_gib: float, mode: str = "auto",
         return Plan(mode, f"--offload {mode}", sizes)
     if total + headroom_gib <= budget_gib:
         return Plan("none", f"all weights ({total:.1f} GiB) fit in {budget_gib:.1f} GiB", sizes)
-    if largest + headroom_gib <= budget_gib:
+    if _fits_alone(sizes, budget_gib):
         return Plan("model", f"weights {total:.1f} GiB > {budget_gib:.1f} GiB: each component on the GPU while it "
                              f"runs (largest {largest:.1f} GiB)", sizes)
+    tr = sizes.get("transformer")
+    if fp8_transformer_gib is not None and tr is not None and _fits_alone(sizes, budget_gib, fp8_transformer_gib):
+        return Plan("fp8", f"the transformer ({tr:.1f} GiB) does not fit {budget_gib:.1f} GiB: its block weights "
+                           f"in fp8 ({fp8_transformer_gib:.1f} GiB, as the small-card profiles train), each "
+                           f"component on the GPU while it runs; images close to bf16's, not equal "
+                           f"(--offload group keeps bf16, slower)", sizes)
     return Plan("group", f"the largest component ({largest:.1f} GiB) does not fit {budget_gib:.1f} GiB with "
-                         f"{headroom_gib:g} GiB to work in: its blocks stream from CPU memory", sizes)
+                         f"room to work in: its blocks stream from CPU memory", sizes)
 
 
 def budget_gib(device: str) -> float:
@@ -75,13 +127,25 @@ def budget_gib(device: str) -> float:
     return torch.cuda.get_device_properties(index).total_memory / 2**30
 
 
-def apply(pipe, plan: Plan, device: str) -> None:
-    """Put the pipeline (loaded on the CPU unless plan.mode is none) where the plan says."""
+def apply(pipe, plan: Plan, device: str, dtype=None) -> None:
+    """Put the pipeline (loaded on the CPU unless plan.mode is none) where the plan says; for `fp8`, LoRAs
+    must already be in the weights (`dtype`: the compute dtype)."""
     import torch
 
     if plan.mode == "none":
         return
-    if plan.mode == "model":
+    if plan.mode == "fp8":
+        from lorakit.train.quant import quantize_blocks
+
+        tr = pipe.transformer
+        on_gpu = str(device).startswith("cuda")
+        # one layer at a time on the GPU (fast), then back to the CPU: the offload hooks bring it when it runs
+        quantize_blocks(tr, dtype or tr.dtype, device if on_gpu else None)
+        if not on_gpu:
+            return
+        tr.to("cpu")
+        torch.cuda.empty_cache()
+    if plan.mode in ("model", "fp8"):
         pipe.enable_model_cpu_offload(device=device)
         return
     # every component's blocks stream from pinned CPU memory, the next group prefetched on a side stream

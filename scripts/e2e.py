@@ -130,8 +130,17 @@ class Run:
         return {"layout": layout, "items": self.a.images, "size": self.res, "seconds": round(time.time() - t0, 2)}
 
     def cache(self) -> dict:
+        """`lorakit cache`, then (text-to-image families) the stock pipeline's own encoders over the same items,
+        both from a warm page cache."""
         cfg = self.config(self.dir / "run", self.a.steps)
-        return sh(lorakit("cache", str(cfg), "--json"), env=self.env)
+        warmed = _read_all(self.model)
+        ours = sh(lorakit("cache", str(cfg), "--json"), env=self.env)
+        if self.a.no_stock or self.fam not in ("flux", "qwen-image"):
+            return {**ours, "page_cache_warmed_gib": warmed}
+        stock = sh([sys.executable, __file__, "stock-cache", "--family", self.fam, "--models", self.a.models,
+                    "--work", self.a.work, "--profile", self.profile, *(["--tiny"] if self.a.tiny else [])],
+                   env=self.env)
+        return {**ours, "stock": stock, "page_cache_warmed_gib": warmed}
 
     def train(self) -> dict:
         dropped = _drop_page_cache()
@@ -281,6 +290,7 @@ def stock_infer(a) -> None:
 
         names = [k for k, v in pipe.components.items() if isinstance(v, torch.nn.Module)]
         plan = placement.choose(placement.component_gib(run.model, names, 2), placement.budget_gib(dev))
+        # (no fp8 here: the stock pipeline keeps its bf16 weights, streamed where they do not fit)
         if plan.mode == "none":
             pipe.to(dev)
         placement.apply(pipe, plan, dev)
@@ -307,6 +317,44 @@ def stock_infer(a) -> None:
     print(json.dumps({"load_s": round(load_s, 2), "seconds_per_image": round(sorted(times)[len(times) // 2], 3),
                       "times": [round(t, 3) for t in times], "peak_gpu_gib": peak,
                       "offload": plan.mode if plan else None}))
+
+
+def stock_cache(a) -> None:
+    """What a diffusers user precomputes before training (as diffusers' train_dreambooth_lora_* scripts do): the
+    pipeline without its transformer on the GPU, `encode_prompt` and `vae.encode` per item, one at a time."""
+    import torch
+    from diffusers import DiffusionPipeline
+    from PIL import Image
+
+    from lorakit.train.memory import apply_cap
+
+    run = Run(a)
+    dev = "cpu" if a.tiny else "cuda"
+    apply_cap(dev)
+    dt = torch.float32 if a.tiny else torch.bfloat16
+    t0 = time.perf_counter()
+    pipe = DiffusionPipeline.from_pretrained(run.model, transformer=None, torch_dtype=dt).to(dev)
+    load_s = time.perf_counter() - t0
+    items = sorted(p for p in run.data.iterdir() if p.suffix in (".png", ".jpg", ".jpeg", ".webp"))
+    with torch.no_grad():
+        if dev == "cuda":
+            torch.cuda.synchronize()
+        t1 = time.perf_counter()
+        for path in items:
+            caption = path.with_suffix(".txt").read_text(encoding="utf-8").strip()
+            if a.family == "flux":
+                pipe.encode_prompt(prompt=caption, prompt_2=None, device=dev)
+            else:
+                pipe.encode_prompt(prompt=caption, device=dev)
+            x = pipe.image_processor.preprocess(Image.open(path).convert("RGB"), height=run.res, width=run.res)
+            x = x.to(dev, dt)
+            pipe.vae.encode(x.unsqueeze(2) if a.family == "qwen-image" else x).latent_dist.sample()
+        if dev == "cuda":
+            torch.cuda.synchronize()
+        enc = time.perf_counter() - t1
+    print(json.dumps({"load_s": round(load_s, 2), "items": len(items), "encode_s": round(enc, 2),
+                      "items_per_s": round(len(items) / enc, 3),
+                      "peak_gpu_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if dev == "cuda" else None}))
 
 
 def stock_reproduce(a) -> None:
@@ -364,7 +412,7 @@ STAGES = ("synth", "doctor", "data", "cache", "train", "lora", "warm", "infer", 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("stages", nargs="+", choices=(*STAGES, "stock-infer", "stock-reproduce"))
+    p.add_argument("stages", nargs="+", choices=(*STAGES, "stock-infer", "stock-reproduce", "stock-cache"))
     p.add_argument("--family", required=True)
     p.add_argument("--profile", default="datacenter")
     p.add_argument("--models", default="/tmp/models")
@@ -377,13 +425,15 @@ def main() -> None:
     p.add_argument("--lora", help="infer: this LoRA instead of the run's")
     p.add_argument("--prompts", type=int, default=len(PROMPTS), help="infer: images made (one per prompt)")
     p.add_argument("--offload", default="auto", help="infer: lorakit infer --offload")
-    p.add_argument("--no-stock", action="store_true", help="infer: lorakit only")
+    p.add_argument("--no-stock", action="store_true", help="cache, infer: lorakit only")
     p.add_argument("--image", action="append", default=[])
     a = p.parse_args()
     if a.stages[0] == "stock-infer":
         return stock_infer(a)
     if a.stages[0] == "stock-reproduce":
         return stock_reproduce(a)
+    if a.stages[0] == "stock-cache":
+        return stock_cache(a)
     run = Run(a)
     for stage in a.stages:
         t0 = time.time()

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On a lent GPU machine: the user's whole path at real size (scripts/e2e.py), one plan per call; the stage
 # JSONs, metrics and sample grids come back in $OUT/e2e-PLAN.tgz, the log in $OUT/log-PLAN.txt.
-#   bash scripts/gpu_e2e.sh flux|flux-4090|qwen-edit|qwen-4090|flux-pair|qwen-pair   (each plan synthesizes its own model folder:
+#   bash scripts/gpu_e2e.sh PLAN   (flux, flux-infer, qwen-small, qwen-pair, ...: each plan synthesizes its own model folder:
 #   a lent machine goes back 30 s after a call, so nothing carries over between calls)
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -30,19 +30,24 @@ case $1 in
         e2e 160 infer --family flux --profile rtx4090 --cap 24 --no-stock
         left=$((575 - SECONDS)); [ $left -gt 90 ] && e2e $left infer --family flux --profile datacenter \
           --lora $W/flux-rtx4090-cap24/run/lora.safetensors ;;
-  flux-infer-4090) rm -rf $M/qwen*  # infer under a 24 GiB cap (each component whole, then streamed blocks)
-        e2e 120 synth lora --family flux --profile rtx4090 --cap 24
-        e2e 120 infer --family flux --profile rtx4090 --cap 24 --no-stock --prompts 2 --offload model
+  flux-infer) rm -rf $M/qwen*  # infer under a 24 GiB cap (auto: fp8 blocks), the fair rows beside stock
+        e2e 150 synth data lora --family flux --profile rtx4090 --cap 24
+        e2e 170 infer --family flux --profile rtx4090 --cap 24 --no-stock
         e2e 150 infer --family flux --profile datacenter --lora $W/flux-rtx4090-cap24/run/lora.safetensors
-        left=$((560 - SECONDS)); [ $left -gt 60 ] && e2e $left infer --family flux --profile rtx4090 --cap 24 \
-          --no-stock --prompts 2 --offload group ;;
-  qwen-small) rm -rf $M/flux*  # Qwen-Image under the rtx4090 profile and a 24 GiB cap
-        e2e 420 synth data cache train --family qwen-image --profile rtx4090 --cap 24 --steps 10
-        left=$((575 - SECONDS)); [ $left -gt 60 ] && e2e $left infer --family qwen-image --profile rtx4090 --cap 24 \
+        e2e 100 cache --family flux --profile datacenter
+        left=$((560 - SECONDS)); [ $left -gt 150 ] && e2e $left train --family flux --profile datacenter --steps 10 ;;
+  qwen-small) rm -rf $M/flux*  # Qwen-Image under the rtx4090 profile and a 24 GiB cap: infer first, then train
+        e2e 160 synth data lora --family qwen-image --profile rtx4090 --cap 24
+        e2e 170 infer --family qwen-image --profile rtx4090 --cap 24 --no-stock --prompts 2
+        e2e 70 cache --family qwen-image --profile rtx4090 --cap 24 --no-stock
+        left=$((585 - SECONDS)); [ $left -gt 100 ] && e2e $left train --family qwen-image --profile rtx4090 --cap 24 \
+          --steps 10 ;;
+  qwen-pair) rm -rf $M/flux*  # Qwen-Image-Edit-2509, datacenter; on a warm machine after qwen-small its weights are linked
+        like=(); [ -f $M/qwen-image/lorakit_synthetic.json ] && like=(--like qwen-image)
+        e2e 200 synth data cache --family qwen-image-edit-plus "${like[@]}" --profile datacenter
+        e2e 230 train reproduce --family qwen-image-edit-plus --profile datacenter --steps 8
+        left=$((585 - SECONDS)); [ $left -gt 90 ] && e2e $left infer --family qwen-image-edit-plus --profile datacenter \
           --no-stock --prompts 2 ;;
-  qwen-pair) rm -rf $M/flux*
-        e2e 420 synth data cache train reproduce --family qwen-image-edit-plus --profile datacenter --steps 20
-        e2e 140 infer --family qwen-image-edit-plus --profile datacenter --no-stock ;;
   qwen-4090-after) rm -rf $M/flux*  # right after qwen-pair on a warm machine: its weights linked, not rewritten
         like=(); [ -f $M/qwen-image-edit-plus/lorakit_synthetic.json ] && like=(--like qwen-image-edit-plus)
         e2e 400 synth data cache train --family qwen-image "${like[@]}" --profile rtx4090 --cap 24 --steps 20

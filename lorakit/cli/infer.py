@@ -32,10 +32,11 @@ def infer(
     fps: float = typer.Option(24.0, "--fps", help="frame rate of the .mp4 and GIF written (video families)"),
     dtype: str | None = typer.Option(None, "--dtype", help="bf16 | fp16 | fp32 (default: bf16 on GPU)"),
     device: str | None = typer.Option(None, "--device", help="cuda[:N] or cpu"),
-    offload: str = typer.Option("auto", "--offload", help="auto | none | model | group: where the weights wait "
-                                "while the GPU works (auto: all on the GPU when they fit the card or "
-                                "LORAKIT_MEMORY_CAP_GIB, else each component while it runs, else the "
-                                "transformer's blocks streamed from CPU memory)"),
+    offload: str = typer.Option("auto", "--offload", help="auto | none | model | fp8 | group: where the weights "
+                                "wait while the GPU works (auto: all on the GPU when they fit the card or "
+                                "LORAKIT_MEMORY_CAP_GIB, else each component while it runs, else the same with "
+                                "the transformer's blocks in fp8 (close to bf16, not equal), else its blocks "
+                                "streamed from CPU memory in bf16)"),
     out: Path = typer.Option(Path("out"), "--out", "-o", help="folder for the images"),
     as_json: bool = JsonOpt,
 ) -> None:

@@ -123,3 +123,64 @@ def test_edit_plus_takes_up_to_three_images(tiny, tmp_path):
     assert r.exit_code == 0, r.output
     r = CliRunner().invoke(app, base + [a for p in paths for a in ("--image", str(p))])
     assert r.exit_code == 2 and "at most 3 --image, got 4" in r.output
+
+
+def test_fp8_placement_bakes_the_lora_then_stores_the_blocks_in_8_bits(tiny, tmp_path):
+    """`--offload fp8` (what auto picks when a bf16 transformer does not fit the card) equals the stock pipeline
+    with the LoRA fused and every block Linear's weight rounded to e4m3 with a scale per row."""
+    from diffusers import DiffusionPipeline
+
+    from lorakit.train.quant import E4M3_MAX
+
+    folder = tiny("flux")
+    lora = _lora(tiny, "flux", tmp_path / "l.safetensors")
+    kw = dict(num_inference_steps=3, width=64, height=64)
+    outs = {}
+    for mode in ("fp8", "none"):
+        r = CliRunner().invoke(app, ["infer", str(folder), "-p", "a red circle", "--seed", "2", "--steps", "3",
+                                     "--width", "64", "--height", "64", "--lora", f"{lora}:0.8", "--offload", mode,
+                                     "-o", str(tmp_path / mode), "--json"])
+        assert r.exit_code == 0, r.output
+        outs[mode] = json.loads(r.output)
+    data = outs["fp8"]
+    assert data["offload"] == "fp8" and data["loras"][0]["added_to_weights"] > 0
+    assert outs["none"]["loras"][0]["added_to_weights"] == 0  # the exact path keeps peft adapters
+    assert "fp8" in Image.open(data["files"][0]).text["lorakit:base_weights"]
+    pipe = DiffusionPipeline.from_pretrained(folder, dtype=torch.float32)
+    pipe.set_progress_bar_config(disable=True)
+    pipe.load_lora_weights(str(lora))
+    pipe.fuse_lora(lora_scale=0.8)
+    pipe.unload_lora_weights()
+    rounded = 0
+    with torch.no_grad():
+        for name, m in pipe.transformer.named_modules():
+            if type(m) is torch.nn.Linear and "blocks." in name:
+                scale = m.weight.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / E4M3_MAX
+                m.weight.copy_((m.weight / scale).to(torch.float8_e4m3fn).float() * scale)
+                rounded += 1
+    assert rounded > 10
+    ref = np.asarray(pipe(prompt="a red circle", generator=torch.Generator().manual_seed(2), **kw).images[0])
+    ours = np.asarray(Image.open(data["files"][0])).astype(int)
+    exact = np.asarray(Image.open(outs["none"]["files"][0])).astype(int)
+    d_ref, d_exact = np.abs(ours - ref.astype(int)), np.abs(ours - exact)
+    assert d_ref.max() <= 1  # the same weights (pixel-equal here; the LoRA is fused in fp32 there, f64 here)
+    assert d_exact.mean() > 10 * max(d_ref.mean(), 0.01)  # and 8-bit weights, visibly not the exact ones
+
+
+def test_baking_a_lora_on_a_device_in_fp32_equals_the_float64_sum(tiny, tmp_path):
+    from lorakit.infer import add_loras, assemble
+
+    folder = tiny("flux")
+    lora = _lora(tiny, "flux", tmp_path / "l.safetensors")
+    weights = []
+    for dev in (None, "cpu"):  # the fp32 path runs where the card is; here, on the CPU
+        pipe, adapter = assemble(folder, "cpu", torch.float32)
+        facts = add_loras(pipe, [(lora, 0.7)], adapter.arch, bake=True, bake_device=dev)
+        assert facts[0]["added_to_weights"] == facts[0]["modules"] > 0
+        weights.append(dict(pipe.transformer.named_parameters()))
+    base, _ = assemble(folder, "cpu", torch.float32)
+    changed = 0
+    for name, w in weights[0].items():
+        torch.testing.assert_close(weights[1][name], w, rtol=1e-6, atol=1e-7)
+        changed += not torch.equal(w, dict(base.transformer.named_parameters())[name])
+    assert changed == facts[0]["modules"]

@@ -19,13 +19,35 @@ def test_component_sizes_come_from_the_headers_at_the_run_dtype(tiny):
     assert sizes["transformer"] == pytest.approx(round(n * 2 / 2**30, 2), abs=0.011)
 
 
-@pytest.mark.parametrize("budget,mode", [(80, "none"), (24, "group"), (30, "model")])
-def test_the_plan_follows_the_card(budget, mode):
-    # FLUX.1-dev in bf16: transformer 22.2, T5 8.9, CLIP 0.2, VAE 0.2 GiB
+@pytest.mark.parametrize("budget,fp8,mode", [(80, 11.9, "none"), (30, 11.9, "model"), (24, 11.9, "fp8"),
+                                             (24, None, "group"), (14, 11.9, "group")])
+def test_the_plan_follows_the_card(budget, fp8, mode):
+    # FLUX.1-dev in bf16: transformer 22.2 (11.9 with fp8 blocks), T5 8.9, CLIP 0.2, VAE 0.2 GiB
     sizes = {"transformer": 22.2, "text_encoder_2": 8.9, "text_encoder": 0.2, "vae": 0.2}
-    plan = placement.choose(sizes, budget)
+    plan = placement.choose(sizes, budget, fp8_transformer_gib=fp8)
     assert plan.mode == mode
     assert f"{budget:.1f} GiB" in plan.why
+
+
+def test_qwen_image_fits_a_24_gib_card_with_fp8_blocks_and_its_encoder_alone():
+    # Qwen-Image: transformer 38.1 GiB in bf16 (19.1 with fp8 blocks), Qwen2.5-VL 15.4, VAE 0.2
+    sizes = {"transformer": 38.1, "text_encoder": 15.4, "vae": 0.2}
+    assert placement.choose(sizes, 24, fp8_transformer_gib=19.1).mode == "fp8"
+    assert placement.choose(sizes, 20, fp8_transformer_gib=19.1).mode == "group"
+
+
+def test_fp8_size_is_what_quantize_blocks_makes(tiny):
+    import torch
+
+    from lorakit.io.modules import load_component
+    from lorakit.train.quant import quantize_blocks
+
+    folder = tiny("flux")
+    model = load_component(folder / "transformer", "cpu", torch.bfloat16)
+    assert quantize_blocks(model, torch.bfloat16) > 0
+    n = sum(p.numel() * p.element_size() for p in model.parameters()) + \
+        sum(b.numel() * b.element_size() for b in model.buffers())
+    assert placement.fp8_bytes(folder / "transformer", 2) == n
 
 
 def test_a_forced_mode_wins_and_a_bad_one_is_refused():
