@@ -168,7 +168,7 @@ def _to_pil(img):
 
 def generate(model_dir: Path, req: Request, loras: list[tuple[Path, float]], out_dir: Path, device: str | None = None,
              dtype_name: str | None = None, progress=None) -> dict:
-    """Make every image of the request; returns what was written."""
+    """Make every image of the request; returns what was written. `progress(message)` hears each phase."""
     import torch
     from PIL.PngImagePlugin import PngInfo
 
@@ -214,14 +214,26 @@ def generate(model_dir: Path, req: Request, loras: list[tuple[Path, float]], out
     import time
 
     t_load = time.perf_counter()
+    say = progress or (lambda msg: None)
     plan = _placement(model_dir, device, dtype, req.offload)
-    pipe, adapter = assemble(model_dir, device if plan.mode == "none" else "cpu", dtype)
+    where = device if plan.mode == "none" else "cpu"
+    say(f"loading {sum(plan.sizes_gib.values()):.1f} GiB of weights to {where}" if plan.sizes_gib
+        else "loading weights")
+    pipe, adapter = assemble(model_dir, where, dtype)
+    phases = {"weights_s": round(time.perf_counter() - t_load, 2)}
     fp8 = plan.mode == "fp8"  # 8-bit weights: LoRAs added in first
+    if read:
+        say(f"adding {len(read)} LoRA(s)" + (" into the weights" if fp8 else ""))
+    t = time.perf_counter()
     lora_facts = add_loras(pipe, read, adapter.arch, bake=fp8,
                            bake_device=device if fp8 and device.startswith("cuda") else None)
+    phases["loras_s"] = round(time.perf_counter() - t, 2)
     from lorakit.placement import apply
 
+    say(f"placing: {plan.mode} ({plan.why})")
+    t = time.perf_counter()
     apply(pipe, plan, device, dtype)
+    phases["placement_s"] = round(time.perf_counter() - t, 2)
     t_gen = time.perf_counter()
     out_dir.mkdir(parents=True, exist_ok=True)
     model_hash = file_hash(Path(model_dir) / "model_index.json")
@@ -279,8 +291,7 @@ def generate(model_dir: Path, req: Request, loras: list[tuple[Path, float]], out
             files.append(str(path))
             images.append(img)
             k += 1
-            if progress:
-                progress(k, total)
+            say(f"{k}/{total} {'clips' if video else 'images'} ({gen_times[-1]:.1f} s)")
     sheet = None
     if len(images) > 1:
         sheet = out_dir / "contact_sheet.png"
@@ -290,7 +301,8 @@ def generate(model_dir: Path, req: Request, loras: list[tuple[Path, float]], out
     timing = {"seconds_per_image": round(sorted(gen_times)[len(gen_times) // 2], 3) if gen_times else None,
               "generation_s": [round(t, 3) for t in gen_times],
               "wall_per_image_s": round((time.perf_counter() - t_gen) / max(k, 1), 3),
-              "load_s": round(t_gen - t_load, 2), "offload": plan.mode, "offload_why": plan.why}
+              "load_s": round(t_gen - t_load, 2), **{f"load_{k}": v for k, v in phases.items()},
+              "offload": plan.mode, "offload_why": plan.why}
     if device.startswith("cuda"):
         timing["peak_gpu_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
     return {"files": files, **({"gifs": gifs} if gifs else {}), **timing,

@@ -30,16 +30,26 @@ PROMPTS = ["a red circle in the center on a blue background", "a yellow square a
                                                                          "background"]
 
 
+DEADLINE = [float("inf")]  # --limit: commands are stopped before it, their output so far kept
+
+
 def sh(args: list[str], env: dict | None = None, timeout: float = 1800) -> dict:
-    """Run a lorakit command; wall time, exit code, the JSON it printed (when it did), the stderr tail."""
+    """Run a lorakit command; wall time, exit code (124: stopped at the plan's time limit), the JSON it printed
+    (when it did), the stderr tail (a stopped command's too: where it was)."""
     t0 = time.time()
-    p = subprocess.run(args, capture_output=True, text=True, env={**os.environ, **(env or {})}, timeout=timeout)
-    out = {"cmd": " ".join(args), "rc": p.returncode, "wall_s": round(time.time() - t0, 2), "started": t0}
+    timeout = max(1.0, min(timeout, DEADLINE[0] - t0))
     try:
-        out["json"] = json.loads(p.stdout)
+        p = subprocess.run(args, capture_output=True, text=True, env={**os.environ, **(env or {})}, timeout=timeout)
+        rc, stdout, stderr = p.returncode, p.stdout, p.stderr
+    except subprocess.TimeoutExpired as e:
+        text = (lambda b: b.decode(errors="replace") if isinstance(b, bytes) else (b or ""))
+        rc, stdout, stderr = 124, text(e.stdout), text(e.stderr)
+    out = {"cmd": " ".join(args), "rc": rc, "wall_s": round(time.time() - t0, 2), "started": t0}
+    try:
+        out["json"] = json.loads(stdout)
     except ValueError:
-        out["stdout_tail"] = p.stdout[-3000:]
-    out["stderr_tail"] = p.stderr[-3000:]
+        out["stdout_tail"] = stdout[-3000:]
+    out["stderr_tail"] = stderr[-3000:]
     return out
 
 
@@ -56,7 +66,7 @@ class Run:
         self.dir.mkdir(parents=True, exist_ok=True)
         self.model = Path(a.models) / a.family
         self.data = Path(a.work) / f"data-{a.family}"
-        self.env = {"LORAKIT_MEMORY_CAP_GIB": str(a.cap)} if a.cap else {}
+        self.env = {"LORAKIT_PROGRESS": "1", **({"LORAKIT_MEMORY_CAP_GIB": str(a.cap)} if a.cap else {})}
         self.res = 64 if a.tiny else 1024
 
     def save(self, stage: str, rec: dict) -> None:
@@ -427,7 +437,11 @@ def main() -> None:
     p.add_argument("--offload", default="auto", help="infer: lorakit infer --offload")
     p.add_argument("--no-stock", action="store_true", help="cache, infer: lorakit only")
     p.add_argument("--image", action="append", default=[])
+    p.add_argument("--limit", type=float, default=None, help="seconds: commands still running then are stopped "
+                   "(their output so far recorded) so that every stage's JSON is written")
     a = p.parse_args()
+    if a.limit:
+        DEADLINE[0] = time.time() + a.limit
     if a.stages[0] == "stock-infer":
         return stock_infer(a)
     if a.stages[0] == "stock-reproduce":

@@ -6,11 +6,11 @@
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   && export PYTHONPATH=/tmp/site:$PWD || exit 1
-export COLUMNS=160 PYTHONUNBUFFERED=1 LORAKIT_CACHE=/tmp/lorakit-cache HF_HUB_OFFLINE=1
+export COLUMNS=160 PYTHONUNBUFFERED=1 LORAKIT_PROGRESS=1 LORAKIT_CACHE=/tmp/lorakit-cache HF_HUB_OFFLINE=1
 OUT=${OUT:-out}; mkdir -p "$OUT"; W=/tmp/e2e; M=/tmp/models; LOG="$OUT/log-$1.txt"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader >> "$LOG"
 df -h /tmp | tail -1 >> "$LOG"; free -g | head -2 >> "$LOG"
-e2e() { local t=$1; shift; timeout "$t" python3 scripts/e2e.py "$@" --models $M --work $W 2>&1 \
+e2e() { local t=$1; shift; timeout "$((t + 15))" python3 scripts/e2e.py "$@" --models $M --work $W --limit "$t" 2>&1 \
           | grep -v -e "Writing model shards" -e "it/s]" >> "$LOG"; echo "rc=${PIPESTATUS[0]} :: $*" >> "$LOG"; }
 case $1 in
   flux) e2e 530 synth doctor data cache train infer reproduce warm --family flux --profile datacenter
@@ -37,10 +37,10 @@ case $1 in
         e2e 100 cache --family flux --profile datacenter
         left=$((560 - SECONDS)); [ $left -gt 150 ] && e2e $left train --family flux --profile datacenter --steps 10 ;;
   qwen-small) rm -rf $M/flux*  # Qwen-Image under the rtx4090 profile and a 24 GiB cap: infer first, then train
-        e2e 160 synth data lora --family qwen-image --profile rtx4090 --cap 24
-        e2e 170 infer --family qwen-image --profile rtx4090 --cap 24 --no-stock --prompts 2
-        e2e 70 cache --family qwen-image --profile rtx4090 --cap 24 --no-stock
-        left=$((585 - SECONDS)); [ $left -gt 100 ] && e2e $left train --family qwen-image --profile rtx4090 --cap 24 \
+        e2e 150 synth data lora --family qwen-image --profile rtx4090 --cap 24
+        e2e 55 cache --family qwen-image --profile rtx4090 --cap 24 --no-stock
+        e2e 190 infer --family qwen-image --profile rtx4090 --cap 24 --no-stock --prompts 2
+        left=$((570 - SECONDS)); [ $left -gt 100 ] && e2e $left train --family qwen-image --profile rtx4090 --cap 24 \
           --steps 10 ;;
   qwen-pair) rm -rf $M/flux*  # Qwen-Image-Edit-2509, datacenter; on a warm machine after qwen-small its weights are linked
         like=(); [ -f $M/qwen-image/lorakit_synthetic.json ] && like=(--like qwen-image)

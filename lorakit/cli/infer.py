@@ -64,12 +64,24 @@ def infer(
     from lorakit.quiet import quiet_libraries
 
     quiet_libraries()
-    if as_json:
-        result = generate(model, req, loras, out, device=device, dtype_name=dtype)
+    if as_json:  # stdout holds the JSON alone; the phases, time-stamped, on a terminal's stderr (or when asked)
+        import os
+        import sys
+        import time
+
+        from lorakit.cli.common import err_console
+
+        t0 = time.perf_counter()
+        say = None
+        if sys.stderr.isatty() or os.environ.get("LORAKIT_PROGRESS", "") not in ("", "0"):
+            def say(msg):
+                err_console.print(f"[{time.perf_counter() - t0:6.1f} s] infer: {msg}", markup=False,
+                                  highlight=False, soft_wrap=True)
+        result = generate(model, req, loras, out, device=device, dtype_name=dtype, progress=say)
     else:
         with console.status("infer") as st:
             result = generate(model, req, loras, out, device=device, dtype_name=dtype,
-                              progress=lambda k, n: st.update(f"infer: {k}/{n} images"))
+                              progress=lambda msg: st.update(f"infer: {msg}"))
     emit(as_json, result, lambda: console.print(
         "\n".join(result["files"]) + (f"\ncontact sheet: {result['contact_sheet']}" if result["contact_sheet"]
                                       else "")))

@@ -125,7 +125,7 @@ def test_edit_plus_takes_up_to_three_images(tiny, tmp_path):
     assert r.exit_code == 2 and "at most 3 --image, got 4" in r.output
 
 
-def test_fp8_placement_bakes_the_lora_then_stores_the_blocks_in_8_bits(tiny, tmp_path):
+def test_fp8_placement_bakes_the_lora_then_stores_the_blocks_in_8_bits(tiny, tmp_path, monkeypatch):
     """`--offload fp8` (what auto picks when a bf16 transformer does not fit the card) equals the stock pipeline
     with the LoRA fused and every block Linear's weight rounded to e4m3 with a scale per row."""
     from diffusers import DiffusionPipeline
@@ -136,12 +136,14 @@ def test_fp8_placement_bakes_the_lora_then_stores_the_blocks_in_8_bits(tiny, tmp
     lora = _lora(tiny, "flux", tmp_path / "l.safetensors")
     kw = dict(num_inference_steps=3, width=64, height=64)
     outs = {}
+    monkeypatch.setenv("LORAKIT_PROGRESS", "1")  # the phases on stderr beside --json
     for mode in ("fp8", "none"):
         r = CliRunner().invoke(app, ["infer", str(folder), "-p", "a red circle", "--seed", "2", "--steps", "3",
                                      "--width", "64", "--height", "64", "--lora", f"{lora}:0.8", "--offload", mode,
                                      "-o", str(tmp_path / mode), "--json"])
         assert r.exit_code == 0, r.output
-        outs[mode] = json.loads(r.output)
+        outs[mode] = json.loads(r.stdout)
+        assert f"infer: placing: {mode}" in r.stderr and "infer: 1/1 images" in r.stderr
     data = outs["fp8"]
     assert data["offload"] == "fp8" and data["loras"][0]["added_to_weights"] > 0
     assert outs["none"]["loras"][0]["added_to_weights"] == 0  # the exact path keeps peft adapters
