@@ -96,12 +96,14 @@ def read_loras(loras: list[tuple[Path, float]], arch: str | None) -> list[tuple]
     return [(path, scale, L.read(path, arch=arch)) for path, scale in loras]  # another architecture: refused
 
 
-def add_loras(pipe, loras: list[tuple], arch: str | None, bake: bool = False, bake_device=None) -> list[dict]:
+def add_loras(pipe, loras: list[tuple], arch: str | None, bake: bool = False, defer: dict | None = None) -> list[dict]:
     """Apply each LoRA to the pipeline's transformer at its scale: LoRA and DoRA modules as peft adapters (one
     per file, as `load_lora_weights` makes them); what peft cannot hold — LyCORIS LoKr/LoHa, full and bias
     differences, ComfyUI-convention DoRA — is added into the weights (W += scale * delta), as ComfyUI does;
-    with `bake`, everything is (weights about to be stored in 8 bits; plain LoRAs summed on `bake_device` when
-    given). `loras`: paths and scales, or what `read_loras` returned."""
+    with `bake`, everything is (weights about to be stored in 8 bits). `defer`: module name -> list, for the
+    layers about to be rounded to 8 bits: a plain LoRA on one is appended there as (B, A, coefficient) for the
+    rounding pass to sum on the GPU (`train.quant.quantize_blocks`). `loras`: paths and scales, or what
+    `read_loras` returned."""
     import torch
 
     from lorakit.convert import lora as L
@@ -124,13 +126,10 @@ def add_loras(pipe, loras: list[tuple], arch: str | None, bake: bool = False, ba
             for m, p in lora.weights.items():
                 if m in peft_ok:
                     continue
-                w = params[f"{m}.weight"]
-                if bake_device is not None and isinstance(p, LowRank) and not p.dora:
-                    # a plain LoRA on the GPU in fp32 (~50x faster than float64 on the CPU for a 12 B model)
-                    g = w.to(bake_device, torch.float32)
-                    g.addmm_(p.B.to(g), p.A.to(g), alpha=p.scale * scale)
-                    w.copy_(g)
+                if defer is not None and m in defer and isinstance(p, LowRank) and not p.dora:
+                    defer[m].append((p.B, p.A, p.scale * scale))  # summed where the layer is rounded to 8 bits
                 else:
+                    w = params[f"{m}.weight"]
                     w += (p.delta(w) * scale).to(w.dtype)
                 baked += 1
             for m, b in lora.biases.items():
@@ -225,14 +224,18 @@ def generate(model_dir: Path, req: Request, loras: list[tuple[Path, float]], out
     if read:
         say(f"adding {len(read)} LoRA(s)" + (" into the weights" if fp8 else ""))
     t = time.perf_counter()
-    lora_facts = add_loras(pipe, read, adapter.arch, bake=fp8,
-                           bake_device=device if fp8 and device.startswith("cuda") else None)
+    pending = None
+    if fp8:
+        from lorakit.train.quant import block_linears
+
+        pending = {name: [] for name in block_linears(pipe.transformer)}
+    lora_facts = add_loras(pipe, read, adapter.arch, bake=fp8, defer=pending)
     phases["loras_s"] = round(time.perf_counter() - t, 2)
     from lorakit.placement import apply
 
     say(f"placing: {plan.mode} ({plan.why})")
     t = time.perf_counter()
-    apply(pipe, plan, device, dtype)
+    apply(pipe, plan, device, dtype, add={k: v for k, v in (pending or {}).items() if v})
     phases["placement_s"] = round(time.perf_counter() - t, 2)
     t_gen = time.perf_counter()
     out_dir.mkdir(parents=True, exist_ok=True)

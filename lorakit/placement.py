@@ -127,9 +127,10 @@ def budget_gib(device: str) -> float:
     return torch.cuda.get_device_properties(index).total_memory / 2**30
 
 
-def apply(pipe, plan: Plan, device: str, dtype=None) -> None:
-    """Put the pipeline (loaded on the CPU unless plan.mode is none) where the plan says; for `fp8`, LoRAs
-    must already be in the weights (`dtype`: the compute dtype)."""
+def apply(pipe, plan: Plan, device: str, dtype=None, add: dict | None = None) -> None:
+    """Put the pipeline (loaded on the CPU unless plan.mode is none) where the plan says. For `fp8`: LoRAs are
+    already in the weights, or in `add` (block Linear -> low-rank changes summed as each layer is rounded);
+    `dtype`: the compute dtype."""
     import torch
 
     if plan.mode == "none":
@@ -140,7 +141,7 @@ def apply(pipe, plan: Plan, device: str, dtype=None) -> None:
         tr = pipe.transformer
         on_gpu = str(device).startswith("cuda")
         # one layer at a time on the GPU (fast), then back to the CPU: the offload hooks bring it when it runs
-        quantize_blocks(tr, dtype or tr.dtype, device if on_gpu else None)
+        quantize_blocks(tr, dtype or tr.dtype, device if on_gpu else None, add)
         if not on_gpu:
             return
         tr.to("cpu")

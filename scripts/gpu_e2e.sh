@@ -36,6 +36,10 @@ case $1 in
         e2e 150 infer --family flux --profile datacenter --lora $W/flux-rtx4090-cap24/run/lora.safetensors
         e2e 100 cache --family flux --profile datacenter
         left=$((560 - SECONDS)); [ $left -gt 150 ] && e2e $left train --family flux --profile datacenter --steps 10 ;;
+  fp8) rm -rf $M/qwen*  # where --offload fp8 spends its time (scripts/fp8_probe.py), then FLUX infer under the cap
+        timeout 200 python3 scripts/fp8_probe.py > "$OUT/fp8_probe.jsonl" 2>> "$LOG"; cat "$OUT/fp8_probe.jsonl" >> "$LOG"
+        e2e 110 synth data lora --family flux --profile rtx4090 --cap 24
+        left=$((545 - SECONDS)); [ $left -gt 60 ] && e2e $left infer --family flux --profile rtx4090 --cap 24 --no-stock ;;
   qwen-small) rm -rf $M/flux*  # Qwen-Image under the rtx4090 profile and a 24 GiB cap: infer first, then train
         e2e 150 synth data lora --family qwen-image --profile rtx4090 --cap 24
         e2e 55 cache --family qwen-image --profile rtx4090 --cap 24 --no-stock

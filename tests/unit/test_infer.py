@@ -169,20 +169,28 @@ def test_fp8_placement_bakes_the_lora_then_stores_the_blocks_in_8_bits(tiny, tmp
     assert d_exact.mean() > 10 * max(d_ref.mean(), 0.01)  # and 8-bit weights, visibly not the exact ones
 
 
-def test_baking_a_lora_on_a_device_in_fp32_equals_the_float64_sum(tiny, tmp_path):
+def test_a_lora_summed_as_its_layer_is_rounded_equals_one_baked_first(tiny, tmp_path):
     from lorakit.infer import add_loras, assemble
+    from lorakit.train.quant import block_linears, quantize_blocks
 
     folder = tiny("flux")
     lora = _lora(tiny, "flux", tmp_path / "l.safetensors")
     weights = []
-    for dev in (None, "cpu"):  # the fp32 path runs where the card is; here, on the CPU
+    for deferred in (False, True):
         pipe, adapter = assemble(folder, "cpu", torch.float32)
-        facts = add_loras(pipe, [(lora, 0.7)], adapter.arch, bake=True, bake_device=dev)
+        pending = {n: [] for n in block_linears(pipe.transformer)} if deferred else None
+        facts = add_loras(pipe, [(lora, 0.7)], adapter.arch, bake=True, defer=pending)
         assert facts[0]["added_to_weights"] == facts[0]["modules"] > 0
-        weights.append(dict(pipe.transformer.named_parameters()))
-    base, _ = assemble(folder, "cpu", torch.float32)
-    changed = 0
+        add = {k: v for k, v in (pending or {}).items() if v}
+        assert len(add) == (facts[0]["modules"] if deferred else 0)  # every target here is a block Linear
+        quantize_blocks(pipe.transformer, torch.float32, add=add)
+        weights.append({k: v.float() for k, v in pipe.transformer.state_dict().items()})
+    n = same = 0
     for name, w in weights[0].items():
-        torch.testing.assert_close(weights[1][name], w, rtol=1e-6, atol=1e-7)
-        changed += not torch.equal(w, dict(base.transformer.named_parameters())[name])
-    assert changed == facts[0]["modules"]
+        if name.endswith(".scale"):  # row absmax / 448: float32 ulps apart at most
+            torch.testing.assert_close(weights[1][name], w, rtol=1e-6, atol=0)
+            continue
+        torch.testing.assert_close(weights[1][name], w, rtol=0.13, atol=1e-6)  # at most one e4m3 step (3 bits)
+        n += w.numel()
+        same += int((weights[1][name] == w).sum())
+    assert same / n > 0.999  # (the sums differ in float32 vs float64 rounding only)
