@@ -33,6 +33,10 @@ PROMPTS = ["a red circle in the center on a blue background", "a yellow square a
 DEADLINE = [float("inf")]  # --limit: commands are stopped before it, their output so far kept
 
 
+def _text(b) -> str:
+    return b.decode(errors="replace") if isinstance(b, bytes) else (b or "")
+
+
 def sh(args: list[str], env: dict | None = None, timeout: float = 1800) -> dict:
     """Run a lorakit command; wall time, exit code (124: stopped at the plan's time limit), the JSON it printed
     (when it did), the stderr tail (a stopped command's too: where it was)."""
@@ -42,8 +46,7 @@ def sh(args: list[str], env: dict | None = None, timeout: float = 1800) -> dict:
         p = subprocess.run(args, capture_output=True, text=True, env={**os.environ, **(env or {})}, timeout=timeout)
         rc, stdout, stderr = p.returncode, p.stdout, p.stderr
     except subprocess.TimeoutExpired as e:
-        text = (lambda b: b.decode(errors="replace") if isinstance(b, bytes) else (b or ""))
-        rc, stdout, stderr = 124, text(e.stdout), text(e.stderr)
+        rc, stdout, stderr = 124, _text(e.stdout), _text(e.stderr)
     out = {"cmd": " ".join(args), "rc": rc, "wall_s": round(time.time() - t0, 2), "started": t0}
     try:
         out["json"] = json.loads(stdout)
