@@ -79,7 +79,7 @@ def probe(family: str, cap: float, repeat: int, tiny: bool = False) -> dict:
     model.to(dev)
     torch.cuda.synchronize()
     out["to_gpu_pageable_s"] = round(time.perf_counter() - t, 2)
-    del model
+    model = None  # noqa: F841 - freed before the next family
     torch.cuda.empty_cache()
     return out
 
