@@ -306,7 +306,10 @@ def stock_infer(a) -> None:
         # (no fp8 here: the stock pipeline keeps its bf16 weights, streamed where they do not fit)
         if plan.mode == "none":
             pipe.to(dev)
-        placement.apply(pipe, plan, dev)
+        elif plan.mode == "model":  # diffusers' own (lorakit's Swap is what is measured on the other side)
+            pipe.enable_model_cpu_offload(device=dev)
+        else:
+            placement.apply(pipe, plan, dev)
     pipe.set_progress_bar_config(disable=True)
     load_s = time.perf_counter() - t0
     from lorakit.models.base import family_adapter

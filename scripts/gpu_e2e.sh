@@ -40,6 +40,9 @@ case $1 in
         timeout 200 python3 scripts/fp8_probe.py > "$OUT/fp8_probe.jsonl" 2>> "$LOG"; cat "$OUT/fp8_probe.jsonl" >> "$LOG"
         e2e 110 synth data lora --family flux --profile rtx4090 --cap 24
         left=$((545 - SECONDS)); [ $left -gt 60 ] && e2e $left infer --family flux --profile rtx4090 --cap 24 --no-stock ;;
+  flux-swap) rm -rf $M/qwen*  # FLUX infer under the cap with the Swap placement (fp8 blocks), what time allows
+        e2e 95 synth data lora --family flux --profile rtx4090 --cap 24
+        left=$((185 - SECONDS)); e2e $left infer --family flux --profile rtx4090 --cap 24 --no-stock ;;
   qwen-small) rm -rf $M/flux*  # Qwen-Image under the rtx4090 profile and a 24 GiB cap: infer first, then train
         e2e 150 synth data lora --family qwen-image --profile rtx4090 --cap 24
         e2e 55 cache --family qwen-image --profile rtx4090 --cap 24 --no-stock

@@ -59,3 +59,31 @@ def test_a_forced_mode_wins_and_a_bad_one_is_refused():
 def test_the_cap_is_the_budget(monkeypatch):
     monkeypatch.setenv("LORAKIT_MEMORY_CAP_GIB", "24")
     assert placement.budget_gib("cuda") == 24.0
+
+
+def test_swap_keeps_one_component_on_the_device_and_never_copies_back(tiny):
+    """The model/fp8 placement on a CPU stand-in: each component is brought before it runs (its hook, also
+    before a VAE's decode), the one before it put away by dropping the copy, and the images are the same."""
+    import numpy as np
+    import torch
+
+    from lorakit.infer import assemble
+
+    folder = tiny("flux")
+    pipe, _ = assemble(folder, "cpu", torch.float32)
+    pipe.set_progress_bar_config(disable=True)
+    kw = dict(prompt="a red circle", num_inference_steps=2, width=64, height=64)
+    ref = np.asarray(pipe(**kw, generator=torch.Generator().manual_seed(1)).images[0])
+    plan = placement.Plan("model", "test", {})
+    swap = placement.apply(pipe, plan, "cpu")
+    seen = []
+    bring = swap.bring
+    swap.bring = lambda m: (seen.append(type(m).__name__), bring(m))
+    host = {id(t): t.data.data_ptr() for t in pipe.transformer.parameters()}
+    out = np.asarray(pipe(**kw, generator=torch.Generator().manual_seed(1)).images[0])
+    assert np.array_equal(out, ref)
+    order = [n for i, n in enumerate(seen) if i == 0 or seen[i - 1] != n]
+    assert order == ["CLIPTextModel", "T5EncoderModel", "FluxTransformer2DModel", "AutoencoderKL"]
+    assert swap.current is pipe.vae and pipe._execution_device == torch.device("cpu")
+    # the transformer was put away: its parameters point at the very CPU tensors they started with
+    assert all(t.data.data_ptr() == host[id(t)] for t in pipe.transformer.parameters())
