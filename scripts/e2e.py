@@ -146,10 +146,10 @@ class Run:
         """`lorakit cache`, then (text-to-image families) the stock pipeline's own encoders over the same items,
         both from a warm page cache."""
         cfg = self.config(self.dir / "run", self.a.steps)
+        if self.a.no_stock or self.fam not in ("flux", "qwen-image"):  # alone: as the user's command finds it
+            return sh(lorakit("cache", str(cfg), "--json"), env=self.env)
         warmed = _read_all(self.model)
         ours = sh(lorakit("cache", str(cfg), "--json"), env=self.env)
-        if self.a.no_stock or self.fam not in ("flux", "qwen-image"):
-            return {**ours, "page_cache_warmed_gib": warmed}
         stock = sh([sys.executable, __file__, "stock-cache", "--family", self.fam, "--models", self.a.models,
                     "--work", self.a.work, "--profile", self.profile, *(["--tiny"] if self.a.tiny else [])],
                    env=self.env)
