@@ -235,7 +235,7 @@ def generate(model_dir: Path, req: Request, loras: list[tuple[Path, float]], out
 
     say(f"placing: {plan.mode} ({plan.why})")
     t = time.perf_counter()
-    apply(pipe, plan, device, dtype, add={k: v for k, v in (pending or {}).items() if v})
+    apply(pipe, plan, device, dtype, add=pending)
     phases["placement_s"] = round(time.perf_counter() - t, 2)
     t_gen = time.perf_counter()
     out_dir.mkdir(parents=True, exist_ok=True)

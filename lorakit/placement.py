@@ -16,6 +16,7 @@ but `fp8` (its weights are rounded to 8 bits: close to bf16's image, not equal).
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -146,7 +147,7 @@ class Swap:
 
         tensors = list(module.parameters()) + list(module.buffers())
         self.host[id(module)] = [(t, t.data) for t in tensors]
-        add_hook_to_module(module, _OnDeviceWhileRunning(self))
+        add_hook_to_module(module, _hook_class()(self))
 
     def bring(self, module) -> None:
         if self.current is module:
@@ -163,25 +164,25 @@ class Swap:
         self.current = None
 
 
-def _hook_base():
+@functools.cache
+def _hook_class():
+    """The hook type, made on first use (accelerate imports torch: importing this module stays cheap)."""
     from accelerate.hooks import ModelHook
+    from accelerate.utils import send_to_device
 
-    return ModelHook
+    class OnDeviceWhileRunning(ModelHook):
+        """accelerate's hook protocol (diffusers reads `execution_device` from it and calls `pre_forward` before
+        a VAE's encode/decode too): the component is brought to the GPU before it runs, its inputs with it."""
 
+        def __init__(self, swap: Swap):
+            self.swap = swap
+            self.execution_device = swap.device
 
-class _OnDeviceWhileRunning(_hook_base()):
-    """accelerate's hook protocol (diffusers reads `execution_device` from it and calls `pre_forward` before a
-    VAE's encode/decode too): the component is brought to the GPU before it runs, its inputs with it."""
+        def pre_forward(self, module, *args, **kwargs):
+            self.swap.bring(module)
+            return send_to_device(args, self.execution_device), send_to_device(kwargs, self.execution_device)
 
-    def __init__(self, swap: Swap):
-        self.swap = swap
-        self.execution_device = swap.device
-
-    def pre_forward(self, module, *args, **kwargs):
-        from accelerate.utils import send_to_device
-
-        self.swap.bring(module)
-        return send_to_device(args, self.execution_device), send_to_device(kwargs, self.execution_device)
+    return OnDeviceWhileRunning
 
 
 def apply(pipe, plan: Plan, device: str, dtype=None, add: dict | None = None):

@@ -87,3 +87,13 @@ def test_swap_keeps_one_component_on_the_device_and_never_copies_back(tiny):
     assert swap.current is pipe.vae and pipe._execution_device == torch.device("cpu")
     # the transformer was put away: its parameters point at the very CPU tensors they started with
     assert all(t.data.data_ptr() == host[id(t)] for t in pipe.transformer.parameters())
+
+
+def test_importing_the_planner_does_not_import_torch():
+    # `lorakit infer --offload BAD` is refused from this module before any heavy import
+    import subprocess
+    import sys
+
+    code = "import sys, lorakit.placement; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False"
