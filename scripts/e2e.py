@@ -156,7 +156,7 @@ class Run:
         return {**ours, "stock": stock, "page_cache_warmed_gib": warmed}
 
     def train(self) -> dict:
-        dropped = _drop_page_cache()
+        dropped = False if self.a.warm_page_cache else _drop_page_cache()
         cfg = self.config(self.dir / "run", self.a.steps)
         r = sh(lorakit("train", str(cfg), "--json"), env=self.env)
         r["page_cache_dropped"] = dropped
@@ -443,6 +443,8 @@ def main() -> None:
     p.add_argument("--offload", default="auto", help="infer: lorakit infer --offload")
     p.add_argument("--no-stock", action="store_true", help="cache, infer: lorakit only")
     p.add_argument("--image", action="append", default=[])
+    p.add_argument("--warm-page-cache", action="store_true", help="train: keep the page cache (the cold figure "
+                   "drops it first)")
     p.add_argument("--limit", type=float, default=None, help="seconds: commands still running then are stopped "
                    "(their output so far recorded) so that every stage's JSON is written")
     a = p.parse_args()

@@ -40,21 +40,21 @@ case $1 in
         timeout 200 python3 scripts/fp8_probe.py > "$OUT/fp8_probe.jsonl" 2>> "$LOG"; cat "$OUT/fp8_probe.jsonl" >> "$LOG"
         e2e 110 synth data lora --family flux --profile rtx4090 --cap 24
         left=$((545 - SECONDS)); [ $left -gt 60 ] && e2e $left infer --family flux --profile rtx4090 --cap 24 --no-stock ;;
-  flux-swap) rm -rf $M/qwen*  # FLUX infer under the cap with the Swap placement (fp8 blocks), what time allows
+  flux-swap) rm -rf $M/qwen*  # FLUX infer under the cap with the Swap placement (fp8 blocks); the fair cache row again
         e2e 95 synth data lora --family flux --profile rtx4090 --cap 24
-        left=$((185 - SECONDS)); e2e $left infer --family flux --profile rtx4090 --cap 24 --no-stock ;;
-  qwen-small) rm -rf $M/flux*  # Qwen-Image under the rtx4090 profile and a 24 GiB cap: infer first, then train
+        e2e 110 infer --family flux --profile rtx4090 --cap 24 --no-stock
+        left=$((300 - SECONDS)); e2e $left cache --family flux --profile datacenter ;;
+  qwen-small) rm -rf $M/flux*  # Qwen-Image, rtx4090 profile, 24 GiB cap: cache, train to its LoRA file, infer with it
         e2e 150 synth data lora --family qwen-image --profile rtx4090 --cap 24
-        e2e 55 cache --family qwen-image --profile rtx4090 --cap 24 --no-stock
-        e2e 190 infer --family qwen-image --profile rtx4090 --cap 24 --no-stock --prompts 2
-        left=$((570 - SECONDS)); [ $left -gt 100 ] && e2e $left train --family qwen-image --profile rtx4090 --cap 24 \
-          --steps 10 ;;
+        e2e 50 cache --family qwen-image --profile rtx4090 --cap 24 --no-stock
+        e2e $((465 - SECONDS)) train --family qwen-image --profile rtx4090 --cap 24 --steps 10 --warm-page-cache
+        e2e $((585 - SECONDS)) infer --family qwen-image --profile rtx4090 --cap 24 --no-stock --prompts 2 ;;
   qwen-pair) rm -rf $M/flux*  # Qwen-Image-Edit-2509, datacenter; on a warm machine after qwen-small its weights are linked
         like=(); [ -f $M/qwen-image/lorakit_synthetic.json ] && like=(--like qwen-image)
-        e2e 200 synth data cache --family qwen-image-edit-plus "${like[@]}" --profile datacenter
-        e2e 230 train reproduce --family qwen-image-edit-plus --profile datacenter --steps 8
-        left=$((585 - SECONDS)); [ $left -gt 90 ] && e2e $left infer --family qwen-image-edit-plus --profile datacenter \
-          --no-stock --prompts 2 ;;
+        e2e 130 synth data cache --family qwen-image-edit-plus "${like[@]}" --profile datacenter
+        e2e $((395 - SECONDS)) train --family qwen-image-edit-plus --profile datacenter --steps 8 --warm-page-cache
+        e2e $((475 - SECONDS)) reproduce --family qwen-image-edit-plus --profile datacenter
+        e2e $((585 - SECONDS)) infer --family qwen-image-edit-plus --profile datacenter --no-stock --prompts 2 ;;
   qwen-4090-after) rm -rf $M/flux*  # right after qwen-pair on a warm machine: its weights linked, not rewritten
         like=(); [ -f $M/qwen-image-edit-plus/lorakit_synthetic.json ] && like=(--like qwen-image-edit-plus)
         e2e 400 synth data cache train --family qwen-image "${like[@]}" --profile rtx4090 --cap 24 --steps 20

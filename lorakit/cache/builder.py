@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -14,9 +15,8 @@ from lorakit.data.dataset import open_image
 from lorakit.data.video import ClipError, read_window
 from lorakit.errors import InputError
 
-# One item per encoder call: batched convolutions and padded attention round differently with other
-# items in the batch, and a content-addressed entry must not depend on its neighbours.
-BATCH = 1
+# One item per encoder call, never batched: batched convolutions and padded attention round differently with
+# other items in the batch, and a content-addressed entry must not depend on its neighbours.
 
 
 @dataclass
@@ -113,19 +113,23 @@ def build(cfg, force: bool = False, verify: bool = False, strict: bool = False, 
     by_group: dict = {}  # entries of one batch group (bucket, control sizes) encode one after another
     for p in todo:
         by_group.setdefault(p[0].group, []).append(p)
-    done = 0
+    order = [p for _, group in sorted(by_group.items()) for p in group]
     if todo:  # the encoders load now, so that items/s times encoding only
         adapter.load((*adapter.text_parts, adapter.vae_part))
     t_enc = time.perf_counter()
     if progress:
         progress(0, len(todo), "encoding")
-    for _, group in sorted(by_group.items()):
-        for i in range(0, len(group), BATCH):
-            batch = group[i:i + BATCH]
-            summary.encoded += _encode_batch(adapter, store, batch, layout, cfg)
-            done += len(batch)
+    # The disk work overlaps the encoders: the next item's image is decoded and cropped on a reader thread,
+    # each finished item is written (atomically, flushed) on a writer thread.
+    with ThreadPoolExecutor(1, thread_name_prefix="lorakit-cache-read") as reader, store.writer() as put:
+        ahead = reader.submit(_read, order[0], layout) if order else None
+        for n, entry in enumerate(order):
+            read = ahead.result()
+            if n + 1 < len(order):
+                ahead = reader.submit(_read, order[n + 1], layout)
+            summary.encoded += _encode_one(adapter, store, put, entry, read, layout, cfg)
             if progress:
-                progress(done, len(todo), "x".join(str(x) for x in batch[0][1]))
+                progress(n + 1, len(todo), "x".join(str(x) for x in entry[1]))
             if delay:
                 time.sleep(delay)
     if summary.encoded:
@@ -171,44 +175,53 @@ def _write_manifest(store, family, identity, settings, layout, empty, planned, s
         "skipped": summary.skipped})
 
 
-def _encode_batch(adapter, store: Store, batch, layout: str, cfg) -> int:
-    """Encode entries of one group (one at a time: see BATCH) and store each; a clip that fails to decode is
-    recorded as a failure (by key) instead of stopping the build. Returns how many were stored."""
-    stored = 0
-    for e, bucket, key in batch:
-        it = e.item
-        tensors = {}
-        controls = None
-        if layout == "video":
-            try:
-                frames = read_window(it.target, e.window)
-            except ClipError as err:
-                _record_failure(store, key, {"path": str(it.target), "code": "unreadable",
-                                             "message": f"{e.label}: {err.message.removeprefix(f'{it.target}: ')}"})
-                continue
-            pix = to_pixels([fit(f, bucket[:2]) for f in frames])  # (T, 3, H, W)
-            tensors["latents"] = adapter.encode_video(pix.permute(1, 0, 2, 3).unsqueeze(0))[0]
-        else:
-            tensors["latents"] = adapter.encode_images(to_pixels([fit(open_image(it.target), bucket)]))[0]
-            if it.mask is not None:  # the loss mask at latent resolution (each latent: its pixels' mean)
-                tensors["loss_mask"] = latent_mask(it.mask, bucket, tensors["latents"].shape, it.mask_alpha)
-            if layout == "edit":
-                controls = [open_image(c) for c in it.controls]
-                for c, lat in enumerate(adapter.encode_controls(controls, cfg.data.control_resolution)):
-                    tensors[f"control_latents_{c}"] = lat
-        texts = adapter.encode_prompts([it.caption], controls=[controls] if controls else None)
-        tensors.update(texts[0])
-        if cfg.data.caption_shuffle:  # variants 1..N-1: the tags after the first keep_tokens shuffled
-            for v, caption in enumerate(caption_variants(it.caption, cfg.data.caption_variants,
-                                                         cfg.data.keep_tokens, key)[1:], start=1):
-                enc = adapter.encode_prompts([caption], controls=[controls] if controls else None)[0]
-                tensors.update({f"{k}@{v}": t for k, t in enc.items() if k in ("prompt_embeds", "pooled")})
-        if layout == "edit" and cfg.data.caption_dropout > 0:  # an empty instruction still sees its controls
-            tensors["empty_prompt_embeds"] = adapter.encode_prompts([""], controls=[controls])[0]["prompt_embeds"]
-        store.put(key, tensors, {"stem": it.stem, "label": e.label, "caption": it.caption,
-                                 "bucket": "x".join(str(x) for x in bucket)})
-        stored += 1
-    return stored
+def _read(entry, layout: str):
+    """The CPU side of one entry (reader thread): its pixels decoded and cropped to the bucket, its control
+    images opened; a clip that fails to decode comes back as the ClipError."""
+    e, bucket, _ = entry
+    it = e.item
+    if layout == "video":
+        try:
+            frames = read_window(it.target, e.window)
+        except ClipError as err:
+            return err
+        return {"pixels": to_pixels([fit(f, bucket[:2]) for f in frames])}  # (T, 3, H, W)
+    return {"pixels": to_pixels([fit(open_image(it.target), bucket)]),
+            "controls": [open_image(c) for c in it.controls] if layout == "edit" else None}
+
+
+def _encode_one(adapter, store: Store, put, entry, read, layout: str, cfg) -> int:
+    """Encode one entry (alone: see the note at the top) and hand it to the writer; a clip that failed to decode is
+    recorded as a failure (by key) instead of stopping the build. Returns how many were stored (0 or 1)."""
+    e, bucket, key = entry
+    it = e.item
+    if isinstance(read, ClipError):
+        _record_failure(store, key, {"path": str(it.target), "code": "unreadable",
+                                     "message": f"{e.label}: {read.message.removeprefix(f'{it.target}: ')}"})
+        return 0
+    tensors = {}
+    controls = read.get("controls")
+    if layout == "video":
+        tensors["latents"] = adapter.encode_video(read["pixels"].permute(1, 0, 2, 3).unsqueeze(0))[0]
+    else:
+        tensors["latents"] = adapter.encode_images(read["pixels"])[0]
+        if it.mask is not None:  # the loss mask at latent resolution (each latent: its pixels' mean)
+            tensors["loss_mask"] = latent_mask(it.mask, bucket, tensors["latents"].shape, it.mask_alpha)
+        if layout == "edit":
+            for c, lat in enumerate(adapter.encode_controls(controls, cfg.data.control_resolution)):
+                tensors[f"control_latents_{c}"] = lat
+    texts = adapter.encode_prompts([it.caption], controls=[controls] if controls else None)
+    tensors.update(texts[0])
+    if cfg.data.caption_shuffle:  # variants 1..N-1: the tags after the first keep_tokens shuffled
+        for v, caption in enumerate(caption_variants(it.caption, cfg.data.caption_variants,
+                                                     cfg.data.keep_tokens, key)[1:], start=1):
+            enc = adapter.encode_prompts([caption], controls=[controls] if controls else None)[0]
+            tensors.update({f"{k}@{v}": t for k, t in enc.items() if k in ("prompt_embeds", "pooled")})
+    if layout == "edit" and cfg.data.caption_dropout > 0:  # an empty instruction still sees its controls
+        tensors["empty_prompt_embeds"] = adapter.encode_prompts([""], controls=[controls])[0]["prompt_embeds"]
+    put(key, tensors, {"stem": it.stem, "label": e.label, "caption": it.caption,
+                       "bucket": "x".join(str(x) for x in bucket)})
+    return 1
 
 
 def caption_variants(caption: str, n: int, keep: int, key: str) -> list[str]:

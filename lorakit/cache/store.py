@@ -11,6 +11,8 @@ complete (atomic rename) and is found again by its key.
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import functools
 import hashlib
 import json
@@ -80,6 +82,25 @@ class Store:
     def put(self, key: str, tensors: dict, meta: dict) -> Path:
         tensors = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
         return save(tensors, self.path(key), metadata={k: str(v) for k, v in meta.items()})
+
+    @contextlib.contextmanager
+    def writer(self, depth: int = 2):
+        """`put` on a background thread: yields put(key, tensors, meta), which copies the tensors to the host
+        (the caller may reuse them at once) and queues the write, waiting only while `depth` writes are
+        pending. Leaving the block waits for every write; a failed write raises, at the next put or on leaving."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        pending: collections.deque = collections.deque()
+        with ThreadPoolExecutor(1, thread_name_prefix="lorakit-cache-write") as pool:
+            def put(key: str, tensors: dict, meta: dict) -> None:
+                host = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in tensors.items()}
+                while len(pending) >= depth:
+                    pending.popleft().result()
+                pending.append(pool.submit(self.put, key, host, meta))
+
+            yield put
+            while pending:
+                pending.popleft().result()
 
     def get(self, key: str) -> dict:
         return load(self.path(key), copy=True)

@@ -1,5 +1,6 @@
 """The content-addressed store: keys hash every input, writes are atomic, damaged entries are found."""
 
+import pytest
 import torch
 
 from lorakit.cache.store import Store, item_key
@@ -41,3 +42,21 @@ def test_manifest_of_another_version_reads_as_none(tmp_path):
     assert st.read_manifest() is None
     (st.root / "manifest.json").write_text("{broken")
     assert st.read_manifest() is None
+
+
+def test_writer_writes_every_item_in_the_background_and_raises_a_failed_write(tmp_path, monkeypatch):
+    s = Store(tmp_path)
+    with s.writer(depth=2) as put:
+        for i in range(5):
+            t = torch.full((3,), float(i))
+            put(f"k{i}", {"x": t}, {"i": i})
+            t.add_(100)  # the caller reuses its tensor at once: the queued write holds its own host copy
+    assert [s.get(f"k{i}")["x"].tolist() for i in range(5)] == [[float(i)] * 3 for i in range(5)]
+
+    def broken(key, tensors, meta):
+        raise OSError(28, "No space left on device", str(s.path(key)))
+
+    monkeypatch.setattr(s, "put", broken)
+    with pytest.raises(OSError, match="No space left") as err, s.writer() as put:
+        put("k9", {"x": torch.zeros(1)}, {})
+    assert err.value.filename == str(s.path("k9"))  # the error names the item file
