@@ -74,7 +74,9 @@ class Run:
 
     def save(self, stage: str, rec: dict) -> None:
         (self.dir / f"{stage}.json").write_text(json.dumps(rec, indent=2, default=str))
-        brief = {k: v for k, v in rec.items() if k not in ("json", "stderr_tail", "stdout_tail", "traceback")}
+        quiet = ("json", "stderr_tail", "stdout_tail", "traceback")  # (the log's filter drops progress-bar lines)
+        brief = {k: ({i: w for i, w in v.items() if i not in quiet} if isinstance(v, dict) else v)
+                 for k, v in rec.items() if k not in quiet}
         print(f"== {self.name} {stage}: {json.dumps(brief, default=str)[:1500]}", flush=True)
 
     def config(self, out: Path, steps: int, **extra) -> Path:

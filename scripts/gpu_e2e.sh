@@ -42,8 +42,8 @@ case $1 in
         left=$((545 - SECONDS)); [ $left -gt 60 ] && e2e $left infer --family flux --profile rtx4090 --cap 24 --no-stock ;;
   flux-swap) rm -rf $M/qwen*  # FLUX infer under the cap with the Swap placement (fp8 blocks); the fair cache row again
         e2e 95 synth data lora --family flux --profile rtx4090 --cap 24
-        e2e 110 infer --family flux --profile rtx4090 --cap 24 --no-stock
-        left=$((300 - SECONDS)); e2e $left cache --family flux --profile datacenter ;;
+        e2e 140 infer --family flux --profile rtx4090 --cap 24 --no-stock
+        e2e $((400 - SECONDS)) cache --family flux --profile datacenter ;;
   qwen-small) rm -rf $M/flux*  # Qwen-Image, rtx4090 profile, 24 GiB cap: cache, train to its LoRA file, infer with it
         e2e 150 synth data lora --family qwen-image --profile rtx4090 --cap 24
         e2e 50 cache --family qwen-image --profile rtx4090 --cap 24 --no-stock
