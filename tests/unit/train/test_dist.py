@@ -52,11 +52,12 @@ def test_two_processes_match_one_with_the_same_global_batch(tmp_path, tiny, fami
 @pytest.mark.slow
 def test_full_fine_tune_shards_with_fsdp_and_resumes_on_another_process_count(tmp_path, tiny):
     from lorakit.io import load
+    from lorakit.train.loop import run
 
     family = "flux"
     kw = {"lora": {"dropout": 0.0}, "optim": {"lr": 1e-3}}
     ref = make_cfg(tmp_path / "ref", family, tiny(family), steps=6, schedule={"batch_size": 2}, method="full", **kw)
-    r1 = _train(_write(tmp_path, ref, "ref.yaml"))
+    r1 = run(ref, {})  # one process: in this one (the 2-process run and its resume are the commands)
     two = make_cfg(tmp_path / "two", family, tiny(family), steps=6, schedule={"batch_size": 1},
                    output={"save_every": 3}, method="full", **kw)
     r2 = _train(_write(tmp_path, two, "two.yaml"), gpus=2)
@@ -77,8 +78,7 @@ def test_full_fine_tune_shards_with_fsdp_and_resumes_on_another_process_count(tm
     # written by 2 processes, resumed by 1: the same losses as the uninterrupted runs
     one = make_cfg(tmp_path / "two", family, tiny(family), steps=6, schedule={"batch_size": 2},
                    output={"save_every": 3}, method="full", **kw)
-    r3 = _train(_write(tmp_path, one, "one.yaml"), "--resume", str(tmp_path / "two" / "out" / "checkpoints" /
-                                                                   "step-000003"))
+    r3 = run(one, {}, resume=str(tmp_path / "two" / "out" / "checkpoints" / "step-000003"))
     assert r3["resumed"]["from_world"] == 2
     assert losses(r3["metrics"]) == pytest.approx(losses(r1["metrics"]), rel=0, abs=1e-4)
     c = load(final)

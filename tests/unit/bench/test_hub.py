@@ -1,0 +1,70 @@
+"""The synthetic hub-layout model folders (`lorakit.bench.hub`): the published architectures, the hub's file
+layout, and folders that the stock pipeline and lorakit both load."""
+
+import json
+
+import pytest
+import torch
+
+from lorakit.bench import hub
+from lorakit.models.base import family_adapter
+
+# Parameters of each published component (FLUX.1-dev, Qwen-Image / -Edit-2509 and Kandinsky 5.0 T2I Lite:
+# transformer, CLIP-L, T5-XXL encoder, Qwen2.5-VL-7B, the FLUX and Qwen-Image VAEs), as their hub files hold them.
+PUBLISHED = {
+    "flux": {"transformer": 11_901_408_320, "text_encoder": 123_060_480, "text_encoder_2": 4_762_310_656,
+             "vae": 83_819_683},
+    "qwen-image": {"transformer": 20_430_401_088, "text_encoder": 8_292_166_656, "vae": 126_892_531},
+    "qwen-image-edit-plus": {"transformer": 20_430_401_088, "text_encoder": 8_292_166_656, "vae": 126_892_531},
+    "kandinsky5-t2i": {"transformer": 6_022_080_576, "text_encoder": 8_292_166_656, "text_encoder_2": 123_060_480,
+                       "vae": 83_819_683},
+}
+
+
+@pytest.mark.parametrize("family", sorted(PUBLISHED))
+def test_full_size_components_have_the_published_parameter_counts(family):
+    import diffusers
+
+    adapter = family_adapter(family)
+    pipe = adapter.build_tiny(0)
+    counts = {}
+    with torch.device("meta"):  # the architecture only: no memory, no time
+        for name, part in pipe.components.items():
+            if not isinstance(part, torch.nn.Module):
+                continue
+            module = (getattr(diffusers, adapter.info.transformer_class)(**adapter.full_config)
+                      if name == "transformer" else hub._full(name, part, hub._tokenizer_for(name, pipe)))
+            counts[name] = sum(t.numel() for t in module.parameters())  # tied weights once, as the files hold them
+    assert counts == PUBLISHED[family]
+
+
+@pytest.mark.parametrize("family", ["flux", "qwen-image-edit-plus", "kandinsky5-t2i"])
+def test_written_folder_is_sharded_as_the_hub_and_loads_in_diffusers_and_lorakit(tmp_path, monkeypatch, family):
+    from diffusers import DiffusionPipeline
+
+    from lorakit.io import load
+    from lorakit.models.base import load_adapter
+
+    monkeypatch.setattr(hub, "SHARD_BYTES", {"diffusers": 40_000, "transformers": 20_000})  # several shards each
+    out = tmp_path / family
+    report = hub.write_model(family, out, device="cpu", scale="tiny")
+    index = json.loads((out / "transformer" / "diffusion_pytorch_model.safetensors.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) > 1 and shards[0] == f"diffusion_pytorch_model-00001-of-{len(shards):05d}.safetensors"
+    assert json.loads((out / "lorakit_synthetic.json").read_text())["components"] == report["components"]
+
+    pipe = DiffusionPipeline.from_pretrained(out)  # the stock loader reads the sharded folder
+    assert type(pipe).__name__ == family_adapter(family).info.pipeline_class
+    for name, rec in report["components"].items():
+        module = getattr(pipe, name)
+        assert type(module).__name__ == rec["class"]
+        stored = load(out / name)  # every stored tensor is the module's (nothing missing, nothing extra)
+        state = hub._unique_tensors(module)
+        assert sorted(stored) == sorted(state) and sum(t.numel() for t in stored.values()) == rec["params"]
+        assert all(torch.equal(stored[k], state[k]) for k in stored)
+    adapter = load_adapter(family, out)  # and lorakit's own loading of the same folder
+    adapter.load(list(report["components"]))
+    for name, rec in report["components"].items():
+        assert type(adapter.parts[name]).__name__ == rec["class"]
+        ours, stock = hub._unique_tensors(adapter.parts[name]), hub._unique_tensors(getattr(pipe, name))
+        assert sorted(ours) == sorted(stock) and all(torch.equal(ours[k], stock[k]) for k in ours)
