@@ -172,6 +172,10 @@ class Adapter(abc.ABC):
         """Size arguments for the stock pipeline's __call__ (families that accept only some sizes override)."""
         return {"width": width, "height": height}
 
+    def before_compile(self, transformer) -> None:
+        """Changes that let the compiler generate each repeated block whole, same numbers (default: none).
+        Called on the training transformer just before its blocks are compiled."""
+
     @abc.abstractmethod
     def attention_model_config(self) -> dict:
         """The full-width transformer config with one block of each kind (doctor's in-model attention case)."""

@@ -161,6 +161,9 @@ class QwenImageAdapter(Adapter):
     def attention_model_config(self) -> dict:
         return {**self.full_config, "num_layers": 1}
 
+    def before_compile(self, transformer) -> None:
+        real_rotary(transformer)
+
     def build_tiny(self, seed: int):
         from diffusers import QwenImageTransformer2DModel
 
@@ -183,3 +186,36 @@ class QwenImageAdapter(Adapter):
 
 
 ADAPTER = QwenImageAdapter
+
+
+def real_rotary(transformer) -> None:
+    """The rotary embedding of this transformer's blocks in real arithmetic. Diffusers hands Qwen-Image's blocks
+    complex frequencies and rotates queries and keys with a complex product, which inductor cannot generate code
+    for ("does not support code generation for complex operators"): each compiled block then leaves that part to
+    eager kernels. Here the positional module's output becomes (cos, sin) pairs (`view_as_real`, outside the
+    blocks) and the rotation is the same product written out in float32: (a + ib)(c + id) = (ac - bd) + i(ad + bc).
+    Only this transformer changes: the rotation function still takes complex frequencies as before, so a stock
+    pipeline in the same process computes exactly what it did."""
+    import torch
+    from diffusers.models.transformers import transformer_qwenimage as module
+
+    if not getattr(module.apply_rotary_emb_qwen, "lorakit_real", False):
+        module.apply_rotary_emb_qwen = _real_or_stock(module.apply_rotary_emb_qwen)
+    if not getattr(transformer.pos_embed, "_lorakit_real_rotary", False):
+        transformer.pos_embed.register_forward_hook(
+            lambda _module, _args, freqs: tuple(torch.view_as_real(f) if f.is_complex() else f for f in freqs))
+        transformer.pos_embed._lorakit_real_rotary = True
+
+
+def _real_or_stock(stock):
+    def rotary(x, freqs_cis, use_real=True, use_real_unbind_dim=-1):
+        if use_real or freqs_cis.is_complex():
+            return stock(x, freqs_cis, use_real=use_real, use_real_unbind_dim=use_real_unbind_dim)
+        import torch
+
+        cos, sin = freqs_cis.unsqueeze(1).unbind(-1)  # (S, D/2, 2) -> (S, 1, D/2): broadcast over heads
+        a, b = x.float().reshape(*x.shape[:-1], -1, 2).unbind(-1)  # (B, S, H, D/2): pairs (real, imaginary)
+        return torch.stack([a * cos - b * sin, a * sin + b * cos], dim=-1).flatten(3).type_as(x)
+
+    rotary.lorakit_real = True
+    return rotary

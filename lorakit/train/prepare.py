@@ -69,6 +69,7 @@ def prepare(cfg, adapter, transformer, device: str, dtype, dist) -> Prepared:
     compiled = bool(cfg.memory.compile and device.startswith("cuda") and not sharded and not swapper
                     and getattr(transformer, "_repeated_blocks", None))
     if compiled:  # regional: each repeated block once (seconds, not minutes), shapes per bucket
+        adapter.before_compile(transformer)
         transformer.compile_repeated_blocks()
     transformer.train()
     params = [p for p in transformer.parameters() if p.requires_grad]
