@@ -282,6 +282,9 @@ class MemoryConfig(_Section):
     cache_in_memory: bool = Field(False, description="keep the latent/text cache in memory")
     free_encoders_after_cache: bool = Field(True, description="free text encoders and VAE once cached")
     compile: bool = Field(False, description="torch.compile the repeated transformer blocks")
+    compute: Literal["bf16", "fp8"] = Field(
+        "bf16", description="matmuls of the frozen base's block Linears: bf16, or fp8 (opt-in; e4m3 inputs and "
+                            "weights scaled per token / per row, GPUs of compute capability 8.9+; LoRA stays bf16)")
     attention: Literal["auto", "flash", "efficient", "cudnn", "math", "flash+efficient"] = Field(
         "auto", description="SDPA backend (auto: doctor's self-test; flash+efficient: flash for unmasked "
                             "batches, efficient for masked)")
@@ -399,6 +402,11 @@ class Config(_Section):
         if self.method == "full" and m.base_quant != "none":
             problems.append(f"memory.base_quant={m.base_quant} stores a frozen 8/4-bit base, but method=full "
                             "trains every weight (--set memory.base_quant=none)")
+        if m.compute == "fp8" and self.method == "full":
+            problems.append("memory.compute=fp8 multiplies a frozen base in 8 bits, but method=full trains every "
+                            "weight (--set memory.compute=bf16)")
+        if m.compute == "fp8" and m.base_quant == "nf4":
+            problems.append("memory.compute=fp8 takes a bf16 or 8-bit base, not nf4 (--set memory.base_quant=fp8)")
         if m.base_quant == "nf4" and m.blocks_to_swap:
             problems.append("memory.base_quant=nf4 with memory.blocks_to_swap is not supported (the 4-bit weights "
                             "keep their quantization state on the GPU): use base_quant=fp8 with block swapping, "

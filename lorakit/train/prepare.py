@@ -38,7 +38,16 @@ def prepare(cfg, adapter, transformer, device: str, dtype, dist) -> Prepared:
 
     full = cfg.method == "full"
     quantized = 0
-    if cfg.memory.base_quant in ("fp8", "qfloat8"):
+    if cfg.memory.compute == "fp8":  # 8-bit matmuls; over a bf16 base the weight is kept transposed as well
+        from lorakit.errors import NotAvailableError
+        from lorakit.train.quant import fp8_compute_problem, quantize_blocks
+
+        problem = fp8_compute_problem(device)
+        if problem:
+            raise NotAvailableError(problem, "--set memory.compute=bf16")
+        quantized = quantize_blocks(transformer, dtype, device, compute="fp8",
+                                    transposed=cfg.memory.base_quant == "none")
+    elif cfg.memory.base_quant in ("fp8", "qfloat8"):
         from lorakit.train.quant import quantize_blocks
 
         quantized = quantize_blocks(transformer, dtype, device)

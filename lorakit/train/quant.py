@@ -6,6 +6,13 @@ embeddings, norms, the output projection and the LoRA weights keep their precisi
 `memory.base_quant` fp8 (rtx5090) and qfloat8 (rtx4090: the same e4m3 format optimum-quanto's qfloat8 uses).
 `memory.base_quant: nf4` stores the same layers as bitsandbytes 4-bit NormalFloat (blocks of 64 with an absmax
 each, ~0.55 byte/parameter), which peft's bitsandbytes LoRA layers wrap.
+
+`memory.compute: fp8` (sm_89+: Ada, Hopper, Blackwell) also multiplies in 8 bits: each block Linear's input is
+rounded to e4m3 with a scale per token and multiplied by the e4m3 weight in one `torch._scaled_mm` (float32
+accumulation, both scales applied to the output); the gradient for the input is the same product with the
+incoming gradient rounded to e5m2 per token and the weight kept a second time, transposed (2 bytes/parameter in
+all, as bf16) — or, over an 8-bit base, multiplied in bf16 by the dequantized weight (1 byte/parameter). The
+weights are frozen, so no weight gradient is computed; LoRA's own matmuls stay in bf16 with fp32 weights.
 """
 
 from __future__ import annotations
@@ -19,9 +26,12 @@ E4M3_MAX = 448.0
 class Float8Linear(torch.nn.Linear):
     """A frozen Linear whose weight lives in float8_e4m3fn (1 byte/parameter) plus a float32 scale per row."""
 
-    def __init__(self, linear: torch.nn.Linear, compute_dtype: torch.dtype, device=None, add=()):
+    def __init__(self, linear: torch.nn.Linear, compute_dtype: torch.dtype, device=None, add=(),
+                 compute: str = "bf16", transposed: bool = False):
         """`add`: low-rank changes (B, A, coefficient) summed into the weight in float32 before it is rounded
-        to 8 bits (inference with LoRAs: one pass over the weight)."""
+        to 8 bits (inference with LoRAs: one pass over the weight). `compute`: "bf16" (dequantize, multiply in
+        the compute dtype) or "fp8" (`torch._scaled_mm`, see the module notes); `transposed`: with fp8, keep the
+        transposed weight too so the input's gradient is an fp8 product as well."""
         torch.nn.Module.__init__(self)
         self.in_features, self.out_features = linear.in_features, linear.out_features
         w = linear.weight.detach().to(device).float()  # device None: where the layer is
@@ -33,14 +43,66 @@ class Float8Linear(torch.nn.Linear):
         self.bias = None if linear.bias is None else torch.nn.Parameter(
             linear.bias.detach().to(device=device, dtype=compute_dtype), requires_grad=False)
         self.compute_dtype = compute_dtype
+        self.compute = compute
+        self.register_buffer("weight_t", self.weight.data.t().contiguous() if compute == "fp8" and transposed
+                             else None, persistent=False)
 
     def dequantized(self) -> torch.Tensor:
         return self.weight.to(self.compute_dtype) * self.scale[:, None].to(self.compute_dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # the row scale applied to the output (x W^T) * s, not to the weight: one weight-sized temporary
-        y = F.linear(x.to(self.compute_dtype), self.weight.to(self.compute_dtype)) * self.scale.to(self.compute_dtype)
+        if self.compute == "fp8":
+            y = _Fp8Matmul.apply(x.to(self.compute_dtype), self.weight, self.scale, self.weight_t)
+        else:  # the row scale applied to the output (x W^T) * s, not to the weight: one weight-sized temporary
+            y = F.linear(x.to(self.compute_dtype), self.weight.to(self.compute_dtype)) * self.scale.to(self.compute_dtype)
         return y if self.bias is None else y + self.bias
+
+
+def _per_row(t: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """t (M, K) rounded to an 8-bit float with one float32 scale per row (its absmax at the format's maximum)."""
+    scale = t.abs().amax(dim=1, keepdim=True).float().clamp(min=1e-12) / torch.finfo(dtype).max
+    return (t.float() / scale).to(dtype), scale
+
+
+class _Fp8Matmul(torch.autograd.Function):
+    """y = x W^T with x rounded to e4m3 per token and W stored as e4m3 with a scale per output row; the input's
+    gradient g W likewise (g rounded to e5m2 per token) when the transposed weight is kept, else in the
+    compute dtype. No gradient for the frozen weight."""
+
+    @staticmethod
+    def forward(ctx, x, w8, w_scale, w8_t):
+        rows = x.reshape(-1, x.shape[-1])
+        x8, x_scale = _per_row(rows, torch.float8_e4m3fn)
+        y = torch._scaled_mm(x8, w8.t(), scale_a=x_scale, scale_b=w_scale.float()[None, :], out_dtype=x.dtype)
+        ctx.save_for_backward(w8, w_scale, w8_t)
+        ctx.dtype = x.dtype
+        return y.reshape(*x.shape[:-1], w8.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad):
+        w8, w_scale, w8_t = ctx.saved_tensors
+        if not ctx.needs_input_grad[0]:
+            return None, None, None, None
+        g = grad.reshape(-1, grad.shape[-1]).float() * w_scale  # W = diag(s) W8: the scale goes on g's columns
+        if w8_t is not None:
+            g8, g_scale = _per_row(g, torch.float8_e5m2)
+            ones = torch.ones(1, w8.shape[1], device=g.device, dtype=torch.float32)
+            gx = torch._scaled_mm(g8, w8_t.t(), scale_a=g_scale, scale_b=ones, out_dtype=ctx.dtype)
+        else:
+            gx = g.to(ctx.dtype) @ w8.to(ctx.dtype)
+        return gx.reshape(*grad.shape[:-1], w8.shape[1]), None, None, None
+
+
+def fp8_compute_problem(device: str) -> str | None:
+    """Why this device cannot multiply in fp8 (None: it can). CPUs run `torch._scaled_mm` as a reference (slow)."""
+    if not device.startswith("cuda"):
+        return None
+    cap = torch.cuda.get_device_capability(torch.device(device))
+    if cap < (8, 9):
+        name = torch.cuda.get_device_name(torch.device(device))
+        return (f"memory.compute=fp8 needs fp8 matrix units (compute capability 8.9+: Ada, Hopper, Blackwell); "
+                f"{name} is {cap[0]}.{cap[1]}")
+    return None
 
 
 def block_linears(transformer) -> list[str]:
@@ -48,11 +110,13 @@ def block_linears(transformer) -> list[str]:
     return [n for n, m in transformer.named_modules() if type(m) is torch.nn.Linear and "blocks." in n]
 
 
-def quantize_blocks(transformer, compute_dtype: torch.dtype, device=None, add: dict | None = None) -> int:
+def quantize_blocks(transformer, compute_dtype: torch.dtype, device=None, add: dict | None = None,
+                    compute: str = "bf16", transposed: bool = False) -> int:
     """Replace every Linear inside the transformer blocks by a Float8Linear, one layer at a time on `device`
     (default: where the layer is). A base loaded to the CPU thus reaches the GPU already in 8 bits: a 12 B
     transformer never needs its 24 GB bf16 form on a 24 GB card. `add`: module name -> low-rank changes
-    summed in first (`Float8Linear`). Returns how many layers."""
+    summed in first; `compute`, `transposed`: as `Float8Linear` (layers whose sides are not multiples
+    of 16 multiply in bf16). Returns how many layers."""
     add = add or {}
     targets = block_linears(transformer)
     unknown = set(add) - set(targets)
@@ -61,7 +125,10 @@ def quantize_blocks(transformer, compute_dtype: torch.dtype, device=None, add: d
     for name in targets:
         parent_name, _, child = name.rpartition(".")
         parent = transformer.get_submodule(parent_name)
-        setattr(parent, child, Float8Linear(getattr(parent, child), compute_dtype, device, add.get(name, ())))
+        lin = getattr(parent, child)
+        fits = lin.in_features % 16 == 0 and lin.out_features % 16 == 0  # what the fp8 matrix units take
+        setattr(parent, child, Float8Linear(lin, compute_dtype, device, add.get(name, ()),
+                                            compute if fits else "bf16", transposed))
     return len(targets)
 
 

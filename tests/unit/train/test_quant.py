@@ -1,3 +1,4 @@
+import pytest
 import torch
 
 from lorakit.io.modules import load_component
@@ -35,3 +36,69 @@ def test_layers_are_quantized_one_by_one_onto_the_target_device():
     for lin in m.blocks[0]:
         assert isinstance(lin, Float8Linear) and lin.weight.is_meta and lin.weight.dtype == torch.float8_e4m3fn
     assert type(m.head) is torch.nn.Linear and not m.head.weight.is_meta  # outside the blocks: untouched
+
+
+def _rounded(t, dtype):
+    """t rounded per row to an 8-bit float and back (the reference for the fp8 products)."""
+    scale = t.abs().amax(dim=-1, keepdim=True).clamp(min=1e-12) / torch.finfo(dtype).max
+    return (t / scale).to(dtype).float() * scale
+
+
+@pytest.mark.parametrize("transposed", [True, False])
+def test_fp8_compute_is_the_product_of_the_rounded_operands_and_its_input_gradient_too(transposed):
+    g = torch.Generator().manual_seed(0)
+    lin = torch.nn.Linear(64, 48, bias=True)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(48, 64, generator=g) * torch.linspace(0.01, 3, 48)[:, None])
+    q = Float8Linear(lin, torch.float32, compute="fp8", transposed=transposed)
+    assert (q.weight_t is not None) == transposed and "weight_t" not in q.state_dict()  # derived, not saved
+    x = (torch.randn(3, 5, 64, generator=g) * 4).requires_grad_(True)  # 15 rows: any count, not only 16k
+    y = q(x)
+    w = q.dequantized().float()
+    torch.testing.assert_close(y, _rounded(x.detach(), torch.float8_e4m3fn) @ w.T + lin.bias, rtol=1e-5, atol=1e-4)
+    exact = (x @ lin.weight.T + lin.bias).detach()
+    assert 1e-3 < float((y.detach() - exact).norm() / exact.norm()) < 0.05  # rounded, and close
+    gy = torch.randn(3, 5, 48, generator=g)
+    y.backward(gy)
+    gs = gy * q.scale  # the weight's row scales, moved onto the gradient's columns
+    want = (_rounded(gs, torch.float8_e5m2) if transposed else gs) @ q.weight.float()
+    torch.testing.assert_close(x.grad, want, rtol=1e-5, atol=1e-4)
+    assert q.weight.grad is None and not q.weight.requires_grad
+
+
+def test_fp8_compute_trains_a_lora_whose_file_loads_in_stock_diffusers(tmp_path, tiny, monkeypatch):
+    from lorakit.train import quant
+    from lorakit.train.loop import run
+    from tests.unit.train.test_loop import losses, make_cfg
+
+    calls = []
+    apply = quant._Fp8Matmul.apply
+    monkeypatch.setattr(quant._Fp8Matmul, "apply", lambda *a: calls.append(a[3] is not None) or apply(*a))
+    cfg = make_cfg(tmp_path, "qwen-image", tiny("qwen-image"), steps=6, memory={"compute": "fp8"},
+                   sampling={"enabled": False}, lora={"dropout": 0.0})
+    res = run(cfg, {})
+    curve = losses(res["metrics"])
+    assert len(curve) == 6 and all(map(torch.isfinite, map(torch.tensor, curve)))
+    assert res["consumer_check"]["diffusers"] == "equal"
+    assert calls and all(calls)  # every block Linear multiplied in fp8, the transposed weight kept (bf16 base)
+
+
+def test_fp8_compute_is_refused_where_it_cannot_run(monkeypatch):
+    from lorakit.train import quant
+
+    assert quant.fp8_compute_problem("cpu") is None  # the reference implementation (slow)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda _d=None: (8, 6))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda _d=None: "NVIDIA GeForce RTX 3090")
+    assert "RTX 3090 is 8.6" in quant.fp8_compute_problem("cuda:0")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda _d=None: (9, 0))
+    assert quant.fp8_compute_problem("cuda:0") is None
+
+
+def test_fp8_compute_is_refused_with_a_full_fine_tune_or_a_4_bit_base(tmp_path, tiny):
+    from lorakit.errors import ConfigError
+    from tests.unit.train.test_loop import make_cfg
+
+    with pytest.raises(ConfigError, match="memory.compute=fp8 multiplies a frozen base"):
+        make_cfg(tmp_path, "flux", tiny("flux"), steps=2, method="full", memory={"compute": "fp8"})
+    with pytest.raises(ConfigError, match="not nf4"):
+        make_cfg(tmp_path, "flux", tiny("flux"), steps=2, memory={"compute": "fp8", "base_quant": "nf4"})
