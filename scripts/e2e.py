@@ -84,13 +84,21 @@ class Run:
 
         from lorakit.models.base import family_adapter
 
-        data = {"dirs": [str(self.data)], "resolution": self.res}
+        data = {"dirs": [str(self.data)], "resolution": self.res,
+                "cache_dir": str(self.dir / "run" / "cache")}  # every run of this family and profile: one cache
         if self.a.tiny:
             data.update(bucket_min_side=32, bucket_max_side=128)
             if family_adapter(self.fam).max_controls:
                 data["control_resolution"] = 64
         cfg = {"profile": self.profile, "model": {"family": self.fam, "path": str(self.model)}, "data": data,
                "schedule": {"steps": steps}, "output": {"dir": str(out)}, **extra}
+        for item in self.a.set:  # --set a.b=value (YAML value), as `lorakit train --set` takes them
+            key, _, value = item.partition("=")
+            *parents, leaf = key.split(".")
+            node = cfg
+            for k in parents:
+                node = node.setdefault(k, {})
+            node[leaf] = yaml.safe_load(value)
         path = out.with_suffix(".yaml")
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(yaml.safe_dump(cfg))
@@ -159,10 +167,11 @@ class Run:
 
     def train(self) -> dict:
         dropped = False if self.a.warm_page_cache else _drop_page_cache()
-        cfg = self.config(self.dir / "run", self.a.steps)
+        out = self.dir / ("run-" + self.a.tag if self.a.tag else "run")
+        cfg = self.config(out, self.a.steps)
         r = sh(lorakit("train", str(cfg), "--json"), env=self.env)
         r["page_cache_dropped"] = dropped
-        return _with_steps(r, self.dir / "run" / "metrics.jsonl")
+        return _with_steps(r, out / "metrics.jsonl")
 
     def warm(self) -> dict:
         out = self.dir / "warm"
@@ -191,6 +200,8 @@ class Run:
         return {"lorakit": ours, "stock": stock, "page_cache_warmed_gib": warmed}
 
     def stage_name(self, stage: str) -> str:
+        if stage == "train" and self.a.tag:
+            return f"train-{self.a.tag}"
         return f"{stage}-{self.a.offload}" if stage == "infer" and self.a.offload != "auto" else stage
 
     def lora(self) -> dict:
@@ -280,6 +291,7 @@ def _with_steps(r: dict, metrics: Path) -> dict:
         if steady:
             r["median_s_per_step"] = steady[len(steady) // 2]
         r["losses_first_last"] = [recs[0]["loss"], recs[-1]["loss"]] if recs else None
+        r["val_losses"] = [[x["step"], x["val_loss"]] for x in recs if "val_loss" in x]
     return r
 
 
@@ -445,6 +457,9 @@ def main() -> None:
     p.add_argument("--offload", default="auto", help="infer: lorakit infer --offload")
     p.add_argument("--no-stock", action="store_true", help="cache, infer: lorakit only")
     p.add_argument("--image", action="append", default=[])
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="a config key for every stage's run.yaml (e.g. memory.compute=fp8)")
+    p.add_argument("--tag", help="train: run in run-TAG beside run (the same cache), train-TAG.json")
     p.add_argument("--warm-page-cache", action="store_true", help="train: keep the page cache (the cold figure "
                    "drops it first)")
     p.add_argument("--limit", type=float, default=None, help="seconds: commands still running then are stopped "

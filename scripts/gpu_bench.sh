@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # On a lent GPU machine (docs/benchmarks.md): install the carried wheels, then run the named stages;
-# every result goes to $OUT. Stages: tests, load, flux, flux-nocompile, flux-trace, qwen, edit, caps, qwen-4090,
+# every result goes to $OUT. Stages: tests, load, flux, flux-nocompile, flux-trace, fp8, qwen, edit, caps, qwen-4090,
 # spark, spark-qwen, edit-caps, ddp (2 GPUs), fsdp (2 GPUs; CKPT_DIR for the checkpoint, ~115 GiB).
 #   bash scripts/gpu_bench.sh tests flux load
 set -uo pipefail
@@ -41,6 +41,9 @@ for r in json.load(sys.stdin)['rows']: print('  tune $tc', r['way'], r['seconds'
     flux) step flux-1024 300 --family flux --res 1024 --profile datacenter ;;
     flux-nocompile) step flux-1024-nocompile 200 --family flux --res 1024 --profile datacenter \
              --ways lorakit --set memory.compile=false ;;
+    fp8) step flux-1024-fp8 300 --family flux --res 1024 --profile datacenter --set memory.compute=fp8
+         step qwen-1024-fp8 300 --family qwen-image --res 1024 --profile datacenter --ways lorakit \
+           --set memory.compute=fp8 ;;
     qwen) step qwen-1024 330 --family qwen-image --res 1024 --profile datacenter
           step qwen-512 240 --family qwen-image --res 512 --profile datacenter --trace "$OUT" ;;
     flux-trace) step flux-trace 200 --family flux --res 1024 --profile datacenter --ways lorakit --steps 3 \

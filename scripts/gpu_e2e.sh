@@ -55,6 +55,12 @@ case $1 in
         e2e $((395 - SECONDS)) train --family qwen-image-edit-plus --profile datacenter --steps 8 --warm-page-cache
         e2e $((475 - SECONDS)) reproduce --family qwen-image-edit-plus --profile datacenter
         e2e $((585 - SECONDS)) infer --family qwen-image-edit-plus --profile datacenter --no-stock --prompts 2 ;;
+  fp8-parity) rm -rf $M/qwen*  # memory.compute fp8 against bf16: FLUX, datacenter, 300 steps, 4 items held out
+        v=(--set validation.items=4 --set validation.every=50 --set sampling.enabled=false)
+        e2e 120 synth data cache --family flux --profile datacenter "${v[@]}"
+        e2e 235 train --family flux --profile datacenter --steps 300 --warm-page-cache --tag bf16 "${v[@]}"
+        e2e $((590 - SECONDS)) train --family flux --profile datacenter --steps 300 --warm-page-cache --tag fp8 \
+          "${v[@]}" --set memory.compute=fp8 ;;
   qwen-4090-after) rm -rf $M/flux*  # right after qwen-pair on a warm machine: its weights linked, not rewritten
         like=(); [ -f $M/qwen-image-edit-plus/lorakit_synthetic.json ] && like=(--like qwen-image-edit-plus)
         e2e 400 synth data cache train --family qwen-image "${like[@]}" --profile rtx4090 --cap 24 --steps 20
