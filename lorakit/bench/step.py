@@ -236,8 +236,8 @@ def prepare(spec: dict):
         info["method"] = cfg.method
         info["checkpointing"] = cfg.memory.gradient_checkpointing
         info["attention"] = spec["attention"]
-        info["settings"] = {k: getattr(cfg.memory, k) for k in ("base_quant", "gradient_checkpointing", "compile",
-                                                                   "blocks_to_swap", "optimizer_8bit")}
+        info["settings"] = {k: getattr(cfg.memory, k) for k in ("base_quant", "compute", "gradient_checkpointing",
+                                                                   "compile", "blocks_to_swap", "optimizer_8bit")}
         info["optimizer"] = cfg.optim.name
     return step, info
 

@@ -175,6 +175,7 @@ class Adapter(abc.ABC):
     def before_compile(self, transformer) -> None:
         """Changes that let the compiler generate each repeated block whole, same numbers (default: none).
         Called on the training transformer just before its blocks are compiled."""
+        return None  # the stock blocks of most families compile whole as they are
 
     @abc.abstractmethod
     def attention_model_config(self) -> dict:
