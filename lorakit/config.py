@@ -273,6 +273,17 @@ class MemoryConfig(_Section):
     base_quant: Literal["none", "fp8", "qfloat8", "nf4"] = Field(
         "none", description="storage of the frozen base transformer (none: model.dtype)")
     gradient_checkpointing: bool = Field(False, description="recompute activations in backward")
+    checkpoint_blocks: int | Literal["all", "auto"] = Field(
+        "all", description="with gradient_checkpointing: which repeated blocks recompute — all, the first N in "
+                           "execution order, or auto: the fewest with which the memory estimate fits the GPU "
+                           "(opt-in until measured on GPUs; it may also turn checkpointing off)")
+
+    @field_validator("checkpoint_blocks")
+    @classmethod
+    def _blocks_not_negative(cls, v):
+        if isinstance(v, int) and v < 0:
+            raise ValueError(f"must be all, auto or a block count >= 0, got {v}")
+        return v
     blocks_to_swap: int = Field(0, ge=0, description="transformer blocks kept on the CPU and swapped in")
     cpu_offload: bool = Field(False, description="keep idle components on the CPU (the VAE between sample grids; "
                                                  "text encoders are freed after caching in any case)")

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # On a lent GPU machine (docs/benchmarks.md): install the carried wheels, then run the named stages;
-# every result goes to $OUT. Stages: tests, load, flux, flux-nocompile, flux-trace, fp8, qwen, edit, caps, qwen-4090,
+# every result goes to $OUT. Stages: tests, load, flux, flux-nocompile, flux-trace, fp8, ckpt-auto, qwen, edit, caps, qwen-4090,
 # spark, spark-qwen, edit-caps, ddp (2 GPUs), fsdp (2 GPUs; CKPT_DIR for the checkpoint, ~115 GiB).
 #   bash scripts/gpu_bench.sh tests flux load
 set -uo pipefail
@@ -44,6 +44,12 @@ for r in json.load(sys.stdin)['rows']: print('  tune $tc', r['way'], r['seconds'
     fp8) step flux-1024-fp8 300 --family flux --res 1024 --profile datacenter --set memory.compute=fp8
          step qwen-1024-fp8 300 --family qwen-image --res 1024 --profile datacenter --ways lorakit \
            --set memory.compute=fp8 ;;
+    ckpt-auto) step flux-4090-auto 200 --family flux --res 1024 --profile rtx4090 --memory-cap 24 --ways lorakit \
+                 --set memory.checkpoint_blocks=auto
+               step qwen-5090-auto 200 --family qwen-image --res 1024 --profile rtx5090 --memory-cap 32 --ways lorakit \
+                 --set memory.checkpoint_blocks=auto
+               step edit-auto 300 --family qwen-image-edit --res 1024 --profile datacenter --ways lorakit \
+                 --set memory.checkpoint_blocks=auto ;;
     qwen) step qwen-1024 330 --family qwen-image --res 1024 --profile datacenter
           step qwen-512 240 --family qwen-image --res 512 --profile datacenter --trace "$OUT" ;;
     flux-trace) step flux-trace 200 --family flux --res 1024 --profile datacenter --ways lorakit --steps 3 \

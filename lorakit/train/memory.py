@@ -79,7 +79,8 @@ def estimate(cfg, world: int = 1) -> dict:
                                     cfg.data.control_resolution)
     tokens = (per_item + adapter.published.text_tokens) * cfg.schedule.batch_size
     per_block = tokens * hidden * 2 * WORKING_SET
-    acts = (tokens * hidden * 2 * blocks + per_block) if cfg.memory.gradient_checkpointing else per_block * blocks
+    ckpt = checkpointed(cfg, blocks)  # a recomputed block keeps its input, the others their working set
+    acts = ckpt * tokens * hidden * 2 + (blocks - ckpt) * per_block + (per_block if ckpt else 0)
     parts = {"base": base / GIB, "lora_and_optimizer": lora / GIB, "activations": acts / GIB, "overhead": OVERHEAD_GIB}
     return {"gib": round(sum(parts.values()), 1), "parts": {k: round(v, 2) for k, v in parts.items()},
             "tokens": tokens, "blocks": blocks, "source": source}
@@ -96,17 +97,49 @@ def controls_in_use(cfg, adapter) -> int:
     return min(max(counts), adapter.max_controls) if counts else adapter.max_controls
 
 
+def checkpointed(cfg, blocks: int) -> int:
+    """How many of the transformer's blocks recompute in backward under this config."""
+    m = cfg.memory
+    if not m.gradient_checkpointing:
+        return 0
+    return blocks if isinstance(m.checkpoint_blocks, str) else min(m.checkpoint_blocks, blocks)  # auto: all, until planned
+
+
+PLAN_MARGIN_GIB = 1.0  # what partial checkpointing leaves unplanned (the estimate's error, measured within 1.5 GiB)
+
+
 def plan(cfg, budget_gib: float, world: int = 1):
-    """The config with gradient checkpointing turned on when the run would not fit without it (profiles leave
-    it off where memory allows: recomputing costs about a third more compute). Returns (cfg, note or None)."""
-    if cfg.memory.gradient_checkpointing:
-        return cfg, None
-    est = estimate(cfg, world)["gib"]
-    if est <= budget_gib:
-        return cfg, None
-    on = cfg.model_copy(update={"memory": cfg.memory.model_copy(update={"gradient_checkpointing": True})})
-    return on, (f"gradient checkpointing on: without it this run needs about {est} GiB and the GPU has "
-                f"{budget_gib:.0f}")
+    """Gradient checkpointing where the run needs it. Profiles leave it off where memory allows (recomputing a
+    block costs about a third of its compute again); it is turned on when the run would not fit without it.
+    With `memory.checkpoint_blocks: auto` only the blocks that must recompute do: the fewest with which the
+    estimate fits `budget_gib` less a margin (none: checkpointing off). Block swapping and FSDP keep whole-model
+    checkpointing. Returns (cfg, note or None)."""
+    m = cfg.memory
+
+    def with_ckpt(n):
+        return cfg.model_copy(update={"memory": m.model_copy(update={"gradient_checkpointing": n != 0,
+                                                                     "checkpoint_blocks": n})})
+
+    est = estimate(cfg, world)
+    turned_on = (cfg.model_copy(update={"memory": m.model_copy(update={"gradient_checkpointing": True})}),
+                 f"gradient checkpointing on: without it this run needs about {est['gib']} GiB and the GPU has "
+                 f"{budget_gib:.0f}")
+    if m.checkpoint_blocks != "auto" or m.blocks_to_swap or world > 1:
+        return (cfg, None) if m.gradient_checkpointing or est["gib"] <= budget_gib else turned_on
+    if not m.gradient_checkpointing and est["gib"] <= budget_gib:
+        return with_ckpt(0), None
+    blocks = est["blocks"]
+    n = next((n for n in range(blocks + 1) if estimate(with_ckpt(n), world)["gib"] <= budget_gib - PLAN_MARGIN_GIB),
+             blocks)  # nothing fits with the margin: all blocks (the check then decides)
+    if n == blocks:
+        return (with_ckpt(blocks), None) if m.gradient_checkpointing else (with_ckpt(blocks), turned_on[1])
+    if n == 0:
+        return with_ckpt(0), ("gradient checkpointing off: every block's activations fit in "
+                              f"{budget_gib:.0f} GiB (about {estimate(with_ckpt(0), world)['gib']} GiB)")
+    return with_ckpt(n), (f"gradient checkpointing on {n} of {blocks} blocks: about "
+                          f"{estimate(with_ckpt(n), world)['gib']} GiB of {budget_gib:.0f} "
+                          f"(all {blocks}: {estimate(with_ckpt(blocks), world)['gib']} GiB, none: "
+                          f"{estimate(with_ckpt(0), world)['gib']} GiB)")
 
 
 def check(cfg, budget_gib: float, world: int = 1) -> dict:

@@ -72,7 +72,8 @@ def prepare(cfg, adapter, transformer, device: str, dtype, dist) -> Prepared:
 
         peft_config = add_lora(transformer, adapter, cfg)
     if cfg.memory.gradient_checkpointing or swapper:  # swapping needs the recompute
-        transformer.enable_gradient_checkpointing()
+        n = cfg.memory.checkpoint_blocks
+        checkpoint_blocks(transformer, None if swapper or isinstance(n, str) else n)  # auto unplanned (CPU): all
     if sharded:  # FSDP: each block's weights, grads and optimizer states split over the ranks
         fully_shard(transformer, device)
     compiled = bool(cfg.memory.compile and device.startswith("cuda") and not sharded and not swapper
@@ -100,3 +101,23 @@ def fully_shard(transformer, device: str) -> None:
         if type(m).__name__ in names:
             shard(m, mesh=mesh)
     shard(transformer, mesh=mesh)
+
+
+def checkpoint_blocks(transformer, n: int | None) -> int:
+    """Gradient checkpointing on the first `n` repeated blocks in execution order (None: every block). Diffusers
+    routes each block through the model's checkpointing function; this one recomputes only the chosen blocks
+    and runs the others as they are. Returns how many blocks recompute."""
+    import torch
+
+    from lorakit.train.swap import repeated_blocks
+
+    blocks = repeated_blocks(transformer)
+    chosen = {id(b) for b in (blocks if n is None else blocks[:n])}
+
+    def func(block, *args):
+        if id(block) in chosen:
+            return torch.utils.checkpoint.checkpoint(block.__call__, *args, use_reentrant=False)
+        return block(*args)
+
+    transformer.enable_gradient_checkpointing(gradient_checkpointing_func=func)
+    return len(chosen)

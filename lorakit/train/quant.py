@@ -53,9 +53,27 @@ class Float8Linear(torch.nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.compute == "fp8":
             y = _Fp8Matmul.apply(x.to(self.compute_dtype), self.weight, self.scale, self.weight_t)
-        else:  # the row scale applied to the output (x W^T) * s, not to the weight: one weight-sized temporary
-            y = F.linear(x.to(self.compute_dtype), self.weight.to(self.compute_dtype)) * self.scale.to(self.compute_dtype)
+        else:
+            y = _DequantMatmul.apply(x.to(self.compute_dtype), self.weight, self.scale)
         return y if self.bias is None else y + self.bias
+
+
+class _DequantMatmul(torch.autograd.Function):
+    """y = (x W8^T) * s in the compute dtype (the row scale on the output: one weight-sized temporary, not two),
+    saving only the 8-bit weight for backward: autograd through F.linear would keep each layer's dequantized
+    copy alive until backward (2 bytes/parameter of every block not recomputed)."""
+
+    @staticmethod
+    def forward(ctx, x, w8, scale):
+        ctx.save_for_backward(w8, scale)
+        return F.linear(x, w8.to(x.dtype)) * scale.to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        w8, scale = ctx.saved_tensors
+        if not ctx.needs_input_grad[0]:
+            return None, None, None
+        return (grad * scale.to(grad.dtype)) @ w8.to(grad.dtype), None, None
 
 
 def _per_row(t: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

@@ -95,3 +95,41 @@ def test_memory_cap_from_the_environment(monkeypatch):
     monkeypatch.setenv("LORAKIT_MEMORY_CAP_GIB", "lots")
     with pytest.raises(InputError, match="give the GiB"):
         env_cap_gib()
+
+
+def test_auto_checkpoints_only_the_blocks_that_must_recompute(tmp_path):
+    from lorakit.train.memory import PLAN_MARGIN_GIB, fit_to_gpu
+
+    flux = fake_model(tmp_path / "f", FLUX, int(11.9e9 * 2))
+    cfg = cfg_for(flux, "flux", "rtx4090", 1024)
+    out, est, note = fit_to_gpu(cfg, cap_gib=24.0)
+    assert out.memory.checkpoint_blocks == "all" and note is None  # the default: every block, as before
+    auto = cfg_for(flux, "flux", "rtx4090", 1024, checkpoint_blocks="auto")
+    out, est, note = fit_to_gpu(auto, cap_gib=24.0)
+    n = out.memory.checkpoint_blocks
+    assert 0 < n < 57 and out.memory.gradient_checkpointing and f"on {n} of 57 blocks" in note
+    assert est["gib"] <= 24.0 - PLAN_MARGIN_GIB
+    fewer = out.model_copy(update={"memory": out.memory.model_copy(update={"checkpoint_blocks": n - 1})})
+    assert estimate(fewer)["gib"] > 24.0 - PLAN_MARGIN_GIB  # the fewest that fit
+    # every block's activations fit on an 80 GiB card: checkpointing off
+    out, _, note = fit_to_gpu(auto, cap_gib=79.0)
+    assert not out.memory.gradient_checkpointing and "checkpointing off" in note
+    # Qwen-Image under 24 GiB already needs all 60 (estimate 23.8): unchanged, no note
+    qwen = cfg_for(fake_model(tmp_path / "q", QWEN, int(20.4e9 * 2)), "qwen-image", "rtx4090", 1024,
+                   checkpoint_blocks="auto")
+    out, est, note = fit_to_gpu(qwen, cap_gib=24.0)
+    assert out.memory.checkpoint_blocks == 60 and out.memory.gradient_checkpointing and note is None
+    # block swapping keeps whole-model checkpointing
+    swap = cfg_for(flux, "flux", "rtx4090", 1024, checkpoint_blocks="auto", blocks_to_swap=4)
+    assert fit_to_gpu(swap, cap_gib=24.0)[0].memory.checkpoint_blocks == "auto"
+
+
+def test_checkpoint_blocks_is_all_auto_or_a_count(tmp_path):
+    from lorakit.errors import ConfigError
+
+    flux = fake_model(tmp_path, FLUX, int(11.9e9 * 2))
+    assert cfg_for(flux, "flux", "rtx4090", 1024, checkpoint_blocks=12).memory.checkpoint_blocks == 12
+    with pytest.raises(ConfigError, match="checkpoint_blocks"):
+        cfg_for(flux, "flux", "rtx4090", 1024, checkpoint_blocks=-1)
+    with pytest.raises(ConfigError, match="checkpoint_blocks"):
+        cfg_for(flux, "flux", "rtx4090", 1024, checkpoint_blocks="some")
