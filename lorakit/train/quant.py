@@ -73,7 +73,13 @@ class _DequantMatmul(torch.autograd.Function):
         w8, scale = ctx.saved_tensors
         if not ctx.needs_input_grad[0]:
             return None, None, None
-        return (grad * scale.to(grad.dtype)) @ w8.to(grad.dtype), None, None
+        return _dequant_input_grad(grad, w8, scale), None, None
+
+
+def _dequant_input_grad(grad, w8, scale):
+    """g W for W = diag(scale) W8, in grad's dtype: the row scale on g's columns, then one product with the
+    8-bit weight cast up (no dequantized weight kept)."""
+    return (grad * scale.to(grad.dtype)) @ w8.to(grad.dtype)
 
 
 def _per_row(t: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -101,13 +107,12 @@ class _Fp8Matmul(torch.autograd.Function):
         w8, w_scale, w8_t = ctx.saved_tensors
         if not ctx.needs_input_grad[0]:
             return None, None, None, None
+        if w8_t is None:  # over an 8-bit base: the product in the compute dtype
+            return _dequant_input_grad(grad.to(ctx.dtype), w8, w_scale), None, None, None
         g = grad.reshape(-1, grad.shape[-1]).float() * w_scale  # W = diag(s) W8: the scale goes on g's columns
-        if w8_t is not None:
-            g8, g_scale = _per_row(g, torch.float8_e5m2)
-            ones = torch.ones(1, w8.shape[1], device=g.device, dtype=torch.float32)
-            gx = torch._scaled_mm(g8, w8_t.t(), scale_a=g_scale, scale_b=ones, out_dtype=ctx.dtype)
-        else:
-            gx = g.to(ctx.dtype) @ w8.to(ctx.dtype)
+        g8, g_scale = _per_row(g, torch.float8_e5m2)
+        ones = torch.ones(1, w8.shape[1], device=g.device, dtype=torch.float32)
+        gx = torch._scaled_mm(g8, w8_t.t(), scale_a=g_scale, scale_b=ones, out_dtype=ctx.dtype)
         return gx.reshape(*grad.shape[:-1], w8.shape[1]), None, None, None
 
 
