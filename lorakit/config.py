@@ -296,9 +296,11 @@ class MemoryConfig(_Section):
     compute: Literal["bf16", "fp8"] = Field(
         "bf16", description="matmuls of the frozen base's block Linears: bf16, or fp8 (opt-in; e4m3 inputs and "
                             "weights scaled per token / per row, GPUs of compute capability 8.9+; LoRA stays bf16)")
-    attention: Literal["auto", "flash", "efficient", "cudnn", "math", "flash+efficient"] = Field(
+    attention: Literal["auto", "flash", "efficient", "cudnn", "math", "flash+efficient", "fa4",
+                       "fa4+efficient"] = Field(
         "auto", description="SDPA backend (auto: doctor's self-test; flash+efficient: flash for unmasked "
-                            "batches, efficient for masked)")
+                            "batches, efficient for masked; fa4: SDPA's flash path through the flash-attn-4 "
+                            "package's kernels, Hopper/Blackwell, opt-in)")
     loader: Literal["auto", "safetensors", "fastsafetensors", "lorakit"] = Field(
         "auto", description="weight loading backend")
     optimizer_8bit: bool = Field(False, description="8-bit optimizer states (bitsandbytes)")

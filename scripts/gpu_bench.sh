@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # On a lent GPU machine (docs/benchmarks.md): install the carried wheels, then run the named stages;
-# every result goes to $OUT. Stages: tests, load, flux, flux-nocompile, flux-trace, fp8, ckpt-auto, qwen, edit, caps, qwen-4090,
+# every result goes to $OUT. Stages: tests, load, flux, flux-nocompile, flux-trace, fp8, fa4, ckpt-auto, qwen, edit, caps, qwen-4090,
 # spark, spark-qwen, edit-caps, ddp (2 GPUs), fsdp (2 GPUs; CKPT_DIR for the checkpoint, ~115 GiB).
 #   bash scripts/gpu_bench.sh tests flux load
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   && export PYTHONPATH=/tmp/site:$PWD || exit 1
+# a --target install leaves .pth files unread: CuTe DSL's (flash-attn-4's) packages are put on the path by hand
+[ -d /tmp/site/nvidia_cutlass_dsl/dsl_packages ] && export PYTHONPATH=$PYTHONPATH:/tmp/site/nvidia_cutlass_dsl/dsl_packages
 export LORAKIT_CACHE=/tmp/lorakit-cache COLUMNS=160 PYTHONUNBUFFERED=1
 OUT=${OUT:-out}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader >> "$OUT/log.txt"
@@ -41,14 +43,26 @@ for r in json.load(sys.stdin)['rows']: print('  tune $tc', r['way'], r['seconds'
     flux) step flux-1024 300 --family flux --res 1024 --profile datacenter ;;
     flux-nocompile) step flux-1024-nocompile 200 --family flux --res 1024 --profile datacenter \
              --ways lorakit --set memory.compile=false ;;
-    fp8) step flux-1024-fp8 300 --family flux --res 1024 --profile datacenter --set memory.compute=fp8
-         step qwen-1024-fp8 300 --family qwen-image --res 1024 --profile datacenter --ways lorakit \
-           --set memory.compute=fp8 ;;
-    ckpt-auto) step flux-4090-auto 200 --family flux --res 1024 --profile rtx4090 --memory-cap 24 --ways lorakit \
+    fp8) for f in flux qwen-image; do  # bf16 and fp8 compute, one after the other in the same run
+           step $f-1024-bf16 138 --family $f --res 1024 --profile datacenter --ways lorakit
+           step $f-1024-fp8 138 --family $f --res 1024 --profile datacenter --ways lorakit --set memory.compute=fp8
+         done ;;
+    fa4) timeout 200 python3 scripts/fa4_probe.py > "$OUT/fa4_probe.jsonl" 2>> "$OUT/stderr.txt"
+         echo "fa4_probe rc=$?" >> "$OUT/log.txt"; cat "$OUT/fa4_probe.jsonl" >> "$OUT/log.txt"
+         step flux-1024-fa4 200 --family flux --res 1024 --profile datacenter --attention fa4
+         step flux-1024-fa4-fp8 130 --family flux --res 1024 --profile datacenter --ways lorakit --attention fa4 \
+           --set memory.compute=fp8
+         step qwen-1024-fa4 130 --family qwen-image --res 1024 --profile datacenter --ways lorakit \
+           --attention fa4+efficient ;;
+    ckpt-auto) step flux-4090-auto 130 --family flux --res 1024 --profile rtx4090 --memory-cap 24 --ways lorakit \
                  --set memory.checkpoint_blocks=auto
-               step qwen-5090-auto 200 --family qwen-image --res 1024 --profile rtx5090 --memory-cap 32 --ways lorakit \
+               step flux-4090-auto-fp8 110 --family flux --res 1024 --profile rtx4090 --memory-cap 24 --ways lorakit \
+                 --set memory.checkpoint_blocks=auto --set memory.compute=fp8
+               step qwen-4090-fp8 130 --family qwen-image --res 1024 --profile rtx4090 --memory-cap 24 --ways lorakit \
+                 --set memory.compute=fp8
+               step qwen-5090-auto 120 --family qwen-image --res 1024 --profile rtx5090 --memory-cap 32 --ways lorakit \
                  --set memory.checkpoint_blocks=auto
-               step edit-auto 300 --family qwen-image-edit --res 1024 --profile datacenter --ways lorakit \
+               step edit-auto 90 --family qwen-image-edit --res 1024 --profile datacenter --ways lorakit \
                  --set memory.checkpoint_blocks=auto ;;
     qwen) step qwen-1024 330 --family qwen-image --res 1024 --profile datacenter
           step qwen-512 240 --family qwen-image --res 512 --profile datacenter --trace "$OUT" ;;

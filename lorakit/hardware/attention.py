@@ -515,16 +515,17 @@ def apply(backend: str | None, fallback: bool = False) -> dict:
 
     b = torch.backends.cuda
     prev = {"flash": b.flash_sdp_enabled(), "efficient": b.mem_efficient_sdp_enabled(),
-            "cudnn": b.cudnn_sdp_enabled(), "math": b.math_sdp_enabled()}
+            "cudnn": b.cudnn_sdp_enabled(), "math": b.math_sdp_enabled(), "fa4": _fa4_active()}
     if backend is None:
         return prev
     names = backend.split("+")  # "flash+efficient": flash where it can (no mask), efficient where not
     for n in names:
-        if n not in BACKENDS:
+        if n not in BACKENDS + ("fa4",):
             from lorakit.errors import UnknownNameError
 
-            raise UnknownNameError("attention backend", n, list(BACKENDS))
-    b.enable_flash_sdp("flash" in names)
+            raise UnknownNameError("attention backend", n, list(BACKENDS) + ["fa4"])
+    _set_fa4("fa4" in names)
+    b.enable_flash_sdp("flash" in names or "fa4" in names)
     b.enable_mem_efficient_sdp("efficient" in names)
     b.enable_cudnn_sdp("cudnn" in names)
     b.enable_math_sdp("math" in names or fallback)
@@ -551,6 +552,60 @@ def restore(prev: dict) -> None:
     b.enable_mem_efficient_sdp(prev["efficient"])
     b.enable_cudnn_sdp(prev["cudnn"])
     b.enable_math_sdp(prev["math"])
+    _set_fa4(prev.get("fa4", False))
+
+
+# --------------------------------------------------------------------------- FlashAttention 4 (opt-in)
+
+
+def fa4_problem(device: str = "cuda") -> str | None:
+    """Why SDPA's flash path cannot run the FlashAttention-4 kernels here (None: it can). They are the
+    `flash-attn-4` package's CuTe-DSL kernels for Hopper and Blackwell, put under SDPA by torch's flash
+    attention registry (torch 2.10+), so every SDPA call of the run (forward, backward, recompute, compiled
+    or not) uses them."""
+    import torch
+
+    if not device.startswith("cuda") or not torch.cuda.is_available():
+        return "attention fa4 runs on CUDA GPUs only"
+    import torch.nn.attention as A
+
+    if not hasattr(A, "activate_flash_attention_impl"):
+        return f"attention fa4 needs torch 2.10 or newer (its flash attention registry); this is {torch.__version__}"
+    major, minor = torch.cuda.get_device_capability(torch.device(device))
+    if major not in (9, 10):
+        return (f"attention fa4 runs on Hopper and datacenter Blackwell (compute capability 9.0 / 10.x); "
+                f"{torch.cuda.get_device_name(torch.device(device))} is {major}.{minor}")
+    try:
+        import flash_attn.cute.interface  # noqa: F401
+    except Exception as e:  # noqa: BLE001 - any import failure means "not usable here", said with its reason
+        return f"attention fa4 needs the flash-attn-4 package (pip install flash-attn-4): {_error_line(e)}"
+    return None
+
+
+def _fa4_active() -> bool:
+    try:
+        import torch.nn.attention as A
+
+        return getattr(A, "current_flash_attention_impl", lambda: None)() == "FA4"
+    except ImportError:
+        return False
+
+
+def _set_fa4(on: bool) -> None:
+    """Route SDPA's flash path through FlashAttention 4 (on) or back to PyTorch's own kernels (off)."""
+    if on == _fa4_active():
+        return
+    import torch.nn.attention as A
+
+    if on:
+        problem = fa4_problem()
+        if problem:
+            from lorakit.errors import NotAvailableError
+
+            raise NotAvailableError(problem, "--set memory.attention=auto")
+        A.activate_flash_attention_impl("FA4")
+    else:
+        A.restore_flash_attention_impl()
 
 
 if __name__ == "__main__":  # the child process of run_jobs

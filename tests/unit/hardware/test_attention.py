@@ -90,6 +90,26 @@ def test_a_pair_of_backends_enables_both():
         att.restore(prev)
 
 
+def test_fa4_is_refused_where_it_cannot_run_and_nothing_is_switched():
+    from lorakit.config import resolve
+    from lorakit.errors import NotAvailableError
+
+    cfg, _ = resolve(None, ["model.family=flux", "memory.attention=fa4"], profile="cpu")
+    assert cfg.memory.attention == "fa4"
+    if torch.cuda.is_available() and att.fa4_problem() is None:
+        pytest.skip("FlashAttention 4 runs here (measured by scripts/fa4_probe.py on the GPU)")
+    assert "CUDA" in att.fa4_problem("cpu")
+    b = torch.backends.cuda
+    before = (b.flash_sdp_enabled(), b.mem_efficient_sdp_enabled(), b.cudnn_sdp_enabled(), b.math_sdp_enabled())
+    with pytest.raises(NotAvailableError, match="fa4") as e:
+        att.apply("fa4+efficient")
+    assert "memory.attention=auto" in (e.value.hint or "")
+    assert (b.flash_sdp_enabled(), b.mem_efficient_sdp_enabled(), b.cudnn_sdp_enabled(),
+            b.math_sdp_enabled()) == before
+    assert att.apply("flash")["fa4"] is False  # the previous state records FA4 (off), so restore can undo it
+    att.restore({**dict(zip(("flash", "efficient", "cudnn", "math"), before, strict=True)), "fa4": False})
+
+
 def test_choose_picks_fastest_backend_that_passed_all_relevant_cases():
     R = att.CaseResult
     ok = {"512px": 2.0, "1024px": 5.0, "512px single": 2.0, "1024px single": 5.0}
