@@ -65,15 +65,14 @@ def main() -> None:
     import torch.nn.attention as A
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
+    from lorakit.hardware import fa4
+
     say(torch=torch.__version__, gpu=torch.cuda.get_device_name(), registry=hasattr(A, "activate_flash_attention_impl"),
         impls=getattr(A, "list_flash_attention_impls", lambda: [])())
     t0 = time.perf_counter()
-    try:
-        import flash_attn.cute.interface  # noqa: F401
-
-        say(fa4_import_s=round(time.perf_counter() - t0, 2))
-    except Exception as e:  # noqa: BLE001
-        say(fa4_import_error=f"{type(e).__name__}: {e}"[:500])
+    why = fa4.problem()
+    say(fa4_problem=why, check_s=round(time.perf_counter() - t0, 2))
+    if why:
         return
     for name, (seq, heads, hd) in SHAPES.items():
         base, grad = tensors(seq, heads, hd)
@@ -84,7 +83,7 @@ def main() -> None:
             try:
                 if impl == "FA4":
                     t1 = time.perf_counter()
-                    A.activate_flash_attention_impl("FA4")
+                    fa4.activate()
                     with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
                         out, grads = run(base, grad)  # the first call compiles the kernels
                     first = round(time.perf_counter() - t1, 2)
@@ -98,11 +97,11 @@ def main() -> None:
             except Exception as e:  # noqa: BLE001 - a failing kernel is a result
                 say(shape=name, impl=impl, error=f"{type(e).__name__}: {e}"[:800])
             finally:
-                if impl == "FA4" and hasattr(A, "restore_flash_attention_impl"):
-                    A.restore_flash_attention_impl()
+                if impl == "FA4":
+                    fa4.deactivate()
     # a compiled function reaches FA4 through the same op
     try:
-        A.activate_flash_attention_impl("FA4")
+        fa4.activate()
         seq, heads, hd = SHAPES["flux-1024"]
         base, grad = tensors(seq, heads, hd)
         w = torch.randn(heads * hd, heads * hd, device="cuda", dtype=torch.bfloat16) / 60
@@ -119,7 +118,7 @@ def main() -> None:
             block(x).backward(grad)
             first = round(time.perf_counter() - t1, 2)
             ms = timed(lambda: block(x).backward(grad))
-        A.restore_flash_attention_impl()
+        fa4.deactivate()
         with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
             torch._dynamo.reset()
             ms2 = timed(lambda: block(x).backward(grad))

@@ -49,6 +49,7 @@ for r in json.load(sys.stdin)['rows']: print('  tune $tc', r['way'], r['seconds'
          done ;;
     fa4) timeout 200 python3 scripts/fa4_probe.py > "$OUT/fa4_probe.jsonl" 2>> "$OUT/stderr.txt"
          echo "fa4_probe rc=$?" >> "$OUT/log.txt"; cat "$OUT/fa4_probe.jsonl" >> "$OUT/log.txt"
+         timeout 120 python3 -m pytest -q -p no:cacheprovider tests/unit/hardware/test_fa4.py 2>&1 | tail -4 >> "$OUT/log.txt"
          step flux-1024-fa4 200 --family flux --res 1024 --profile datacenter --attention fa4
          step flux-1024-fa4-fp8 130 --family flux --res 1024 --profile datacenter --ways lorakit --attention fa4 \
            --set memory.compute=fp8

@@ -555,57 +555,17 @@ def restore(prev: dict) -> None:
     _set_fa4(prev.get("fa4", False))
 
 
-# --------------------------------------------------------------------------- FlashAttention 4 (opt-in)
-
-
-def fa4_problem(device: str = "cuda") -> str | None:
-    """Why SDPA's flash path cannot run the FlashAttention-4 kernels here (None: it can). They are the
-    `flash-attn-4` package's CuTe-DSL kernels for Hopper and Blackwell, put under SDPA by torch's flash
-    attention registry (torch 2.10+), so every SDPA call of the run (forward, backward, recompute, compiled
-    or not) uses them."""
-    import torch
-
-    if not device.startswith("cuda") or not torch.cuda.is_available():
-        return "attention fa4 runs on CUDA GPUs only"
-    import torch.nn.attention as A
-
-    if not hasattr(A, "activate_flash_attention_impl"):
-        return f"attention fa4 needs torch 2.10 or newer (its flash attention registry); this is {torch.__version__}"
-    major, minor = torch.cuda.get_device_capability(torch.device(device))
-    if major not in (9, 10):
-        return (f"attention fa4 runs on Hopper and datacenter Blackwell (compute capability 9.0 / 10.x); "
-                f"{torch.cuda.get_device_name(torch.device(device))} is {major}.{minor}")
-    try:
-        import flash_attn.cute.interface  # noqa: F401
-    except Exception as e:  # noqa: BLE001 - any import failure means "not usable here", said with its reason
-        return f"attention fa4 needs the flash-attn-4 package (pip install flash-attn-4): {_error_line(e)}"
-    return None
-
-
 def _fa4_active() -> bool:
-    try:
-        import torch.nn.attention as A
+    from lorakit.hardware import fa4
 
-        return getattr(A, "current_flash_attention_impl", lambda: None)() == "FA4"
-    except ImportError:
-        return False
+    return fa4.active()
 
 
 def _set_fa4(on: bool) -> None:
-    """Route SDPA's flash path through FlashAttention 4 (on) or back to PyTorch's own kernels (off)."""
-    if on == _fa4_active():
-        return
-    import torch.nn.attention as A
+    """SDPA's flash path through FlashAttention 4 (on; `lorakit.hardware.fa4`) or PyTorch's own kernel (off)."""
+    from lorakit.hardware import fa4
 
-    if on:
-        problem = fa4_problem()
-        if problem:
-            from lorakit.errors import NotAvailableError
-
-            raise NotAvailableError(problem, "--set memory.attention=auto")
-        A.activate_flash_attention_impl("FA4")
-    else:
-        A.restore_flash_attention_impl()
+    fa4.activate() if on else fa4.deactivate()
 
 
 if __name__ == "__main__":  # the child process of run_jobs

@@ -93,12 +93,13 @@ def test_a_pair_of_backends_enables_both():
 def test_fa4_is_refused_where_it_cannot_run_and_nothing_is_switched():
     from lorakit.config import resolve
     from lorakit.errors import NotAvailableError
+    from lorakit.hardware import fa4
 
     cfg, _ = resolve(None, ["model.family=flux", "memory.attention=fa4"], profile="cpu")
     assert cfg.memory.attention == "fa4"
-    if torch.cuda.is_available() and att.fa4_problem() is None:
+    if torch.cuda.is_available() and fa4.problem() is None:
         pytest.skip("FlashAttention 4 runs here (measured by scripts/fa4_probe.py on the GPU)")
-    assert "CUDA" in att.fa4_problem("cpu")
+    assert "CUDA" in fa4.problem("cpu")
     b = torch.backends.cuda
     before = (b.flash_sdp_enabled(), b.mem_efficient_sdp_enabled(), b.cudnn_sdp_enabled(), b.math_sdp_enabled())
     with pytest.raises(NotAvailableError, match="fa4") as e:
