@@ -31,7 +31,8 @@ from pathlib import Path
 
 from lorakit.models.facts import AttentionCase
 
-BACKENDS = ("flash", "efficient", "cudnn", "math")
+BACKENDS = ("flash", "efficient", "cudnn", "math")  # PyTorch's own
+ALL_BACKENDS = BACKENDS + ("fa4",)  # fa4: SDPA's flash path through flash-attn-4 (`lorakit.hardware.fa4`)
 WATCHDOG_S = 20.0  # one case (after the child's imports) may take this long before it counts as hung
 STARTUP_S = 180.0  # a child's imports (torch, diffusers) on a cold machine
 VERSION = 6  # bump when what a cached report means changes
@@ -142,7 +143,10 @@ def fingerprint(device: str = "cuda", facts=None) -> dict:
         cudnn = a * 10000 + b * 100 + c
     elif cudnn:
         cudnn = int(cudnn)
-    fp = {"torch": facts.torch, "cuda": facts.torch_cuda, "cudnn": cudnn, "device": device}
+    from lorakit.hardware import fa4
+
+    fp = {"torch": facts.torch, "cuda": facts.torch_cuda, "cudnn": cudnn, "device": device,
+          "fa4": fa4.installed()}  # installing flash-attn-4 (or another release) means measuring again
     index = int(device.split(":")[1]) if ":" in device else 0
     if device.startswith("cuda") and len(facts.gpus) > index:
         g = facts.gpus[index]
@@ -190,8 +194,12 @@ def run_case(backend: str, case: AttentionCase, device: str, repeats: int) -> Ca
         keep[int(seq * 0.9):] = False
         mask = keep[None, None, None, :]
     times = []
+    from lorakit.hardware import fa4
+
     try:
-        with sdpa_kernel([_sdp_backend(backend)]), warnings.catch_warnings():
+        if backend == "fa4":
+            fa4.activate()  # SDPA's flash path now runs FlashAttention 4
+        with sdpa_kernel([_sdp_backend("flash" if backend == "fa4" else backend)]), warnings.catch_warnings():
             warnings.simplefilter("ignore")  # "kernel not used because ..." is what we record
             for i in range(repeats + 1):
                 if device.startswith("cuda"):
@@ -213,6 +221,8 @@ def run_case(backend: str, case: AttentionCase, device: str, repeats: int) -> Ca
                     t.grad = None
     except Exception as e:  # noqa: BLE001 - a failing kernel is a result
         return CaseResult(backend, case.name, False, error=_error_line(e))
+    finally:
+        fa4.deactivate()
     times.sort()
     return CaseResult(backend, case.name, True, ms=round(times[len(times) // 2], 3))
 
@@ -233,6 +243,9 @@ def _child_main(mode: str) -> None:
     ready, so one started early (a spare) has its imports done when its model case comes."""
     import torch  # noqa: F401 - imported before "ready": the watchdog then times the cases only
 
+    from lorakit.hardware import fa4
+
+    fa4.preimport()  # where flash-attn-4 is installed: ~10 s of imports, not a hung kernel
     if mode == "models":
         import diffusers  # noqa: F401
 
@@ -401,7 +414,7 @@ def self_test(device: str = "cuda", use_cache: bool = True, repeats: int = 5, ca
     bare = children.pop("bare", None)
     close_children(children)
     try:
-        jobs = [(b, c.name) for b in BACKENDS for c in cases]
+        jobs = [(b, c.name) for b in measured_backends(fp) for c in cases]
         report.results += run_jobs(jobs, device, repeats, cases, watchdog, progress=progress, spare=bare)
         if models:
             with ThreadPoolExecutor(max_workers=len(models)) as ex:  # architectures in parallel children
@@ -444,7 +457,7 @@ def _model_case(report: AttentionReport, case: str, device: str, watchdog: float
         return sum(r.ms or 0.0 for r in report.results if r.backend == backend and r.case in union and r.ok)
 
     rows, satisfied = [], set()
-    for backend in sorted(BACKENDS, key=speed):
+    for backend in sorted(ALL_BACKENDS, key=speed):
         wanted = [f for f in fams if f not in satisfied and passes_bare(backend, f)
                   and not known_bad(report.fingerprint, backend, f)]
         if not wanted:
@@ -465,6 +478,14 @@ def _model_case(report: AttentionReport, case: str, device: str, watchdog: float
     return rows
 
 
+def measured_backends(fingerprint_: dict) -> tuple[str, ...]:
+    """The backends the self-test measures on this machine: PyTorch's four, and fa4 where flash-attn-4 is
+    installed and could run (`fa4.candidate`)."""
+    from lorakit.hardware import fa4
+
+    return ALL_BACKENDS if fa4.candidate(fingerprint_) else BACKENDS
+
+
 def _unmasked_twin(case_name: str) -> str | None:
     """The bare case of the same shape without a mask (for flash on batches whose mask masks nothing)."""
     by_name = {c.name: c for c in all_cases()}
@@ -480,7 +501,7 @@ def choose(report: AttentionReport, family: str) -> str | None:
     measured = {r.case for r in report.results}
     relevant = set(family_cases(family)) & measured
     best, best_ms = None, None
-    for backend in BACKENDS:
+    for backend in ALL_BACKENDS:
         rs = [r for r in report.results if r.backend == backend and r.case in relevant]
         if not relevant or {r.case for r in rs} != relevant or not all(r.ok for r in rs):
             continue
@@ -490,13 +511,20 @@ def choose(report: AttentionReport, family: str) -> str | None:
         if best_ms is None or total < best_ms:
             best, best_ms = backend, total
     if best == "efficient" and family_masked(family):
-        # a batch whose prompts have one length carries no mask (train/data.drop_full_mask): flash can take it,
-        # if flash passed the same shapes unmasked; the recompute sees the same inputs, so it picks the same kernel
+        # a batch whose prompts have one length carries no mask (train/data.drop_full_mask): a flash kernel
+        # (PyTorch's, or FlashAttention 4) can take it, if it passed the same shapes unmasked — the faster of the
+        # two that did; the recompute sees the same inputs, so it picks the same kernel
         twins = [t for t in (_unmasked_twin(c) for c in relevant) if t]
-        plain = [r for r in report.results if r.backend == "flash" and r.case in twins]
-        if twins and len(plain) == len(twins) and all(r.ok for r in plain) \
-                and not known_bad(report.fingerprint, "flash", family):
-            return "flash+efficient"
+        fast, fast_ms = None, None
+        for b in ("flash", "fa4"):
+            plain = [r for r in report.results if r.backend == b and r.case in twins]
+            if twins and len(plain) == len(twins) and all(r.ok for r in plain) \
+                    and not known_bad(report.fingerprint, b, family):
+                ms = sum(r.ms or 0.0 for r in plain)
+                if fast_ms is None or ms < fast_ms:
+                    fast, fast_ms = b, ms
+        if fast:
+            return f"{fast}+efficient"
     return best
 
 
@@ -520,10 +548,10 @@ def apply(backend: str | None, fallback: bool = False) -> dict:
         return prev
     names = backend.split("+")  # "flash+efficient": flash where it can (no mask), efficient where not
     for n in names:
-        if n not in BACKENDS + ("fa4",):
+        if n not in ALL_BACKENDS:
             from lorakit.errors import UnknownNameError
 
-            raise UnknownNameError("attention backend", n, list(BACKENDS) + ["fa4"])
+            raise UnknownNameError("attention backend", n, list(ALL_BACKENDS))
     _set_fa4("fa4" in names)
     b.enable_flash_sdp("flash" in names or "fa4" in names)
     b.enable_mem_efficient_sdp("efficient" in names)

@@ -53,9 +53,10 @@ def run_model_case(case: str, backend: str | None, device: str = "cuda", repeats
 
     from lorakit.hardware.attention import CaseResult, _error_line, apply, restore
 
-    prev = apply(backend)
     name = backend or "default"
+    prev = apply(None)  # the switches as they are, for `restore`
     try:
+        apply(backend)  # inside the try: a backend that cannot be put in force here (fa4) is a failed case
         adapter, model, (x, text, controls) = _build(case, device, torch.bfloat16)
         model.enable_gradient_checkpointing()
         sigma = torch.tensor([0.5], device=device)

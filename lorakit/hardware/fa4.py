@@ -15,6 +15,36 @@ from __future__ import annotations
 IMPL = "FA4 (lorakit)"  # the name lorakit registers its glue under in torch's registry
 
 
+def installed() -> str | None:
+    """The installed flash-attn-4 version (None: not installed); cheap (no import of the package or torch)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("flash-attn-4")
+    except PackageNotFoundError:
+        return None
+
+
+def candidate(fingerprint: dict) -> bool:
+    """Should the attention self-test measure fa4 on the machine of this fingerprint (`attention.fingerprint`)?
+    Cheap: from the probe's facts and package metadata; the measurement itself (in a child process) is what
+    decides whether it is used."""
+    torch_v = tuple(int(x) for x in str(fingerprint.get("torch") or "0.0").split("+")[0].split(".")[:2]
+                    if x.isdigit())
+    cap = str(fingerprint.get("capability") or "")
+    return bool(fingerprint.get("fa4")) and torch_v >= (2, 10) and cap.split(".")[0] in ("9", "10")
+
+
+def preimport() -> None:
+    """Import the package before a self-test child says it is ready (it takes ~10 s: the watchdog is for the
+    kernels, not the imports). Failures are left to the case, which reports them."""
+    if installed():
+        try:
+            import flash_attn.cute.interface  # noqa: F401
+        except Exception:  # noqa: BLE001, S110 - the fa4 case will report why
+            pass
+
+
 def problem(device: str = "cuda") -> str | None:
     """Why SDPA's flash path cannot run FlashAttention 4 here (None: it can)."""
     import torch

@@ -135,6 +135,45 @@ def test_choose_picks_fastest_backend_that_passed_all_relevant_cases():
     assert att.choose(att.AttentionReport(fingerprint={}), "flux") is None
 
 
+def test_fa4_is_chosen_where_it_passed_and_is_faster_and_takes_unmasked_batches_of_masked_families():
+    R = att.CaseResult
+    cases = {"512px": 2.0, "1024px": 5.0, "512px single": 2.0, "1024px single": 5.0}
+    rep = att.AttentionReport(fingerprint={}, results=[
+        *[R("flash", c, True, ms) for c, ms in cases.items()],
+        *[R("efficient", c, True, 3 * ms) for c, ms in cases.items()],
+        R("efficient", "512px+mask", True, 3.0), R("efficient", "1024px+mask", True, 9.0),
+        *[R(b, c, False, error="No available kernel") for b in ("flash", "fa4") for c in ("512px+mask", "1024px+mask")],
+        R("efficient", "model qwen-image", True, 40.0),
+    ])
+    assert att.choose(rep, "flux") == "flash"  # fa4 not measured (not installed): PyTorch's flash
+    rep.results += [R("fa4", c, True, 0.6 * ms) for c, ms in cases.items()]
+    assert att.choose(rep, "flux") == "fa4"
+    assert att.choose(rep, "qwen-image") == "fa4+efficient"
+    rep.results = [r for r in rep.results if not (r.backend == "fa4" and r.case == "1024px")]
+    rep.results.append(R("fa4", "1024px", False, error="RuntimeError: kernel failed"))
+    assert att.choose(rep, "flux") == "flash"  # one failed case and it is out, however fast the others
+    assert att.choose(rep, "qwen-image") == "flash+efficient"
+
+
+def test_fa4_is_measured_only_where_it_is_installed_and_could_run():
+    fp = {"torch": "2.11.0+cu130", "capability": "9.0", "fa4": "4.0.0b36"}
+    assert att.measured_backends(fp) == att.ALL_BACKENDS
+    for change in ({"fa4": None}, {"capability": "8.9"}, {"torch": "2.9.1"}, {"capability": None}):
+        assert att.measured_backends({**fp, **change}) == att.BACKENDS, change
+    assert att.measured_backends({**fp, "capability": "10.0"}) == att.ALL_BACKENDS
+    from lorakit.hardware.probe import probe
+
+    assert "fa4" in att.fingerprint("cpu", facts=probe(use_cache=True))  # installing it changes the cache key
+
+
+def test_a_fa4_case_that_cannot_run_is_a_failed_case_not_a_crash():
+    r = att.run_case("fa4", AttentionCase("tiny", 64, False, head_dim=32, heads=2), "cpu", repeats=1)
+    assert not r.ok and "fa4" in r.error
+    from lorakit.hardware import fa4
+
+    assert not fa4.active()
+
+
 def test_every_family_declares_cases_and_a_model_case():
     from lorakit.models.registry import family_names
 
