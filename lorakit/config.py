@@ -274,9 +274,10 @@ class MemoryConfig(_Section):
         "none", description="storage of the frozen base transformer (none: model.dtype)")
     gradient_checkpointing: bool = Field(False, description="recompute activations in backward")
     checkpoint_blocks: int | Literal["all", "auto"] = Field(
-        "all", description="with gradient_checkpointing: which repeated blocks recompute — all, the first N in "
-                           "execution order, or auto: the fewest with which the memory estimate fits the GPU "
-                           "(opt-in until measured on GPUs; it may also turn checkpointing off)")
+        "auto", description="with gradient_checkpointing: which repeated blocks recompute — auto: the fewest with "
+                            "which the memory estimate fits the GPU less 1.5 GiB (it may also turn checkpointing "
+                            "off; block swapping and multi-GPU runs recompute all), all, or the first N in "
+                            "execution order")
 
     @field_validator("checkpoint_blocks")
     @classmethod

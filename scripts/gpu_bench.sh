@@ -20,7 +20,7 @@ import json, sys
 d = json.load(open(sys.argv[1]))
 for r in d["rows"]:
     print("  ", r["way"], {k: r.get(k) for k in ("gpus", "s_per_step", "speedup_vs_plain", "throughput_vs_1gpu",
-                                                 "peak_gib", "mfu", "checkpointing", "build_s", "error", "settings",
+                                                 "peak_gib", "estimate_gib", "mfu", "checkpointing", "build_s", "error", "settings",
                                                  "checkpoint")})
 PY
 }

@@ -237,7 +237,12 @@ def prepare(spec: dict):
         info["checkpointing"] = cfg.memory.gradient_checkpointing
         info["attention"] = spec["attention"]
         info["settings"] = {k: getattr(cfg.memory, k) for k in ("base_quant", "compute", "gradient_checkpointing",
-                                                                   "compile", "blocks_to_swap", "optimizer_8bit")}
+                                                                   "checkpoint_blocks", "compile", "blocks_to_swap",
+                                                                   "optimizer_8bit")}
+        if cuda:
+            from lorakit.train.memory import estimate
+
+            info["estimate_gib"] = estimate(cfg, spec.get("gpus", 1))["gib"]  # beside the measured peak
         info["optimizer"] = cfg.optim.name
     return step, info
 

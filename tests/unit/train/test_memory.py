@@ -69,8 +69,13 @@ def test_a_fitting_config_passes_the_check(tmp_path):
     from lorakit.train.memory import fit_to_gpu
 
     cfg = cfg_for(fake_model(tmp_path, FLUX, int(11.9e9 * 2)), "flux", "rtx4090", 512)
-    _, est, note = fit_to_gpu(cfg)
-    assert est["gib"] < 23.6 and est["parts"]["base"] < 12 and note is None
+    out, est, note = fit_to_gpu(cfg)
+    assert est["gib"] < 23.6 and est["parts"]["base"] < 12
+    # at 512² every block's activations fit beside the 8-bit base: the default (auto) recomputes none, and says so
+    assert not out.memory.gradient_checkpointing and "checkpointing off" in note
+    _, _, note = fit_to_gpu(out.model_copy(update={"memory": out.memory.model_copy(
+        update={"gradient_checkpointing": True, "checkpoint_blocks": "all"})}))
+    assert note is None  # asked for all: as asked
 
 
 def test_checkpointing_is_turned_on_only_when_needed(tmp_path):
@@ -101,10 +106,11 @@ def test_auto_checkpoints_only_the_blocks_that_must_recompute(tmp_path):
     from lorakit.train.memory import PLAN_MARGIN_GIB, fit_to_gpu
 
     flux = fake_model(tmp_path / "f", FLUX, int(11.9e9 * 2))
-    cfg = cfg_for(flux, "flux", "rtx4090", 1024)
-    out, est, note = fit_to_gpu(cfg, cap_gib=24.0)
-    assert out.memory.checkpoint_blocks == "all" and note is None  # the default: every block, as before
-    auto = cfg_for(flux, "flux", "rtx4090", 1024, checkpoint_blocks="auto")
+    every = cfg_for(flux, "flux", "rtx4090", 1024, checkpoint_blocks="all")
+    out, est, note = fit_to_gpu(every, cap_gib=24.0)
+    assert out.memory.checkpoint_blocks == "all" and note is None  # asked for: every block
+    auto = cfg_for(flux, "flux", "rtx4090", 1024)  # the default
+    assert auto.memory.checkpoint_blocks == "auto"
     out, est, note = fit_to_gpu(auto, cap_gib=24.0)
     n = out.memory.checkpoint_blocks
     assert 0 < n < 57 and out.memory.gradient_checkpointing and f"on {n} of 57 blocks" in note
