@@ -486,6 +486,11 @@ def measured_backends(fingerprint_: dict) -> tuple[str, ...]:
     return ALL_BACKENDS if fa4.candidate(fingerprint_) else BACKENDS
 
 
+def _unmasked_twin_of(twin: str, timed: set) -> bool:
+    """Is `twin` the unmasked twin of one of the timed (masked) cases?"""
+    return any(_unmasked_twin(c) == twin for c in timed)
+
+
 def _unmasked_twin(case_name: str) -> str | None:
     """The bare case of the same shape without a mask (for flash on batches whose mask masks nothing)."""
     by_name = {c.name: c for c in all_cases()}
@@ -496,10 +501,30 @@ def _unmasked_twin(case_name: str) -> str | None:
                  == (c.seq, c.layout, c.head_dim, c.heads)), None)
 
 
-def choose(report: AttentionReport, family: str) -> str | None:
-    """Fastest backend that passed every case relevant to a family and measured (None if none did)."""
+def _px(case: str) -> int | None:
+    """The resolution a bare case stands for ("1024px single" -> 1024)."""
+    head = case.split("px")[0]
+    return int(head) if "px" in case and head.isdigit() else None
+
+
+def _timed_cases(cases, resolution: int | None) -> set:
+    """The bare cases whose times rank the backends: all of them, or, for a run at `resolution`, those of the
+    nearest resolution measured (kernels rank differently at 512² and 1024²: FlashAttention 4 is faster than
+    PyTorch's flash at 4608 tokens and slower at 1536 on an H100)."""
+    bare = {c for c in cases if not c.startswith("model ")}
+    sized = {c: _px(c) for c in bare if _px(c)}
+    if resolution is None or not sized:
+        return bare
+    nearest = min(set(sized.values()), key=lambda px: (abs(px - resolution), -px))  # a tie: the larger
+    return {c for c, px in sized.items() if px == nearest}
+
+
+def choose(report: AttentionReport, family: str, resolution: int | None = None) -> str | None:
+    """Fastest backend that passed every case relevant to a family and measured (None if none did); with
+    `resolution`, fastest at the cases nearest that resolution (it must still pass them all)."""
     measured = {r.case for r in report.results}
     relevant = set(family_cases(family)) & measured
+    timed = _timed_cases(relevant, resolution)
     best, best_ms = None, None
     for backend in ALL_BACKENDS:
         rs = [r for r in report.results if r.backend == backend and r.case in relevant]
@@ -507,7 +532,7 @@ def choose(report: AttentionReport, family: str) -> str | None:
             continue
         if known_bad(report.fingerprint, backend, family):
             continue
-        total = sum(r.ms or 0.0 for r in rs if not r.case.startswith("model "))
+        total = sum(r.ms or 0.0 for r in rs if r.case in timed)
         if best_ms is None or total < best_ms:
             best, best_ms = backend, total
     if best == "efficient" and family_masked(family):
@@ -520,7 +545,7 @@ def choose(report: AttentionReport, family: str) -> str | None:
             plain = [r for r in report.results if r.backend == b and r.case in twins]
             if twins and len(plain) == len(twins) and all(r.ok for r in plain) \
                     and not known_bad(report.fingerprint, b, family):
-                ms = sum(r.ms or 0.0 for r in plain)
+                ms = sum(r.ms or 0.0 for r in plain if _unmasked_twin_of(r.case, timed))
                 if fast_ms is None or ms < fast_ms:
                     fast, fast_ms = b, ms
         if fast:
@@ -565,8 +590,8 @@ def for_run(cfg, device: str) -> str | None:
     family, measured once and cached), put in force globally. None on the CPU."""
     if not device.startswith("cuda"):
         return None
-    choice = cfg.memory.attention if cfg.memory.attention != "auto" else self_test(device).choice.get(
-        cfg.model.family)
+    choice = cfg.memory.attention if cfg.memory.attention != "auto" else choose(
+        self_test(device), cfg.model.family, resolution=cfg.data.resolution)  # fastest at this run's size
     apply(choice, fallback=True)
     return choice
 

@@ -155,6 +155,26 @@ def test_fa4_is_chosen_where_it_passed_and_is_faster_and_takes_unmasked_batches_
     assert att.choose(rep, "qwen-image") == "flash+efficient"
 
 
+def test_a_run_gets_the_kernel_fastest_at_its_own_resolution():
+    R = att.CaseResult
+    # the H100's numbers (scripts/fa4_probe.py): FA4 faster at 4608 tokens, slower at 1536
+    ms = {"flash": {"512px": 0.77, "1024px": 3.45}, "fa4": {"512px": 1.26, "1024px": 2.12}}
+    rep = att.AttentionReport(fingerprint={}, results=[
+        R(b, f"{c}{layout}", True, t) for b, by in ms.items() for c, t in by.items() for layout in ("", " single")])
+    rep.results += [R(b, c, False, error="No available kernel") for b in ms for c in ("512px+mask", "1024px+mask")]
+    rep.results += [R("efficient", f"{c}{m}", True, 3 * t) for c, t in ms["flash"].items() for m in ("", "+mask")]
+    assert att.choose(rep, "flux") == "fa4"  # doctor's summary: all sizes together
+    assert att.choose(rep, "flux", resolution=1024) == "fa4"
+    assert att.choose(rep, "flux", resolution=512) == "flash"
+    assert att.choose(rep, "flux", resolution=768) == "fa4"  # a tie goes to the larger size
+    assert att.choose(rep, "qwen-image", resolution=512) == "flash+efficient"
+    assert att.choose(rep, "qwen-image", resolution=1328) == "fa4+efficient"
+    # a kernel that fails at one size is out at every size
+    rep.results = [r for r in rep.results if (r.backend, r.case) != ("fa4", "512px single")]
+    rep.results.append(R("fa4", "512px single", False, error="RuntimeError"))
+    assert att.choose(rep, "flux", resolution=1024) == "flash"
+
+
 def test_fa4_is_measured_only_where_it_is_installed_and_could_run():
     fp = {"torch": "2.11.0+cu130", "capability": "9.0", "fa4": "4.0.0b36"}
     assert att.measured_backends(fp) == att.ALL_BACKENDS
