@@ -168,6 +168,24 @@ def attention_checks(report, add) -> None:
     if unmeasured:
         add(Check("attention not measured", INFO, ", ".join(unmeasured),
                   "this report predates these families' cases: run `lorakit doctor --retest` on that machine"))
+    fa4_hint(report.fingerprint, add)
+
+
+def fa4_hint(fp: dict, add) -> None:
+    """On Hopper / datacenter Blackwell, say whether FlashAttention 4 was measured, and what it takes if not."""
+    from lorakit.hardware import fa4
+
+    if "fa4" not in fp or str(fp.get("capability") or "").split(".")[0] not in ("9", "10"):
+        return  # not a GPU it runs on, or a report from before lorakit knew it
+    if fa4.candidate(fp):
+        add(Check("sdpa fa4", INFO, f"flash-attn-4 {fp['fa4']} measured beside PyTorch's kernels (above)"))
+    elif not fp.get("fa4"):
+        add(Check("sdpa fa4", INFO, "flash-attn-4 is not installed",
+                  'pip install "lorakit[fa4]": FlashAttention 4, 1.5-1.6x faster attention at 1024² on an H100 '
+                  "(docs/profiles.md); doctor then measures it"))
+    else:
+        add(Check("sdpa fa4", INFO, f"flash-attn-4 {fp['fa4']} is installed but torch {fp.get('torch')} cannot "
+                                    "put it under SDPA", "it needs torch 2.10 or newer"))
 
 
 def summary(checks_: list[Check]) -> dict:

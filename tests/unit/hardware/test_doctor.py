@@ -117,3 +117,17 @@ def test_doctor_prints_each_check_as_it_completes(monkeypatch):
     import json
 
     assert set(json.loads(data)["timings"]) >= {"probe_s", "libs_s", "total_s"}
+
+
+def test_hopper_without_flash_attn_4_is_told_what_it_takes():
+    rep = AttentionReport(fingerprint={"capability": "9.0", "torch": "2.11.0+cu130", "fa4": None},
+                          results=[CaseResult("flash", "1024px", True, ms=3.0)], choice={"flux": "flash"})
+    d = by_name(checks(H100, choose("auto", H100), rep))
+    assert d["sdpa fa4"].status == "info" and 'lorakit[fa4]' in d["sdpa fa4"].hint
+    rep.fingerprint.update(fa4="4.0.0b36")
+    assert "measured" in by_name(checks(H100, choose("auto", H100), rep))["sdpa fa4"].detail
+    rep.fingerprint.update(torch="2.9.1")
+    assert "2.10" in by_name(checks(H100, choose("auto", H100), rep))["sdpa fa4"].hint
+    for fp in ({"capability": "8.9", "torch": "2.11.0", "fa4": None}, {"capability": "9.0"}):  # Ada; an old report
+        rep.fingerprint = fp
+        assert "sdpa fa4" not in by_name(checks(H100, choose("auto", H100), rep))
