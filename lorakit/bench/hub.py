@@ -36,6 +36,22 @@ FLUX_VAE = dict(in_channels=3, out_channels=3, down_block_types=("DownEncoderBlo
                 use_quant_conv=False, use_post_quant_conv=False, sample_size=1024)
 # AutoencoderKLQwenImage() and AutoencoderKLHunyuanVideo() defaults are the published configs
 SHARD_BYTES = {"diffusers": 10 * 10**9, "transformers": 5 * 10**9}  # as the hub repositories shard them
+# Where the published files name a class's tensors otherwise than the installed transformers names its modules
+# (transformers renames them while loading): Qwen2.5-VL — Qwen-Image's, Qwen-Image-Edit's and Kandinsky 5's text
+# encoder — is stored as `model.*` (the language model) and `visual.*`, as in the Qwen/Qwen-Image text_encoder
+# shards, which musubi-tuner also loads by those names. Writing them so makes the synthetic folder exercise the
+# renaming path that real checkpoints take.
+HUB_NAMES = {"Qwen2_5_VLForConditionalGeneration": (("model.language_model.", "model."), ("model.visual.", "visual."))}
+
+
+def hub_names(cls_name: str, tensors: dict) -> dict:
+    """`tensors` (a module's state dict) under the names the published files of that class use."""
+    rules = HUB_NAMES.get(cls_name, ())
+
+    def rename(k: str) -> str:
+        return next((old + k[len(new):] for new, old in rules if k.startswith(new)), k)
+
+    return {rename(k): v for k, v in tensors.items()}
 
 
 def _full(name: str, part, tokenizer):
@@ -120,7 +136,7 @@ def write_model(family: str, out, device: str = "cuda", seed: int = 0, scale: st
         else:  # a model built from its config has no `architectures` yet; save_pretrained would set it
             module.config.architectures = [type(module).__name__]
             module.config.save_pretrained(folder)
-        tensors = _unique_tensors(module)
+        tensors = hub_names(type(module).__name__, _unique_tensors(module))
         save_sharded(tensors, folder, base="diffusion_pytorch_model" if kind == "diffusers" else "model",
                      max_shard_bytes=SHARD_BYTES[kind])
         n = sum(t.numel() for t in tensors.values())

@@ -59,9 +59,13 @@ def test_written_folder_is_sharded_as_the_hub_and_loads_in_diffusers_and_lorakit
         module = getattr(pipe, name)
         assert type(module).__name__ == rec["class"]
         stored = load(out / name)  # every stored tensor is the module's (nothing missing, nothing extra)
-        state = hub._unique_tensors(module)
+        state = hub.hub_names(rec["class"], hub._unique_tensors(module))  # under the published files' names
         assert sorted(stored) == sorted(state) and sum(t.numel() for t in stored.values()) == rec["params"]
         assert all(torch.equal(stored[k], state[k]) for k in stored)
+    if "text_encoder" in report["components"] and report["components"]["text_encoder"]["class"].startswith("Qwen2_5"):
+        names = list(load(out / "text_encoder"))  # as the hub's Qwen2.5-VL shards name them (loaders rename)
+        assert any(k.startswith("model.layers.") for k in names) and any(k.startswith("visual.") for k in names)
+        assert not any(k.startswith(("model.language_model.", "model.visual.")) for k in names)
     adapter = load_adapter(family, out)  # and lorakit's own loading of the same folder
     adapter.load(list(report["components"]))
     for name, rec in report["components"].items():
