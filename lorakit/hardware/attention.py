@@ -29,6 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from lorakit.hardware import fa4  # no torch at import: the doctor's cached answer stays import-light
 from lorakit.models.facts import AttentionCase
 
 BACKENDS = ("flash", "efficient", "cudnn", "math")  # PyTorch's own
@@ -143,8 +144,6 @@ def fingerprint(device: str = "cuda", facts=None) -> dict:
         cudnn = a * 10000 + b * 100 + c
     elif cudnn:
         cudnn = int(cudnn)
-    from lorakit.hardware import fa4
-
     fp = {"torch": facts.torch, "cuda": facts.torch_cuda, "cudnn": cudnn, "device": device,
           "fa4": fa4.installed()}  # installing flash-attn-4 (or another release) means measuring again
     index = int(device.split(":")[1]) if ":" in device else 0
@@ -194,8 +193,6 @@ def run_case(backend: str, case: AttentionCase, device: str, repeats: int) -> Ca
         keep[int(seq * 0.9):] = False
         mask = keep[None, None, None, :]
     times = []
-    from lorakit.hardware import fa4
-
     try:
         if backend == "fa4":
             fa4.activate()  # SDPA's flash path now runs FlashAttention 4
@@ -242,8 +239,6 @@ def _child_main(mode: str) -> None:
     starts a fresh child for the rest). A "models" child also imports diffusers and the families before it is
     ready, so one started early (a spare) has its imports done when its model case comes."""
     import torch  # noqa: F401 - imported before "ready": the watchdog then times the cases only
-
-    from lorakit.hardware import fa4
 
     fa4.preimport()  # where flash-attn-4 is installed: ~10 s of imports, not a hung kernel
     if mode == "models":
@@ -481,14 +476,7 @@ def _model_case(report: AttentionReport, case: str, device: str, watchdog: float
 def measured_backends(fingerprint_: dict) -> tuple[str, ...]:
     """The backends the self-test measures on this machine: PyTorch's four, and fa4 where flash-attn-4 is
     installed and could run (`fa4.candidate`)."""
-    from lorakit.hardware import fa4
-
     return ALL_BACKENDS if fa4.candidate(fingerprint_) else BACKENDS
-
-
-def _unmasked_twin_of(twin: str, timed: set) -> bool:
-    """Is `twin` the unmasked twin of one of the timed (masked) cases?"""
-    return any(_unmasked_twin(c) == twin for c in timed)
 
 
 def _unmasked_twin(case_name: str) -> str | None:
@@ -540,12 +528,13 @@ def choose(report: AttentionReport, family: str, resolution: int | None = None) 
         # (PyTorch's, or FlashAttention 4) can take it, if it passed the same shapes unmasked — the faster of the
         # two that did; the recompute sees the same inputs, so it picks the same kernel
         twins = [t for t in (_unmasked_twin(c) for c in relevant) if t]
+        timed_twins = {_unmasked_twin(c) for c in timed}
         fast, fast_ms = None, None
         for b in ("flash", "fa4"):
             plain = [r for r in report.results if r.backend == b and r.case in twins]
             if twins and len(plain) == len(twins) and all(r.ok for r in plain) \
                     and not known_bad(report.fingerprint, b, family):
-                ms = sum(r.ms or 0.0 for r in plain if _unmasked_twin_of(r.case, timed))
+                ms = sum(r.ms or 0.0 for r in plain if r.case in timed_twins)
                 if fast_ms is None or ms < fast_ms:
                     fast, fast_ms = b, ms
         if fast:
@@ -568,7 +557,7 @@ def apply(backend: str | None, fallback: bool = False) -> dict:
 
     b = torch.backends.cuda
     prev = {"flash": b.flash_sdp_enabled(), "efficient": b.mem_efficient_sdp_enabled(),
-            "cudnn": b.cudnn_sdp_enabled(), "math": b.math_sdp_enabled(), "fa4": _fa4_active()}
+            "cudnn": b.cudnn_sdp_enabled(), "math": b.math_sdp_enabled(), "fa4": fa4.active()}
     if backend is None:
         return prev
     names = backend.split("+")  # "flash+efficient": flash where it can (no mask), efficient where not
@@ -577,7 +566,7 @@ def apply(backend: str | None, fallback: bool = False) -> dict:
             from lorakit.errors import UnknownNameError
 
             raise UnknownNameError("attention backend", n, list(ALL_BACKENDS))
-    _set_fa4("fa4" in names)
+    fa4.activate() if "fa4" in names else fa4.deactivate()
     b.enable_flash_sdp("flash" in names or "fa4" in names)
     b.enable_mem_efficient_sdp("efficient" in names)
     b.enable_cudnn_sdp("cudnn" in names)
@@ -605,20 +594,7 @@ def restore(prev: dict) -> None:
     b.enable_mem_efficient_sdp(prev["efficient"])
     b.enable_cudnn_sdp(prev["cudnn"])
     b.enable_math_sdp(prev["math"])
-    _set_fa4(prev.get("fa4", False))
-
-
-def _fa4_active() -> bool:
-    from lorakit.hardware import fa4
-
-    return fa4.active()
-
-
-def _set_fa4(on: bool) -> None:
-    """SDPA's flash path through FlashAttention 4 (on; `lorakit.hardware.fa4`) or PyTorch's own kernel (off)."""
-    from lorakit.hardware import fa4
-
-    fa4.activate() if on else fa4.deactivate()
+    fa4.activate() if prev.get("fa4") else fa4.deactivate()
 
 
 if __name__ == "__main__":  # the child process of run_jobs
