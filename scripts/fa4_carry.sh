@@ -15,6 +15,7 @@
 # the library was unpacked into.) The image already has cuda-bindings, cuda-pathfinder, protobuf and einops.
 set -euo pipefail
 root=$(git rev-parse --show-toplevel); cd "$root"
+mkdir -p .git/info; touch .git/info/exclude
 for d in /.gpu1/ /.gpu2/; do grep -qx "$d" .git/info/exclude || echo "$d" >> .git/info/exclude; done
 [ -d .whl ] || bash ../shared/device/fetch-wheels.sh
 tmp=$(mktemp -d); trap 'rm -rf "$tmp"' EXIT

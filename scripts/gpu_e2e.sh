@@ -13,6 +13,13 @@ df -h /tmp | tail -1 >> "$LOG"; free -g | head -2 >> "$LOG"
 PARITY=(--set validation.items=4 --set validation.every=50 --set sampling.enabled=false)
 e2e() { local t=$1; shift; timeout "$((t + 15))" python3 scripts/e2e.py "$@" --models $M --work $W --limit "$t" 2>&1 \
           | grep -v -e "Writing model shards" -e "it/s]" >> "$LOG"; echo "rc=${PIPESTATUS[0]} :: $*" >> "$LOG"; }
+# lorakit beside musubi-tuner (scripts/peer_musubi.py): its src/ unpacked at /tmp/peer/musubi/src and its runtime
+# packages installed under /tmp/peer beforehand (docs/benchmarks.md "Peer trainer" says which versions)
+peer() { local setting=$1 left=$2; shift 2
+         PYTHONPATH=$PYTHONPATH:/tmp/peer timeout $((left + 10)) python3 scripts/peer_musubi.py compare \
+           --musubi /tmp/peer/musubi/src --models $M --work $W --setting "$setting" --steps 25 --limit "$left" "$@" \
+           >> "$LOG" 2>&1; echo "rc=$? :: peer $setting $*" >> "$LOG"
+         cp "$W/peer-$setting/report.json" "$OUT/peer-$setting-$(date +%H%M%S).json" 2>> "$LOG"; }
 case $1 in
   flux) e2e 530 synth doctor data cache train infer reproduce warm --family flux --profile datacenter
         python3 scripts/probe_times.py >> "$LOG" 2>&1 ;;
@@ -68,6 +75,11 @@ case $1 in
         like=(); [ -f $M/qwen-image-edit-plus/lorakit_synthetic.json ] && like=(--like qwen-image-edit-plus)
         e2e 400 synth data cache train --family qwen-image "${like[@]}" --profile rtx4090 --cap 24 --steps 20
         e2e 150 infer --family qwen-image --profile rtx4090 --cap 24 --no-stock ;;
+  peer-a) rm -rf $M/flux*  # Qwen-Image full size: the folder, data and lorakit's cache, then both trainers unconstrained
+        e2e 220 synth data cache --family qwen-image --profile datacenter --no-stock
+        peer unconstrained $((585 - SECONDS)) --only musubi-documented lorakit musubi-no-checkpointing ;;
+  peer-a2) peer unconstrained $((585 - SECONDS)) --only musubi-no-checkpointing ;;  # what peer-a had no time for
+  peer-b) peer 24gb $((585 - SECONDS)) ;;  # musubi's documented 24 GB options beside lorakit's rtx4090 profile, 24 GiB cap
   tiny) e2e 500 synth doctor data cache train warm infer reproduce --family flux --profile datacenter --tiny \
           --images 4 --steps 12 ;;
   *) echo "unknown plan $1" >> "$LOG" ;;
