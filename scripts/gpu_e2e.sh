@@ -66,7 +66,7 @@ case $1 in
   fp8-parity) rm -rf $M/qwen*  # memory.compute fp8 against bf16: FLUX, datacenter, 300 steps, 4 items held out;
         # the bf16 run here, the fp8 run in the next call on the same warm machine (fp8-parity-2): one run of 300
         # steps takes ~66 s to its first step on a fresh machine (attention self-test, compile) + ~150 s + validation
-        e2e 120 synth data cache --family flux --profile datacenter "${PARITY[@]}"
+        e2e 200 synth data cache --family flux --profile datacenter --no-stock "${PARITY[@]}"
         e2e $((580 - SECONDS)) train --family flux --profile datacenter --steps 300 --warm-page-cache --tag bf16 \
           "${PARITY[@]}" ;;
   fp8-parity-2) e2e 560 train --family flux --profile datacenter --steps 300 --warm-page-cache --tag fp8 \

@@ -189,6 +189,31 @@ def calculate(weight, p, offset=None, function=None):
     return w
 
 
+def probe(p, x, rows: int, offset=None, function=None):
+    """What `calculate` adds to a weight of `rows` rows, seen through probe columns x (float64, (cols, k)):
+    (patched - weight) @ x, without forming the dense difference (a full-size layer's would be rows x cols in
+    float64). For LoRA and plain-difference patches without DoRA on row offsets; None for the others (LoHa, LoKr,
+    DoRA, conv kernels, column offsets), whose difference `calculate` must form."""
+    import torch
+
+    kind, x = p[0], x.double()
+    if offset is not None and offset[0] != 0:
+        return None
+    if kind == "lora" and p[4] is None and p[1].dim() == 2 and p[2].dim() == 2:
+        up, down, alpha = p[1].double(), p[2].double(), p[3]
+        d = (up @ (down @ x)) * (alpha / down.shape[0] if alpha is not None else 1.0)
+    elif kind == "diff" and p[1].dim() == 2:
+        d = p[1].double() @ x
+    else:
+        return None
+    if function == SWAP:
+        d = swap_halves(d)
+    out = torch.zeros(rows, x.shape[1], dtype=torch.float64)
+    view = out.narrow(0, offset[1], offset[2]) if offset is not None else out
+    view += d
+    return out
+
+
 def apply(sd: dict, arch: str, weights: dict) -> tuple[dict, set]:
     """ComfyUI's model weights after loading the LoRA `sd` (`weights`: "diffusion_model.<native>.<param>" ->
     tensor). Returns (the changed weights, the file's keys ComfyUI used)."""

@@ -197,8 +197,11 @@ def comfy_probe_check(path: Path, arch: str, expected: Lora, base: dict | None, 
             k2, offset, function = (target, None, None) if isinstance(target, str) else target
             if k2 != key:
                 continue
-            W = Wn if Wn is not None else torch.zeros(rows, cols, dtype=torch.float64)
-            got += (comfy.calculate(W, q, offset, function) - W) @ x
+            d = comfy.probe(q, x, rows, offset, function) if Wn is None else None  # DoRA reads the base
+            if d is None:  # the dense difference, as ComfyUI forms it
+                W = Wn if Wn is not None else torch.zeros(rows, cols, dtype=torch.float64)
+                d = (comfy.calculate(W, q, offset, function) - W) @ x
+            got += d
         err = float((got - want).norm() / want.norm().clamp(min=1e-30))
         if err > rtol:
             return f"{native}: relative difference {err:.2e}"
