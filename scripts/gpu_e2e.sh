@@ -6,6 +6,8 @@
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   && export PYTHONPATH=/tmp/site:$PWD || exit 1
+# FlashAttention 4 where scripts/fa4_carry.sh put it (a --target install leaves its .pth unread)
+[ -d /tmp/site/nvidia_cutlass_dsl/dsl_packages ] && export PYTHONPATH=$PYTHONPATH:/tmp/site/nvidia_cutlass_dsl/dsl_packages
 export COLUMNS=160 PYTHONUNBUFFERED=1 LORAKIT_PROGRESS=1 LORAKIT_CACHE=/tmp/lorakit-cache HF_HUB_OFFLINE=1
 OUT=${OUT:-out}; mkdir -p "$OUT"; W=/tmp/e2e; M=/tmp/models; LOG="$OUT/log-$1.txt"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader >> "$LOG"

@@ -507,14 +507,15 @@ def _timed_cases(cases, resolution: int | None) -> set:
     return {c for c, px in sized.items() if px == nearest}
 
 
-def choose(report: AttentionReport, family: str, resolution: int | None = None) -> str | None:
+def choose(report: AttentionReport, family: str, resolution: int | None = None, exclude=()) -> str | None:
     """Fastest backend that passed every case relevant to a family and measured (None if none did); with
-    `resolution`, fastest at the cases nearest that resolution (it must still pass them all)."""
+    `resolution`, fastest at the cases nearest that resolution (it must still pass them all); never one of
+    `exclude` (alone or in a pair)."""
     measured = {r.case for r in report.results}
     relevant = set(family_cases(family)) & measured
     timed = _timed_cases(relevant, resolution)
     best, best_ms = None, None
-    for backend in ALL_BACKENDS:
+    for backend in (b for b in ALL_BACKENDS if b not in exclude):
         rs = [r for r in report.results if r.backend == backend and r.case in relevant]
         if not relevant or {r.case for r in rs} != relevant or not all(r.ok for r in rs):
             continue
@@ -530,7 +531,7 @@ def choose(report: AttentionReport, family: str, resolution: int | None = None) 
         twins = [t for t in (_unmasked_twin(c) for c in relevant) if t]
         timed_twins = {_unmasked_twin(c) for c in timed}
         fast, fast_ms = None, None
-        for b in ("flash", "fa4"):
+        for b in (b for b in ("flash", "fa4") if b not in exclude):
             plain = [r for r in report.results if r.backend == b and r.case in twins]
             if twins and len(plain) == len(twins) and all(r.ok for r in plain) \
                     and not known_bad(report.fingerprint, b, family):
@@ -574,13 +575,26 @@ def apply(backend: str | None, fallback: bool = False) -> dict:
     return prev
 
 
-def for_run(cfg, device: str) -> str | None:
+def for_run(cfg, device: str, note=None) -> str | None:
     """The backend a training run uses (memory.attention, else this machine's self-test choice for the
-    family, measured once and cached), put in force globally. None on the CPU."""
+    family, measured once and cached), put in force globally. None on the CPU.
+
+    A cached choice of FlashAttention 4 that cannot run now (the package broken or gone since it was measured)
+    gives way to the next fastest measured backend, said through `note`; an explicit memory.attention: fa4 is
+    refused instead (`apply`)."""
     if not device.startswith("cuda"):
         return None
-    choice = cfg.memory.attention if cfg.memory.attention != "auto" else choose(
-        self_test(device), cfg.model.family, resolution=cfg.data.resolution)  # fastest at this run's size
+    if cfg.memory.attention != "auto":
+        choice = cfg.memory.attention
+    else:
+        report = self_test(device)
+        choice = choose(report, cfg.model.family, resolution=cfg.data.resolution)  # fastest at this run's size
+        why = fa4.problem(device) if choice and "fa4" in choice.split("+") else None
+        if why:
+            was, choice = choice, choose(report, cfg.model.family, resolution=cfg.data.resolution, exclude={"fa4"})
+            if note:
+                note(f"attention: this machine's measurements chose {was} for {cfg.model.family}, but {why}; "
+                     f"this run uses {choice or 'PyTorch defaults'} (`lorakit doctor --retest` measures again)")
     apply(choice, fallback=True)
     return choice
 

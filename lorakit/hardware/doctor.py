@@ -135,7 +135,7 @@ def quant_checks(facts: Facts, add, libs: dict) -> None:
         else:
             add(Check(name, weight, f"{v} is installed but fails here: {res.detail}",
                       f"{why}; reinstall a build for this platform"))
-    extras = [n for n in ("flash-attn", "flash_attn_3", "xformers") if facts.packages.get(n)]
+    extras = [n for n in ("flash-attn", "flash_attn_3", "flash-attn-4", "xformers") if facts.packages.get(n)]
     add(Check("extra attention kernels", INFO, ", ".join(f"{n} {facts.packages[n]}" for n in extras) or "none"))
 
 

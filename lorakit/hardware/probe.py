@@ -178,7 +178,7 @@ def _gds() -> tuple[bool, str]:
 
 
 PACKAGES = ("diffusers", "transformers", "peft", "accelerate", "safetensors", "fastsafetensors",
-            "optimum-quanto", "bitsandbytes", "flash-attn", "flash_attn_3", "xformers", "torchvision",
+            "optimum-quanto", "bitsandbytes", "flash-attn", "flash_attn_3", "flash-attn-4", "xformers", "torchvision",
             "prodigyopt", "tensorboard")
 
 

@@ -226,7 +226,7 @@ def run(cfg, prov: dict, resume: str | None = None, progress=None, stop_at: int 
         adapter.unload(list(adapter.text_parts))
     from lorakit.hardware.attention import for_run
 
-    choice = for_run(cfg, device)  # the SDPA backend in force for the whole run
+    choice = for_run(cfg, device, note if d.main else None)  # the SDPA backend in force for the whole run
     if d.main:
         doctor_summary(out, cfg.profile, choice)
     tr = Trainer(cfg, adapter, load_base(cfg, device, dtype), data, out, device, dtype, dist=d)

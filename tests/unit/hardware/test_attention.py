@@ -318,3 +318,27 @@ def test_a_vae_head_the_chosen_kernel_cannot_take_runs_under_a_runs_switches():
         assert F.scaled_dot_product_attention(q, q, q).isfinite().all()
     finally:
         att.restore(prev)
+
+
+def test_a_cached_fa4_choice_that_cannot_run_now_gives_way_to_the_next_fastest_with_a_note(monkeypatch):
+    """Measured while flash-attn-4 worked, run after it broke (seen on the lent H100: its CuTe DSL library off the
+    path): the run used to stop with 'set memory.attention=auto' although it was auto."""
+    from lorakit.config import resolve
+    from lorakit.hardware import fa4
+
+    R = att.CaseResult
+    cases = {"512px": 2.0, "1024px": 5.0, "512px single": 2.0, "1024px single": 5.0}
+    rep = att.AttentionReport(fingerprint={}, results=[
+        *[R("flash", c, True, ms) for c, ms in cases.items()], *[R("fa4", c, True, 0.6 * ms) for c, ms in cases.items()],
+        *[R("efficient", c, True, 3 * ms) for c, ms in cases.items()]])
+    applied, notes = [], []
+    monkeypatch.setattr(att, "self_test", lambda device: rep)
+    monkeypatch.setattr(att, "apply", lambda choice, fallback=False: applied.append(choice))
+    monkeypatch.setattr(fa4, "problem", lambda device="cuda": "attention fa4 needs the flash-attn-4 package: gone")
+    cfg, _ = resolve(None, ["model.family=flux"], profile="datacenter")
+    assert att.for_run(cfg, "cuda", notes.append) == "flash" and applied == ["flash"]
+    assert "chose fa4 for flux" in notes[0] and "gone" in notes[0] and "this run uses flash" in notes[0]
+    monkeypatch.setattr(fa4, "problem", lambda device="cuda": None)  # where it runs, the measured choice stands
+    assert att.for_run(cfg, "cuda", notes.append) == "fa4" and len(notes) == 1
+    cfg, _ = resolve(None, ["model.family=flux", "memory.attention=flash"], profile="datacenter")
+    assert att.for_run(cfg, "cuda", notes.append) == "flash"  # an explicit setting is taken as it is
