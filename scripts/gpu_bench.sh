@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # On a lent GPU machine (docs/benchmarks.md): install the carried wheels, then run the named stages;
-# every result goes to $OUT. Stages: tests, load, flux, flux-nocompile, flux-trace, fp8, fa4, fa4-more, edit-fa4, doctor-fa4, ckpt-auto, qwen, edit, caps, qwen-4090,
+# every result goes to $OUT. Stages: tests, load, flux, flux-nocompile, flux-trace, fp8, fa4, fa4-more, edit-fa4, doctor-fa4, small-compile, ckpt-auto, qwen, edit, caps, qwen-4090,
 # spark, spark-qwen, edit-caps, ddp (2 GPUs), fsdp (2 GPUs; CKPT_DIR for the checkpoint, ~115 GiB).
 #   bash scripts/gpu_bench.sh tests flux load
 set -uo pipefail
@@ -55,6 +55,10 @@ for r in json.load(sys.stdin)['rows']: print('  tune $tc', r['way'], r['seconds'
            --set memory.compute=fp8
          step qwen-1024-fa4 130 --family qwen-image --res 1024 --profile datacenter --ways lorakit \
            --attention fa4+efficient ;;
+    small-compile) step flux-4090-compile 160 --family flux --res 1024 --profile rtx4090 --memory-cap 24 --ways lorakit \
+                     --set memory.compile=true
+                   step qwen-4090-compile 180 --family qwen-image --res 1024 --profile rtx4090 --memory-cap 24 \
+                     --ways lorakit --set memory.compile=true ;;
     edit-fa4) step edit-1024-fa4 200 --family qwen-image-edit --res 1024 --profile datacenter --ways lorakit \
                 --attention fa4+efficient ;;
     doctor-fa4) timeout 300 python3 -m lorakit doctor --retest --json --disk /tmp > "$OUT/doctor-fa4.json" 2>> "$OUT/stderr.txt"
