@@ -102,3 +102,33 @@ def test_fp8_compute_is_refused_with_a_full_fine_tune_or_a_4_bit_base(tmp_path, 
         make_cfg(tmp_path, "flux", tiny("flux"), steps=2, method="full", memory={"compute": "fp8"})
     with pytest.raises(ConfigError, match="not nf4"):
         make_cfg(tmp_path, "flux", tiny("flux"), steps=2, memory={"compute": "fp8", "base_quant": "nf4"})
+
+
+def test_a_compiled_block_over_the_8bit_base_gives_eager_outputs_and_lora_gradients():
+    """The rtx4090/rtx5090 profiles compile the blocks over Float8Linear (dequantised inside the compiled graph)."""
+    import copy
+
+    from peft import LoraConfig, get_peft_model
+
+    g = torch.Generator().manual_seed(0)
+    block = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 32))
+    for i in (0, 2):
+        with torch.no_grad():
+            block[i].weight.copy_(torch.randn(block[i].weight.shape, generator=g) * 0.2)
+        block[i] = Float8Linear(block[i], torch.float32)
+    eager = get_peft_model(block, LoraConfig(r=4, lora_alpha=4, target_modules=["0", "2"]))
+    for n, p in eager.named_parameters():
+        if "lora_B" in n:  # B is zero at init: give the LoRA something to do
+            p.data = torch.randn(p.shape, generator=g) * 0.1
+    twin = copy.deepcopy(eager)
+    compiled = torch.compile(twin)
+    x = torch.randn(6, 32, generator=g)
+    y0, y1 = eager(x), compiled(x)
+    torch.testing.assert_close(y1, y0, rtol=1e-5, atol=1e-5)
+    y0.square().mean().backward()
+    y1.square().mean().backward()
+    trained = [(n, a, b) for (n, a), (_, b) in zip(eager.named_parameters(), twin.named_parameters(), strict=True)
+               if a.requires_grad]
+    assert len(trained) == 4  # A and B of both layers; the 8-bit weights are frozen
+    for n, a, b in trained:
+        torch.testing.assert_close(b.grad, a.grad, rtol=1e-4, atol=1e-6, msg=n)
