@@ -190,7 +190,7 @@ def run(cfg, prov: dict, resume: str | None = None, progress=None, stop_at: int 
     from lorakit.models.base import load_adapter
     from lorakit.train import memory, sampling
     from lorakit.train.data import CachedData
-    from lorakit.train.prepare import load_base
+    from lorakit.train.prepare import compile_skipped, load_base
     from lorakit.train.report import MetricsLog, Notes, Timeline, doctor_summary, loss_curve, peak_rss_gib
 
     note = Notes(warn)  # the run's warnings, each also passed on as it happens
@@ -231,6 +231,9 @@ def run(cfg, prov: dict, resume: str | None = None, progress=None, stop_at: int 
         doctor_summary(out, cfg.profile, choice)
     tr = Trainer(cfg, adapter, load_base(cfg, device, dtype), data, out, device, dtype, dist=d)
     mark("model_ready")
+    skipped = compile_skipped(cfg, device, tr)
+    if skipped and d.main:
+        note(skipped)
     resumed = None
     if resume:
         ck, damaged = checkpoint.latest(out, tr.full) if resume == "latest" else (Path(resume), [])

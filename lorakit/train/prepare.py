@@ -89,6 +89,17 @@ def prepare(cfg, adapter, transformer, device: str, dtype, dist) -> Prepared:
     return Prepared(transformer, params, peft_config, quantized, swapper, sharded, compiled)
 
 
+def compile_skipped(cfg, device: str, p: Prepared) -> str | None:
+    """Why memory.compile: true did not compile the blocks of this run (None: it did, or it was not asked, or the
+    device is the CPU, where it never applies)."""
+    if not cfg.memory.compile or not device.startswith("cuda") or p.compiled:
+        return None
+    why = ("with block swapping (memory.blocks_to_swap: the swapped blocks change device every step)" if p.swapper
+           else "under FSDP (method: full on several GPUs)" if p.sharded
+           else "this transformer has no repeated blocks to compile")
+    return f"memory.compile: the blocks are not compiled {why}"
+
+
 def fully_shard(transformer, device: str) -> None:
     """FSDP2 over the transformer: every repeated block its own unit, then the rest."""
     import torch.distributed as td

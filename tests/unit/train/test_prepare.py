@@ -37,3 +37,22 @@ def test_only_the_first_n_blocks_recompute_and_the_gradients_are_the_same(tiny, 
         grads[n] = tr.x_embedder.weight.grad
     torch.testing.assert_close(grads[1], grads[None], rtol=1e-5, atol=1e-7)
     torch.testing.assert_close(grads[0], grads[None], rtol=1e-5, atol=1e-7)
+
+
+def test_a_compile_the_run_cannot_do_is_said_not_dropped():
+    """The rtx4090/rtx5090 profiles compile by default; with block swapping (or FSDP) the blocks are not compiled,
+    and the run says so."""
+    from lorakit.config import resolve
+    from lorakit.train.prepare import Prepared, compile_skipped
+
+    def prepared(**kw):
+        return Prepared(None, [], None, 0, **{"swapper": None, "sharded": False, "compiled": False, **kw})
+
+    cfg, _ = resolve(None, ["model.family=flux", "memory.blocks_to_swap=4"], profile="rtx4090")
+    assert cfg.memory.compile is True
+    assert "block swapping" in compile_skipped(cfg, "cuda", prepared(swapper=object()))
+    assert "FSDP" in compile_skipped(cfg, "cuda:1", prepared(sharded=True))
+    assert compile_skipped(cfg, "cuda", prepared(compiled=True)) is None
+    assert compile_skipped(cfg, "cpu", prepared(swapper=object())) is None  # the CPU never compiles: no news
+    cfg, _ = resolve(None, ["model.family=flux", "memory.compile=false"], profile="rtx4090")
+    assert compile_skipped(cfg, "cuda", prepared(swapper=object())) is None
