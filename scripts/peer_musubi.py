@@ -31,9 +31,10 @@ import shlex
 import shutil
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
+
+from lorakit.bench.poll import Peak
 
 MUSUBI_COMMON = ["--mixed_precision", "bf16", "--sdpa", "--timestep_sampling", "shift", "--weighting_scheme", "none",
                  "--discrete_flow_shift", "2.2", "--optimizer_type", "AdamW", "--learning_rate", "5e-5",
@@ -91,30 +92,14 @@ def launch(a) -> None:
 
 # ---- the driver ----
 
-class GpuPoll:
-    """nvidia-smi's used memory (MiB) of GPU 0, every 0.2 s, while a command runs."""
-
-    def __init__(self):
-        self.peak, self._stop = 0, threading.Event()
-        self._t = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self):
-        while not self._stop.is_set():
-            try:
-                out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits",
-                                      "-i", "0"], capture_output=True, text=True, timeout=5).stdout
-                self.peak = max(self.peak, int(out.split()[0]))
-            except (OSError, ValueError, IndexError, subprocess.TimeoutExpired):
-                pass
-            self._stop.wait(0.2)
-
-    def __enter__(self):
-        self._t.start()
-        return self
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        self._t.join()
+def gpu_used_mib() -> int:
+    """nvidia-smi's used memory of GPU 0 (0 where it cannot say)."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits", "-i", "0"],
+                             capture_output=True, text=True, timeout=5).stdout
+        return int(out.split()[0])
+    except (OSError, ValueError, IndexError, subprocess.TimeoutExpired):
+        return 0
 
 
 def median_step(times: list[float], skip: int = 10) -> dict:
@@ -130,7 +115,7 @@ def measured(label: str, module_args: list[str], out: Path, cap: float | None, e
     cmd = [sys.executable, __file__, "launch", "--stats", str(stats), *(["--cap", str(cap)] if cap else []),
            *module_args]
     t0 = time.time()
-    with GpuPoll() as poll, open(out / f"{label}.out", "w") as so, open(out / f"{label}.log", "w") as log:
+    with Peak(gpu_used_mib, 0.2) as poll, open(out / f"{label}.out", "w") as so, open(out / f"{label}.log", "w") as log:
         try:
             rc = subprocess.run(cmd, stdout=so, stderr=log, env={**os.environ, **env},
                                 timeout=max(10, limit)).returncode

@@ -11,11 +11,11 @@ import os
 import re
 import statistics
 import tempfile
-import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from lorakit.bench.poll import Peak
 from lorakit.config import torch_dtype
 from lorakit.errors import InputError
 
@@ -132,32 +132,12 @@ def filesystem_of(path: Path) -> str:
     return kind
 
 
-class _RssPeak:
-    def __init__(self):
-        self.start = self.peak = self._rss()
-        self._stop = threading.Event()
-        self._t = threading.Thread(target=self._run, daemon=True)
-
-    @staticmethod
-    def _rss() -> int:
-        try:
-            with open("/proc/self/statm") as f:
-                return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-        except (OSError, ValueError):
-            return 0
-
-    def _run(self):
-        while not self._stop.wait(0.005):
-            self.peak = max(self.peak, self._rss())
-
-    def __enter__(self):
-        self._t.start()
-        return self
-
-    def __exit__(self, *a):
-        self._stop.set()
-        self._t.join()
-        self.peak = max(self.peak, self._rss())
+def _rss() -> int:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError):
+        return 0
 
 
 def _touch(tensors: dict) -> None:
@@ -216,7 +196,7 @@ def run(files: list[Path], targets=("cpu",), ways=WAYS, caches=("warm", "cold"),
                         torch.cuda.reset_peak_memory_stats()
                         base = torch.cuda.memory_allocated()
                     try:
-                        with _RssPeak() as r:
+                        with Peak(_rss, 0.005) as r:
                             t0 = time.perf_counter()
                             out = _load(way, files, target)
                             _touch(out)
