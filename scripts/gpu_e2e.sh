@@ -82,7 +82,10 @@ case $1 in
         e2e 220 synth data cache --family qwen-image --profile datacenter --no-stock
         peer unconstrained $((585 - SECONDS)) --only musubi-documented lorakit musubi-no-checkpointing ;;
   peer-a2) peer unconstrained $((585 - SECONDS)) --only musubi-no-checkpointing ;;  # what peer-a had no time for
-  peer-b) peer 24gb $((585 - SECONDS)) ;;  # musubi's documented 24 GB options beside lorakit's rtx4090 profile, 24 GiB cap
+  peer-b) peer 24gb $((585 - SECONDS)) --only musubi-24gb lorakit ;;  # musubi's documented 24 GB options beside
+        # lorakit's rtx4090 profile, 24 GiB cap (the rtx4090 profile needs bitsandbytes: carry .whl whole)
+  peer-c) peer 24gb $((330 - SECONDS)) --only lorakit musubi-24gb-compiled  # after peer-a on a warm machine: both
+        peer unconstrained $((585 - SECONDS)) --only musubi-compiled ;;   # trainers with compiled blocks
   tiny) e2e 500 synth doctor data cache train warm infer reproduce --family flux --profile datacenter --tiny \
           --images 4 --steps 12 ;;
   *) echo "unknown plan $1" >> "$LOG" ;;

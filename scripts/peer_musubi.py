@@ -13,7 +13,8 @@ What runs, one process at a time on the same GPU:
            writers (`save_latent_cache_qwen_image`, `save_text_encoder_output_cache_qwen_image`): the same tensors
   musubi   `qwen_image_train_network` with the options its Qwen-Image guide documents for the setting
            (unconstrained: --sdpa --gradient_checkpointing, then without checkpointing; 24gb: + --fp8_base
-           --fp8_scaled --blocks_to_swap 16), rank 16 on its default modules, AdamW, N steps
+           --fp8_scaled --blocks_to_swap 16; each also with its --compile), rank 16 on its default modules,
+           AdamW, N steps
   lorakit  `lorakit train`, the setting's profile (datacenter; rtx4090 under LORAKIT_MEMORY_CAP_GIB=24), rank 16
            on the same 14 Linear modules of every block as musubi (MUSUBI_MODULES), N steps
 Each process goes through the same launcher (`launch`): under a 24 GiB cap torch's allocator is held to 24 GiB
@@ -45,9 +46,12 @@ MUSUBI_COMMON = ["--mixed_precision", "bf16", "--sdpa", "--timestep_sampling", "
 MUSUBI_MODULES = ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out",
                   "img_mlp.net.0.proj", "img_mlp.net.2", "txt_mlp.net.0.proj", "txt_mlp.net.2", "img_mod.1", "txt_mod.1")
 SETTINGS = {  # name -> [(label, musubi options)], lorakit (profile, cap GiB)
-    "unconstrained": ([("musubi-documented", ["--gradient_checkpointing"]), ("musubi-no-checkpointing", [])],
+    "unconstrained": ([("musubi-documented", ["--gradient_checkpointing"]), ("musubi-no-checkpointing", []),
+                       ("musubi-compiled", ["--gradient_checkpointing", "--compile"])],
                       ("datacenter", None)),
-    "24gb": ([("musubi-24gb", ["--gradient_checkpointing", "--fp8_base", "--fp8_scaled", "--blocks_to_swap", "16"])],
+    "24gb": ([("musubi-24gb", ["--gradient_checkpointing", "--fp8_base", "--fp8_scaled", "--blocks_to_swap", "16"]),
+              ("musubi-24gb-compiled", ["--gradient_checkpointing", "--fp8_base", "--fp8_scaled", "--blocks_to_swap",
+                                        "16", "--compile"])],
              ("rtx4090", 24)),
 }
 
