@@ -80,7 +80,8 @@ def train(
                         r = rec["resumed"]
                         console.print(f"resumed at step {step} (written by {r['from_world']} process(es))"
                                       + (f"; {r['note']}" if r["note"] else ""))
-                    bar.update(task, completed=step, info="")
+                    # the first step of compiled blocks waits for the compiler (tens of seconds, once per shape)
+                    bar.update(task, completed=step, info="compiling the blocks" if rec.get("compiled") else "")
                     return
                 info = f"loss {rec['loss']:.4f}  lr {rec['lr']:.2e}  {rec['s_per_step']:.2f} s/step"
                 if "gpu_gib" in rec:

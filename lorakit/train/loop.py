@@ -245,7 +245,7 @@ def run(cfg, prov: dict, resume: str | None = None, progress=None, stop_at: int 
         resumed = tr.resume(ck)
     if progress and d.main:
         progress(tr.step, cfg.schedule.steps, {"start": True, "global_batch": tr.global_batch, "world": d.world,
-                                                "resumed": resumed})
+                                                "resumed": resumed, "compiled": tr.compiled})
     log = MetricsLog(out, tr.step if resume else None, main=d.main, warn=note, cfg=cfg)
     sampler = sampling.Sampler(tr, conds, out / "samples", warn=note) if conds and (d.main or tr.sharded) else None
     if sampler and tr.step == 0:  # FSDP: every rank takes part in the forward passes
