@@ -35,6 +35,7 @@ class Trainer:
         p = prepare(cfg, adapter, transformer, device, dtype, self.dist)
         self.transformer, self.params, self.peft_config = p.transformer, p.params, p.peft_config
         self.quantized, self.swapper, self.sharded, self.compiled = p.quantized, p.swapper, p.sharded, p.compiled
+        self.compile_note = p.compile_note
         self.opt = make_optimizer(self.params, cfg, device, full=self.full)
         # 8-bit (bitsandbytes) moments are saved per rank as they are, not gathered by parameter name
         self.per_rank_state = self.full and (getattr(self.opt, "local_shards", False)
@@ -190,7 +191,7 @@ def run(cfg, prov: dict, resume: str | None = None, progress=None, stop_at: int 
     from lorakit.models.base import load_adapter
     from lorakit.train import memory, sampling
     from lorakit.train.data import CachedData
-    from lorakit.train.prepare import compile_skipped, load_base
+    from lorakit.train.prepare import load_base
     from lorakit.train.report import MetricsLog, Notes, Timeline, doctor_summary, loss_curve, peak_rss_gib
 
     note = Notes(warn)  # the run's warnings, each also passed on as it happens
@@ -231,9 +232,8 @@ def run(cfg, prov: dict, resume: str | None = None, progress=None, stop_at: int 
         doctor_summary(out, cfg.profile, choice)
     tr = Trainer(cfg, adapter, load_base(cfg, device, dtype), data, out, device, dtype, dist=d)
     mark("model_ready")
-    skipped = compile_skipped(cfg, device, tr)
-    if skipped and d.main:
-        note(skipped)
+    if tr.compile_note and d.main:
+        note(tr.compile_note)
     resumed = None
     if resume:
         ck, damaged = checkpoint.latest(out, tr.full) if resume == "latest" else (Path(resume), [])

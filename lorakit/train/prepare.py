@@ -16,6 +16,7 @@ class Prepared:
     swapper: object | None  # train.swap.BlockSwapper when blocks are swapped
     sharded: bool  # FSDP
     compiled: bool
+    compile_note: str | None = None  # why memory.compile did not compile the blocks (compile_decision)
 
 
 def load_base(cfg, device: str, dtype):
@@ -76,8 +77,8 @@ def prepare(cfg, adapter, transformer, device: str, dtype, dist) -> Prepared:
         checkpoint_blocks(transformer, None if swapper or isinstance(n, str) else n)  # auto unplanned (CPU): all
     if sharded:  # FSDP: each block's weights, grads and optimizer states split over the ranks
         fully_shard(transformer, device)
-    compiled = bool(cfg.memory.compile and device.startswith("cuda") and not sharded and not swapper
-                    and getattr(transformer, "_repeated_blocks", None))
+    compiled, compile_note = compile_decision(cfg, device, sharded, swapper,
+                                              bool(getattr(transformer, "_repeated_blocks", None)))
     if compiled:  # regional: each repeated block once (seconds, not minutes), shapes per bucket
         adapter.before_compile(transformer)
         transformer.compile_repeated_blocks()
@@ -86,18 +87,18 @@ def prepare(cfg, adapter, transformer, device: str, dtype, dist) -> Prepared:
     if not full:
         for p in params:  # LoRA weights train in fp32 whatever the base dtype, on the GPU (peft puts
             p.data = p.data.to(device, torch.float32)  # those of swapped layers beside their host weights)
-    return Prepared(transformer, params, peft_config, quantized, swapper, sharded, compiled)
+    return Prepared(transformer, params, peft_config, quantized, swapper, sharded, compiled, compile_note)
 
 
-def compile_skipped(cfg, device: str, p: Prepared) -> str | None:
-    """Why memory.compile: true did not compile the blocks of this run (None: it did, or it was not asked, or the
-    device is the CPU, where it never applies)."""
-    if not cfg.memory.compile or not device.startswith("cuda") or p.compiled:
-        return None
-    why = ("with block swapping (memory.blocks_to_swap: the swapped blocks change device every step)" if p.swapper
-           else "under FSDP (method: full on several GPUs)" if p.sharded
-           else "this transformer has no repeated blocks to compile")
-    return f"memory.compile: the blocks are not compiled {why}"
+def compile_decision(cfg, device: str, sharded: bool, swapper, has_blocks: bool) -> tuple[bool, str | None]:
+    """Whether the repeated blocks compile, and, where memory.compile asks for it and they cannot, why (the run's
+    warning). The CPU never compiles and says nothing."""
+    if not cfg.memory.compile or not device.startswith("cuda"):
+        return False, None
+    why = ("with block swapping (memory.blocks_to_swap: the swapped blocks change device every step)" if swapper
+           else "under FSDP (method: full on several GPUs)" if sharded
+           else "this transformer has no repeated blocks to compile" if not has_blocks else None)
+    return why is None, why and f"memory.compile: the blocks are not compiled {why}"
 
 
 def fully_shard(transformer, device: str) -> None:

@@ -43,16 +43,13 @@ def test_a_compile_the_run_cannot_do_is_said_not_dropped():
     """The rtx4090/rtx5090 profiles compile by default; with block swapping (or FSDP) the blocks are not compiled,
     and the run says so."""
     from lorakit.config import resolve
-    from lorakit.train.prepare import Prepared, compile_skipped
-
-    def prepared(**kw):
-        return Prepared(None, [], None, 0, **{"swapper": None, "sharded": False, "compiled": False, **kw})
+    from lorakit.train.prepare import compile_decision
 
     cfg, _ = resolve(None, ["model.family=flux", "memory.blocks_to_swap=4"], profile="rtx4090")
     assert cfg.memory.compile is True
-    assert "block swapping" in compile_skipped(cfg, "cuda", prepared(swapper=object()))
-    assert "FSDP" in compile_skipped(cfg, "cuda:1", prepared(sharded=True))
-    assert compile_skipped(cfg, "cuda", prepared(compiled=True)) is None
-    assert compile_skipped(cfg, "cpu", prepared(swapper=object())) is None  # the CPU never compiles: no news
+    assert "block swapping" in compile_decision(cfg, "cuda", False, object(), True)[1]
+    assert "FSDP" in compile_decision(cfg, "cuda:1", True, None, True)[1]
+    assert compile_decision(cfg, "cuda", False, None, True) == (True, None)
+    assert compile_decision(cfg, "cpu", False, object(), True) == (False, None)  # the CPU never compiles: no news
     cfg, _ = resolve(None, ["model.family=flux", "memory.compile=false"], profile="rtx4090")
-    assert compile_skipped(cfg, "cuda", prepared(swapper=object())) is None
+    assert compile_decision(cfg, "cuda", False, object(), True) == (False, None)
