@@ -36,6 +36,7 @@ import time
 from pathlib import Path
 
 from lorakit.bench.poll import Peak
+from lorakit.models.base import family_adapter
 
 MUSUBI_COMMON = ["--mixed_precision", "bf16", "--sdpa", "--timestep_sampling", "shift", "--weighting_scheme", "none",
                  "--discrete_flow_shift", "2.2", "--optimizer_type", "AdamW", "--learning_rate", "5e-5",
@@ -43,8 +44,8 @@ MUSUBI_COMMON = ["--mixed_precision", "bf16", "--sdpa", "--timestep_sampling", "
                  "--max_data_loader_n_workers", "2", "--persistent_data_loader_workers"]
 # musubi's Qwen-Image LoRA: every Linear of each block; its exclusion pattern `.*(_mod_).*` is matched against
 # names like `img_mod.1` and so excludes nothing (its log: 14 modules per block, 840 in all)
-MUSUBI_MODULES = ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out",
-                  "img_mlp.net.0.proj", "img_mlp.net.2", "txt_mlp.net.0.proj", "txt_mlp.net.2", "img_mod.1", "txt_mod.1")
+# = lorakit's attention_mlp preset for Qwen-Image plus the two modulation Linears
+MUSUBI_MODULES = (*family_adapter("qwen-image").preset_modules("attention_mlp"), "img_mod.1", "txt_mod.1")
 SETTINGS = {  # name -> [(label, musubi options)], lorakit (profile, cap GiB)
     "unconstrained": ([("musubi-documented", ["--gradient_checkpointing"]), ("musubi-no-checkpointing", []),
                        ("musubi-compiled", ["--gradient_checkpointing", "--compile"])],
