@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # On a lent GPU machine (docs/benchmarks.md): install the carried wheels, then run the named stages;
-# every result goes to $OUT. Stages: tests, load, flux, flux-nocompile, flux-trace, fp8, fa4, fa4-more, edit-fa4, doctor-fa4, small-compile, ckpt-auto, qwen, edit, caps, qwen-4090,
+# every result goes to $OUT. Stages: tests, load, flux, flux-nocompile, flux-trace, fp8, fa4, fa4-trace, fa4-again, fa4-more, small-5090, edit-fa4, doctor-fa4, small-compile, ckpt-auto, qwen, edit, caps, qwen-4090,
 # spark, spark-qwen, edit-caps, ddp (2 GPUs), fsdp (2 GPUs; CKPT_DIR for the checkpoint, ~115 GiB).
 #   bash scripts/gpu_bench.sh tests flux load
 set -uo pipefail
@@ -64,6 +64,15 @@ for r in json.load(sys.stdin)['rows']: print('  tune $tc', r['way'], r['seconds'
     doctor-fa4) timeout 300 python3 -m lorakit doctor --retest --json --disk /tmp > "$OUT/doctor-fa4.json" 2>> "$OUT/stderr.txt"
                 echo "doctor --retest rc=$?" >> "$OUT/log.txt"
                 timeout 60 python3 -m lorakit doctor --disk /tmp > "$OUT/doctor-fa4.txt" 2>&1; echo "doctor rc=$?" >> "$OUT/log.txt" ;;
+    fa4-trace) step flux-trace-fa4 170 --family flux --res 1024 --profile datacenter --ways lorakit --steps 3 \
+                 --warmup 2 --attention fa4 --trace "$OUT"
+               gzip -f "$OUT"/*.json.json "$OUT"/lorakit-*.json 2>/dev/null
+               step flux-1024-fa4 150 --family flux --res 1024 --profile datacenter --ways lorakit --attention fa4 ;;
+    fa4-again) step flux-1024-fa4 240 --family flux --res 1024 --profile datacenter --attention fa4
+               step flux-1024-fa4-fp8 150 --family flux --res 1024 --profile datacenter --ways lorakit --attention fa4 \
+                 --set memory.compute=fp8 ;;
+    small-5090) step flux-5090 170 --family flux --res 1024 --profile rtx5090 --memory-cap 32 --ways lorakit
+                step qwen-5090 200 --family qwen-image --res 1024 --profile rtx5090 --memory-cap 32 --ways lorakit ;;
     fa4-more) step edit-1024-fa4 200 --family qwen-image-edit --res 1024 --profile datacenter --ways lorakit \
                 --attention fa4+efficient
               step flux-trace-fa4 150 --family flux --res 1024 --profile datacenter --ways lorakit --steps 3 \

@@ -15,6 +15,7 @@ from lorakit.errors import InputError
 from lorakit.train import checkpoint
 from lorakit.train import dist as dist_mod
 from lorakit.train import flow_matching as fm
+from lorakit.train.inputs import Ahead
 from lorakit.train.optim import lr_lambda, make_optimizer
 
 
@@ -56,11 +57,7 @@ class Trainer:
 
             self.best = Best(cfg.validation.patience, cfg.validation.min_delta)
         self.consumer_check = None  # the last saved LoRA, read back by diffusers' and ComfyUI's rules
-
-    def _gen(self, step: int, micro: int):
-        import torch
-
-        return torch.Generator().manual_seed((self.cfg.seed * 1_000_003 + step * 1009 + micro) % 2**63)
+        self.ahead = Ahead(self)  # the next micro-step's inputs, drawn while the GPU works (train/inputs.py)
 
     def loss_on(self, batch, sigmas, noise, reduce: str = "mean"):
         """Weighted flow-matching loss of one batch at given sigmas and noise (mean, or sum over items)."""
@@ -85,51 +82,65 @@ class Trainer:
         return (per * w).mean() if reduce == "mean" else (per * w).sum()
 
     def train_step(self) -> float:
-        """One optimizer step over the global batch (this rank's share of it); returns the global loss."""
+        """One optimizer step over the global batch (this rank's share of it); returns the global loss.
+
+        The host waits for the GPU once per step, for the loss. Before it waits it has already queued the
+        optimizer update (torch's fused AdamW: skipped on the device when the loss is not finite, exactly as
+        if it had not run) and drawn the next micro-step's inputs onto the device, so the GPU goes from this
+        backward pass to the next forward pass without waiting for the host. Other optimizers update after
+        the loss is known to be finite.
+        """
         import torch
 
         s, d = self.cfg.schedule, self.dist
         fsdp = d.world if self.sharded else 1  # FSDP averages gradients over ranks: each share is x world
-        mine = 0.0
+        mine = None  # this rank's loss, summed on the device over the micro-steps
         for micro in range(s.grad_accum):
-            g = self._gen(self.step, micro)
-            keys = self.data.batch_at(self.step * s.grad_accum + micro)  # the global micro-batch
-            n = len(keys)
-            drop = (torch.rand(n, generator=g) < self.cfg.data.caption_dropout).tolist()
-            idx, weight = d.share(range(n)), 1.0
-            if not idx:  # fewer items than ranks: run one with weight 0 (collectives stay in step)
-                idx, weight = [0], 0.0
-            variants = None
-            if self.cfg.data.caption_shuffle:  # one of the item's cached tag orderings
-                v = torch.randint(self.cfg.data.caption_variants, (n,), generator=g).tolist()
-                variants = [v[i] for i in idx]
-            batch = self.data.load([keys[i] for i in idx], [drop[i] for i in idx], variants)
-            seq = (batch.latents.shape[-1] // 2) * (batch.latents.shape[-2] // 2)
-            sigmas = fm.sample_sigmas(n, s.timesteps, g, shift=s.shift, logit_mean=s.logit_mean,
-                                      logit_std=s.logit_std, image_seq_len=seq, scheduler_config=self.sched_cfg,
-                                      scale=s.scale)
-            noise = torch.randn((n, *batch.latents.shape[1:]), generator=g)
+            inp = self.ahead.take(self.step, micro)
             # this rank's share of the global mean
-            loss = self.loss_on(batch, sigmas[idx], noise[idx], reduce="sum") * (weight * fsdp / (n * s.grad_accum))
+            loss = self.loss_on(inp.batch, inp.sigmas, inp.noise, reduce="sum") * (
+                inp.weight * fsdp / (inp.n * s.grad_accum))
             loss.backward()
-            mine += float(loss.detach()) / fsdp
+            mine = loss.detach() if mine is None else mine + loss.detach()
+            self.ahead.prepare(*self.ahead.next_key(self.step, micro))
         if self.swapper:
             self.swapper.settle()
-        total = d.total(mine)
+        early = self.update_before_check
+        if early:  # queued now; the device skips it if the loss is not finite
+            self.opt.found_inf = (~torch.isfinite(mine)).float()
+            self._update()
+            del self.opt.found_inf
+        total = d.total(float(mine) / fsdp)
         if not math.isfinite(total):
             raise InputError(f"the loss became {total} at step {self.step + 1}",
                              "lower optim.lr, or check memory.attention with `lorakit doctor`")
-        if not self.sharded:
-            d.sum_grads(self.params)
-        if self.cfg.optim.max_grad_norm:
-            torch.nn.utils.clip_grad_norm_(self.params, self.cfg.optim.max_grad_norm)
-        self.opt.step()
+        if not early:
+            self._update()
         self.sched.step()
         self.opt.zero_grad(set_to_none=True)
         self.step += 1
         if self.ema:
             self.ema.update(self.params, self.step)
         return total
+
+    def _update(self) -> None:
+        import torch
+
+        if not self.sharded:
+            self.dist.sum_grads(self.params)
+        if self.cfg.optim.max_grad_norm:
+            torch.nn.utils.clip_grad_norm_(self.params, self.cfg.optim.max_grad_norm)
+        self.opt.step()
+
+    @property
+    def update_before_check(self) -> bool:
+        """Can the optimizer step be queued before the loss is checked? Only where the device itself skips it
+        on a non-finite loss: torch's fused Adam/AdamW (its `found_inf` input, as AMP's grad scaler uses).
+        Several processes: each would skip on its own share's loss alone, so they check first."""
+        import torch
+
+        return (isinstance(self.opt, (torch.optim.Adam, torch.optim.AdamW)) and not self.dist.enabled
+                and all(g.get("fused") for g in self.opt.param_groups))
 
     def averaged(self):
         """A context with the EMA weights in place (samples, validation, LoRA files); nothing when EMA is off."""

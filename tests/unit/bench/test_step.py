@@ -83,3 +83,19 @@ def test_bench_step_on_two_processes_saves_resumes_and_continues(tmp_path):
         ck = x["checkpoint"]
         assert ck["losses_after_save"] == ck["losses_after_resume"]
     assert (tmp_path / "ck" / "checkpoints" / "step-000003" / "transformer" / "config.json").is_file()
+
+
+def test_gap_report_finds_where_the_gpu_waited():
+    from types import SimpleNamespace as NS
+
+    from lorakit.bench.step import gap_report
+
+    def k(s, e, name, dev="DeviceType.CUDA"):
+        return NS(time_range=NS(start=s, end=e), name=name, device_type=dev)
+    # two overlapping kernels, a 5 us gap, a kernel, a 2 ms gap (a sync), a last kernel; CPU ops are ignored
+    ev = [k(0, 100, "a"), k(50, 120, "b"), k(125, 200, "c"), k(2200, 2300, "d"), k(0, 5000, "cpu", "DeviceType.CPU")]
+    lines = gap_report(ev)
+    assert "idle 2.0 ms" in lines[0] and "in 2 gaps" in lines[0] and "1 of 1000-" in lines[0]
+    assert "after 'c' before 'd'" in lines[1] and "2.000 ms" in lines[1]
+    assert "after 'b' before 'c'" in lines[2]
+    assert gap_report([k(0, 1, "x", "DeviceType.CPU")]) == ["no kernels recorded"]

@@ -1,0 +1,101 @@
+"""A micro-step's inputs are a pure function of (seed, step, micro-step); drawing them ahead changes nothing,
+and the optimizer update queued before the loss is known is skipped on the device when the loss is not finite."""
+
+import math
+
+import pytest
+import torch
+
+from lorakit.cache.builder import build, cache_dir_for
+from lorakit.cache.store import Store
+from lorakit.errors import InputError
+from lorakit.io.modules import load_component
+from lorakit.models.base import load_adapter
+from lorakit.train.data import CachedData
+from lorakit.train.inputs import Ahead, draw
+from lorakit.train.loop import Trainer
+from tests.unit.train.test_loop import make_cfg
+
+
+@pytest.fixture
+def trainer(tmp_path, tiny):
+    def make(grad_accum=1, **over):
+        cfg = make_cfg(tmp_path, "flux", tiny("flux"), steps=6, sampling={"enabled": False},
+                       schedule={"steps": 6, "warmup_steps": 0, "grad_accum": grad_accum}, **over)
+        a = load_adapter("flux", tiny("flux"))
+        build(cfg, adapter=a)
+        st = Store(cache_dir_for(cfg))
+        data = CachedData(st, st.read_manifest(), 2, cfg.seed)
+        torch.manual_seed(0)
+        return Trainer(cfg, a, load_component(tiny("flux") / "transformer"), data, tmp_path / "o", "cpu",
+                       torch.float32)
+    return make
+
+
+def same(a, b):
+    assert a.key == b.key and a.weight == b.weight and a.n == b.n and a.batch.keys == b.batch.keys
+    assert torch.equal(a.sigmas, b.sigmas) and torch.equal(a.noise, b.noise)
+    assert torch.equal(a.batch.latents, b.batch.latents)
+    assert a.batch.text.keys() == b.batch.text.keys()
+    assert all(torch.equal(a.batch.text[k], b.batch.text[k]) for k in a.batch.text)
+
+
+def test_inputs_depend_only_on_the_step_and_micro_step(trainer):
+    tr = trainer(grad_accum=2, data={"caption_dropout": 0.5})
+    same(draw(tr, 3, 1), draw(tr, 3, 1))
+    assert not torch.equal(draw(tr, 3, 0).noise, draw(tr, 3, 1).noise)
+    ahead = Ahead(tr)
+    assert ahead.next_key(3, 0) == (3, 1) and ahead.next_key(3, 1) == (4, 0)
+    ahead.prepare(4, 0)
+    held = ahead.held
+    assert ahead.take(4, 0) is held and ahead.held is None  # used once
+    ahead.prepare(4, 0)
+    same(ahead.take(5, 0), draw(tr, 5, 0))  # a resume moved the step: drawn again for the step asked
+
+
+def test_a_failed_draw_ahead_raises_in_the_step_that_needs_it(trainer):
+    tr = trainer()
+    ahead = Ahead(tr)
+    real = tr.data.batch_at
+    tr.data.batch_at = lambda i: (_ for _ in ()).throw(OSError("cache file gone"))
+    ahead.prepare(1, 0)  # nothing raised here, nothing held
+    assert ahead.held is None
+    with pytest.raises(OSError, match="cache file gone"):
+        ahead.take(1, 0)
+    tr.data.batch_at = real
+    same(ahead.take(1, 0), draw(tr, 1, 0))
+
+
+def fused(tr):
+    tr.opt = torch.optim.AdamW(tr.params, lr=5e-3, fused=True)  # what a CUDA run gets (also runs on the CPU)
+    tr.sched = torch.optim.lr_scheduler.LambdaLR(tr.opt, lambda s: 1.0)
+    return tr
+
+
+def test_update_queued_before_the_loss_check_matches_the_update_after_it(trainer, monkeypatch):
+    a, b = fused(trainer(grad_accum=2)), fused(trainer(grad_accum=2))
+    assert a.update_before_check
+    torch.manual_seed(1)  # LoRA dropout draws from the global generator
+    la = [a.train_step() for _ in range(3)]
+    monkeypatch.setattr(Trainer, "update_before_check", property(lambda self: False))
+    torch.manual_seed(1)
+    lb = [b.train_step() for _ in range(3)]
+    assert la == lb
+    assert all(torch.equal(p, q) for p, q in zip(a.params, b.params, strict=True))
+    assert not hasattr(a.opt, "found_inf")  # not left behind for a later step() outside train_step
+
+
+def test_a_non_finite_loss_stops_the_step_before_any_weight_or_moment_changes(trainer):
+    tr = fused(trainer())
+    tr.train_step()
+    before = [p.detach().clone() for p in tr.params]
+    state = {k: v.clone() for k, v in tr.opt.state[tr.params[0]].items()}
+    real = tr.loss_on
+    tr.loss_on = lambda *a, **k: real(*a, **k) * float("nan")
+    with pytest.raises(InputError, match="the loss became nan at step 2"):
+        tr.train_step()
+    assert all(torch.equal(p, q) for p, q in zip(tr.params, before, strict=True))
+    assert all(torch.equal(tr.opt.state[tr.params[0]][k], v) for k, v in state.items())  # step count too
+    assert tr.step == 1 and not hasattr(tr.opt, "found_inf")
+    tr.loss_on = real
+    assert math.isfinite(tr.train_step()) and tr.step == 2
