@@ -466,8 +466,13 @@ def _child(spec: dict, timeout: float) -> dict:
         if line.startswith("{"):
             return json.loads(line)
     err = p.stderr.strip().splitlines() or [f"exited with code {p.returncode}"]
-    oom = next((ln for ln in err if "OutOfMemoryError" in ln or "out of memory" in ln), None)
-    return {"way": spec["way"], "error": "out of memory" if oom else err[-1][-300:]}
+    oom = next((ln for ln in reversed(err) if "OutOfMemoryError" in ln or "out of memory" in ln), None)
+    if oom is None:
+        return {"way": spec["way"], "error": err[-1][-300:]}
+    # torch's message says how much was asked for and what was in use; the last lorakit frame says where
+    where = next((ln.strip() for ln in reversed(err) if 'File "' in ln and "/lorakit/" in ln), None)
+    return {"way": spec["way"], "error": "out of memory", "detail": oom.strip()[-400:],
+            **({"where": where[-200:]} if where else {})}
 
 
 def bench(family: str, res: int, profile: str | None, steps: int = 10, warmup: int = 3, size: str = "full",

@@ -137,7 +137,8 @@ def _render_step(result: dict) -> None:
     for r in result["rows"]:
         n = str(r.get("gpus", 1))
         if "error" in r:
-            t.add_row(r["way"], n, "-", "-", "-", "-", "-", "-", "-", r["error"])
+            t.add_row(r["way"], n, "-", "-", "-", "-", "-", "-", "-",
+                      " ".join(x for x in (r["error"], r.get("detail"), r.get("where") and f"at {r['where']}") if x))
             continue
         ck = r.get("checkpoint")
         note = "" if not ck else (f"checkpoint: {ck['error']}" if "error" in ck else

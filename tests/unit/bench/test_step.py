@@ -99,3 +99,21 @@ def test_gap_report_finds_where_the_gpu_waited():
     assert "after 'c' before 'd'" in lines[1] and "2.000 ms" in lines[1]
     assert "after 'b' before 'c'" in lines[2]
     assert gap_report([k(0, 1, "x", "DeviceType.CPU")]) == ["no kernels recorded"]
+
+
+def test_a_child_out_of_memory_keeps_torchs_message_and_where(monkeypatch):
+    import subprocess
+
+    from lorakit.bench import step as st
+
+    err = ("Traceback (most recent call last):\n"
+           '  File "/x/lorakit/train/loop.py", line 112, in train_step\n    loss.backward()\n'
+           '  File "/x/torch/_tensor.py", line 9, in backward\n'
+           "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 1.50 GiB. GPU 0 has a total capacity "
+           "of 79.19 GiB of which 0 bytes is free. 31.2 GiB allowed; 30.9 GiB allocated by PyTorch\n")
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: subprocess.CompletedProcess(a, 1, "", err))
+    r = st._child({"way": "lorakit"}, 10)
+    assert r["error"] == "out of memory" and "Tried to allocate 1.50 GiB" in r["detail"]
+    assert r["where"].startswith('File "/x/lorakit/train/loop.py", line 112')
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: subprocess.CompletedProcess(a, 1, "", "ValueError: no\n"))
+    assert st._child({"way": "plain"}, 10) == {"way": "plain", "error": "ValueError: no"}
