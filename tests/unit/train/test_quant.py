@@ -132,3 +132,29 @@ def test_a_compiled_block_over_the_8bit_base_gives_eager_outputs_and_lora_gradie
     assert len(trained) == 4  # A and B of both layers; the 8-bit weights are frozen
     for n, a, b in trained:
         torch.testing.assert_close(b.grad, a.grad, rtol=1e-4, atol=1e-6, msg=n)
+
+
+def test_a_compiled_block_keeps_no_cast_copy_of_the_8bit_weights_for_backward():
+    """Compiled, the backward's cast of the 8-bit weight must not be shared with the forward's and saved: each
+    block that does not recompute would keep its weights in the compute dtype (2 bytes/parameter), past the
+    memory plan of the 24/32 GB profiles (Qwen-Image under 32 GiB ran out of memory)."""
+    g = torch.Generator().manual_seed(0)
+    block = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64))
+    for i in (0, 2):
+        block[i] = Float8Linear(block[i], torch.bfloat16)
+    block.requires_grad_(False)
+    compiled = torch.compile(block)
+    shapes = {tuple(m.weight.shape) for m in block if isinstance(m, Float8Linear)}
+    x = torch.randn(8, 64, generator=g, dtype=torch.bfloat16, requires_grad=True)
+    compiled(x).float().square().mean().backward()  # compile outside the hooks
+    kept = []
+
+    def pack(t):
+        kept.append((t.dtype, tuple(t.shape)))
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        y = compiled(x)
+    assert kept, "nothing saved: the check would pass vacuously"
+    cast = [k for k in kept if k[1] in shapes and k[0] != torch.float8_e4m3fn]
+    assert not cast, f"cast weights kept for backward: {cast}"
+    y.float().square().mean().backward()
