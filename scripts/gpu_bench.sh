@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # On a lent GPU machine (docs/benchmarks.md): install the carried wheels, then run the named stages;
-# every result goes to $OUT. Stages: tests, load, flux, flux-nocompile, flux-trace, fp8, fa4, fa4-trace, fa4-again, fa4-more, small-5090, edit-fa4, doctor-fa4, small-compile, ckpt-auto, qwen, edit, caps, qwen-4090,
+# every result goes to $OUT. Stages: tests, load, flux, flux-nocompile, flux-trace, fp8, fa4, fa4-trace, fa4-again, fa4-more, fp8-trace, small-again, small-5090, edit-fa4, doctor-fa4, small-compile, ckpt-auto, qwen, edit, caps, qwen-4090,
 # spark, spark-qwen, edit-caps, ddp (2 GPUs), fsdp (2 GPUs; CKPT_DIR for the checkpoint, ~115 GiB).
 #   bash scripts/gpu_bench.sh tests flux load
 set -uo pipefail
@@ -71,6 +71,12 @@ for r in json.load(sys.stdin)['rows']: print('  tune $tc', r['way'], r['seconds'
     fa4-again) step flux-1024-fa4 240 --family flux --res 1024 --profile datacenter --attention fa4
                step flux-1024-fa4-fp8 150 --family flux --res 1024 --profile datacenter --ways lorakit --attention fa4 \
                  --set memory.compute=fp8 ;;
+    fp8-trace) step flux-trace-fa4-fp8 170 --family flux --res 1024 --profile datacenter --ways lorakit --steps 3 \
+                 --warmup 2 --attention fa4 --set memory.compute=fp8 --trace "$OUT"
+               gzip -f "$OUT"/lorakit-*.json 2>/dev/null ;;
+    small-again) step qwen-5090 210 --family qwen-image --res 1024 --profile rtx5090 --memory-cap 32 --ways lorakit
+                 step flux-4090 220 --family flux --res 1024 --profile rtx4090 --memory-cap 24 --ways lorakit
+                 step flux-5090 160 --family flux --res 1024 --profile rtx5090 --memory-cap 32 --ways lorakit ;;
     small-5090) step flux-5090 170 --family flux --res 1024 --profile rtx5090 --memory-cap 32 --ways lorakit
                 step qwen-5090 200 --family qwen-image --res 1024 --profile rtx5090 --memory-cap 32 --ways lorakit ;;
     fa4-more) step edit-1024-fa4 200 --family qwen-image-edit --res 1024 --profile datacenter --ways lorakit \
