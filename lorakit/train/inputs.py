@@ -63,7 +63,7 @@ def to_device(inp: StepInputs, device: str) -> StepInputs:
         return inp
 
     def mv(t):
-        if t is None or not hasattr(t, "pin_memory") or t.device.type != "cpu":
+        if t is None or t.device.type != "cpu":
             return t
         return t.pin_memory().to(device, non_blocking=True)
 

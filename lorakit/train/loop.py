@@ -108,8 +108,10 @@ class Trainer:
         early = self.update_before_check
         if early:  # queued now; the device skips it if the loss is not finite
             self.opt.found_inf = (~torch.isfinite(mine)).float()
-            self._update()
-            del self.opt.found_inf
+            try:
+                self._update()
+            finally:  # never left for a later opt.step() outside this step
+                del self.opt.found_inf
         total = d.total(float(mine) / fsdp)
         if not math.isfinite(total):
             raise InputError(f"the loss became {total} at step {self.step + 1}",
