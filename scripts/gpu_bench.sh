@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # On a lent GPU machine (docs/benchmarks.md): install the carried wheels, then run the named stages;
-# every result goes to $OUT. Stages: tests, load, flux, flux-nocompile, flux-trace, fp8, fa4, fa4-trace, fa4-again, fa4-more, fp8-trace, small-again, small-5090, edit-fa4, doctor-fa4, small-compile, ckpt-auto, qwen, edit, caps, qwen-4090,
+# every result goes to $OUT. Stages: tests, load, flux, flux-nocompile, flux-trace, fp8, fa4, fa4-trace, fa4-again, fa4-more, fp8-trace, fp8-graphs, small-again, small-5090, edit-fa4, doctor-fa4, small-compile, ckpt-auto, qwen, edit, caps, qwen-4090,
 # spark, spark-qwen, edit-caps, ddp (2 GPUs), fsdp (2 GPUs; CKPT_DIR for the checkpoint, ~115 GiB).
 #   bash scripts/gpu_bench.sh tests flux load
 set -uo pipefail
@@ -74,6 +74,10 @@ for r in json.load(sys.stdin)['rows']: print('  tune $tc', r['way'], r['seconds'
     fp8-trace) step flux-trace-fa4-fp8 170 --family flux --res 1024 --profile datacenter --ways lorakit --steps 3 \
                  --warmup 2 --attention fa4 --set memory.compute=fp8 --trace "$OUT"
                gzip -f "$OUT"/lorakit-*.json 2>/dev/null ;;
+    fp8-graphs) F=(--family flux --res 1024 --profile datacenter --ways lorakit --attention fa4 --set memory.compute=fp8
+              --steps 15 --warmup 4)  # fp8 compute without CUDA graphs, then with memory.cuda_graphs, twice
+           step fp8-nographs 150 "${F[@]}"
+           for i in 1 2; do step fp8-graphs-$i 170 "${F[@]}" --set memory.cuda_graphs=true; done ;;
     small-again) step qwen-5090 210 --family qwen-image --res 1024 --profile rtx5090 --memory-cap 32 --ways lorakit
                  step flux-4090 220 --family flux --res 1024 --profile rtx4090 --memory-cap 24 --ways lorakit
                  step flux-5090 160 --family flux --res 1024 --profile rtx5090 --memory-cap 32 --ways lorakit ;;

@@ -72,6 +72,12 @@ case $1 in
           "${PARITY[@]}"
         e2e $((585 - SECONDS)) train --family flux --profile datacenter --steps 300 --warm-page-cache --tag fp8 \
           "${PARITY[@]}" --set memory.compute=fp8 ;;
+  fp8-parity-a) rm -rf $M/qwen*  # fp8-parity with memory.cuda_graphs in both runs, over two calls on one machine:
+        e2e 200 synth data cache --family flux --profile datacenter --no-stock "${PARITY[@]}"  # the folder, cache
+        e2e $((585 - SECONDS)) train --family flux --profile datacenter --steps 300 --warm-page-cache --tag bf16 \
+          "${PARITY[@]}" --set memory.cuda_graphs=true ;;                                    # and bf16, then
+  fp8-parity-b) e2e 585 train --family flux --profile datacenter --steps 300 --warm-page-cache --tag fp8 \
+          "${PARITY[@]}" --set memory.compute=fp8 --set memory.cuda_graphs=true ;;           # fp8 compute
   fp8-parity-2) e2e 560 train --family flux --profile datacenter --steps 300 --warm-page-cache --tag fp8 \
           "${PARITY[@]}" --set memory.compute=fp8 ;;
   qwen-4090-after) rm -rf $M/flux*  # right after qwen-pair on a warm machine: its weights linked, not rewritten

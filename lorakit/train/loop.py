@@ -36,7 +36,7 @@ class Trainer:
         p = prepare(cfg, adapter, transformer, device, dtype, self.dist)
         self.transformer, self.params, self.peft_config = p.transformer, p.params, p.peft_config
         self.quantized, self.swapper, self.sharded, self.compiled = p.quantized, p.swapper, p.sharded, p.compiled
-        self.compile_note = p.compile_note
+        self.compile_note, self.graphs = p.compile_note, p.graphs
         self.opt = make_optimizer(self.params, cfg, device, full=self.full)
         # 8-bit (bitsandbytes) moments are saved per rank as they are, not gathered by parameter name
         self.per_rank_state = self.full and (getattr(self.opt, "local_shards", False)

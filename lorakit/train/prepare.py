@@ -17,6 +17,7 @@ class Prepared:
     sharded: bool  # FSDP
     compiled: bool
     compile_note: str | None = None  # why memory.compile did not compile the blocks (compile_decision)
+    graphs: bool = False  # the compiled blocks replay as CUDA graphs (memory.cuda_graphs)
 
 
 def load_base(cfg, device: str, dtype):
@@ -72,22 +73,27 @@ def prepare(cfg, adapter, transformer, device: str, dtype, dist) -> Prepared:
         from lorakit.train.lora import add_lora
 
         peft_config = add_lora(transformer, adapter, cfg)
+    recomputed = 0
     if cfg.memory.gradient_checkpointing or swapper:  # swapping needs the recompute
         n = cfg.memory.checkpoint_blocks
-        checkpoint_blocks(transformer, None if swapper or isinstance(n, str) else n)  # auto unplanned (CPU): all
+        recomputed = checkpoint_blocks(transformer, None if swapper or isinstance(n, str) else n)  # auto unplanned
     if sharded:  # FSDP: each block's weights, grads and optimizer states split over the ranks
         fully_shard(transformer, device)
     compiled, compile_note = compile_decision(cfg, device, sharded, swapper,
                                               bool(getattr(transformer, "_repeated_blocks", None)))
+    graphs, graphs_note = graphs_decision(cfg, device, compiled, recomputed)
     if compiled:  # regional: each repeated block once (seconds, not minutes), shapes per bucket
         adapter.before_compile(transformer)
-        transformer.compile_repeated_blocks()
+        transformer.compile_repeated_blocks(**({"mode": "reduce-overhead"} if graphs else {}))
+        if graphs:
+            transformer.register_forward_pre_hook(_new_graph_generation)
     transformer.train()
     params = [p for p in transformer.parameters() if p.requires_grad]
     if not full:
         for p in params:  # LoRA weights train in fp32 whatever the base dtype, on the GPU (peft puts
             p.data = p.data.to(device, torch.float32)  # those of swapped layers beside their host weights)
-    return Prepared(transformer, params, peft_config, quantized, swapper, sharded, compiled, compile_note)
+    notes = "; ".join(x for x in (compile_note, graphs_note) if x) or None
+    return Prepared(transformer, params, peft_config, quantized, swapper, sharded, compiled, notes, graphs)
 
 
 def compile_decision(cfg, device: str, sharded: bool, swapper, has_blocks: bool) -> tuple[bool, str | None]:
@@ -99,6 +105,33 @@ def compile_decision(cfg, device: str, sharded: bool, swapper, has_blocks: bool)
            else "under FSDP (method: full on several GPUs)" if sharded
            else "this transformer has no repeated blocks to compile" if not has_blocks else None)
     return why is None, why and f"memory.compile: the blocks are not compiled {why}"
+
+
+def graphs_decision(cfg, device: str, compiled: bool, recomputed: int) -> tuple[bool, str | None]:
+    """Whether the compiled blocks replay as CUDA graphs (torch.compile's reduce-overhead mode: one launch per
+    block instead of one per kernel, which is what a host-bound step needs: fp8 compute's forward), and, where
+    memory.cuda_graphs asks for it and they cannot, why. Not while blocks recompute for gradient checkpointing
+    (the recompute runs a block's forward inside the backward pass)."""
+    if not cfg.memory.cuda_graphs:
+        return False, None
+    if not compiled:  # nothing to capture: compile_decision said why (the CPU never compiles: no news)
+        return False, (None if cfg.memory.compile or not device.startswith("cuda") else
+                       "memory.cuda_graphs replays the compiled blocks: it needs memory.compile: true")
+    if recomputed:
+        return False, (f"memory.cuda_graphs: the compiled blocks run without CUDA graphs while {recomputed} "
+                       f"of them recompute for gradient checkpointing")
+    return True, None
+
+
+def _new_graph_generation(_module, _args) -> None:
+    """Each pass through the transformer is one generation of its blocks' CUDA graphs: the blocks' outputs stay
+    valid for the rest of the pass (the next block reads them) and are reused by the next pass. Without this,
+    torch counts every compiled block's call as a new generation, and in a pass without autograd (sampling,
+    validation) a block's output was overwritten before the next block read it (measured: the run's first
+    sample grid failed). The transformer's own output comes from layers outside the blocks: never overwritten."""
+    import torch
+
+    torch.compiler.cudagraph_mark_step_begin()
 
 
 def fully_shard(transformer, device: str) -> None:

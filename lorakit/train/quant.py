@@ -9,7 +9,8 @@ each, ~0.55 byte/parameter), which peft's bitsandbytes LoRA layers wrap.
 
 `memory.compute: fp8` (sm_89+: Ada, Hopper, Blackwell) also multiplies in 8 bits: each block Linear's input is
 rounded to e4m3 with a scale per token and multiplied by the e4m3 weight in one `torch._scaled_mm` (float32
-accumulation, both scales applied to the output); the gradient for the input is the same product with the
+accumulation — Hopper's fast accumulation in the forward product, not in the backward's —, both scales
+applied to the output); the gradient for the input is the same product with the
 incoming gradient rounded to e5m2 per token and the weight kept a second time, transposed (2 bytes/parameter in
 all, as bf16) — or, over an 8-bit base, multiplied in bf16 by the dequantized weight (1 byte/parameter). The
 weights are frozen, so no weight gradient is computed; LoRA's own matmuls stay in bf16 with fp32 weights.
@@ -104,7 +105,8 @@ class _Fp8Matmul(torch.autograd.Function):
     def forward(ctx, x, w8, w_scale, w8_t):
         rows = x.reshape(-1, x.shape[-1])
         x8, x_scale = _per_row(rows, torch.float8_e4m3fn)
-        y = torch._scaled_mm(x8, w8.t(), scale_a=x_scale, scale_b=w_scale.float()[None, :], out_dtype=x.dtype)
+        y = torch._scaled_mm(x8, w8.t(), scale_a=x_scale, scale_b=w_scale.float()[None, :], out_dtype=x.dtype,
+                             use_fast_accum=True)  # the forward only, as torchao's float8 training does
         ctx.save_for_backward(w8, w_scale, w8_t)
         ctx.dtype = x.dtype
         return y.reshape(*x.shape[:-1], w8.shape[0])

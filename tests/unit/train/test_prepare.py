@@ -53,3 +53,23 @@ def test_a_compile_the_run_cannot_do_is_said_not_dropped():
     assert compile_decision(cfg, "cpu", False, object(), True) == (False, None)  # the CPU never compiles: no news
     cfg, _ = resolve(None, ["model.family=flux", "memory.compile=false"], profile="rtx4090")
     assert compile_decision(cfg, "cuda", False, object(), True) == (False, None)
+
+
+def test_cuda_graphs_need_compiled_blocks_that_do_not_recompute():
+    """memory.cuda_graphs replays compiled blocks; without them, or while blocks recompute for checkpointing, the
+    run says why it runs without graphs (the CPU compiles nothing and says nothing)."""
+    from lorakit.config import resolve
+    from lorakit.train.prepare import graphs_decision
+
+    cfg, _ = resolve(None, ["model.family=flux", "memory.cuda_graphs=true"], profile="datacenter")
+    assert graphs_decision(cfg, "cuda", True, 0) == (True, None)
+    off, why = graphs_decision(cfg, "cuda", True, 12)
+    assert not off and "12 of them recompute" in why
+    assert graphs_decision(cfg, "cpu", False, 0) == (False, None)
+    assert graphs_decision(cfg, "cuda", False, 0) == (False, None)  # compile asked for; compile_decision says why
+    cfg, _ = resolve(None, ["model.family=flux", "memory.cuda_graphs=true", "memory.compile=false"],
+                     profile="datacenter")
+    off, why = graphs_decision(cfg, "cuda", False, 0)
+    assert not off and "memory.compile: true" in why
+    cfg, _ = resolve(None, ["model.family=flux"], profile="datacenter")
+    assert graphs_decision(cfg, "cuda", True, 0) == (False, None)
