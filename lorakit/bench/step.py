@@ -239,6 +239,7 @@ def prepare(spec: dict):
         info["settings"] = {k: getattr(cfg.memory, k) for k in ("base_quant", "compute", "gradient_checkpointing",
                                                                    "checkpoint_blocks", "compile", "blocks_to_swap",
                                                                    "optimizer_8bit")}
+        info["settings"]["cuda_graphs"] = tr.graphs  # in force (memory.cuda_graphs asks; prepare decides)
         if cuda:
             from lorakit.train.memory import estimate
 
