@@ -76,7 +76,7 @@ def prepare(cfg, adapter, transformer, device: str, dtype, dist) -> Prepared:
     recomputed = 0
     if cfg.memory.gradient_checkpointing or swapper:  # swapping needs the recompute
         n = cfg.memory.checkpoint_blocks
-        recomputed = checkpoint_blocks(transformer, None if swapper or isinstance(n, str) else n)  # auto unplanned
+        recomputed = checkpoint_blocks(transformer, None if swapper or isinstance(n, str) else n)  # unplanned: all
     if sharded:  # FSDP: each block's weights, grads and optimizer states split over the ranks
         fully_shard(transformer, device)
     compiled, compile_note = compile_decision(cfg, device, sharded, swapper,
