@@ -111,7 +111,9 @@ def graphs_decision(cfg, device: str, compiled: bool, recomputed: int) -> tuple[
     """Whether the compiled blocks replay as CUDA graphs (torch.compile's reduce-overhead mode: one launch per
     block instead of one per kernel, which is what a host-bound step needs: fp8 compute's forward), and, where
     memory.cuda_graphs asks for it and they cannot, why. Not while blocks recompute for gradient checkpointing
-    (the recompute runs a block's forward inside the backward pass)."""
+    (the recompute runs a block's forward inside the backward pass), nor with gradient accumulation (each
+    micro-step's pass is a new generation of the graphs, and the gradients summed over micro-steps may be
+    outputs of the last one: not measured on a GPU)."""
     if not cfg.memory.cuda_graphs:
         return False, None
     if not compiled:  # nothing to capture: compile_decision said why (the CPU never compiles: no news)
@@ -120,6 +122,9 @@ def graphs_decision(cfg, device: str, compiled: bool, recomputed: int) -> tuple[
     if recomputed:
         return False, (f"memory.cuda_graphs: the compiled blocks run without CUDA graphs while {recomputed} "
                        f"of them recompute for gradient checkpointing")
+    if cfg.schedule.grad_accum > 1:  # one micro-step's LoRA gradients may sit in memory the next pass reuses
+        return False, ("memory.cuda_graphs: the compiled blocks run without CUDA graphs with "
+                       f"schedule.grad_accum={cfg.schedule.grad_accum} (measured only with 1)")
     return True, None
 
 

@@ -71,5 +71,9 @@ def test_cuda_graphs_need_compiled_blocks_that_do_not_recompute():
                      profile="datacenter")
     off, why = graphs_decision(cfg, "cuda", False, 0)
     assert not off and "memory.compile: true" in why
+    cfg, _ = resolve(None, ["model.family=flux", "memory.cuda_graphs=true", "schedule.grad_accum=4"],
+                     profile="datacenter")
+    off, why = graphs_decision(cfg, "cuda", True, 0)
+    assert not off and "schedule.grad_accum=4" in why
     cfg, _ = resolve(None, ["model.family=flux"], profile="datacenter")
     assert graphs_decision(cfg, "cuda", True, 0) == (False, None)
