@@ -295,8 +295,8 @@ class MemoryConfig(_Section):
     free_encoders_after_cache: bool = Field(True, description="free text encoders and VAE once cached")
     compile: bool = Field(False, description="torch.compile the repeated transformer blocks")
     cuda_graphs: bool = Field(False, description="with compile: replay each compiled block as a CUDA graph "
-                                                 "(less host time per block; skipped while blocks recompute "
-                                                 "for gradient checkpointing)")
+                                                 "(less host time per block; not while blocks recompute for "
+                                                 "gradient checkpointing, nor with schedule.grad_accum > 1)")
     compute: Literal["bf16", "fp8"] = Field(
         "bf16", description="matmuls of the frozen base's block Linears: bf16, or fp8 (opt-in; e4m3 inputs and "
                             "weights scaled per token / per row, GPUs of compute capability 8.9+; LoRA stays bf16)")

@@ -16,7 +16,7 @@ class Prepared:
     swapper: object | None  # train.swap.BlockSwapper when blocks are swapped
     sharded: bool  # FSDP
     compiled: bool
-    compile_note: str | None = None  # why memory.compile did not compile the blocks (compile_decision)
+    compile_note: str | None = None  # why the blocks are not compiled, or not replayed as CUDA graphs, as asked
     graphs: bool = False  # the compiled blocks replay as CUDA graphs (memory.cuda_graphs)
 
 
