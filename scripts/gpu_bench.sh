@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # On a lent GPU machine (docs/benchmarks.md): install the carried wheels, then run the named stages;
-# every result goes to $OUT. Stages: tests, load, flux, flux-nocompile, flux-trace, fp8, fa4, fa4-trace, fa4-again, fa4-more, fp8-trace, fp8-graphs, small-again, small-5090, edit-fa4, doctor-fa4, small-compile, ckpt-auto, qwen, edit, caps, qwen-4090,
+# every result goes to $OUT. Stages: tests, load, flux, flux-nocompile, flux-trace, fp8, fa4, fa4-trace, fa4-again, fa4-more, fp8-trace, fp8-graphs, fp8-gemm, fp8-ab (.bench/head: the package compared with), fp8-trace-graphs, small-again, small-5090, edit-fa4, doctor-fa4, small-compile, ckpt-auto, qwen, edit, caps, qwen-4090,
 # spark, spark-qwen, edit-caps, ddp (2 GPUs), fsdp (2 GPUs; CKPT_DIR for the checkpoint, ~115 GiB).
 #   bash scripts/gpu_bench.sh tests flux load
 set -uo pipefail
@@ -9,7 +9,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 # a --target install leaves .pth files unread: CuTe DSL's (flash-attn-4's) packages are put on the path by hand
 [ -d /tmp/site/nvidia_cutlass_dsl/dsl_packages ] && export PYTHONPATH=$PYTHONPATH:/tmp/site/nvidia_cutlass_dsl/dsl_packages
 export LORAKIT_CACHE=/tmp/lorakit-cache COLUMNS=160 PYTHONUNBUFFERED=1
-OUT=${OUT:-out}; mkdir -p "$OUT"
+OUT=${OUT:-out}; mkdir -p "$OUT"; OUT=$(cd "$OUT" && pwd)
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader >> "$OUT/log.txt"
 step() {  # step NAME TIMEOUT ARGS...: one bench step run, JSON kept, table-ish summary logged
   local name=$1 t=$2; shift 2
@@ -78,6 +78,17 @@ for r in json.load(sys.stdin)['rows']: print('  tune $tc', r['way'], r['seconds'
               --steps 15 --warmup 4)  # fp8 compute without CUDA graphs, then with memory.cuda_graphs, twice
            step fp8-nographs 150 "${F[@]}"
            for i in 1 2; do step fp8-graphs-$i 170 "${F[@]}" --set memory.cuda_graphs=true; done ;;
+    fp8-gemm) timeout 240 python3 scripts/fp8_gemm_probe.py > "$OUT/fp8_gemm.jsonl" 2>> "$OUT/stderr.txt"
+              echo "fp8_gemm_probe rc=$?" >> "$OUT/log.txt" ;;
+    fp8-ab) F=(--family flux --res 1024 --profile datacenter --ways lorakit --attention fa4 --set memory.compute=fp8
+              --set memory.cuda_graphs=true --steps 15 --warmup 4)  # this tree, then the package in .bench/head
+           step fp8-ab-tree 170 "${F[@]}"                             # (git archive of the commit compared with)
+           [ -d .bench/head/lorakit ] && (cd .bench/head  # python -m puts the working directory first on the path
+             python3 -c "import lorakit.train.quant as q; print('  compared with', q.__file__)" >> "$OUT/log.txt"
+             step fp8-ab-head 170 "${F[@]}") ;;
+    fp8-trace-graphs) step flux-trace-fp8-graphs 170 --family flux --res 1024 --profile datacenter --ways lorakit \
+                 --steps 3 --warmup 4 --attention fa4 --set memory.compute=fp8 --set memory.cuda_graphs=true --trace "$OUT"
+               gzip -f "$OUT"/lorakit-*.json 2>/dev/null ;;
     small-again) step qwen-5090 210 --family qwen-image --res 1024 --profile rtx5090 --memory-cap 32 --ways lorakit
                  step flux-4090 220 --family flux --res 1024 --profile rtx4090 --memory-cap 24 --ways lorakit
                  step flux-5090 160 --family flux --res 1024 --profile rtx5090 --memory-cap 32 --ways lorakit ;;
