@@ -66,9 +66,9 @@ def test_fp8_compute_is_the_product_of_the_rounded_operands_and_its_input_gradie
     assert q.weight.grad is None and not q.weight.requires_grad
 
 
-def test_fp8_compute_accumulates_fast_in_the_forward_product_only(monkeypatch):
-    """Hopper's fast accumulation is asked for in the forward product (measured: FLUX 0.289 -> 0.282 s/step with
-    held-out loss parity, docs/benchmarks.md); the input gradient's product accumulates in full precision."""
+def test_fp8_compute_accumulates_fast_in_both_products(monkeypatch):
+    """Hopper's fast accumulation is asked for in the forward product and in the input gradient's (measured
+    with held-out loss parity, docs/benchmarks.md "Performance V")."""
     seen = []
     real = torch._scaled_mm
 
@@ -80,7 +80,7 @@ def test_fp8_compute_accumulates_fast_in_the_forward_product_only(monkeypatch):
     q = Float8Linear(torch.nn.Linear(32, 16), torch.float32, compute="fp8", transposed=True)
     x = torch.randn(4, 32, requires_grad=True)
     q(x).sum().backward()
-    assert seen == [True, False]
+    assert seen == [True, True]
 
 
 def test_fp8_compute_trains_a_lora_whose_file_loads_in_stock_diffusers(tmp_path, tiny, monkeypatch):
@@ -175,3 +175,38 @@ def test_a_compiled_block_keeps_no_cast_copy_of_the_8bit_weights_for_backward():
     cast = [k for k in kept if k[1] in shapes and k[0] != torch.float8_e4m3fn]
     assert not cast, f"cast weights kept for backward: {cast}"
     y.float().square().mean().backward()
+
+
+@pytest.mark.gpu
+def test_fp8_products_on_the_gpu_keep_their_error_with_fast_accumulation():
+    """On fp8 hardware at a FLUX shape (4608 tokens, 3072 -> 12288): the forward product and the input gradient
+    are as close to float32 as their 8-bit rounding allows (scripts/fp8_gemm_probe.py measured 2.5% / 5.2% on the
+    H100), and fast accumulation adds little of its own against the same product accumulated in full precision."""
+    from lorakit.train.quant import _per_row, fp8_compute_problem
+
+    if not torch.cuda.is_available() or fp8_compute_problem("cuda"):
+        pytest.skip("needs a GPU with fp8 matrix units")
+    g = torch.Generator("cuda").manual_seed(0)
+    lin = torch.nn.Linear(3072, 12288, bias=False, device="cuda")
+    q = Float8Linear(lin, torch.bfloat16, compute="fp8", transposed=True)
+    w = q.dequantized().float()
+    x = (torch.randn(4608, 3072, device="cuda", generator=g)
+         * torch.exp(torch.randn(4608, 1, device="cuda", generator=g))).bfloat16().requires_grad_(True)
+    gy = (torch.randn(4608, 12288, device="cuda", generator=g)
+          * torch.exp(torch.randn(4608, 1, device="cuda", generator=g))).bfloat16()
+    y = q(x)
+    y.backward(gy)
+
+    def rel(a, b):
+        return float((a.float() - b.float()).norm() / b.float().norm())
+
+    assert rel(y, x.detach().float() @ w.T) < 0.04
+    assert rel(x.grad, gy.float() @ w) < 0.08
+    gs = gy.float() * q.scale
+    g8, g_scale = _per_row(gs, torch.float8_e5m2)
+    ones = torch.ones(1, 3072, device="cuda")
+    full = torch._scaled_mm(g8, q.weight_t.t(), scale_a=g_scale, scale_b=ones, out_dtype=torch.bfloat16)
+    assert rel(x.grad, full) < 0.01
+    x8, x_scale = _per_row(x.detach(), torch.float8_e4m3fn)
+    full = torch._scaled_mm(x8, q.weight.t(), scale_a=x_scale, scale_b=q.scale[None, :], out_dtype=torch.bfloat16)
+    assert rel(y, full) < 0.01
