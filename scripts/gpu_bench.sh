@@ -3,6 +3,8 @@
 # every result goes to $OUT. Stages: tests, load, flux, flux-nocompile, flux-trace, fp8, fa4, fa4-trace, fa4-again, fa4-more, fp8-trace, fp8-graphs, fp8-gemm, fp8-ab (.bench/head: the package compared with), fp8-trace-graphs, small-again, small-5090, edit-fa4, doctor-fa4, small-compile, ckpt-auto, qwen, edit, caps, qwen-4090,
 # spark, spark-qwen, edit-caps, ddp (2 GPUs), fsdp (2 GPUs; CKPT_DIR for the checkpoint, ~115 GiB).
 #   bash scripts/gpu_bench.sh tests flux load
+# fp8-ab compares this tree with a commit's package, made here and carried (run's carry: [".bench"]):
+#   mkdir -p .bench/head && git archive COMMIT lorakit | tar -x -C .bench/head && ln -sfn ../../profiles .bench/head/profiles
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   && export PYTHONPATH=/tmp/site:$PWD || exit 1
