@@ -108,7 +108,30 @@ def test_fp8_compute_is_refused_where_it_cannot_run(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda _d=None: "NVIDIA GeForce RTX 3090")
     assert "RTX 3090 is 8.6" in quant.fp8_compute_problem("cuda:0")
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda _d=None: (9, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda _d=None: "NVIDIA H100 80GB HBM3")
+    monkeypatch.setattr(quant, "_products_of_ones", lambda _d: [32.0, 16.0])
     assert quant.fp8_compute_problem("cuda:0") is None
+
+
+def test_fp8_compute_is_refused_where_this_pytorch_cannot_run_its_products(monkeypatch):
+    """A GPU with fp8 units whose PyTorch build has no per-row-scaled product (cuBLAS NOT_SUPPORTED on sm_120 in
+    PyTorch 2.10) is refused before the model loads, with the error's first line; wrong values are refused too."""
+    from lorakit.train import quant
+
+    assert quant._products_of_ones(torch.device("cpu")) == [32.0, 16.0]  # the real products, as _Fp8Matmul calls them
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda _d=None: (12, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda _d=None: "NVIDIA GeForce RTX 5090")
+
+    def unsupported(_d):
+        raise RuntimeError("CUDA error: CUBLAS_STATUS_NOT_SUPPORTED when calling `cublasLtMatmulAlgoGetHeuristic(...)`\n"
+                           "more lines")
+
+    monkeypatch.setattr(quant, "_products_of_ones", unsupported)
+    why = quant.fp8_compute_problem("cuda:0")
+    assert "RTX 5090 (compute capability 12.0)" in why and "CUBLAS_STATUS_NOT_SUPPORTED" in why
+    assert "more lines" not in why and torch.__version__ in why
+    monkeypatch.setattr(quant, "_products_of_ones", lambda _d: [32.0, 0.0])
+    assert "wrong values" in quant.fp8_compute_problem("cuda:0")
 
 
 def test_fp8_compute_is_refused_with_a_full_fine_tune_or_a_4_bit_base(tmp_path, tiny):
