@@ -26,6 +26,8 @@ import time
 
 import torch
 
+from lorakit.train.quant import _per_row as per_row  # the per-token rounding _Fp8Matmul does
+
 
 def say(**kw) -> None:
     print(json.dumps(kw), flush=True)
@@ -73,11 +75,6 @@ def sample(rows: int, cols: int, gen: torch.Generator) -> torch.Tensor:
     big = torch.rand(cols, device=DEV, generator=gen) < 0.01
     t[:, big] *= 20
     return t.bfloat16()
-
-
-def per_row(t: torch.Tensor, dtype: torch.dtype):
-    scale = t.abs().amax(dim=1, keepdim=True).float().clamp(min=1e-12) / torch.finfo(dtype).max
-    return (t.float() / scale).to(dtype), scale
 
 
 def timed(fn, repeat: int) -> float:

@@ -156,17 +156,14 @@ def fp8_compute_problem(device: str) -> str | None:
 
 
 def _products_of_ones(device) -> list[float]:
-    """The forward and the input-gradient products of `_Fp8Matmul` on all-ones operands (x 16x32, W 16x32,
-    gradient 16x16), as it calls them: the entries they give (32 and 16 when right)."""
-    x8 = torch.ones(16, 32, device=device).to(torch.float8_e4m3fn)
+    """`_Fp8Matmul`'s forward and input-gradient products on all-ones operands (x 16x32, W 16x32, gradient
+    16x16): the entries they give (32 and 16 when right)."""
     w8 = torch.ones(16, 32, device=device).to(torch.float8_e4m3fn)
-    g8 = torch.ones(16, 16, device=device).to(torch.float8_e5m2)
-    per_row, per_col = torch.ones(16, 1, device=device), torch.ones(1, 16, device=device)
-    y = torch._scaled_mm(x8, w8.t(), scale_a=per_row, scale_b=per_col, out_dtype=torch.bfloat16, use_fast_accum=True)
-    w8_t = w8.t().contiguous()  # as Float8Linear keeps it
-    gx = torch._scaled_mm(g8, w8_t.t(), scale_a=per_row, scale_b=torch.ones(1, 32, device=device),
-                          out_dtype=torch.bfloat16, use_fast_accum=True)
-    return [float(y.float().mean()), float(gx.float().mean())]
+    x = torch.ones(16, 32, device=device, dtype=torch.bfloat16, requires_grad=True)
+    with torch.enable_grad():
+        y = _Fp8Matmul.apply(x, w8, torch.ones(16, device=device), w8.t().contiguous())
+        y.backward(torch.ones_like(y))
+    return [float(y.detach().float().mean()), float(x.grad.float().mean())]
 
 
 def block_linears(transformer) -> list[str]:
