@@ -113,11 +113,12 @@ def _write(path: Path, what) -> None:
 
 def run_demo(out_dir: Path, family: str | None = None, seed: int = 0, progress=None) -> DemoResult:
     """Run the demo into `out_dir` and return what it made."""
-    from lorakit.config import dump_yaml, resolve
+    from lorakit.config import dump_yaml
     from lorakit.hardware import doctor as doc
     from lorakit.hardware.probe import probe
     from lorakit.hardware.profiles import choose
     from lorakit.models.tiny import tiny_pipeline
+    from lorakit.plan.resolve import resolve
     from lorakit.quiet import quiet_libraries
 
     quiet_libraries()
@@ -167,25 +168,24 @@ def run_demo(out_dir: Path, family: str | None = None, seed: int = 0, progress=N
     def config():
         cfg_path = out_dir / "config.yaml"
         _write(cfg_path, yaml.safe_dump(demo_config(family, model_dir, data_dir, out_dir), sort_keys=False))
-        cfg, prov = resolve(cfg_path, [], "auto")
-        _write(out_dir / "config.resolved.yaml", dump_yaml(cfg))
+        r = resolve(cfg_path, [], "auto")
+        _write(out_dir / "config.resolved.yaml", dump_yaml(r.cfg))
         res.files["config"] = str(cfg_path)
         res.files["resolved_config"] = str(out_dir / "config.resolved.yaml")
-        return f"resolved with profile {prov['profile']}"
+        return f"resolved with profile {r.profile['profile']}"
 
     def cache():
         from lorakit.cache.builder import build
 
-        cfg, _ = resolve(out_dir / "config.yaml", [], "auto")
-        s = build(cfg)
+        r = resolve(out_dir / "config.yaml", [], "auto", train=False)
+        s = build(r.cfg, r.device)
         res.files["cache"] = s.cache_dir
         return f"{s.items} items ({s.encoded} encoded, {s.reused} reused), {s.bytes / 2**10:.0f} KiB"
 
     def train():
         from lorakit.train.loop import run
 
-        cfg, prov = resolve(out_dir / "config.yaml", [], "auto")
-        r = run(cfg, prov)
+        r = run(resolve(out_dir / "config.yaml", [], "auto"))
         res.files.update(lora=r["lora"], loss_curve=r["loss_curve"], metrics=r["metrics"])
         if r.get("samples"):
             res.files["training_samples"] = r["samples"]

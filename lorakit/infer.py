@@ -6,13 +6,16 @@ be made again alone. PNGs carry prompt, seed, steps, guidance, model and LoRA ha
 
 from __future__ import annotations
 
-import hashlib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from lorakit.config import torch_dtype
+from lorakit.data.images import open_image
+from lorakit.dtypes import torch_dtype
 from lorakit.errors import InputError
+from lorakit.hardware.gpu import apply_cap
+from lorakit.io.digest import file_hash
+from lorakit.models.registry import family_of_folder
 
 
 @dataclass
@@ -43,38 +46,6 @@ def parse_lora(spec: str) -> tuple[Path, float]:
     if not p.exists():
         raise InputError(f"--lora: no such file: {p}")
     return p, s
-
-
-def file_hash(path: Path) -> str:
-    h = hashlib.sha256()
-    files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
-    for f in files:
-        with open(f, "rb") as fh:
-            for chunk in iter(lambda: fh.read(2**22), b""):
-                h.update(chunk)
-    return h.hexdigest()[:16]
-
-
-def family_of_folder(model_dir: Path) -> str:
-    """The family of a diffusers model folder, from its model_index.json (nothing heavy is read)."""
-    from lorakit.models.registry import families_help, family_of_pipeline
-
-    model_dir = Path(model_dir)
-    if model_dir.is_file():
-        raise InputError(f"{model_dir} is a single file; infer takes a diffusers model folder",
-                         "point at the folder downloaded from the hub (model_index.json inside)")
-    index_file = model_dir / "model_index.json"
-    if not index_file.is_file():
-        raise InputError(f"{model_dir} is not a diffusers model folder (no model_index.json)")
-    try:
-        cls_name = json.loads(index_file.read_text(encoding="utf-8")).get("_class_name")
-    except (OSError, UnicodeDecodeError, ValueError, AttributeError) as e:
-        raise InputError(f"{index_file}: not a readable model index ({type(e).__name__})") from None
-    family = family_of_pipeline(cls_name)
-    if family is None:
-        raise InputError(f"{model_dir} holds a {cls_name}, which is not a lorakit family",
-                         "supported pipelines: " + families_help())
-    return family
 
 
 def assemble(model_dir: Path, device: str, dtype, backend: str = "auto"):
@@ -175,14 +146,11 @@ def generate(model_dir: Path, req: Request, loras: list[tuple[Path, float]], out
     from lorakit.io import atomic_path
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    from lorakit.train.memory import apply_cap
-
     apply_cap(device)  # LORAKIT_MEMORY_CAP_GIB: a smaller card, emulated
     dtype_name = dtype_name or ("bf16" if device.startswith("cuda") else "fp32")
     dtype = torch_dtype(dtype_name)
     if not req.prompts:
         raise InputError("no prompt", "give --prompt TEXT (repeatable) or --prompts FILE")
-    from lorakit.data.dataset import open_image
     from lorakit.models.base import family_adapter
 
     controls = []

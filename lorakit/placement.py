@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from lorakit.errors import InputError
+from lorakit.hardware.gpu import env_cap_gib
 
 MODES = ("auto", "none", "model", "fp8", "group")
 # everything resident: the activations of one 1024² generation plus the VAE decode (FLUX ~3, Qwen-Image ~4 GiB
@@ -117,8 +118,6 @@ def choose(sizes: dict[str, float], budget_gib: float, mode: str = "auto",
 
 def budget_gib(device: str) -> float:
     """The memory this process may use on `device`: LORAKIT_MEMORY_CAP_GIB, else the card's total."""
-    from lorakit.train.memory import env_cap_gib
-
     cap = env_cap_gib()
     if cap:
         return float(cap)

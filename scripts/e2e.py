@@ -122,7 +122,7 @@ class Run:
     def doctor(self) -> dict:
         """A first doctor as on a fresh machine (its cached measurements removed), then cached, then --quick.
         The cache is the one later commands read (train takes its attention choice from it)."""
-        from lorakit.hardware.attention import cache_root
+        from lorakit.paths import cache_root
 
         for sub in ("attention", "libs"):
             shutil.rmtree(cache_root() / sub, ignore_errors=True)

@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from lorakit.bench.poll import Peak
-from lorakit.config import torch_dtype
+from lorakit.dtypes import torch_dtype
 from lorakit.errors import InputError
 
 WAYS = ("safetensors", "safetensors+to", "fastsafetensors", "lorakit", "lorakit-copy")

@@ -23,7 +23,7 @@ import subprocess
 import sys
 import time
 
-from lorakit.config import torch_dtype
+from lorakit.dtypes import torch_dtype
 from lorakit.errors import InputError
 
 REFERENCE_TARGETS = ["to_q", "to_k", "to_v", "to_out.0"]  # the diffusers training examples' default
@@ -111,7 +111,7 @@ class SyntheticData:
         return self.batch.keys * self.copies
 
     def load(self, keys, drop=None, variants=None):
-        from lorakit.train.data import drop_full_mask
+        from lorakit.models.batch import drop_full_mask
 
         return drop_full_mask(self.batch)
 
@@ -154,30 +154,28 @@ def plain_loss(adapter, model, batch, sigmas, noise, device, dtype):
 
 
 def lorakit_config(spec: dict, device: str):
-    """The run's config (profile + the bench's settings + --set), fitted to the GPU as `train` fits it."""
-    from lorakit.config import resolve
+    """The run's config (profile + the bench's settings + --set), resolved as `train` resolves it: the memory plan
+    fitted to the GPU (refused before anything is built when it cannot fit), compile, graphs, the attention
+    backend the bench asks for."""
+    from lorakit.plan.resolve import resolve
 
     sets = [f"model.family={spec['family']}", f"data.resolution={spec['res']}", f"lora.rank={spec['rank']}",
             f"lora.targets={json.dumps(reference_targets(spec['family']))}", "lora.dropout=0", f"seed={spec['seed']}",
             f"schedule.steps={spec['warmup'] + spec['steps']}", "schedule.warmup_steps=0",
-            f"model.dtype={spec['dtype']}", *spec["sets"]]
-    cfg, _ = resolve(None, sets, profile=spec["profile"])
-    if device.startswith("cuda"):
-        from lorakit.train.memory import fit_to_gpu
-
-        world = spec.get("gpus", 1)
-        cfg, _, _ = fit_to_gpu(cfg, spec.get("memory_cap"), world)  # refuses before anything is built
-    return cfg
+            f"model.dtype={spec['dtype']}", *([f"memory.attention={spec['attention']}"] if spec.get("attention")
+                                              else []), *spec["sets"]]
+    return resolve(None, sets, profile=spec["profile"], paths=(), world=spec.get("gpus", 1),
+                   cap_gib=spec.get("memory_cap")).cfg
 
 
 def lorakit_trainer(spec: dict, model, adapter, data, device: str, dtype, cfg=None, dist=None):
     import torch
 
-    from lorakit.train.loop import Trainer
+    from lorakit.train.trainer import Trainer
 
     cfg = cfg or lorakit_config(spec, device)
     if device.startswith("cuda"):
-        from lorakit.hardware.attention import apply
+        from lorakit.hardware.sdpa import apply
 
         apply(spec["attention"] or None)
     torch.manual_seed(spec["seed"])
@@ -191,7 +189,7 @@ def prepare(spec: dict):
     """Build one way in this process. Returns (step function returning the loss, facts)."""
     import torch
 
-    from lorakit.train import dist as dist_mod
+    from lorakit import dist as dist_mod
 
     d = dist_mod.init(spec["device"])  # several processes when launched with --gpus N
     device = spec["device"] = d.device(spec["device"])
@@ -213,7 +211,7 @@ def prepare(spec: dict):
     batch = synthetic_batch(spec["family"], spec["size"], spec["res"], seed=spec["seed"])
     if spec["way"] == "plain":
         if cuda and spec["plain_attention"]:
-            from lorakit.hardware.attention import apply
+            from lorakit.hardware.sdpa import apply
 
             apply(spec["plain_attention"])
         params, opt = plain_setup(spec, model, device)
@@ -241,7 +239,7 @@ def prepare(spec: dict):
                                                                    "optimizer_8bit")}
         info["settings"]["cuda_graphs"] = tr.graphs  # in force (memory.cuda_graphs asks; prepare decides)
         if cuda:
-            from lorakit.train.memory import estimate
+            from lorakit.plan.memory import estimate
 
             info["estimate_gib"] = estimate(cfg, spec.get("gpus", 1))["gib"]  # beside the measured peak
         info["optimizer"] = cfg.optim.name
@@ -413,7 +411,7 @@ def compare_numerics(family: str, size: str = "tiny", res: int = 128, device: st
                 dtype=dtype_name, profile="datacenter" if cuda else "cpu", sets=list(sets or []),
                 attention="flash+efficient" if cuda else None, plain_checkpointing=False)
     if cuda:  # both ways on kernels that work here (PyTorch's default pick, cuDNN, fails in backward on H100)
-        from lorakit.hardware.attention import apply
+        from lorakit.hardware.sdpa import apply
 
         apply("flash+efficient")
     adapter = _adapter(family)
@@ -487,7 +485,7 @@ def bench(family: str, res: int, profile: str | None, steps: int = 10, warmup: i
     throughput against lorakit on one GPU. checkpoint_dir: the lorakit rows also save, resume and continue."""
     import torch
 
-    from lorakit.hardware.attention import family_masked
+    from lorakit.hardware.attention_cases import family_masked
     from lorakit.models.base import family_adapter
 
     adapter = family_adapter(family)  # an unknown name is refused here, with the closest one

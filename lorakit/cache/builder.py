@@ -2,18 +2,26 @@
 
 from __future__ import annotations
 
-import os
+import hashlib
+import json
+import random
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from lorakit.cache.store import Store, item_key
-from lorakit.config import device_and_dtype
-from lorakit.data.buckets import POLICY, fit, to_pixels
-from lorakit.data.dataset import open_image
+from lorakit.data.buckets import POLICY, fit
+from lorakit.data.images import open_alpha, open_image
+from lorakit.data.plan import plan_data
 from lorakit.data.video import ClipError, read_window
+from lorakit.dist import Dist
+from lorakit.dtypes import torch_dtype
 from lorakit.errors import InputError
+from lorakit.hardware.gpu import apply_cap, device_for
+from lorakit.io import atomic_path, clean_orphans
+from lorakit.models.base import load_adapter
+from lorakit.models.pixels import to_pixels
 
 # One item per encoder call, never batched: batched convolutions and padded attention round differently with
 # other items in the batch, and a content-addressed entry must not depend on its neighbours.
@@ -47,31 +55,24 @@ def cache_dir_for(cfg) -> Path:
 _pixels = to_pixels  # the tests' name for it
 
 
-def build(cfg, force: bool = False, verify: bool = False, strict: bool = False, progress=None,
-          adapter=None, dist=None) -> Summary:
-    """Encode every valid item not already in the store.
+def build(cfg, device: str | None = None, force: bool = False, verify: bool = False, strict: bool = False,
+          progress=None, adapter=None, dist=None) -> Summary:
+    """Encode every valid item not already in the store (the config's paths were checked when it was resolved).
 
     Args:
+        device: where the encoders run (default: the profile's device on this machine).
         progress: callable(done, total, note) for a progress bar.
-        adapter: an already-loaded family adapter (tests, demo); loaded from cfg.model.path otherwise.
-        dist: the ranks of a distributed run (`lorakit.train.dist.Dist`): each encodes its share of the items,
+        adapter: an already-loaded family adapter (tests, demo, a training run); loaded from cfg.model.path
+            otherwise.
+        dist: the ranks of a distributed run (`lorakit.dist.Dist`): each encodes its share of the items,
             rank 0 writes the manifest once all are done.
     """
-    from lorakit.train.dist import Dist
-
     dist = dist or Dist()
     t0 = time.perf_counter()
-    from lorakit.config import check_paths
-
-    check_paths(cfg, model=adapter is None, data=True)  # every path problem at once
     family = cfg.model.family
-    from lorakit.data.plan import plan_data
-
     store = Store(cache_dir_for(cfg))
     summary = Summary(cache_dir=str(store.root))
     if dist.main:  # temporary files a killed build left behind (finished entries are whole: atomic renames)
-        from lorakit.io import clean_orphans
-
         summary.cleaned = len(clean_orphans(store.root, recursive=True))
     data = plan_data(cfg)
     layout = data.layout
@@ -83,10 +84,10 @@ def build(cfg, force: bool = False, verify: bool = False, strict: bool = False, 
         raise InputError("no valid items to cache", "run `lorakit cache CONFIG --check` to see why")
 
     if adapter is None:
-        from lorakit.models.base import load_adapter
-
-        device, dtype = device_and_dtype(cfg)
-        adapter = load_adapter(family, cfg.model.path, device=device, dtype=dtype, backend=cfg.memory.loader)
+        device = device or device_for(cfg.profile)
+        apply_cap(device)  # LORAKIT_MEMORY_CAP_GIB: a smaller card, emulated
+        adapter = load_adapter(family, cfg.model.path, device=device, dtype=torch_dtype(cfg.model.dtype),
+                               backend=cfg.memory.loader)
     identity = adapter.identity()
     settings = {"family": family, "dtype": cfg.model.dtype, "policy": POLICY,
                 "max_sequence_length": getattr(adapter, "max_sequence_length", None)}
@@ -108,7 +109,6 @@ def build(cfg, force: bool = False, verify: bool = False, strict: bool = False, 
     summary.items = len(planned)
     summary.reused = len(planned) - len(todo)
     todo = dist.share(todo)
-    delay = float(os.environ.get("LORAKIT_CACHE_ITEM_DELAY", "0") or 0)  # testing aid: makes a build interruptible
 
     by_group: dict = {}  # entries of one batch group (bucket, control sizes) encode one after another
     for p in todo:
@@ -130,8 +130,6 @@ def build(cfg, force: bool = False, verify: bool = False, strict: bool = False, 
             summary.encoded += _encode_one(adapter, store, put, entry, read, layout, cfg)
             if progress:
                 progress(n + 1, len(todo), "x".join(str(x) for x in entry[1]))
-            if delay:
-                time.sleep(delay)
     if summary.encoded:
         summary.items_per_s = round(summary.encoded / max(time.perf_counter() - t_enc, 1e-9), 3)
     dist.barrier()  # every rank's items are in the store
@@ -227,8 +225,6 @@ def _encode_one(adapter, store: Store, put, entry, read, layout: str, cfg) -> in
 def caption_variants(caption: str, n: int, keep: int, key: str) -> list[str]:
     """The caption and n - 1 orderings of its comma-separated tags, the first `keep` in place (seeded by the
     item's key, so a rebuild encodes the same ones)."""
-    import random
-
     tags = [t.strip() for t in caption.split(",") if t.strip()]
     rng = random.Random(key)
     out = [caption]
@@ -246,8 +242,6 @@ def latent_mask(path, bucket, latent_shape, alpha: bool = False):
     import numpy as np
     import torch
 
-    from lorakit.data.dataset import open_alpha
-
     m = fit(open_alpha(path) if alpha else open_image(path).convert("L"), bucket)
     t = torch.from_numpy(np.asarray(m, dtype=np.float32) / 255.0)[None, None]
     h, w = latent_shape[-2:]
@@ -256,10 +250,6 @@ def latent_mask(path, bucket, latent_shape, alpha: bool = False):
 
 
 def _record_failure(store: Store, key: str, problem: dict) -> None:
-    import json
-
-    from lorakit.io import atomic_path
-
     folder = store.root / "failed"
     folder.mkdir(parents=True, exist_ok=True)
     with atomic_path(folder / f"{key}.json") as tmp:
@@ -267,8 +257,6 @@ def _record_failure(store: Store, key: str, problem: dict) -> None:
 
 
 def _collect_failures(store: Store) -> dict:
-    import json
-
     folder = store.root / "failed"
     out = {}
     if folder.is_dir():
@@ -282,8 +270,6 @@ def _collect_failures(store: Store) -> dict:
 
 def _empty_caption(adapter, store: Store, identity: str, settings: dict, layout: str) -> str:
     """The empty caption's embedding, for caption dropout (edit families store theirs per item)."""
-    import hashlib
-
     key = "empty-" + hashlib.sha256((identity + repr(sorted(settings.items()))).encode()).hexdigest()[:24]
     if layout != "edit" and not store.has(key):
         store.put(key, adapter.encode_prompts([""])[0], {"caption": ""})

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import functools
 import hashlib
 import json
 from dataclasses import dataclass
@@ -21,23 +20,9 @@ from pathlib import Path
 
 from lorakit.errors import FileFormatError
 from lorakit.io import atomic_path, load, read_header, save
+from lorakit.io.digest import file_digest
 
 MANIFEST_VERSION = 1
-
-
-def _file_digest(path: Path) -> bytes:
-    """sha256 of a file's bytes, read once per (path, size, mtime): the windows of one clip share it."""
-    st = path.stat()
-    return _digest(str(path), st.st_size, st.st_mtime_ns)
-
-
-@functools.lru_cache(maxsize=4096)
-def _digest(path: str, size: int, mtime_ns: int) -> bytes:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            h.update(chunk)
-    return h.digest()
 
 
 def item_key(sources: list[Path], caption: str, identity: str, settings: dict, bucket) -> str:
@@ -46,9 +31,9 @@ def item_key(sources: list[Path], caption: str, identity: str, settings: dict, b
         if p.is_dir():  # a frame folder: every frame, in order
             for f in sorted(x for x in p.iterdir() if x.is_file()):
                 h.update(f.name.encode())
-                h.update(_file_digest(f))
+                h.update(file_digest(f))
         else:
-            h.update(_file_digest(p))
+            h.update(file_digest(p))
         h.update(b"\0")
     h.update(caption.encode())
     h.update(identity.encode())

@@ -26,9 +26,11 @@ def cache(
     as_json: bool = JsonOpt,
 ) -> None:
     use_json(as_json)
-    cfg, _ = resolve_config(config, sets, profile)  # config errors are reported now, before anything else
+    # config and path errors are reported now, before anything else (--check reads the datasets only)
+    resolved = resolve_config(config, sets, profile, paths=("data",) if check else ("model", "data"), train=False)
+    cfg = resolved.cfg
     if not check:
-        _build(cfg, force, verify, strict, as_json)
+        _build(cfg, resolved.device, force, verify, strict, as_json)
         return
     from lorakit.data.check import check as check_data
 
@@ -39,13 +41,13 @@ def cache(
                          "fix the files listed above, or drop --strict to skip those items")
 
 
-def _build(cfg, force: bool, verify: bool, strict: bool, as_json: bool) -> None:
+def _build(cfg, device: str, force: bool, verify: bool, strict: bool, as_json: bool) -> None:
     from lorakit.cache.builder import build
     from lorakit.quiet import quiet_libraries
 
     quiet_libraries()
     if as_json:
-        summary = build(cfg, force=force, verify=verify, strict=strict)
+        summary = build(cfg, device, force=force, verify=verify, strict=strict)
     else:
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
@@ -57,7 +59,7 @@ def _build(cfg, force: bool, verify: bool, strict: bool, as_json: bool) -> None:
             def progress(done, total, note):
                 bar.update(task, completed=done, total=total, note=note)
 
-            summary = build(cfg, force=force, verify=verify, strict=strict, progress=progress)
+            summary = build(cfg, device, force=force, verify=verify, strict=strict, progress=progress)
     emit(as_json, summary.to_dict(), lambda: _render_summary(summary))
 
 

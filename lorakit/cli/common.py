@@ -50,20 +50,31 @@ def _json_default(o: Any) -> Any:
     return str(o)
 
 
-def resolve_config(config: Path | None, sets: list[str] | None, profile: str | None):
-    """Config file + --set + --profile -> (Config, provenance). Imports stay light (no torch)."""
-    from lorakit.config import resolve
+def resolve_config(config: Path | None, sets: list[str] | None, profile: str | None, **kw):
+    """Config file + --set + --profile -> the run's resolved config (`lorakit.plan.resolve.Resolved`); `kw`:
+    resolve's options (paths, train, world)."""
+    from lorakit.plan.resolve import resolve
 
-    return resolve(config, sets or [], profile)
+    return resolve(config, sets or [], profile, **kw)
 
 
-def print_resolved(cfg, prov: dict) -> None:
-    """Human view of a resolved config (what --dry-run shows)."""
+def print_resolved(r) -> None:
+    """Human view of a resolved config (what --dry-run shows): the profile, the config the run will use, the
+    memory estimate and what the plan decided."""
     from rich.syntax import Syntax
 
     from lorakit.config import dump_yaml
 
-    console.print(f"[bold]profile:[/] {prov['profile']} — {prov['reason']}")
-    for w in prov.get("warnings", []):
+    console.print(f"[bold]profile:[/] {r.profile['profile']} — {r.profile['reason']}")
+    for w in r.profile.get("warnings", []):
         console.print(f"[yellow]warning:[/] {w}")
-    console.print(Syntax(dump_yaml(cfg), "yaml", theme="ansi_dark", background_color="default", word_wrap=True))
+    console.print(Syntax(dump_yaml(r.cfg), "yaml", theme="ansi_dark", background_color="default", word_wrap=True))
+    console.print(f"[bold]runs on:[/] {r.device}" + (f" x {r.world} processes" if r.world > 1 else ""))
+    if r.estimate:
+        parts = ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in r.estimate["parts"].items())
+        console.print(f"[bold]memory estimate:[/] {r.estimate['gib']} GiB ({parts}; {r.estimate['tokens']} tokens, "
+                      f"from {r.estimate['source']})", soft_wrap=True)
+    if r.memory_note:
+        console.print(f"[bold]memory plan:[/] {r.memory_note}", soft_wrap=True)
+    for n in r.notes:
+        console.print(f"[yellow]note:[/] {n}", soft_wrap=True)

@@ -36,8 +36,8 @@ def lora(src: Path = typer.Argument(..., show_default=False, help="LoRA file (.s
         raise InputError(f"{dst} would overwrite its input", "name another output")
     if not src.exists():
         raise InputError(f"no such file or folder: {src}")
-    from lorakit.config import torch_dtype
     from lorakit.convert import lora as L
+    from lorakit.dtypes import torch_dtype
     from lorakit.models.registry import arch_of
 
     arch = arch_of(family) if family else None

@@ -34,8 +34,8 @@ def doctor(
     out = _Lines(not as_json)
     out.first("lorakit doctor: probing this machine...")  # before torch is imported: the first line is instant
     from lorakit.hardware import doctor as doc
-    from lorakit.hardware.attention import AttentionReport
-    from lorakit.hardware.attention import choose as choose_attention
+    from lorakit.hardware.attention_cases import AttentionReport
+    from lorakit.hardware.attention_choice import choose as choose_attention
     from lorakit.hardware.probe import Facts, probe
     from lorakit.hardware.profiles import choose
 
@@ -154,7 +154,7 @@ class _AttentionProgress:
         self.seen: dict[str, list] = {}
 
     def __call__(self, r) -> None:
-        from lorakit.hardware.attention import all_cases, all_model_cases
+        from lorakit.hardware.attention_cases import all_cases, all_model_cases
 
         if r.case in all_model_cases():
             state = f"ok ({r.ms:.1f} ms)" if r.ok else f"fails: {r.error}"

@@ -38,14 +38,14 @@ def train(
     as_json: bool = JsonOpt,
 ) -> None:
     use_json(as_json)
-    cfg, prov = resolve_config(config, sets, profile)
-    from lorakit.config import check_paths
-
-    check_paths(cfg, model=True, data=True)  # in --dry-run too: every path problem at once
+    launching = gpus > 1 and int(os.environ.get("WORLD_SIZE", "1") or 1) == 1
+    # the config and every path are checked before anything else; the launched processes resolve their own run
+    resolved = resolve_config(config, sets, profile, world=gpus if launching else None,
+                              train=dry_run or not launching)
     if dry_run:
-        emit(as_json, {"profile": prov, "config": cfg.to_dict()}, lambda: print_resolved(cfg, prov))
+        emit(as_json, resolved.to_dict(), lambda: print_resolved(resolved))
         return
-    if gpus > 1 and int(os.environ.get("WORLD_SIZE", "1") or 1) == 1:
+    if launching:
         raise typer.Exit(_launch(gpus, config, sets, profile, resume, as_json))
     rank = int(os.environ.get("RANK", "0") or 0)
     from lorakit.quiet import quiet_libraries
@@ -58,8 +58,9 @@ def train(
 
             console.print(f"[yellow]warning:[/] {escape(msg)}", soft_wrap=True)
 
+    cfg = resolved.cfg
     if as_json or rank:
-        result = run(cfg, prov, resume=resume, warn=warn)
+        result = run(resolved, resume=resume, warn=warn)
         if rank:
             from lorakit.errors import EXIT_INTERRUPTED_RESUMABLE
 
@@ -88,7 +89,7 @@ def train(
                     info += f"  {rec['gpu_gib']:.1f} GiB"
                 bar.update(task, completed=step, info=info)
 
-            result = run(cfg, prov, resume=resume, progress=progress, warn=warn)
+            result = run(resolved, resume=resume, progress=progress, warn=warn)
     emit(as_json, result, lambda: _render(result))
     if result["interrupted"]:  # a scheduler must not see success: the run can be resumed
         from lorakit.errors import EXIT_INTERRUPTED_RESUMABLE
@@ -100,7 +101,7 @@ def _launch(gpus: int, config: Path, sets, profile, resume, as_json: bool) -> in
     """Run this command again in `gpus` processes (torch's elastic launcher) and wait for them."""
     import subprocess
 
-    from lorakit.train.dist import launch_command
+    from lorakit.dist import launch_command
 
     args = [str(config)]
     for s in sets or []:

@@ -6,7 +6,8 @@ comfy/utils.py; read at a125cd84 and its newer Kandinsky5/DiffSynth key-map bran
 - `key_map`        <- comfy.lora.model_lora_keys_unet (+ comfy.utils.flux_to_diffusers for FLUX's offsets)
 - `load`           <- comfy.lora.load_lora and the adapters' `load` (LoRAAdapter, LoHaAdapter, LoKrAdapter)
 - `calculate`      <- comfy.lora.calculate_weight and the adapters' `calculate_weight`, at strength 1
-- `weight_decompose` <- comfy.weight_adapter.base.weight_decompose (DoRA)
+- `weight_decompose` <- comfy.weight_adapter.base.weight_decompose (DoRA; in `convert/patches.py`, which DoRA
+  patches share)
 
 ComfyUI patches a float32 copy of each weight (model_patcher.patch_weight_to_device), so the arithmetic here is
 float64 on float32-exact inputs. Used by the tests (dense weights of tiny models) and by lorakit's check after
@@ -16,6 +17,7 @@ every save (probe vectors, any size).
 from __future__ import annotations
 
 from lorakit.convert.native import flat, native_table, row_sizes, swap_halves
+from lorakit.convert.patches import weight_decompose
 
 # comfy/weight_adapter/lora.py LoRAAdapter.load: (up, down) key suffixes, in the order it tries them
 LORA_PAIRS = ((".lora_up.weight", ".lora_down.weight"), ("_lora.up.weight", "_lora.down.weight"),
@@ -134,20 +136,6 @@ def load(sd: dict, kmap: dict) -> tuple[dict, set]:
             patches[target[: -len(".weight")] + ".bias"] = ("diff", sd[f"{x}.diff_b"])
             loaded.add(f"{x}.diff_b")
     return patches, loaded
-
-
-def weight_decompose(dora_scale, weight, lora_diff):
-    """ComfyUI's DoRA (float64, strength 1): with an output-axis scale the norm is the *unpatched* weight's
-    (weight.reshape(out, -1).norm), with an input-axis scale the patched weight's column norm; eps of float32."""
-    import torch
-
-    calc = weight + lora_diff
-    if dora_scale.shape[0] == calc.shape[0]:
-        norm = weight.reshape(weight.shape[0], -1).norm(dim=1, keepdim=True)
-    else:
-        norm = calc.transpose(0, 1).reshape(calc.shape[1], -1).norm(dim=1, keepdim=True).transpose(0, 1)
-    norm = norm + torch.finfo(torch.float32).eps
-    return calc * (dora_scale.reshape(norm.shape[0], -1) if dora_scale.dim() == 1 else dora_scale) / norm
 
 
 def _diff(p) -> tuple:

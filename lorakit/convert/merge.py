@@ -13,9 +13,9 @@ from lorakit.errors import InputError
 
 def merge(model_dir, lora_path, dst, scale: float = 1.0) -> dict:
     from lorakit.convert import lora as L
-    from lorakit.infer import family_of_folder, file_hash
     from lorakit.io import load, resolve_files, save_sharded
-    from lorakit.models.registry import family_info
+    from lorakit.io.digest import file_hash
+    from lorakit.models.registry import family_info, family_of_folder
 
     model_dir, dst = Path(model_dir), Path(dst)
     if dst.exists():

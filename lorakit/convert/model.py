@@ -38,7 +38,7 @@ def _cast(sd: dict, dtype: str) -> dict:
     if dtype == "keep":
         return sd
     if dtype in ("fp32", "bf16", "fp16"):
-        from lorakit.config import torch_dtype
+        from lorakit.dtypes import torch_dtype
 
         dt = torch_dtype(dtype)
         return {k: v.to(dt) if v.is_floating_point() else v for k, v in sd.items()}

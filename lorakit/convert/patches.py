@@ -19,6 +19,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from lorakit.errors import InputError
+
 
 def _f64(t):
     return t.detach().to("cpu").double()
@@ -102,17 +104,28 @@ def dora_weight(W, lora_delta, p: LowRank):
     """The weight a DoRA patch gives (float64), in the convention its magnitude is stored in."""
 
     if W is None:
-        from lorakit.errors import InputError
-
         raise InputError("a DoRA LoRA's effect depends on the base weights, which were not given",
                          "pass the model (e.g. convert lora --model DIR)")
     W = _f64(W)
     calc = W + lora_delta
     if p.magnitude is not None:  # peft: norm of each output row of W + s B A
         return calc * (_f64(p.magnitude).reshape(-1, 1) / calc.norm(dim=1, keepdim=True))
-    from lorakit.convert.comfy import weight_decompose
-
     return weight_decompose(_f64(p.dora_scale), W, lora_delta)
+
+
+def weight_decompose(dora_scale, weight, lora_diff):
+    """ComfyUI's DoRA (float64, strength 1): with an output-axis scale the norm is the *unpatched* weight's
+    (weight.reshape(out, -1).norm), with an input-axis scale the patched weight's column norm; eps of float32."""
+    import torch
+
+    calc = weight + lora_diff
+    if dora_scale.shape[0] == calc.shape[0]:
+        norm = weight.reshape(weight.shape[0], -1).norm(dim=1, keepdim=True)
+    else:
+        norm = calc.transpose(0, 1).reshape(calc.shape[1], -1).norm(dim=1, keepdim=True).transpose(0, 1)
+    norm = norm + torch.finfo(torch.float32).eps
+    return calc * (dora_scale.reshape(norm.shape[0], -1) if dora_scale.dim() == 1 else dora_scale) / norm
+
 
 
 @dataclass

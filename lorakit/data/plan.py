@@ -13,8 +13,10 @@ from pathlib import Path
 
 from lorakit.data.buckets import make_buckets, nearest_bucket
 from lorakit.data.dataset import Item, scan
-from lorakit.data.video import Window
+from lorakit.data.video import Sampling, Window
 from lorakit.data.video import plan as plan_windows
+from lorakit.models.base import family_adapter
+from lorakit.models.registry import family_info
 
 
 @dataclass
@@ -58,17 +60,25 @@ class DataPlan:
         return dict(sorted(hist.items(), key=lambda kv: [int(x) for x in kv[0].split("x")]))
 
 
+def control_dirs_for(cfg, root: Path) -> list[str]:
+    """The control folders of a dataset. A family that takes several control images (Edit-Plus), left at the
+    default setting, uses every control folder present (control/, control_2/, ...) up to its maximum."""
+    dirs = list(cfg.data.control_dirs)
+    most = family_adapter(cfg.model.family).max_controls
+    if most > 1 and dirs == ["control"] and root.is_dir():
+        found = sorted((p.name for p in root.iterdir() if p.is_dir() and p.name.startswith("control")),
+                       key=lambda n: (len(n), n))
+        return found[:most] or dirs
+    return dirs
+
+
 def plan_data(cfg) -> DataPlan:
     """Scan every dataset of a config and cut its items into entries (no model needed)."""
-    from lorakit.data.check import control_dirs_for
-    from lorakit.models.base import family_adapter
-    from lorakit.models.registry import family_info
-
     facts = family_adapter(cfg.model.family)
     layout = facts.layout
     buckets = make_buckets(cfg.data.resolution, family_info(cfg.model.family).patch, cfg.data.bucket_min_side,
                            cfg.data.bucket_max_side)
-    sampling = cfg.data.sampling()
+    sampling = Sampling(cfg.data.frame_counts, cfg.data.fps, cfg.data.start, cfg.data.windows)
     out = DataPlan(layout)
     for ds_index, ds in enumerate(cfg.data.all_datasets()):
         root = Path(ds.dir)

@@ -18,6 +18,7 @@ import bisect
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from lorakit.data.images import IMAGE_EXTS, open_image
 from lorakit.errors import InputError
 
 ANIMATED_EXTS = (".gif", ".webp")  # decoded with Pillow
@@ -101,8 +102,6 @@ def probe(path, folder_fps: float | None = None) -> ClipInfo:
 
 
 def _probe_folder(path: Path, fps: float | None) -> ClipInfo:
-    from lorakit.data.dataset import IMAGE_EXTS, open_image
-
     files = frame_files(path)
     if not files:
         raise ClipError(f"{path}: the frame folder holds no images", f"frames are {', '.join(IMAGE_EXTS)} files")
@@ -111,8 +110,6 @@ def _probe_folder(path: Path, fps: float | None) -> ClipInfo:
 
 
 def frame_files(path: Path) -> list[Path]:
-    from lorakit.data.dataset import IMAGE_EXTS
-
     return sorted(p for p in path.iterdir() if p.is_file() and not p.name.startswith(".")
                   and p.suffix.lower() in IMAGE_EXTS)
 
@@ -265,8 +262,6 @@ def read_window(path, window: Window):
     kind = clip_kind(path)
     wanted = sorted(set(window.indices))
     if kind == "folder":
-        from lorakit.data.dataset import open_image
-
         files = frame_files(path)
         got = {i: open_image(files[i]) for i in wanted}
     elif kind == "animated":

@@ -13,14 +13,16 @@ from __future__ import annotations
 
 import time
 
+from lorakit.hardware.attention_cases import CaseResult, error_line
+from lorakit.hardware.sdpa import apply, restore
+from lorakit.io.modules import keep_fp32
+from lorakit.models.base import arch_adapter
+
 
 def _build(case: str, device: str, dtype):
     """(adapter, transformer, inputs) of an architecture's model case, "model <arch>"."""
     import diffusers
     import torch
-
-    from lorakit.io.modules import keep_fp32
-    from lorakit.models.base import arch_adapter
 
     adapter = arch_adapter(case.removeprefix("model "))
     config = adapter.attention_model_config()
@@ -51,8 +53,6 @@ def run_model_case(case: str, backend: str | None, device: str = "cuda", repeats
     """
     import torch
 
-    from lorakit.hardware.attention import CaseResult, _error_line, apply, restore
-
     name = backend or "default"
     prev = apply(None)  # the switches as they are, for `restore`
     try:
@@ -75,6 +75,6 @@ def run_model_case(case: str, backend: str | None, device: str = "cuda", repeats
         times.sort()
         return CaseResult(name, case, True, ms=round(times[len(times) // 2], 3))
     except Exception as e:  # noqa: BLE001 - a failing kernel is a result
-        return CaseResult(name, case, False, error=_error_line(e))
+        return CaseResult(name, case, False, error=error_line(e))
     finally:
         restore(prev)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from lorakit.hardware import fa4
+from lorakit.hardware.attention_cases import family_cases, known_bad
 from lorakit.hardware.probe import Facts, code_support
 
 OK, WARN, FAIL, INFO = "ok", "warn", "fail", "info"
@@ -140,8 +142,6 @@ def quant_checks(facts: Facts, add, libs: dict) -> None:
 
 
 def attention_checks(report, add) -> None:
-    from lorakit.hardware.attention import known_bad
-
     by_backend: dict[str, list] = {}
     for r in report.results:
         by_backend.setdefault(r.backend, []).append(r)
@@ -157,8 +157,6 @@ def attention_checks(report, add) -> None:
         if excluded:
             add(Check(f"sdpa {backend} rule", WARN, f"excluded on this stack: {excluded}",
                       "lorakit does not train those families with it here; a newer cuDNN may lift this"))
-    from lorakit.hardware.attention import family_cases
-
     measured = {r.case for r in report.results}
     unmeasured = [f for f in report.choice if not set(family_cases(f)) & measured]
     none = [f for f, b in report.choice.items() if b is None and f not in unmeasured]
@@ -173,8 +171,6 @@ def attention_checks(report, add) -> None:
 
 def fa4_hint(fp: dict, add) -> None:
     """On Hopper / datacenter Blackwell, say whether FlashAttention 4 was measured, and what it takes if not."""
-    from lorakit.hardware import fa4
-
     if "fa4" not in fp or str(fp.get("capability") or "").split(".")[0] not in ("9", "10"):
         return  # not a GPU it runs on, or a report from before lorakit knew it
     if fa4.candidate(fp):

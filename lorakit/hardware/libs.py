@@ -12,6 +12,9 @@ import subprocess
 import sys
 from dataclasses import asdict, dataclass
 
+from lorakit.hardware.children import close
+from lorakit.paths import cache_root
+
 
 @dataclass
 class LibResult:
@@ -58,10 +61,8 @@ def spawn(name: str) -> subprocess.Popen:
 
 
 def _stop(children: dict) -> None:
-    from lorakit.hardware.attention import _close
-
     for p in children.values():
-        _close(p)
+        close(p)
 
 
 def run_checks(names, device: str, facts=None, use_cache: bool = True, progress=None,
@@ -113,8 +114,6 @@ def _run_checks(names, device, facts, use_cache, progress, children) -> dict:
 
 def _cache_file(device: str, facts, names):
     import hashlib
-
-    from lorakit.hardware.attention import cache_root
 
     key = {"device": device, "names": sorted(names), "python": facts.python, "torch": facts.torch,
            "driver": facts.driver, "gpus": [g.name for g in facts.gpus], "arch": facts.arch,

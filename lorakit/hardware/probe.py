@@ -16,6 +16,8 @@ import subprocess
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from lorakit.paths import cache_root
+
 # GPUs whose memory is shared with (or coherent with) the CPU. `is_integrated` catches
 # integrated parts; these names cover the coherent Grace superchips that report as discrete.
 _UNIFIED_NAME_HINTS = ("GB10", "GH200", "GB200", "GB300", "Thor")
@@ -209,8 +211,6 @@ def facts_cached() -> bool:
 def _facts_file(key: dict) -> Path:
     import hashlib
     import json
-
-    from lorakit.hardware.attention import cache_root
 
     return cache_root() / "machine" / (hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]
                                        + ".json")

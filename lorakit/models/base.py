@@ -24,6 +24,7 @@ from pathlib import Path
 
 from lorakit.errors import InputError
 from lorakit.models.facts import AttentionCase, LoraPresets, NativeName, Published
+from lorakit.models.pixels import to_pixels
 from lorakit.models.registry import family_info
 
 
@@ -56,6 +57,7 @@ class Adapter(abc.ABC):
     # and, with "_" for ".", under "lora_unet_"
     comfy_diffusers_prefixes: tuple[str, ...] | None = None
     vae_part = "vae"
+    vae_factor = 8  # pixels per latent row/column (every family here: an 8x VAE)
 
     def __init__(self, family: str, model_dir, device: str = "cpu", dtype=None, backend: str = "auto"):
         self.info = family_info(family)
@@ -99,10 +101,26 @@ class Adapter(abc.ABC):
     def missing_facts(cls) -> list[str]:
         """The facts and methods this family has not declared (empty when complete)."""
         missing = [f for f in cls.FACTS if getattr(cls, f, None) is None]
-        for m in ("encode_prompts", "encode_images", "decode_latents", "predict", "example_inputs", "build_tiny"):
+        for m in ("encode_prompts", "encode_images", "decode_latents", "predict", "example_inputs", "build_tiny",
+                  "transformer_size"):
             if getattr(cls, m) is getattr(Adapter, m):
                 missing.append(m)
         return missing
+
+    def latent_hw(self, width: int, height: int) -> tuple[int, int]:
+        """(rows, columns) of an image's latent at this pixel size."""
+        return height // self.vae_factor, width // self.vae_factor
+
+    def image_seq_len(self, latent_shape) -> int:
+        """Transformer tokens of one latent frame of this shape (the flow-matching scheduler's resolution shift
+        counts them): (rows / p) x (columns / p) for the transformer's patch of p latents a side."""
+        p = self.info.patch // self.vae_factor
+        return (latent_shape[-2] // p) * (latent_shape[-1] // p)
+
+    @abc.abstractmethod
+    def transformer_size(self, config: dict) -> tuple[int, int]:
+        """(width of the repeated blocks, number of repeated blocks) of a transformer config (config.json's keys,
+        as the family's transformer class names them): the memory estimate's facts."""
 
     def preset_modules(self, preset: str) -> tuple[str, ...]:
         """Module-name suffixes of a `lora.targets` preset (attention | attention_mlp)."""
@@ -136,8 +154,6 @@ class Adapter(abc.ABC):
         """Control images as given (PIL) -> one latent (C, h, w) each, resized by `control_size` as the stock
         pipeline resizes them (Lanczos, no crop) and encoded one at a time."""
         from PIL import Image
-
-        from lorakit.data.buckets import to_pixels
 
         out = []
         for im in images:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from lorakit.models.base import Adapter
+from lorakit.models.batch import Batch
 from lorakit.models.facts import AttentionCase, LoraPresets, NativeName, Published
 
 _D = "transformer_blocks.{i}."
@@ -127,14 +128,16 @@ class FluxAdapter(Adapter):
     def example_inputs(self, config: dict, resolution: int, text_len: int, generator, frames: int = 1):
         import torch
 
-        from lorakit.train.data import Batch
-
         c, side = config["in_channels"] // 4, resolution // 8
         latents = torch.randn(1, c, side, side, generator=generator)
         text = {"prompt_embeds": torch.randn(1, text_len, config["joint_attention_dim"], generator=generator),
                 "pooled": torch.randn(1, config["pooled_projection_dim"], generator=generator)}
         controls = [torch.randn(1, c, side, side, generator=generator) for _ in range(self.max_controls)]
         return Batch(["synthetic"], latents, text, controls)
+
+    def transformer_size(self, config: dict) -> tuple[int, int]:
+        return (config["num_attention_heads"] * config["attention_head_dim"],
+                config["num_layers"] + config["num_single_layers"])
 
     def attention_model_config(self) -> dict:
         return {**self.full_config, "num_layers": 1, "num_single_layers": 1}

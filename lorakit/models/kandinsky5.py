@@ -4,6 +4,7 @@ latents = VAE mean x scaling_factor (the pipelines decode latents / scaling_fact
 from __future__ import annotations
 
 from lorakit.models.base import Adapter
+from lorakit.models.batch import Batch
 from lorakit.models.facts import AttentionCase, LoraPresets, NativeName, Published
 
 _ATTN = ("to_query", "to_key", "to_value", "out_layer")
@@ -148,14 +149,15 @@ class Kandinsky5Adapter(Adapter):
     def example_inputs(self, config: dict, resolution: int, text_len: int, generator, frames: int = 1):
         import torch
 
-        from lorakit.train.data import Batch
-
         c, side = config["in_visual_dim"], resolution // 8
         t = (frames - 1) // self.temporal + 1
         shape = (1, c, t, side, side) if self.layout == "video" else (1, c, side, side)
         text = {"prompt_embeds": torch.randn(1, text_len, config["in_text_dim"], generator=generator),
                 "pooled": torch.randn(1, config["in_text_dim2"], generator=generator)}
         return Batch(["synthetic"], torch.randn(shape, generator=generator), text, [])
+
+    def transformer_size(self, config: dict) -> tuple[int, int]:
+        return config["model_dim"], config["num_visual_blocks"]
 
     def attention_model_config(self) -> dict:
         return {**self.full_config, "num_visual_blocks": 1, "num_text_blocks": 1}

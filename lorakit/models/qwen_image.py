@@ -5,6 +5,7 @@ per channel with the VAE's latents_mean / latents_std; true classifier-free guid
 from __future__ import annotations
 
 from lorakit.models.base import Adapter
+from lorakit.models.batch import Batch
 from lorakit.models.facts import AttentionCase, LoraPresets, NativeName, Published
 
 CONDITION_AREA = 384 * 384  # Edit-Plus: prompt images are resized to this area, as the pipeline does
@@ -148,8 +149,6 @@ class QwenImageAdapter(Adapter):
     def example_inputs(self, config: dict, resolution: int, text_len: int, generator, frames: int = 1):
         import torch
 
-        from lorakit.train.data import Batch
-
         c, side = config.get("out_channels") or config["in_channels"] // 4, resolution // 8
         latents = torch.randn(1, c, side, side, generator=generator)
         text = {"prompt_embeds": torch.randn(1, text_len, config["joint_attention_dim"], generator=generator),
@@ -157,6 +156,9 @@ class QwenImageAdapter(Adapter):
         n_ctrl = min(self.max_controls, 1)  # bench: one control of the target's size (Edit-Plus: add more by hand)
         controls = [torch.randn(1, c, side, side, generator=generator) for _ in range(n_ctrl)]
         return Batch(["synthetic"], latents, text, controls)
+
+    def transformer_size(self, config: dict) -> tuple[int, int]:
+        return config["num_attention_heads"] * config["attention_head_dim"], config["num_layers"]
 
     def attention_model_config(self) -> dict:
         return {**self.full_config, "num_layers": 1}

@@ -13,9 +13,11 @@ family (everything the family means: `lorakit.models.<module>`) is imported when
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
 
-from lorakit.errors import UnknownNameError
+from lorakit.errors import InputError, UnknownNameError
 
 
 @dataclass(frozen=True)
@@ -103,3 +105,23 @@ def family_of_pipeline(pipeline_class: str) -> str | None:
 def families_help() -> str:
     """One line per family for --help texts (generated, so new families appear by themselves)."""
     return "; ".join(f"{f.name}: {f.description}" for f in FAMILIES.values())
+
+
+def family_of_folder(model_dir: Path) -> str:
+    """The family of a diffusers model folder, from its model_index.json (nothing heavy is read)."""
+    model_dir = Path(model_dir)
+    if model_dir.is_file():
+        raise InputError(f"{model_dir} is a single file; infer takes a diffusers model folder",
+                         "point at the folder downloaded from the hub (model_index.json inside)")
+    index_file = model_dir / "model_index.json"
+    if not index_file.is_file():
+        raise InputError(f"{model_dir} is not a diffusers model folder (no model_index.json)")
+    try:
+        cls_name = json.loads(index_file.read_text(encoding="utf-8")).get("_class_name")
+    except (OSError, UnicodeDecodeError, ValueError, AttributeError) as e:
+        raise InputError(f"{index_file}: not a readable model index ({type(e).__name__})") from None
+    family = family_of_pipeline(cls_name)
+    if family is None:
+        raise InputError(f"{model_dir} holds a {cls_name}, which is not a lorakit family",
+                         "supported pipelines: " + families_help())
+    return family

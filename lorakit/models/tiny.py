@@ -20,6 +20,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from lorakit import paths
 from lorakit.models.registry import family_names
 
 SPEC_VERSION = "1"  # bump when a builder changes, so cached folders are rebuilt
@@ -255,9 +256,8 @@ def build_tiny(family: str, out_dir: str | os.PathLike, seed: int = 0) -> Path:
 
 
 def cache_root() -> Path:
-    """Where built tiny pipelines are kept (LORAKIT_CACHE or ~/.cache/lorakit)."""
-    base = os.environ.get("LORAKIT_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "lorakit")
-    return Path(base) / "tiny"
+    """Where built tiny pipelines are kept (<lorakit cache>/tiny)."""
+    return paths.cache_root() / "tiny"
 
 
 def _key(family: str, seed: int) -> str:

@@ -17,19 +17,20 @@ import shutil
 import signal
 from pathlib import Path
 
-from lorakit.errors import InputError
+from lorakit.errors import FileFormatError, InputError, LorakitError, environment_fault, short
+from lorakit.io import atomic_path, load, read_header, resolve_files, save_sharded
+from lorakit.train.lora import load_lora_into, lora_state_dict, save_lora
 
 
-def save(tr, final: bool = False, name: str | None = None) -> Path:
+def save(tr, final: bool = False, name: str | None = None) -> tuple[Path, dict | None]:
     """Write a checkpoint of the trainer (rank 0 writes; every rank takes part in gathering FSDP shards).
-    `name`: a checkpoint other than step-N / final (best)."""
+    `name`: a checkpoint other than step-N / final (best). Returns the checkpoint folder and the saved LoRA read
+    back as each consumer reads it (None for method=full)."""
     import torch
-
-    from lorakit.io import atomic_path
-    from lorakit.train.lora import save_lora
 
     name = name or ("final" if final else f"step-{tr.step:06d}")
     ck = tr.out / "checkpoints" / name
+    consumer_check = None
     if tr.full:
         weights, opt_state = _full_state(tr)
         if opt_state is None:  # per-rank 8-bit optimizer state
@@ -42,20 +43,13 @@ def save(tr, final: bool = False, name: str | None = None) -> Path:
             _save_transformer(tr.transformer, weights, ck / "transformer")
         else:
             with tr.averaged():  # the LoRA file holds the EMA weights when EMA is on
-                tr.consumer_check = save_lora(tr.transformer, ck / "lora.safetensors", tr.cfg.model.family,
-                                              {"lorakit_step": tr.step, **({"lorakit_ema_decay": tr.ema.decay}
-                                                                           if tr.ema else {})})
+                consumer_check = save_lora(tr.transformer, ck / "lora.safetensors", tr.cfg.model.family,
+                                           {"lorakit_step": tr.step, **({"lorakit_ema_decay": tr.ema.decay}
+                                                                        if tr.ema else {})})
             opt_state = tr.opt.state_dict()
-        state = {"step": tr.step, "optimizer": opt_state, "scheduler": tr.sched.state_dict(),
-                 "torch_rng": torch.get_rng_state(), "world": tr.dist.world, "global_batch": tr.global_batch}
+        state = {**tr.state.state_dict(opt_state), "world": tr.dist.world, "global_batch": tr.global_batch}
         if not tr.full:  # the trainable tensors bit for bit (the file has alpha folded into B)
-            from lorakit.train.lora import lora_state_dict
-
             state["lora"] = {k: v.cpu() for k, v in lora_state_dict(tr.transformer).items()}
-        if tr.ema:
-            state["ema"] = tr.ema.state_dict()
-        if tr.best:
-            state["best"] = tr.best.state()
         with atomic_path(ck / "state.pt") as tmp:
             torch.save(state, tmp)
         if not final and name.startswith("step-"):
@@ -63,15 +57,11 @@ def save(tr, final: bool = False, name: str | None = None) -> Path:
             for old in kept[: -tr.cfg.output.keep_last]:
                 shutil.rmtree(old)
     tr.dist.barrier()
-    return ck
+    return ck, consumer_check
 
 
 def resume(tr, ck: Path) -> dict:
     """Continue from a checkpoint (written by any number of ranks). Returns what changed, if anything."""
-    import torch
-
-    from lorakit.train.lora import load_lora_into
-
     weights = ck / ("transformer" if tr.full else "lora.safetensors")
     if not weights.exists() or not (ck / "state.pt").is_file():
         what = "transformer/ + state.pt" if tr.full else "lora.safetensors + state.pt"
@@ -83,19 +73,7 @@ def resume(tr, ck: Path) -> dict:
     else:
         load_lora_into(tr.transformer, state["lora"] if "lora" in state else weights)  # older: the file is raw
         tr.opt.load_state_dict(state["optimizer"])
-    tr.sched.load_state_dict(state["scheduler"])
-    torch.set_rng_state(state["torch_rng"])
-    tr.step = int(state["step"])
-    notes = []
-    if tr.ema and "ema" in state:
-        tr.ema.load_state_dict(state["ema"], str(ck / "state.pt"))
-    elif tr.ema:  # the checkpoint was written without EMA: the average starts from its weights
-        tr.ema.update(tr.params, 0)
-        notes.append("ema: the checkpoint has no average; it starts from the checkpoint's weights")
-    elif "ema" in state:
-        notes.append("ema: the checkpoint has an average, this run has ema.enabled false; it is not used")
-    if tr.best and "best" in state:
-        tr.best.load(state["best"])
+    notes = tr.state.load_state_dict(state, str(ck / "state.pt"), tr.params)
     was = state.get("global_batch", tr.global_batch)
     if was != tr.global_batch:
         notes.append(f"the checkpoint was written with a global batch of {was}, this run's is {tr.global_batch}: "
@@ -109,8 +87,6 @@ def _resume_full(tr, ck: Path, weights: Path, state: dict) -> None:
         set_model_state_dict,
         set_optimizer_state_dict,
     )
-
-    from lorakit.io import load
 
     main = tr.dist.main
     set_model_state_dict(tr.transformer, load(weights) if main else {},
@@ -132,8 +108,6 @@ def _resume_full(tr, ck: Path, weights: Path, state: dict) -> None:
 @contextlib.contextmanager
 def weights_of(tr, ck: Path):
     """The trainer with another checkpoint's LoRA (and average) in place for the duration (LoRA runs)."""
-    from lorakit.train.lora import load_lora_into, lora_state_dict
-
     state = read_state(ck / "state.pt")
     mine = {k: v.detach().clone() for k, v in lora_state_dict(tr.transformer).items()}
     shadow = [s.clone() for s in tr.ema.shadow] if tr.ema else None
@@ -149,13 +123,20 @@ def weights_of(tr, ck: Path):
                 s.copy_(v)
 
 
+class StopFlag:
+    """Set by SIGINT/SIGTERM: the run stops after the current step (and then saves a checkpoint)."""
+
+    def __init__(self):
+        self.requested = False
+
+
 @contextlib.contextmanager
-def stop_on_signals(tr):
-    """SIGINT/SIGTERM ask the trainer to stop after the current step (it then saves a checkpoint)."""
+def stop_on_signals(flag: StopFlag):
+    """SIGINT/SIGTERM set `flag` for the duration."""
     old = {}
 
     def _stop(signum, frame):
-        tr.stop_requested = True
+        flag.requested = True
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         with contextlib.suppress(ValueError):  # not the main thread
@@ -171,8 +152,6 @@ def read_state_any(path: Path):
     """A per-rank optimizer file, read like read_state (any object, not only a state dict)."""
     import torch
 
-    from lorakit.errors import FileFormatError, short
-
     try:
         return torch.load(path, weights_only=True)
     except Exception as e:  # noqa: BLE001 - any read failure of this file is a damaged file
@@ -185,8 +164,6 @@ def read_state(path: Path) -> dict:
     import zipfile
 
     import torch
-
-    from lorakit.errors import FileFormatError, short
 
     try:
         state = torch.load(path, weights_only=True)
@@ -205,9 +182,6 @@ def check_intact(ck: Path, full: bool) -> str | None:
     file does not; its contents are read at resume, which names the file if they are damaged) and every
     weight file's header validates against its size."""
     import zipfile
-
-    from lorakit.errors import LorakitError
-    from lorakit.io import read_header, resolve_files
 
     state = ck / "state.pt"
     try:
@@ -243,12 +217,8 @@ def latest(out_dir: Path, full: bool = False) -> tuple[Path | None, list[str]]:
 
 def export(tr, ck: Path) -> dict:
     """The run's result beside its checkpoints: <name>.safetensors (LoRA) or <name>-transformer/ (full)."""
-    from lorakit.io import atomic_path
-
     out = tr.out
     if tr.full:
-        from lorakit.errors import environment_fault
-
         final = out / f"{tr.cfg.output.name}-transformer"
         shutil.rmtree(final, ignore_errors=True)
         try:
@@ -284,9 +254,6 @@ def _full_state(tr) -> tuple[dict, dict | None]:
 
 def _save_transformer(transformer, weights: dict, folder: Path) -> None:
     """A fully trained transformer in diffusers layout: config.json + (sharded) safetensors."""
-    from lorakit.io import atomic_path
-    from lorakit.io.writer import save_sharded
-
     cls = next(c for c in type(transformer).__mro__ if c.__module__.startswith("diffusers."))
     config = {k: v for k, v in dict(transformer.config).items() if not k.startswith("_")}
     config["_class_name"] = cls.__name__

@@ -1,6 +1,8 @@
 """Turning a loaded transformer into the thing a run trains: the frozen base in the profile's storage (8-bit,
 4-bit, or swapped to the host block by block), LoRA (or every weight), gradient checkpointing, FSDP shards,
-compiled repeated blocks. Option conflicts are refused earlier, by config validation (`config.Config`)."""
+compiled repeated blocks. Option conflicts are refused earlier, by config validation (`config.Config`); what this
+machine can do (compile, CUDA graphs, how many blocks recompute) was decided when the config was resolved
+(`lorakit.plan`)."""
 
 from __future__ import annotations
 
@@ -15,9 +17,8 @@ class Prepared:
     quantized: int  # Linear layers stored in 8 or 4 bits
     swapper: object | None  # train.swap.BlockSwapper when blocks are swapped
     sharded: bool  # FSDP
-    compiled: bool
-    compile_note: str | None = None  # why the blocks are not compiled, or not replayed as CUDA graphs, as asked
-    graphs: bool = False  # the compiled blocks replay as CUDA graphs (memory.cuda_graphs)
+    compiled: bool  # the repeated blocks are compiled (memory.compile, as resolved)
+    graphs: bool = False  # the compiled blocks replay as CUDA graphs (memory.cuda_graphs, as resolved)
 
 
 def load_base(cfg, device: str, dtype):
@@ -79,9 +80,9 @@ def prepare(cfg, adapter, transformer, device: str, dtype, dist) -> Prepared:
         recomputed = checkpoint_blocks(transformer, None if swapper or isinstance(n, str) else n)  # unplanned: all
     if sharded:  # FSDP: each block's weights, grads and optimizer states split over the ranks
         fully_shard(transformer, device)
-    compiled, compile_note = compile_decision(cfg, device, sharded, swapper,
-                                              bool(getattr(transformer, "_repeated_blocks", None)))
-    graphs, graphs_note = graphs_decision(cfg, device, compiled, recomputed)
+    compiled, graphs = cfg.memory.compile, cfg.memory.compile and cfg.memory.cuda_graphs  # resolved (lorakit.plan)
+    if graphs and recomputed:
+        raise ValueError(f"memory.cuda_graphs with {recomputed} blocks recomputing: the config was not resolved")
     if compiled:  # regional: each repeated block once (seconds, not minutes), shapes per bucket
         adapter.before_compile(transformer)
         transformer.compile_repeated_blocks(**({"mode": "reduce-overhead"} if graphs else {}))
@@ -92,40 +93,7 @@ def prepare(cfg, adapter, transformer, device: str, dtype, dist) -> Prepared:
     if not full:
         for p in params:  # LoRA weights train in fp32 whatever the base dtype, on the GPU (peft puts
             p.data = p.data.to(device, torch.float32)  # those of swapped layers beside their host weights)
-    notes = "; ".join(x for x in (compile_note, graphs_note) if x) or None
-    return Prepared(transformer, params, peft_config, quantized, swapper, sharded, compiled, notes, graphs)
-
-
-def compile_decision(cfg, device: str, sharded: bool, swapper, has_blocks: bool) -> tuple[bool, str | None]:
-    """Whether the repeated blocks compile, and, where memory.compile asks for it and they cannot, why (the run's
-    warning). The CPU never compiles and says nothing."""
-    if not cfg.memory.compile or not device.startswith("cuda"):
-        return False, None
-    why = ("with block swapping (memory.blocks_to_swap: the swapped blocks change device every step)" if swapper
-           else "under FSDP (method: full on several GPUs)" if sharded
-           else "this transformer has no repeated blocks to compile" if not has_blocks else None)
-    return why is None, why and f"memory.compile: the blocks are not compiled {why}"
-
-
-def graphs_decision(cfg, device: str, compiled: bool, recomputed: int) -> tuple[bool, str | None]:
-    """Whether the compiled blocks replay as CUDA graphs (torch.compile's reduce-overhead mode: one launch per
-    block instead of one per kernel, which is what a host-bound step needs: fp8 compute's forward), and, where
-    memory.cuda_graphs asks for it and they cannot, why. Not while blocks recompute for gradient checkpointing
-    (the recompute runs a block's forward inside the backward pass), nor with gradient accumulation (each
-    micro-step's pass is a new generation of the graphs, and the gradients summed over micro-steps may be
-    outputs of the last one: not measured on a GPU)."""
-    if not cfg.memory.cuda_graphs:
-        return False, None
-    if not compiled:  # nothing to capture: compile_decision said why (the CPU never compiles: no news)
-        return False, (None if cfg.memory.compile or not device.startswith("cuda") else
-                       "memory.cuda_graphs replays the compiled blocks: it needs memory.compile: true")
-    if recomputed:
-        return False, (f"memory.cuda_graphs: the compiled blocks run without CUDA graphs while {recomputed} "
-                       f"of them recompute for gradient checkpointing")
-    if cfg.schedule.grad_accum > 1:  # one micro-step's LoRA gradients may sit in memory the next pass reuses
-        return False, ("memory.cuda_graphs: the compiled blocks run without CUDA graphs with "
-                       f"schedule.grad_accum={cfg.schedule.grad_accum} (measured only with 1)")
-    return True, None
+    return Prepared(transformer, params, peft_config, quantized, swapper, sharded, compiled, graphs)
 
 
 def _new_graph_generation(_module, _args) -> None:

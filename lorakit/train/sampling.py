@@ -15,6 +15,8 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from lorakit.data.images import open_image
+
 
 @dataclass
 class Condition:
@@ -53,8 +55,6 @@ def conditions(cfg, adapter, data, limit: int = 4) -> list[Condition]:
     def shown(j: int, controls: list) -> list:
         """The control images of item j as given (files), or decoded from their latents if the files are gone."""
         it = items[j % len(items)]
-        from lorakit.data.dataset import open_image
-
         try:
             return [open_image(Path(c)) for c in it["controls"]]
         except Exception:  # noqa: BLE001 - moved or deleted since caching: show what the model sees
@@ -62,8 +62,6 @@ def conditions(cfg, adapter, data, limit: int = 4) -> list[Condition]:
 
     out = []
     if prompts:
-        from lorakit.data.dataset import open_image
-
         size = cfg.sampling.size or cfg.data.resolution
         ctrl_images = None
         if n_ctrl or explicit:

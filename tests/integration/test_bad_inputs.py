@@ -18,6 +18,7 @@ from typer.testing import CliRunner
 
 from lorakit.cli.app import app
 from lorakit.data.demo import make_demo_dataset
+from lorakit.plan.resolve import resolve
 from tests.loras import trained_like
 from tests.runs import interrupt_train
 
@@ -67,7 +68,7 @@ def test_bench_load_names_a_malformed_file_instead_of_calling_it_a_bug(tmp_path)
 
 
 def test_16_bit_and_float_images_are_scaled_not_clipped_or_refused(tmp_path):
-    from lorakit.data.dataset import PixelError, open_image
+    from lorakit.data.images import PixelError, open_image
 
     ramp = np.linspace(0, 65535, 256, dtype=np.float64).reshape(16, 16)
     Image.fromarray(ramp.astype(np.uint16)).save(tmp_path / "g16.png")  # mode I;16
@@ -228,16 +229,16 @@ def test_sigterm_saves_and_exits_75(tmp_path, tiny):
 
 
 def test_a_signal_after_the_last_step_still_writes_the_lora(tmp_path, tiny):
-    from lorakit.config import resolve
+    from lorakit.config import assemble
     from lorakit.train.loop import run
 
-    cfg, prov = resolve(run_cfg(tmp_path, tiny, steps=2), [], None)
+    cfg, prov = assemble(run_cfg(tmp_path, tiny, steps=2), [], None)
 
     def progress(step, total, rec):
         if step == total:
             os.kill(os.getpid(), signal.SIGINT)  # arrives during the last step's bookkeeping
 
-    res = run(cfg, prov, progress=progress)
+    res = run(resolve(cfg), progress=progress)
     assert not res["interrupted"] and Path(res["lora"]).is_file()
 
 

@@ -58,7 +58,7 @@ def test_published_size_and_full_config_agree(family):
     import diffusers
 
     from lorakit.config import validate
-    from lorakit.train.memory import estimate
+    from lorakit.plan.memory import estimate
 
     a = family_adapter(family)
     cls = getattr(diffusers, a.info.transformer_class)
@@ -101,12 +101,12 @@ def _resumed(tmp_path, tiny, family, path, overrides):
     """The run's final checkpoint resumed into a Trainer (eval mode): (cfg, adapter, data, trainer)."""
     from lorakit.cache.builder import cache_dir_for
     from lorakit.cache.store import Store
-    from lorakit.config import resolve
+    from lorakit.config import assemble
     from lorakit.io.modules import load_component
     from lorakit.train.data import CachedData
-    from lorakit.train.loop import Trainer
+    from lorakit.train.trainer import Trainer
 
-    cfg, _ = resolve(path, overrides, None)
+    cfg, _ = assemble(path, overrides, None)
     a = load_adapter(family, tiny(family))
     st = Store(cache_dir_for(cfg))
     data = CachedData(st, st.read_manifest(), 1, 0)

@@ -208,7 +208,8 @@ def _odd_images(folder: Path) -> dict[str, str]:
 
 
 def test_odd_images_are_read_right_or_named(tmp_path):
-    from lorakit.data.dataset import open_image, scan
+    from lorakit.data.dataset import scan
+    from lorakit.data.images import open_image
 
     want = _odd_images(tmp_path / "odd")
     s = scan(tmp_path / "odd", min_side=16)

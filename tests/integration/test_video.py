@@ -42,13 +42,13 @@ def test_mp4_clips_cache_train_and_reproduce_in_the_stock_pipeline(tmp_path, tin
 
     from lorakit.cache.builder import cache_dir_for
     from lorakit.cache.store import Store
-    from lorakit.config import resolve
-    from lorakit.data.buckets import to_pixels
+    from lorakit.config import assemble
     from lorakit.data.video import read_window
     from lorakit.io.modules import load_component
     from lorakit.models.base import load_adapter
+    from lorakit.models.pixels import to_pixels
     from lorakit.train.data import CachedData
-    from lorakit.train.loop import Trainer
+    from lorakit.train.trainer import Trainer
 
     model = tiny(FAMILY)
     ds = dataset(tmp_path / "data")
@@ -76,7 +76,7 @@ def test_mp4_clips_cache_train_and_reproduce_in_the_stock_pipeline(tmp_path, tin
 
     # the cached latents are the family VAE's, of the window's frames as decoded
     pipe = DiffusionPipeline.from_pretrained(model)
-    st = Store(cache_dir_for(resolve(path, [], None)[0]))
+    st = Store(cache_dir_for(assemble(path, [], None)[0]))
     manifest = st.read_manifest()
     walk = next(i for i in manifest["items"] if i["stem"] == "walk")
     assert walk["window"]["indices"] == list(range(17)) and walk["label"] == "walk@0s/17f"
@@ -97,7 +97,7 @@ def test_mp4_clips_cache_train_and_reproduce_in_the_stock_pipeline(tmp_path, tin
     assert res["steps"] == 3 and res["consumer_check"]["diffusers"] == "equal"
 
     # the stock pipeline with the LoRA, one Euler step from sigma 1: its velocity equals lorakit's
-    cfg_obj, _ = resolve(path, [], None)
+    cfg_obj, _ = assemble(path, [], None)
     a = load_adapter(FAMILY, model)
     data = CachedData(st, manifest, 1, 0)
     tr = Trainer(cfg_obj, a, load_component(model / "transformer"), data, tmp_path / "x", "cpu", torch.float32)

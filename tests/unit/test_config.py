@@ -1,7 +1,7 @@
 import pytest
 import yaml
 
-from lorakit.config import Config, deep_merge, dump_yaml, parse_overrides, resolve, validate
+from lorakit.config import Config, assemble, deep_merge, dump_yaml, parse_overrides, validate
 from lorakit.errors import ConfigError
 from tests.machines import CPU_ONLY, H100, RTX4090
 
@@ -21,7 +21,7 @@ def test_defaults_fill_every_section():
 def test_two_mistakes_one_message_naming_both_paths(tmp_path):
     p = write(tmp_path, {"model": {"family": "flux"}, "lora": {"rnk": 4, "rank": "big"}})
     with pytest.raises(ConfigError) as ei:
-        resolve(p, [], "cpu", CPU_ONLY)
+        assemble(p, [], "cpu", CPU_ONLY)
     e = ei.value
     assert len(e.problems) == 2
     joined = " | ".join(e.problems)
@@ -32,7 +32,7 @@ def test_two_mistakes_one_message_naming_both_paths(tmp_path):
 def test_every_error_reported_at_once_including_set_syntax(tmp_path):
     p = write(tmp_path, {"model": {"family": "flx"}, "data": {"resolution": 1000}, "bogus": 1})
     with pytest.raises(ConfigError) as ei:
-        resolve(p, ["noequals"], "cpu", CPU_ONLY)
+        assemble(p, ["noequals"], "cpu", CPU_ONLY)
     probs = ei.value.problems
     assert any(s.startswith("--set 'noequals'") for s in probs)
     assert any("model.family: unknown family (did you mean 'flux'?)" in s for s in probs)
@@ -45,7 +45,7 @@ def test_precedence_defaults_profile_yaml_set(tmp_path):
     # rtx4090 profile sets optim.name=adamw8bit and memory.gradient_checkpointing=true
     p = write(tmp_path, {"model": {"family": "flux"}, "memory": {"gradient_checkpointing": False},
                          "lora": {"rank": 8}})
-    cfg, prov = resolve(p, ["lora.rank=32"], "rtx4090", RTX4090)
+    cfg, prov = assemble(p, ["lora.rank=32"], "rtx4090", RTX4090)
     assert prov["profile"] == "rtx4090"
     assert cfg.optim.name == "adamw8bit"  # profile beats default
     assert cfg.memory.base_quant == "qfloat8"  # profile beats default
@@ -56,13 +56,13 @@ def test_precedence_defaults_profile_yaml_set(tmp_path):
 
 def test_profile_key_in_yaml_and_cli_override(tmp_path):
     p = write(tmp_path, {"profile": "rtx4090", "model": {"family": "flux"}})
-    assert resolve(p, [], None, H100)[0].profile == "rtx4090"
-    assert resolve(p, [], "datacenter", H100)[0].profile == "datacenter"
+    assert assemble(p, [], None, H100)[0].profile == "rtx4090"
+    assert assemble(p, [], "datacenter", H100)[0].profile == "datacenter"
 
 
 def test_auto_profile_uses_probe(tmp_path):
     p = write(tmp_path, {"model": {"family": "qwen-image"}})
-    cfg, prov = resolve(p, [], "auto", H100)
+    cfg, prov = assemble(p, [], "auto", H100)
     assert cfg.profile == "datacenter" and "70 GiB or more" in prov["reason"]
 
 
@@ -78,15 +78,15 @@ def test_set_values_parse_as_yaml():
 def test_yaml_syntax_error_reports_line(tmp_path):
     p = write(tmp_path, "model:\n  family: flux\n lora: [\n")
     with pytest.raises(ConfigError) as ei:
-        resolve(p, [], "cpu", CPU_ONLY)
+        assemble(p, [], "cpu", CPU_ONLY)
     assert "line" in ei.value.message and str(p) in ei.value.message
 
 
 def test_missing_file_and_non_mapping(tmp_path):
     with pytest.raises(ConfigError, match="file not found"):
-        resolve(tmp_path / "nope.yaml", [], "cpu", CPU_ONLY)
+        assemble(tmp_path / "nope.yaml", [], "cpu", CPU_ONLY)
     with pytest.raises(ConfigError, match="must be a mapping"):
-        resolve(write(tmp_path, "- a\n- b\n"), [], "cpu", CPU_ONLY)
+        assemble(write(tmp_path, "- a\n- b\n"), [], "cpu", CPU_ONLY)
 
 
 def test_missing_family_is_named():
@@ -123,10 +123,10 @@ def test_deep_merge_does_not_mutate():
 def test_configuration_reference_is_generated_from_the_models():
     from pathlib import Path
 
-    from lorakit.config_docs import render
+    from lorakit.config.docs import render
 
     doc = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
-    assert doc.read_text() == render(), "run `python -m lorakit.config_docs` to regenerate docs/configuration.md"
+    assert doc.read_text() == render(), "run `python -m lorakit.config.docs` to regenerate docs/configuration.md"
 
 
 def test_option_conflicts_are_config_problems_reported_together():

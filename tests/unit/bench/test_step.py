@@ -5,7 +5,7 @@ from typer.testing import CliRunner
 
 from lorakit.bench.step import compare_numerics, model_flops, synthetic_batch
 from lorakit.cli.app import app
-from lorakit.train.data import drop_full_mask
+from lorakit.models.batch import drop_full_mask
 
 
 @pytest.mark.parametrize("family", ["flux", "qwen-image-edit"])

@@ -16,6 +16,7 @@ from lorakit.cache.store import Store
 from lorakit.config import validate
 from lorakit.data.demo import make_demo_dataset
 from lorakit.io import read_header
+from lorakit.plan.resolve import resolve
 
 
 def config(tmp_path, family, model, data, **data_kw):
@@ -35,7 +36,7 @@ def test_flux_cache_equals_the_pipeline_and_is_content_addressed(tmp_path, tiny)
     from diffusers.pipelines.flux.pipeline_flux_img2img import retrieve_latents
 
     from lorakit.data.buckets import fit
-    from lorakit.data.dataset import open_image
+    from lorakit.data.images import open_image
 
     data = make_demo_dataset(tmp_path / "d", "flat", count=5, size=64)
     cfg = config(tmp_path, "flux", tiny("flux"), data)
@@ -147,5 +148,5 @@ def test_build_needs_a_model_path(tmp_path):
 
     data = make_demo_dataset(tmp_path / "d", "flat", count=1, size=64)
     cfg = validate({"model": {"family": "flux"}, "data": {"dirs": [str(data)]}})
-    with pytest.raises(ConfigError, match="model.path"):
-        build(cfg)
+    with pytest.raises(ConfigError, match="model.path"):  # the `cache` command resolves the config first
+        build(resolve(cfg, train=False).cfg)

@@ -6,6 +6,7 @@ import torch
 from lorakit.cache.builder import build, cache_dir_for, caption_variants
 from lorakit.cache.store import Store
 from lorakit.models.base import load_adapter
+from lorakit.plan.resolve import resolve
 from lorakit.train.loop import run
 from tests.unit.train.test_loop import make_cfg
 
@@ -36,5 +37,5 @@ def test_cached_variants_are_the_encoders_outputs_and_training_uses_them(tmp_pat
         enc = a.encode_prompts([caps[v]])[0]
         torch.testing.assert_close(e[f"prompt_embeds@{v}"], enc["prompt_embeds"])
         torch.testing.assert_close(e[f"pooled@{v}"], enc["pooled"])
-    res = run(cfg, {})
+    res = run(resolve(cfg))
     assert res["steps"] == 4 and res["cache"]["reused"] == 4

@@ -3,8 +3,10 @@
 import pytest
 
 from lorakit.config import validate
-from lorakit.data.check import check, control_dirs_for
+from lorakit.data.check import check
 from lorakit.data.demo import make_demo_dataset
+from lorakit.data.plan import control_dirs_for
+from lorakit.plan.resolve import resolve
 
 
 def cfg(family, *dirs, **data):
@@ -38,5 +40,5 @@ def test_buckets_are_counted_and_a_missing_folder_is_reported(tmp_path):
     assert r["buckets"] == {"64x64": 3}
     from lorakit.errors import InputError
 
-    with pytest.raises(InputError, match="data.dirs: no such folder"):
-        check(cfg("flux", tmp_path / "nope"))
+    with pytest.raises(InputError, match="data.dirs: no such folder"):  # resolving checks every path once
+        check(resolve(cfg("flux", tmp_path / "nope"), paths=("data",), train=False).cfg)

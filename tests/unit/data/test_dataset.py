@@ -2,8 +2,9 @@
 
 from PIL import Image
 
-from lorakit.data.dataset import open_image, scan
+from lorakit.data.dataset import scan
 from lorakit.data.demo import make_demo_dataset
+from lorakit.data.images import open_image
 
 
 def img(path, size=(64, 64), **kw):

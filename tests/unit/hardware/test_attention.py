@@ -1,5 +1,7 @@
 """The attention choice must hold in forward, backward AND the recompute of checkpointed blocks."""
 
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -8,6 +10,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import CheckpointError, checkpoint
 
 from lorakit.hardware import attention as att
+from lorakit.hardware import attention_cases as acases
+from lorakit.hardware import attention_choice as choice
+from lorakit.hardware import sdpa
 from lorakit.models.facts import AttentionCase
 
 
@@ -27,9 +32,9 @@ def block(x):
 
 @pytest.fixture(autouse=True)
 def _restore_switches():
-    prev = att.apply(None)
+    prev = sdpa.apply(None)
     yield
-    att.restore(prev)
+    sdpa.restore(prev)
 
 
 def _backward_ops():
@@ -42,9 +47,9 @@ def _backward_ops():
 
 
 def test_chosen_backend_is_in_force_during_recompute():
-    att.apply("flash")
+    sdpa.apply("flash")
     assert "_scaled_dot_product_flash_attention_for_cpu" in _backward_ops()
-    att.apply("math")
+    sdpa.apply("math")
     ops = _backward_ops()
     assert "_scaled_dot_product_flash_attention_for_cpu" not in ops
     assert "bmm" in ops or "matmul" in ops  # math SDPA decomposes into matrix products
@@ -52,7 +57,7 @@ def test_chosen_backend_is_in_force_during_recompute():
 
 def test_a_scoped_choice_alone_breaks_recompute():
     """The failure lorakit avoids: `with sdpa_kernel(...)` around the forward only."""
-    att.apply(None)  # PyTorch defaults: flash enabled on CPU
+    sdpa.apply(None)  # PyTorch defaults: flash enabled on CPU
     x = torch.randn(1, 2, 16, 8, requires_grad=True)
     with sdpa_kernel([SDPBackend.MATH]):
         y = checkpoint(block, x, use_reentrant=False)
@@ -61,11 +66,11 @@ def test_a_scoped_choice_alone_breaks_recompute():
 
 
 def test_apply_sets_exactly_one_backend_and_restore_undoes_it():
-    prev = att.apply("efficient")
+    prev = sdpa.apply("efficient")
     b = torch.backends.cuda
     assert (b.flash_sdp_enabled(), b.mem_efficient_sdp_enabled(), b.cudnn_sdp_enabled(),
             b.math_sdp_enabled()) == (False, True, False, False)
-    att.restore(prev)
+    sdpa.restore(prev)
     assert b.math_sdp_enabled() == prev["math"]
 
 
@@ -73,29 +78,29 @@ def test_unknown_backend_is_refused():
     from lorakit.errors import UnknownNameError
 
     with pytest.raises(UnknownNameError):
-        att.apply("flashy")
+        sdpa.apply("flashy")
     with pytest.raises(UnknownNameError):
-        att.apply("flash+fast")
+        sdpa.apply("flash+fast")
 
 
 def test_a_pair_of_backends_enables_both():
     import torch
 
-    prev = att.apply("flash+efficient")
+    prev = sdpa.apply("flash+efficient")
     try:
         b = torch.backends.cuda
         assert b.flash_sdp_enabled() and b.mem_efficient_sdp_enabled()
         assert not b.cudnn_sdp_enabled() and not b.math_sdp_enabled()
     finally:
-        att.restore(prev)
+        sdpa.restore(prev)
 
 
 def test_fa4_is_refused_where_it_cannot_run_and_nothing_is_switched():
-    from lorakit.config import resolve
+    from lorakit.config import assemble
     from lorakit.errors import NotAvailableError
     from lorakit.hardware import fa4
 
-    cfg, _ = resolve(None, ["model.family=flux", "memory.attention=fa4"], profile="cpu")
+    cfg, _ = assemble(None, ["model.family=flux", "memory.attention=fa4"], profile="cpu")
     assert cfg.memory.attention == "fa4"
     if torch.cuda.is_available() and fa4.problem() is None:
         pytest.skip("FlashAttention 4 runs here (measured by scripts/fa4_probe.py on the GPU)")
@@ -103,18 +108,18 @@ def test_fa4_is_refused_where_it_cannot_run_and_nothing_is_switched():
     b = torch.backends.cuda
     before = (b.flash_sdp_enabled(), b.mem_efficient_sdp_enabled(), b.cudnn_sdp_enabled(), b.math_sdp_enabled())
     with pytest.raises(NotAvailableError, match="fa4") as e:
-        att.apply("fa4+efficient")
+        sdpa.apply("fa4+efficient")
     assert "memory.attention=auto" in (e.value.hint or "")
     assert (b.flash_sdp_enabled(), b.mem_efficient_sdp_enabled(), b.cudnn_sdp_enabled(),
             b.math_sdp_enabled()) == before
-    assert att.apply("flash")["fa4"] is False  # the previous state records FA4 (off), so restore can undo it
-    att.restore({**dict(zip(("flash", "efficient", "cudnn", "math"), before, strict=True)), "fa4": False})
+    assert sdpa.apply("flash")["fa4"] is False  # the previous state records FA4 (off), so restore can undo it
+    sdpa.restore({**dict(zip(("flash", "efficient", "cudnn", "math"), before, strict=True)), "fa4": False})
 
 
 def test_choose_picks_fastest_backend_that_passed_all_relevant_cases():
-    R = att.CaseResult
+    R = acases.CaseResult
     ok = {"512px": 2.0, "1024px": 5.0, "512px single": 2.0, "1024px single": 5.0}
-    rep = att.AttentionReport(fingerprint={}, results=[
+    rep = acases.AttentionReport(fingerprint={}, results=[
         # cuDNN: fastest, passes the dual-stream layout but fails FLUX's single-stream one
         R("cudnn", "512px", True, 1.0), R("cudnn", "1024px", True, 2.0), R("cudnn", "512px single", True, 1.0),
         R("cudnn", "1024px single", False, error="AcceleratorError: CUDA error: an illegal memory access"),
@@ -125,69 +130,69 @@ def test_choose_picks_fastest_backend_that_passed_all_relevant_cases():
         *[R("efficient", c, True, 3 * ms) for c, ms in ok.items()],
         R("efficient", "512px+mask", True, 3.0), R("efficient", "1024px+mask", True, 9.0),
     ])
-    assert att.choose(rep, "flux") == "flash"  # cuDNN fails one FLUX case
+    assert choice.choose(rep, "flux") == "flash"  # cuDNN fails one FLUX case
     rep.results += [R("cudnn", "model qwen-image", False, error="RuntimeError: CUBLAS_STATUS_EXECUTION_FAILED"),
                     R("efficient", "model qwen-image", True, 40.0)]
     # passing bare SDPA is not enough: the model must pass; efficient takes masked batches, flash the unmasked
-    assert att.choose(rep, "qwen-image") == "flash+efficient"
+    assert choice.choose(rep, "qwen-image") == "flash+efficient"
     rep.results += [R(b, c, True, ms) for b, ms in (("cudnn", 1.0), ("flash", 2.0)) for c in ("512px d128", "1024px d128")]
-    assert att.choose(rep, "kandinsky5-t2i") == "cudnn"  # its own head size, measured
-    assert att.choose(att.AttentionReport(fingerprint={}), "flux") is None
+    assert choice.choose(rep, "kandinsky5-t2i") == "cudnn"  # its own head size, measured
+    assert choice.choose(acases.AttentionReport(fingerprint={}), "flux") is None
 
 
 def test_fa4_is_chosen_where_it_passed_and_is_faster_and_takes_unmasked_batches_of_masked_families():
-    R = att.CaseResult
+    R = acases.CaseResult
     cases = {"512px": 2.0, "1024px": 5.0, "512px single": 2.0, "1024px single": 5.0}
-    rep = att.AttentionReport(fingerprint={}, results=[
+    rep = acases.AttentionReport(fingerprint={}, results=[
         *[R("flash", c, True, ms) for c, ms in cases.items()],
         *[R("efficient", c, True, 3 * ms) for c, ms in cases.items()],
         R("efficient", "512px+mask", True, 3.0), R("efficient", "1024px+mask", True, 9.0),
         *[R(b, c, False, error="No available kernel") for b in ("flash", "fa4") for c in ("512px+mask", "1024px+mask")],
         R("efficient", "model qwen-image", True, 40.0),
     ])
-    assert att.choose(rep, "flux") == "flash"  # fa4 not measured (not installed): PyTorch's flash
+    assert choice.choose(rep, "flux") == "flash"  # fa4 not measured (not installed): PyTorch's flash
     rep.results += [R("fa4", c, True, 0.6 * ms) for c, ms in cases.items()]
-    assert att.choose(rep, "flux") == "fa4"
-    assert att.choose(rep, "qwen-image") == "fa4+efficient"
+    assert choice.choose(rep, "flux") == "fa4"
+    assert choice.choose(rep, "qwen-image") == "fa4+efficient"
     rep.results = [r for r in rep.results if not (r.backend == "fa4" and r.case == "1024px")]
     rep.results.append(R("fa4", "1024px", False, error="RuntimeError: kernel failed"))
-    assert att.choose(rep, "flux") == "flash"  # one failed case and it is out, however fast the others
-    assert att.choose(rep, "qwen-image") == "flash+efficient"
+    assert choice.choose(rep, "flux") == "flash"  # one failed case and it is out, however fast the others
+    assert choice.choose(rep, "qwen-image") == "flash+efficient"
 
 
 def test_a_run_gets_the_kernel_fastest_at_its_own_resolution():
-    R = att.CaseResult
+    R = acases.CaseResult
     # the H100's numbers (scripts/fa4_probe.py): FA4 faster at 4608 tokens, slower at 1536
     ms = {"flash": {"512px": 0.77, "1024px": 3.45}, "fa4": {"512px": 1.26, "1024px": 2.12}}
-    rep = att.AttentionReport(fingerprint={}, results=[
+    rep = acases.AttentionReport(fingerprint={}, results=[
         R(b, f"{c}{layout}", True, t) for b, by in ms.items() for c, t in by.items() for layout in ("", " single")])
     rep.results += [R(b, c, False, error="No available kernel") for b in ms for c in ("512px+mask", "1024px+mask")]
     rep.results += [R("efficient", f"{c}{m}", True, 3 * t) for c, t in ms["flash"].items() for m in ("", "+mask")]
-    assert att.choose(rep, "flux") == "fa4"  # doctor's summary: all sizes together
-    assert att.choose(rep, "flux", resolution=1024) == "fa4"
-    assert att.choose(rep, "flux", resolution=512) == "flash"
-    assert att.choose(rep, "flux", resolution=768) == "fa4"  # a tie goes to the larger size
-    assert att.choose(rep, "qwen-image", resolution=512) == "flash+efficient"
-    assert att.choose(rep, "qwen-image", resolution=1328) == "fa4+efficient"
+    assert choice.choose(rep, "flux") == "fa4"  # doctor's summary: all sizes together
+    assert choice.choose(rep, "flux", resolution=1024) == "fa4"
+    assert choice.choose(rep, "flux", resolution=512) == "flash"
+    assert choice.choose(rep, "flux", resolution=768) == "fa4"  # a tie goes to the larger size
+    assert choice.choose(rep, "qwen-image", resolution=512) == "flash+efficient"
+    assert choice.choose(rep, "qwen-image", resolution=1328) == "fa4+efficient"
     # a kernel that fails at one size is out at every size
     rep.results = [r for r in rep.results if (r.backend, r.case) != ("fa4", "512px single")]
     rep.results.append(R("fa4", "512px single", False, error="RuntimeError"))
-    assert att.choose(rep, "flux", resolution=1024) == "flash"
+    assert choice.choose(rep, "flux", resolution=1024) == "flash"
 
 
 def test_fa4_is_measured_only_where_it_is_installed_and_could_run():
     fp = {"torch": "2.11.0+cu130", "capability": "9.0", "fa4": "4.0.0b36"}
-    assert att.measured_backends(fp) == att.ALL_BACKENDS
+    assert choice.measured_backends(fp) == sdpa.ALL_BACKENDS
     for change in ({"fa4": None}, {"capability": "8.9"}, {"torch": "2.9.1"}, {"capability": None}):
-        assert att.measured_backends({**fp, **change}) == att.BACKENDS, change
-    assert att.measured_backends({**fp, "capability": "10.0"}) == att.ALL_BACKENDS
+        assert choice.measured_backends({**fp, **change}) == sdpa.BACKENDS, change
+    assert choice.measured_backends({**fp, "capability": "10.0"}) == sdpa.ALL_BACKENDS
     from lorakit.hardware.probe import probe
 
-    assert "fa4" in att.fingerprint("cpu", facts=probe(use_cache=True))  # installing it changes the cache key
+    assert "fa4" in acases.fingerprint("cpu", facts=probe(use_cache=True))  # installing it changes the cache key
 
 
 def test_a_fa4_case_that_cannot_run_is_a_failed_case_not_a_crash():
-    r = att.run_case("fa4", AttentionCase("tiny", 64, False, head_dim=32, heads=2), "cpu", repeats=1)
+    r = acases.run_case("fa4", AttentionCase("tiny", 64, False, head_dim=32, heads=2), "cpu", repeats=1)
     assert not r.ok and "fa4" in r.error
     from lorakit.hardware import fa4
 
@@ -197,12 +202,12 @@ def test_a_fa4_case_that_cannot_run_is_a_failed_case_not_a_crash():
 def test_every_family_declares_cases_and_a_model_case():
     from lorakit.models.registry import family_names
 
-    names = {c.name for c in att.all_cases()}
+    names = {c.name for c in acases.all_cases()}
     for fam in family_names():
-        cases = att.family_cases(fam)
-        assert cases[-1] == att.model_case(fam) and cases[-1] in att.all_model_cases()
+        cases = acases.family_cases(fam)
+        assert cases[-1] == acases.model_case(fam) and cases[-1] in acases.all_model_cases()
         assert set(cases[:-1]) <= names and len(cases) > 1
-    assert att.family_masked("qwen-image") and not att.family_masked("flux")
+    assert acases.family_masked("qwen-image") and not acases.family_masked("flux")
 
 
 CPU_CASES = (AttentionCase("tiny", 64, False, heads=2, head_dim=16),
@@ -231,7 +236,8 @@ def test_a_hung_case_is_a_failure_within_the_watchdog_and_the_rest_still_run(mon
     import time as _time
 
     slow = (AttentionCase("slow", 64, False, heads=2, head_dim=16),) + CPU_CASES
-    monkeypatch.setenv("LORAKIT_ATTENTION_TEST_SLEEP", "slow=30")  # the child sleeps in this case
+    # the child's bare case "slow" sleeps like a stuck kernel (its run_case patched in the child process)
+    monkeypatch.setattr(att, "CHILD", [sys.executable, "-c", HANGING_CHILD])
     t0 = _time.perf_counter()
     rows = att.run_jobs([("math", "slow"), ("math", "tiny")], "cpu", 1, slow, watchdog=2.0)
     assert _time.perf_counter() - t0 < 25
@@ -239,22 +245,35 @@ def test_a_hung_case_is_a_failure_within_the_watchdog_and_the_rest_still_run(mon
     assert rows[1].ok and rows[1].case == "tiny"  # a fresh child took the rest
 
 
+HANGING_CHILD = """
+import sys, time
+from lorakit.hardware import attention, attention_cases
+run = attention.run_case
+def hang(backend, case, *args):
+    if case.name == "slow":
+        time.sleep(30)
+    return run(backend, case, *args)
+attention.run_case = hang
+attention._child_main(sys.argv[1])
+"""
+
+
 _KERNEL_OP = {"flash": "_scaled_dot_product_flash_attention", "efficient": "_scaled_dot_product_efficient_attention",
               "cudnn": "_scaled_dot_product_cudnn_attention"}
 
 
 def test_known_bad_stack_excludes_backend_even_when_it_passed():
-    R = att.CaseResult
-    cases = att.family_cases("flux")
-    rep = att.AttentionReport(fingerprint={"cudnn": 91900, "capability": "9.0"},
+    R = acases.CaseResult
+    cases = acases.family_cases("flux")
+    rep = acases.AttentionReport(fingerprint={"cudnn": 91900, "capability": "9.0"},
                               results=[R("cudnn", c, True, 1.0) for c in cases] +
                                       [R("flash", c, True, 2.0) for c in cases])
-    assert att.choose(rep, "flux") == "flash"
-    qcases = att.family_cases("qwen-image")
+    assert choice.choose(rep, "flux") == "flash"
+    qcases = acases.family_cases("qwen-image")
     rep.results += [R("cudnn", c, True, 1.0) for c in qcases] + [R("efficient", c, True, 2.0) for c in qcases]
-    assert att.choose(rep, "qwen-image") == "cudnn"  # the rule is scoped to the families that failed
+    assert choice.choose(rep, "qwen-image") == "cudnn"  # the rule is scoped to the families that failed
     rep.fingerprint = {"cudnn": 92000, "capability": "9.0"}
-    assert att.choose(rep, "flux") == "cudnn"
+    assert choice.choose(rep, "flux") == "cudnn"
 
 
 @pytest.fixture(scope="module")
@@ -272,11 +291,11 @@ def test_gpu_choice_holds_in_forward_backward_and_recompute(family, gpu_report):
     rep = gpu_report
     backend = rep.choice[family]
     assert backend is not None, rep.to_dict()
-    model_case = att.model_case(family)
+    model_case = acases.model_case(family)
     # with a pair (flash+efficient), the masked model case ran on the second
     assert [r.ok for r in rep.results if r.backend == backend.split("+")[-1] and r.case == model_case] == [True]
-    att.apply(backend)
-    masked = att.family_masked(family)
+    sdpa.apply(backend)
+    masked = acases.family_masked(family)
     backend = backend.split("+")[-1] if masked else backend.split("+")[0]  # the kernel this input gets
     q = torch.randn(1, 24, 1536, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     mask = torch.ones(1, 1, 1, 1536, device="cuda", dtype=torch.bool) if masked else None
@@ -297,13 +316,13 @@ def test_gpu_choice_holds_in_forward_backward_and_recompute(family, gpu_report):
 
 
 def test_a_run_keeps_math_only_as_the_last_resort():
-    prev = att.apply("flash", fallback=True)
+    prev = sdpa.apply("flash", fallback=True)
     try:
         b = torch.backends.cuda
         assert (b.flash_sdp_enabled(), b.mem_efficient_sdp_enabled(), b.cudnn_sdp_enabled(),
                 b.math_sdp_enabled()) == (True, False, False, True)
     finally:
-        att.restore(prev)
+        sdpa.restore(prev)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -313,32 +332,8 @@ def test_a_vae_head_the_chosen_kernel_cannot_take_runs_under_a_runs_switches():
     import torch.nn.functional as F
 
     q = torch.randn(1, 1, 1024, 512, device="cuda", dtype=torch.bfloat16)
-    prev = att.apply("flash", fallback=True)
+    prev = sdpa.apply("flash", fallback=True)
     try:
         assert F.scaled_dot_product_attention(q, q, q).isfinite().all()
     finally:
-        att.restore(prev)
-
-
-def test_a_cached_fa4_choice_that_cannot_run_now_gives_way_to_the_next_fastest_with_a_note(monkeypatch):
-    """Measured while flash-attn-4 worked, run after it broke (seen on the lent H100: its CuTe DSL library off the
-    path): the run used to stop with 'set memory.attention=auto' although it was auto."""
-    from lorakit.config import resolve
-    from lorakit.hardware import fa4
-
-    R = att.CaseResult
-    cases = {"512px": 2.0, "1024px": 5.0, "512px single": 2.0, "1024px single": 5.0}
-    rep = att.AttentionReport(fingerprint={}, results=[
-        *[R("flash", c, True, ms) for c, ms in cases.items()], *[R("fa4", c, True, 0.6 * ms) for c, ms in cases.items()],
-        *[R("efficient", c, True, 3 * ms) for c, ms in cases.items()]])
-    applied, notes = [], []
-    monkeypatch.setattr(att, "self_test", lambda device: rep)
-    monkeypatch.setattr(att, "apply", lambda choice, fallback=False: applied.append(choice))
-    monkeypatch.setattr(fa4, "problem", lambda device="cuda": "attention fa4 needs the flash-attn-4 package: gone")
-    cfg, _ = resolve(None, ["model.family=flux"], profile="datacenter")
-    assert att.for_run(cfg, "cuda", notes.append) == "flash" and applied == ["flash"]
-    assert "chose fa4 for flux" in notes[0] and "gone" in notes[0] and "this run uses flash" in notes[0]
-    monkeypatch.setattr(fa4, "problem", lambda device="cuda": None)  # where it runs, the measured choice stands
-    assert att.for_run(cfg, "cuda", notes.append) == "fa4" and len(notes) == 1
-    cfg, _ = resolve(None, ["model.family=flux", "memory.attention=flash"], profile="datacenter")
-    assert att.for_run(cfg, "cuda", notes.append) == "flash"  # an explicit setting is taken as it is
+        sdpa.restore(prev)

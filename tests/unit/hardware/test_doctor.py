@@ -1,4 +1,4 @@
-from lorakit.hardware.attention import AttentionReport, CaseResult
+from lorakit.hardware.attention_cases import AttentionReport, CaseResult
 from lorakit.hardware.doctor import checks, summary
 from lorakit.hardware.probe import GpuFacts
 from lorakit.hardware.profiles import choose

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from lorakit.cache.store import Store
-from lorakit.train.data import Batch, CachedData, drop_full_mask
+from lorakit.models.batch import Batch, drop_full_mask
+from lorakit.train.data import CachedData
 
 
 def _store(tmp_path, lengths=(3, 5, 4, 2), buckets=((64, 64), (64, 64), (48, 80), (48, 80))):

@@ -54,7 +54,7 @@ def test_dataset_weight_scales_its_visits(tmp_path, tiny):
 
 def test_weighted_items_weigh_their_loss(tmp_path, tiny):
     from lorakit.io.modules import load_component
-    from lorakit.train.loop import Trainer
+    from lorakit.train.trainer import Trainer
 
     cfg, st, man = _two(tmp_path, tiny)
     data = CachedData(st, man, 1, 0, datasets=cfg.data.all_datasets())

@@ -8,7 +8,7 @@ from lorakit.io import load
 from lorakit.io.modules import load_component
 from lorakit.models.base import load_adapter
 from lorakit.train.data import CachedData
-from lorakit.train.loop import Trainer
+from lorakit.train.trainer import Trainer
 from tests.unit.train.test_loop import make_cfg
 
 

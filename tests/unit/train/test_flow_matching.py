@@ -118,7 +118,7 @@ def test_samplers_draw_their_density(method, kw, cdf):
 
 
 def test_timestep_scale_is_checked():
-    from lorakit.config import ScheduleConfig
+    from lorakit.config.schema import ScheduleConfig
 
     assert ScheduleConfig(timesteps="mode").scale == 1.29
     assert ScheduleConfig(timesteps="sigmoid", timestep_scale=2.0).scale == 2.0

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from lorakit.plan.resolve import resolve
 from lorakit.train.loop import run
 from tests.unit.train.test_loop import losses, make_cfg
 
@@ -31,8 +32,8 @@ def _samples(out):
 
 @pytest.mark.gpu
 def test_cuda_graphs_train_validate_sample_and_resume_as_without(tmp_path, tiny):
-    plain = run(_cfg(tmp_path / "a", tiny, False), {})
-    graphs = run(_cfg(tmp_path / "b", tiny, True), {})
+    plain = run(resolve(_cfg(tmp_path / "a", tiny, False)))
+    graphs = run(resolve(_cfg(tmp_path / "b", tiny, True)))
     assert plain["steps"] == graphs["steps"] == 8
     a, b = losses(plain["metrics"]), losses(graphs["metrics"])
     assert b == pytest.approx(a, rel=2e-2, abs=1e-3)
@@ -44,7 +45,7 @@ def test_cuda_graphs_train_validate_sample_and_resume_as_without(tmp_path, tiny)
         assert np.abs(sa[k] - sb[k]).mean() < 4.0, k  # of 255: the same pictures
 
     part = _cfg(tmp_path / "c", tiny, True)
-    assert run(part, {}, stop_at=4)["interrupted"]
-    resumed = run(part, {}, resume="latest")
+    assert run(resolve(part), stop_at=4)["interrupted"]
+    resumed = run(resolve(part), resume="latest")
     assert resumed["steps"] == 8
     assert losses(resumed["metrics"]) == pytest.approx(b, rel=1e-3, abs=1e-4)

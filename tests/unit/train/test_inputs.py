@@ -13,7 +13,7 @@ from lorakit.io.modules import load_component
 from lorakit.models.base import load_adapter
 from lorakit.train.data import CachedData
 from lorakit.train.inputs import Ahead, draw
-from lorakit.train.loop import Trainer
+from lorakit.train.trainer import Trainer
 from tests.unit.train.test_loop import make_cfg
 
 
@@ -67,8 +67,8 @@ def test_a_failed_draw_ahead_raises_in_the_step_that_needs_it(trainer):
 
 
 def fused(tr):
-    tr.opt = torch.optim.AdamW(tr.params, lr=5e-3, fused=True)  # what a CUDA run gets (also runs on the CPU)
-    tr.sched = torch.optim.lr_scheduler.LambdaLR(tr.opt, lambda s: 1.0)
+    tr.state.opt = torch.optim.AdamW(tr.params, lr=5e-3, fused=True)  # what a CUDA run gets (also runs on the CPU)
+    tr.state.sched = torch.optim.lr_scheduler.LambdaLR(tr.opt, lambda s: 1.0)
     return tr
 
 

@@ -13,8 +13,10 @@ from lorakit.data.demo import demo_layout_for, make_demo_dataset
 from lorakit.io.modules import load_component
 from lorakit.models.base import family_adapter, load_adapter
 from lorakit.models.registry import family_names
+from lorakit.plan.resolve import resolve
 from lorakit.train.data import CachedData
-from lorakit.train.loop import Trainer, run
+from lorakit.train.loop import run
+from lorakit.train.trainer import Trainer
 
 
 def make_cfg(tmp_path, family, model, steps=12, **over):
@@ -40,14 +42,14 @@ def losses(path):
 @pytest.mark.slow
 def test_resume_repeats_the_uninterrupted_losses(tmp_path, tiny):
     full = make_cfg(tmp_path / "a", "flux", tiny("flux"))
-    ra = run(full, {})
+    ra = run(resolve(full))
     assert ra["steps"] == 12 and not ra["interrupted"]
     part = make_cfg(tmp_path / "b", "flux", tiny("flux"))
-    rb = run(part, {}, stop_at=5)
+    rb = run(resolve(part), stop_at=5)
     assert rb["interrupted"] and rb["steps"] == 5
     with open(rb["metrics"], "a") as f:  # as if killed after logging steps the checkpoint does not hold
         f.write(json.dumps({"step": 6, "loss": 9.9}) + "\n")
-    rc = run(part, {}, resume="latest")
+    rc = run(resolve(part), resume="latest")
     assert rc["steps"] == 12 and not rc["interrupted"]
     a, b = losses(ra["metrics"]), losses(rc["metrics"])
     assert len(a) == len(b) == 12
@@ -86,7 +88,7 @@ def _ours_stock_base(tmp_path, tiny, family, cfg, res):
 def test_saved_lora_reproduces_predictions_in_stock_diffusers(tmp_path, tiny, family, io):
 
     cfg = make_cfg(tmp_path, family, tiny(family), steps=6, lora={"train_io": io})
-    res = run(cfg, {})
+    res = run(resolve(cfg))
     ours, stock, base, _ = _ours_stock_base(tmp_path, tiny, family, cfg, res)
     torch.testing.assert_close(ours, stock, rtol=1e-5, atol=1e-5)
     assert (ours - base).abs().max() > 1e-3  # the LoRA changed something
@@ -139,7 +141,7 @@ def test_sigint_saves_a_checkpoint_and_exits_interrupted_resumable(tmp_path, tin
 @pytest.mark.slow
 def test_held_out_items_get_a_validation_loss_and_are_never_trained_on(tmp_path, tiny):
     cfg = make_cfg(tmp_path, "flux", tiny("flux"), steps=6, validation={"items": 1, "every": 3})
-    res = run(cfg, {})
+    res = run(resolve(cfg))
     rows = [json.loads(line) for line in open(res["metrics"])]
     assert [r["step"] for r in rows if "val_loss" in r] == [3, 6]
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -188,7 +190,7 @@ def test_dora_trains_and_its_file_reproduces_predictions_in_stock_diffusers(tmp_
     from lorakit.io import load
 
     cfg = make_cfg(tmp_path, "flux", tiny("flux"), steps=4, lora={"dora": True, "dropout": 0.0})
-    res = run(cfg, {})
+    res = run(resolve(cfg))
     sd = load(res["lora"])
     assert any("lora_magnitude_vector" in k for k in sd)  # DoRA's magnitude trained and written
     ours, stock, base, pipe = _ours_stock_base(tmp_path, tiny, "flux", cfg, res)
@@ -201,7 +203,7 @@ def test_cache_in_memory_reads_each_entry_once_and_trains_the_same(tmp_path, tin
     a = make_cfg(tmp_path / "a", "flux", tiny("flux"), steps=4, sampling={"enabled": False})
     b = make_cfg(tmp_path / "b", "flux", tiny("flux"), steps=4, sampling={"enabled": False},
                  memory={"cache_in_memory": True})
-    ra, rb = run(a, {}), run(b, {})
+    ra, rb = run(resolve(a)), run(resolve(b))
     assert losses(ra["metrics"]) == pytest.approx(losses(rb["metrics"]), abs=1e-7)
     st = Store(cache_dir_for(b))
     data = CachedData(st, st.read_manifest(), 1, 0, in_memory=True)
@@ -219,7 +221,7 @@ def test_nf4_base_trains_and_its_lora_still_loads_in_stock_diffusers(tmp_path, t
 
     cfg = make_cfg(tmp_path, "qwen-image", tiny("qwen-image"), steps=4, memory={"base_quant": "nf4"},
                    sampling={"enabled": False})
-    res = run(cfg, {})
+    res = run(resolve(cfg))
     assert all(math.isfinite(x) for x in losses(res["metrics"]))
     a = load_adapter("qwen-image", tiny("qwen-image"))
     st = Store(cache_dir_for(cfg))

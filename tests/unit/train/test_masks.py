@@ -13,7 +13,7 @@ from lorakit.data.dataset import scan
 from lorakit.io.modules import load_component
 from lorakit.models.base import load_adapter
 from lorakit.train.data import CachedData
-from lorakit.train.loop import Trainer
+from lorakit.train.trainer import Trainer
 from tests.unit.train.test_loop import make_cfg
 
 

@@ -3,6 +3,7 @@ import torch
 
 from lorakit.io.modules import load_component
 from lorakit.models.base import load_adapter
+from lorakit.plan.resolve import resolve
 from lorakit.train.quant import Float8Linear, quantize_blocks
 
 
@@ -93,7 +94,7 @@ def test_fp8_compute_trains_a_lora_whose_file_loads_in_stock_diffusers(tmp_path,
     monkeypatch.setattr(quant._Fp8Matmul, "apply", lambda *a: calls.append(a[3] is not None) or apply(*a))
     cfg = make_cfg(tmp_path, "qwen-image", tiny("qwen-image"), steps=6, memory={"compute": "fp8"},
                    sampling={"enabled": False}, lora={"dropout": 0.0})
-    res = run(cfg, {})
+    res = run(resolve(cfg))
     curve = losses(res["metrics"])
     assert len(curve) == 6 and all(map(torch.isfinite, map(torch.tensor, curve)))
     assert res["consumer_check"]["diffusers"] == "equal"

@@ -7,9 +7,11 @@ from lorakit.cache.builder import build, cache_dir_for
 from lorakit.cache.store import Store
 from lorakit.io.modules import load_component
 from lorakit.models.base import load_adapter
+from lorakit.plan.resolve import resolve
 from lorakit.train.data import CachedData
-from lorakit.train.loop import Trainer, run
+from lorakit.train.loop import run
 from lorakit.train.sampling import conditions, render
+from lorakit.train.trainer import Trainer
 from tests.unit.train.test_loop import make_cfg
 
 
@@ -51,7 +53,7 @@ def test_sampler_matches_the_stock_pipeline(tmp_path, tiny, family):
 def test_train_writes_a_grid_before_every_n_steps_and_at_the_end(tmp_path, tiny):
     cfg = make_cfg(tmp_path, "qwen-image-edit", tiny("qwen-image-edit"), steps=5,
                    sampling={"every": 2, "steps": 3, "prompts": ["make it red", "make it blue", "flip it"]})
-    res = run(cfg, {})
+    res = run(resolve(cfg))
     folder = tmp_path / "out" / "samples"
     assert sorted(p.name for p in folder.iterdir()) == ["progress.png", "step-000000.png", "step-000002.png",
                                                         "step-000004.png", "step-000005.png"]
@@ -63,8 +65,8 @@ def test_train_writes_a_grid_before_every_n_steps_and_at_the_end(tmp_path, tiny)
     assert Image.open(folder / "step-000000.png").tobytes() != Image.open(folder / "step-000005.png").tobytes()
     # a resumed run keeps the rows rendered before the interruption
     cfg2 = make_cfg(tmp_path / "b", "flux", tiny("flux"), steps=4, sampling={"every": 2, "steps": 2})
-    run(cfg2, {}, stop_at=2)
-    res2 = run(cfg2, {}, resume="latest")
+    run(resolve(cfg2), stop_at=2)
+    res2 = run(resolve(cfg2), resume="latest")
     g2 = Image.open(res2["samples"])
     one = Image.open(tmp_path / "b" / "out" / "samples" / "step-000000.png")
     assert g2.height == 3 * one.height  # steps 0, 2, 4
@@ -72,7 +74,7 @@ def test_train_writes_a_grid_before_every_n_steps_and_at_the_end(tmp_path, tiny)
 
 def test_samples_can_be_turned_off(tmp_path, tiny):
     cfg = make_cfg(tmp_path, "flux", tiny("flux"), steps=2, sampling={"enabled": False})
-    res = run(cfg, {})
+    res = run(resolve(cfg))
     assert "samples" not in res and not (tmp_path / "out" / "samples").exists()
     t = res["timeline"]  # how long a user waited, and on what
     assert t["cached"] <= t["model_ready"] <= t["first_step"] and "first_samples" not in t

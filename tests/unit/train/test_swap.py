@@ -11,8 +11,8 @@ from lorakit.cache.store import Store
 from lorakit.io.modules import load_component
 from lorakit.models.base import load_adapter
 from lorakit.train.data import CachedData
-from lorakit.train.loop import Trainer
 from lorakit.train.swap import BlockSwapper, repeated_blocks
+from lorakit.train.trainer import Trainer
 from tests.unit.train.test_loop import make_cfg
 
 

@@ -5,6 +5,7 @@ import json
 import pytest
 
 from lorakit.io import read_header
+from lorakit.plan.resolve import resolve
 from lorakit.train.checkpoint import read_state
 from lorakit.train.loop import run
 from lorakit.train.validation import Best
@@ -22,7 +23,7 @@ def _val(metrics) -> list[tuple[int, float]]:
 
 @pytest.mark.slow
 def test_the_best_step_is_where_the_held_out_loss_was_lowest(tmp_path, tiny):
-    res = run(make_cfg(tmp_path / "a", "flux", tiny("flux"), sampling={"enabled": False}, **OVERFIT), {})
+    res = run(resolve(make_cfg(tmp_path / "a", "flux", tiny("flux"), sampling={"enabled": False}, **OVERFIT)))
     val = _val(res["metrics"])
     k, low = min(val, key=lambda x: x[1])
     assert k <= 16 and all(v > low for s, v in val if s > k)  # the run overfits after step k
@@ -34,8 +35,8 @@ def test_the_best_step_is_where_the_held_out_loss_was_lowest(tmp_path, tiny):
     assert read_header(res["lora"]).metadata["lorakit_step"] == "20"
 
     # patience 3: stops three checks after k, and the LoRA is step k's; its samples are written beside
-    res2 = run(make_cfg(tmp_path / "b", "flux", tiny("flux"), sampling={"steps": 2},
-                        **{**OVERFIT, "validation": {"items": 1, "every": 1, "patience": 3}}), {})
+    res2 = run(resolve(make_cfg(tmp_path / "b", "flux", tiny("flux"), sampling={"steps": 2},
+                        **{**OVERFIT, "validation": {"items": 1, "every": 1, "patience": 3}})))
     assert res2["steps"] == k + 3 and not res2["interrupted"]
     assert res2["early_stopped"]["at_step"] == k + 3 and res2["best"]["step"] == k
     best2 = tmp_path / "b" / "out" / "checkpoints" / "best" / "lora.safetensors"

@@ -4,6 +4,7 @@ import sys
 
 import pytest
 
+from lorakit.plan.resolve import resolve
 from lorakit.train.loop import run
 from tests.unit.train.test_loop import make_cfg
 
@@ -13,10 +14,10 @@ def test_offline_wandb_gets_the_metrics_the_samples_and_the_summary(tmp_path, ti
     monkeypatch.setenv("WANDB_SILENT", "true")
     cfg = make_cfg(tmp_path, "flux", tiny("flux"), steps=3, sampling={"steps": 2},
                    logging={"wandb": True, "wandb_mode": "offline", "wandb_project": "t"})
-    res = run(cfg, {}, stop_at=2)
+    res = run(resolve(cfg), stop_at=2)
     out = tmp_path / "out"
     first = (out / "wandb_id.txt").read_text()
-    res = run(cfg, {}, resume="latest")
+    res = run(resolve(cfg), resume="latest")
     assert res["steps"] == 3 and not res["warnings"]
     assert (out / "wandb_id.txt").read_text() == first  # the resumed run continues the same W&B run
     runs = sorted((out / "wandb").glob(f"offline-run-*-{first}"))
@@ -56,4 +57,4 @@ def test_wandb_asked_for_but_not_installed_is_an_environment_fault(tmp_path, tin
     monkeypatch.setitem(sys.modules, "wandb", None)  # import wandb now raises ImportError
     cfg = make_cfg(tmp_path, "flux", tiny("flux"), steps=2, logging={"wandb": True})
     with pytest.raises(EnvironmentFault, match="wandb is not installed"):
-        run(cfg, {})
+        run(resolve(cfg))

@@ -16,7 +16,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from lorakit.data.plan import control_dirs_for
 from lorakit.errors import InputError
+from lorakit.hardware.gpu import env_cap_gib
+from lorakit.hardware.profiles import load_profile
+from lorakit.models.base import family_adapter
 
 GIB = 2**30
 WORKING_SET = 16  # bf16 values per token x hidden unit kept by one block in backward (calibrated)
@@ -26,9 +30,8 @@ BYTES_PER_PARAM = {"none": None, "fp8": 1.0, "qfloat8": 1.0, "nf4": 0.55}
 
 def _transformer_facts(cfg) -> tuple[int, int, float, str]:
     """(hidden, blocks, parameters, source) from the model folder, else the family's published sizes."""
-    from lorakit.models.base import family_adapter
-
-    pub = family_adapter(cfg.model.family).published
+    adapter = family_adapter(cfg.model.family)
+    pub = adapter.published
     hidden, blocks, params = pub.hidden, pub.blocks, pub.params
     source = f"published size: {pub.source}"
     folder = Path(cfg.model.path) / "transformer" if cfg.model.path else None
@@ -39,9 +42,11 @@ def _transformer_facts(cfg) -> tuple[int, int, float, str]:
         except (OSError, UnicodeDecodeError, ValueError, AssertionError):
             raise InputError(f"{folder / 'config.json'}: not a readable JSON object",
                              "re-download the model folder") from None
-        heads, hd = c.get("num_attention_heads"), c.get("attention_head_dim")
-        hidden = heads * hd if heads and hd else c.get("model_dim", hidden)
-        blocks = (c.get("num_layers", 0) + c.get("num_single_layers", 0)) or c.get("num_visual_blocks", blocks)
+        try:
+            hidden, blocks = adapter.transformer_size(c)
+        except (KeyError, TypeError) as e:
+            raise InputError(f"{folder / 'config.json'}: not a {adapter.info.transformer_class} config (no {e})",
+                             "is model.family right for model.path?") from None
         idx = sorted(folder.glob("*.safetensors.index.json"))
         if idx:
             try:
@@ -71,8 +76,6 @@ def estimate(cfg, world: int = 1) -> dict:
         base, lora = params * per / world, 0.0
         if world > 1:
             base += 2 * params * bpp / blocks  # FSDP gathers a block (and prefetches the next) in full
-    from lorakit.models.base import family_adapter
-
     adapter = family_adapter(cfg.model.family)
     frames = max(cfg.data.frame_counts)  # the longest window (frame buckets)
     per_item = adapter.image_tokens(cfg.data.resolution, frames, controls_in_use(cfg, adapter),
@@ -91,8 +94,6 @@ def controls_in_use(cfg, adapter) -> int:
     (the family's maximum otherwise: the estimate must not be low)."""
     if not adapter.max_controls:
         return 0
-    from lorakit.data.check import control_dirs_for
-
     counts = [len(control_dirs_for(cfg, Path(d))) for d in (x.dir for x in cfg.data.all_datasets()) if Path(d).is_dir()]
     return min(max(counts), adapter.max_controls) if counts else adapter.max_controls
 
@@ -184,8 +185,6 @@ def fit_to_gpu(cfg, cap_gib: float | None = None, world: int = 1):
     """
     import torch
 
-    from lorakit.hardware.profiles import load_profile
-
     hw = load_profile(cfg.profile).hardware
     if not hw.get("gpu"):
         return cfg, None, None
@@ -198,54 +197,3 @@ def fit_to_gpu(cfg, cap_gib: float | None = None, world: int = 1):
         budget = float(hw.get("memory_gib") or hw.get("min_memory_gib") or 0)
     cfg, note = plan(cfg, budget, world)
     return cfg, check(cfg, budget, world), note
-
-
-def expandable_segments() -> None:
-    """memory.expandable_segments: the CUDA allocator grows segments instead of caching fixed blocks (less
-    fragmentation; the dgx-spark profile's unified memory wants it). Set before the first allocation."""
-    import os
-
-    import torch
-
-    if "expandable_segments" not in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""):
-        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = ",".join(
-            x for x in (os.environ.get("PYTORCH_CUDA_ALLOC_CONF"), "expandable_segments:True") if x)
-    try:
-        torch.cuda.memory._set_allocator_settings("expandable_segments:True")
-    except (AttributeError, RuntimeError):  # older torch: the environment variable (read at CUDA start) holds
-        pass
-
-
-CAP_ENV = "LORAKIT_MEMORY_CAP_GIB"
-
-
-def env_cap_gib() -> float | None:
-    """LORAKIT_MEMORY_CAP_GIB: emulate a smaller card (e.g. 24 for an RTX 4090 on an H100) in every command."""
-    import os
-
-    raw = os.environ.get(CAP_ENV, "").strip()
-    if not raw:
-        return None
-    try:
-        v = float(raw)
-        assert v > 0
-    except (ValueError, AssertionError):
-        from lorakit.errors import InputError
-
-        raise InputError(f"{CAP_ENV}={raw!r}: give the GiB a process may use, e.g. 24") from None
-    return v
-
-
-def apply_cap(device: str) -> float | None:
-    """Hold this process to LORAKIT_MEMORY_CAP_GIB of the GPU (PyTorch's allocator refuses past it, as a card
-    that small would). Returns the cap, or None."""
-    cap = env_cap_gib()
-    if not cap or not str(device).startswith("cuda"):
-        return None
-    import torch
-
-    dev = torch.device(device)
-    index = dev.index if dev.index is not None else torch.cuda.current_device()
-    total = torch.cuda.get_device_properties(index).total_memory
-    torch.cuda.set_per_process_memory_fraction(min(cap * 2**30 / total, 1.0), index)
-    return cap

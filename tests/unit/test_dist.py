@@ -7,6 +7,7 @@ import sys
 import pytest
 import yaml
 
+from lorakit.plan.resolve import resolve
 from tests.unit.train.test_loop import losses, make_cfg
 
 
@@ -30,9 +31,10 @@ def test_two_processes_match_one_with_the_same_global_batch(tmp_path, tiny, fami
     one = make_cfg(tmp_path / "one", family, tiny(family), steps=20, schedule={"batch_size": 2}, **common)
     two = make_cfg(tmp_path / "two", family, tiny(family), steps=20, schedule={"batch_size": 1},
                    output={"save_every": 10}, **common)
+    from lorakit.plan.resolve import resolve
     from lorakit.train.loop import run
 
-    r1 = run(one, {})  # one process: in this one (the 2-process run is the command)
+    r1 = run(resolve(one))  # one process: in this one (the 2-process run is the command)
     r2 = _train(_write(tmp_path, two, "two.yaml"), gpus=2)
     assert (r1["processes"], r1["global_batch"]) == (1, 2)
     assert (r2["processes"], r2["global_batch"]) == (2, 2)
@@ -46,7 +48,7 @@ def test_two_processes_match_one_with_the_same_global_batch(tmp_path, tiny, fami
     # the 2-process checkpoint resumes in 1 process (same global batch: batch_size 2) and continues exactly
     cont = make_cfg(tmp_path / "two", family, tiny(family), steps=20, schedule={"batch_size": 2},
                     output={"save_every": 10}, **common)
-    r3 = run(cont, {}, resume=str(out / "checkpoints" / "step-000010"))
+    r3 = run(resolve(cont), resume=str(out / "checkpoints" / "step-000010"))
     assert r3["resumed"]["from_world"] == 2 and r3["resumed"]["note"] is None
     assert losses(r3["metrics"]) == pytest.approx(a, rel=0, abs=1e-4)
 
@@ -59,7 +61,7 @@ def test_full_fine_tune_shards_with_fsdp_and_resumes_on_another_process_count(tm
     family = "flux"
     kw = {"lora": {"dropout": 0.0}, "optim": {"lr": 1e-3}}
     ref = make_cfg(tmp_path / "ref", family, tiny(family), steps=6, schedule={"batch_size": 2}, method="full", **kw)
-    r1 = run(ref, {})  # one process: in this one (the 2-process run and its resume are the commands)
+    r1 = run(resolve(ref))  # one process: in this one (the 2-process run and its resume are the commands)
     two = make_cfg(tmp_path / "two", family, tiny(family), steps=6, schedule={"batch_size": 1},
                    output={"save_every": 3}, method="full", **kw)
     r2 = _train(_write(tmp_path, two, "two.yaml"), gpus=2)
@@ -80,7 +82,7 @@ def test_full_fine_tune_shards_with_fsdp_and_resumes_on_another_process_count(tm
     # written by 2 processes, resumed by 1: the same losses as the uninterrupted runs
     one = make_cfg(tmp_path / "two", family, tiny(family), steps=6, schedule={"batch_size": 2},
                    output={"save_every": 3}, method="full", **kw)
-    r3 = run(one, {}, resume=str(tmp_path / "two" / "out" / "checkpoints" / "step-000003"))
+    r3 = run(resolve(one), resume=str(tmp_path / "two" / "out" / "checkpoints" / "step-000003"))
     assert r3["resumed"]["from_world"] == 2
     assert losses(r3["metrics"]) == pytest.approx(losses(r1["metrics"]), rel=0, abs=1e-4)
     c = load(final)
@@ -127,7 +129,7 @@ def test_full_fine_tune_with_8_bit_states_on_fsdp_shards_resumes_on_the_same_gpu
     from lorakit.train.loop import run
 
     with pytest.raises(InputError, match=r"8-bit optimizer states of 2 GPU\(s\)") as err:  # one process here
-        run(cfg, {}, resume=str(ck))
+        run(resolve(cfg), resume=str(ck))
     assert "--gpus 2" in err.value.hint and str(ck) in err.value.message  # a message naming the checkpoint
 
 
@@ -136,10 +138,10 @@ def test_full_fine_tune_with_8_bit_states_on_one_process_resumes_exactly(tmp_pat
 
     kw = {"optim": {"name": "adamw8bit", "lr": 1e-3}, "sampling": {"enabled": False}, "method": "full",
           "output": {"save_every": 2}}
-    a = run(make_cfg(tmp_path / "a", "qwen-image", tiny("qwen-image"), steps=4, **kw), {})
+    a = run(resolve(make_cfg(tmp_path / "a", "qwen-image", tiny("qwen-image"), steps=4, **kw)))
     part = make_cfg(tmp_path / "b", "qwen-image", tiny("qwen-image"), steps=4, **kw)
-    run(part, {}, stop_at=2)
-    b = run(part, {}, resume="latest")
+    run(resolve(part), stop_at=2)
+    b = run(resolve(part), resume="latest")
     assert (tmp_path / "b" / "out" / "checkpoints" / "step-000002" / "optimizer-rank0-of-1.pt").is_file()
     assert losses(b["metrics"]) == pytest.approx(losses(a["metrics"]), rel=0, abs=1e-6)
     assert b["transformer"].endswith("lora-transformer")

@@ -6,8 +6,9 @@ import pytest
 
 from lorakit.config import validate
 from lorakit.errors import InputError
+from lorakit.plan.memory import estimate
+from lorakit.plan.resolve import resolve
 from lorakit.train.loop import run
-from lorakit.train.memory import estimate
 
 
 def fake_model(tmp_path, family_cfg: dict, total_size: int):
@@ -49,7 +50,7 @@ def test_estimate_matches_the_measured_baselines(tmp_path):
 def test_2048_on_rtx4090_is_refused_before_loading_with_a_suggestion(tmp_path):
     cfg = cfg_for(fake_model(tmp_path, QWEN, int(20.4e9 * 2)), "qwen-image", "rtx4090", 2048)
     with pytest.raises(InputError) as ei:
-        run(cfg, {})  # the folder holds no weights: getting past the check would fail differently
+        run(resolve(cfg))  # the folder holds no weights: getting past the check would fail differently
     msg, hint = ei.value.message, ei.value.hint
     assert "needs about" in msg and "rtx4090 profile has 24" in msg and "activations" in msg
     assert "memory.blocks_to_swap=" in hint  # what would fit, as a setting this build honours
@@ -59,14 +60,14 @@ def test_suggestions_are_settings_this_build_honours(tmp_path):
     cfg = cfg_for(fake_model(tmp_path, FLUX, int(11.9e9 * 2)), "flux", "datacenter", 2048,
                   gradient_checkpointing=False)
     with pytest.raises(InputError) as ei:
-        from lorakit.train.memory import check
+        from lorakit.plan.memory import check
 
         check(cfg, 40.0)
     assert "memory.gradient_checkpointing=true" in ei.value.hint and "blocks_to_swap" not in ei.value.hint
 
 
 def test_a_fitting_config_passes_the_check(tmp_path):
-    from lorakit.train.memory import fit_to_gpu
+    from lorakit.plan.memory import fit_to_gpu
 
     cfg = cfg_for(fake_model(tmp_path, FLUX, int(11.9e9 * 2)), "flux", "rtx4090", 512)
     out, est, note = fit_to_gpu(cfg)
@@ -79,7 +80,7 @@ def test_a_fitting_config_passes_the_check(tmp_path):
 
 
 def test_checkpointing_is_turned_on_only_when_needed(tmp_path):
-    from lorakit.train.memory import fit_to_gpu
+    from lorakit.plan.memory import fit_to_gpu
 
     model = fake_model(tmp_path, FLUX, int(11.9e9 * 2))
     cfg = cfg_for(model, "flux", "datacenter", 1024, gradient_checkpointing=False)
@@ -89,21 +90,8 @@ def test_checkpointing_is_turned_on_only_when_needed(tmp_path):
     assert out.memory.gradient_checkpointing and "gradient checkpointing on" in note and est["gib"] < 40
 
 
-def test_memory_cap_from_the_environment(monkeypatch):
-    from lorakit.errors import InputError
-    from lorakit.train.memory import apply_cap, env_cap_gib
-
-    monkeypatch.delenv("LORAKIT_MEMORY_CAP_GIB", raising=False)
-    assert env_cap_gib() is None and apply_cap("cuda") is None
-    monkeypatch.setenv("LORAKIT_MEMORY_CAP_GIB", "24")
-    assert env_cap_gib() == 24.0 and apply_cap("cpu") is None  # a CPU has no allocator to hold back
-    monkeypatch.setenv("LORAKIT_MEMORY_CAP_GIB", "lots")
-    with pytest.raises(InputError, match="give the GiB"):
-        env_cap_gib()
-
-
 def test_auto_checkpoints_only_the_blocks_that_must_recompute(tmp_path):
-    from lorakit.train.memory import PLAN_MARGIN_GIB, fit_to_gpu
+    from lorakit.plan.memory import PLAN_MARGIN_GIB, fit_to_gpu
 
     flux = fake_model(tmp_path / "f", FLUX, int(11.9e9 * 2))
     every = cfg_for(flux, "flux", "rtx4090", 1024, checkpoint_blocks="all")

@@ -6,7 +6,7 @@ import json
 
 from pydantic import BaseModel
 
-from lorakit.config import Config
+from lorakit.config.schema import Config
 
 
 def _default(field) -> str:
@@ -21,7 +21,7 @@ def _default(field) -> str:
 def render() -> str:
     """Markdown for every section and key: type, default, description."""
     lines = ["# Configuration reference", "",
-             "Generated from `lorakit/config.py` by `python -m lorakit.config_docs` — do not edit by hand.", "",
+             "Generated from `lorakit/config/` by `python -m lorakit.config.docs` — do not edit by hand.", "",
              "Precedence, lowest first: built-in defaults < hardware profile (`profiles/*.yaml`) < your YAML "
              "< `--set key.path=value`. Unknown keys are errors; every error is reported at once with its key path.",
              ""]

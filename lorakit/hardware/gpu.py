@@ -1,0 +1,63 @@
+"""The GPU a process computes on, and the settings that hold for the whole process: the device (the GPU unless the
+profile is `cpu` or none is visible), an emulated smaller card (LORAKIT_MEMORY_CAP_GIB), the allocator's
+expandable segments."""
+
+from __future__ import annotations
+
+import os
+
+from lorakit.errors import InputError
+
+
+def device_for(profile: str) -> str:
+    """"cuda" or "cpu": what a run with this profile computes on here."""
+    if profile == "cpu":
+        return "cpu"
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+CAP_ENV = "LORAKIT_MEMORY_CAP_GIB"
+
+
+def env_cap_gib() -> float | None:
+    """LORAKIT_MEMORY_CAP_GIB: emulate a smaller card (e.g. 24 for an RTX 4090 on an H100) in every command."""
+    raw = os.environ.get(CAP_ENV, "").strip()
+    if not raw:
+        return None
+    try:
+        v = float(raw)
+        assert v > 0
+    except (ValueError, AssertionError):
+        raise InputError(f"{CAP_ENV}={raw!r}: give the GiB a process may use, e.g. 24") from None
+    return v
+
+
+def apply_cap(device: str) -> float | None:
+    """Hold this process to LORAKIT_MEMORY_CAP_GIB of the GPU (PyTorch's allocator refuses past it, as a card
+    that small would). Returns the cap, or None."""
+    cap = env_cap_gib()
+    if not cap or not str(device).startswith("cuda"):
+        return None
+    import torch
+
+    dev = torch.device(device)
+    index = dev.index if dev.index is not None else torch.cuda.current_device()
+    total = torch.cuda.get_device_properties(index).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(cap * 2**30 / total, 1.0), index)
+    return cap
+
+
+def expandable_segments() -> None:
+    """memory.expandable_segments: the CUDA allocator grows segments instead of caching fixed blocks (less
+    fragmentation; the dgx-spark profile's unified memory wants it). Set before the first allocation."""
+    import torch
+
+    if "expandable_segments" not in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""):
+        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = ",".join(
+            x for x in (os.environ.get("PYTORCH_CUDA_ALLOC_CONF"), "expandable_segments:True") if x)
+    try:
+        torch.cuda.memory._set_allocator_settings("expandable_segments:True")
+    except (AttributeError, RuntimeError):  # older torch: the environment variable (read at CUDA start) holds
+        pass

@@ -1,0 +1,82 @@
+"""What a run does on this machine beyond the memory plan, decided once while its config is resolved (so
+`--dry-run` shows it and the run follows it): whether the repeated blocks compile, whether they replay as CUDA
+graphs, which attention backend is in force. Each decision that cannot give what the config asks for says why
+(a run warning), instead of dropping the setting silently."""
+
+from __future__ import annotations
+
+from lorakit.errors import NotAvailableError
+from lorakit.hardware import fa4
+from lorakit.hardware.attention import self_test
+from lorakit.hardware.attention_choice import choose
+from lorakit.models.base import family_adapter
+
+
+def compile_decision(cfg, device: str, sharded: bool, swapper, has_blocks: bool) -> tuple[bool, str | None]:
+    """Whether the repeated blocks compile, and, where memory.compile asks for it and they cannot, why (the run's
+    warning). The CPU never compiles and says nothing."""
+    if not cfg.memory.compile or not device.startswith("cuda"):
+        return False, None
+    why = ("with block swapping (memory.blocks_to_swap: the swapped blocks change device every step)" if swapper
+           else "under FSDP (method: full on several GPUs)" if sharded
+           else "this transformer has no repeated blocks to compile" if not has_blocks else None)
+    return why is None, why and f"memory.compile: the blocks are not compiled {why}"
+
+
+def graphs_decision(cfg, device: str, compiled: bool, recomputed: int) -> tuple[bool, str | None]:
+    """Whether the compiled blocks replay as CUDA graphs (torch.compile's reduce-overhead mode: one launch per
+    block instead of one per kernel, which is what a host-bound step needs: fp8 compute's forward), and, where
+    memory.cuda_graphs asks for it and they cannot, why. Not while blocks recompute for gradient checkpointing
+    (the recompute runs a block's forward inside the backward pass), nor with gradient accumulation (each
+    micro-step's pass is a new generation of the graphs, and the gradients summed over micro-steps may be
+    outputs of the last one: not measured on a GPU)."""
+    if not cfg.memory.cuda_graphs:
+        return False, None
+    if not compiled:  # nothing to capture: compile_decision said why (the CPU never compiles: no news)
+        return False, (None if cfg.memory.compile or not device.startswith("cuda") else
+                       "memory.cuda_graphs replays the compiled blocks: it needs memory.compile: true")
+    if recomputed:
+        return False, (f"memory.cuda_graphs: the compiled blocks run without CUDA graphs while {recomputed} "
+                       f"of them recompute for gradient checkpointing")
+    if cfg.schedule.grad_accum > 1:  # one micro-step's LoRA gradients may sit in memory the next pass reuses
+        return False, ("memory.cuda_graphs: the compiled blocks run without CUDA graphs with "
+                       f"schedule.grad_accum={cfg.schedule.grad_accum} (measured only with 1)")
+    return True, None
+
+
+def has_repeated_blocks(family: str) -> bool:
+    """Does the family's diffusers transformer class declare repeated blocks (what regional compile compiles)?"""
+    import diffusers
+
+    cls = getattr(diffusers, family_adapter(family).info.transformer_class)
+    return bool(getattr(cls, "_repeated_blocks", None))
+
+
+def attention_backend(cfg, device: str, note=None) -> str:
+    """The SDPA backend a training run puts in force: memory.attention as given, else this machine's self-test
+    choice for the family at the run's resolution (measured once per machine and cached). "auto" on the CPU, or
+    where no backend passed (PyTorch then picks per call).
+
+    A cached choice of FlashAttention 4 that cannot run now (the package broken or gone since it was measured)
+    gives way to the next fastest measured backend, said through `note`; an explicit memory.attention with fa4
+    that cannot run here is refused.
+
+    Raises:
+        NotAvailableError: memory.attention names fa4 and it cannot run here.
+    """
+    if not device.startswith("cuda"):
+        return cfg.memory.attention
+    if cfg.memory.attention != "auto":
+        why = fa4.problem(device) if "fa4" in cfg.memory.attention.split("+") else None
+        if why:
+            raise NotAvailableError(why, "--set memory.attention=auto")
+        return cfg.memory.attention
+    report = self_test(device)
+    choice = choose(report, cfg.model.family, resolution=cfg.data.resolution)  # fastest at this run's size
+    why = fa4.problem(device) if choice and "fa4" in choice.split("+") else None
+    if why:
+        was, choice = choice, choose(report, cfg.model.family, resolution=cfg.data.resolution, exclude={"fa4"})
+        if note:
+            note(f"attention: this machine's measurements chose {was} for {cfg.model.family}, but {why}; "
+                 f"this run uses {choice or 'PyTorch defaults'} (`lorakit doctor --retest` measures again)")
+    return choice or "auto"

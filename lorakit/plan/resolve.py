@@ -1,0 +1,90 @@
+"""The one place a run's config is completed: layers merged (defaults < profile < YAML < --set), every path checked
+once, then what this machine decides — the memory plan (which blocks recompute, the estimate checked against the
+card), compile, CUDA graphs, the attention backend. `lorakit train --dry-run` prints the result; the run follows it
+and writes the same config to config.resolved.yaml (a test holds the two equal)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from lorakit.config import Config, assemble, check_paths
+from lorakit.hardware.gpu import device_for
+from lorakit.plan.decide import attention_backend, compile_decision, graphs_decision, has_repeated_blocks
+from lorakit.plan.memory import checkpointed, estimate, fit_to_gpu
+
+PATHS = ("model", "data")  # what `train` and `cache` read; output and cache folders are always checked
+
+
+@dataclass
+class Resolved:
+    """A run's final config and how it came to be."""
+
+    cfg: Config
+    profile: dict  # {"profile", "reason", "warnings"}
+    device: str = "cpu"  # what the run computes on: "cuda" or "cpu"
+    world: int = 1  # processes in the run
+    estimate: dict | None = None  # the memory estimate the plan was checked with (GPU profiles)
+    memory_note: str | None = None  # what the memory plan did (checkpointing turned on or off, and why)
+    notes: list[str] = field(default_factory=list)  # settings the run cannot follow as asked, and why (warnings)
+
+    def to_dict(self) -> dict:
+        return {"profile": self.profile, "config": self.cfg.to_dict(), "device": self.device, "world": self.world,
+                "memory_estimate": self.estimate, "memory_note": self.memory_note, "notes": list(self.notes)}
+
+
+def resolve(source: Path | dict | Config | None = None, overrides: list[str] | None = None,
+            profile: str | None = None, *, paths: tuple[str, ...] = PATHS, train: bool = True,
+            world: int | None = None, cap_gib: float | None = None, facts=None) -> Resolved:
+    """The run's config, complete.
+
+    Args:
+        source: the user's YAML file, its contents (a dict), or a config already validated (its profile's
+            defaults are then already in it).
+        overrides: `key.path=value` strings (not with a validated config).
+        profile: a profile name or "auto"; beats `profile:` in the YAML.
+        paths: which of the config's inputs must exist ("model", "data"); the output and cache folders are
+            always checked for writing.
+        train: also decide what a training run decides (memory plan, compile, graphs, attention); `lorakit cache`
+            needs none of it.
+        world: processes in the run (default: the launcher's WORLD_SIZE, else 1).
+        cap_gib: the GPU memory the run may use (default: LORAKIT_MEMORY_CAP_GIB, else the card's).
+        facts: the hardware probe's facts for `auto` (probed when needed).
+
+    Raises:
+        ConfigError: every config and path problem at once; InputError: a run that cannot fit (with what would).
+    """
+    if isinstance(source, Config):
+        cfg, prov = source, {"profile": source.profile, "reason": "a validated config", "warnings": []}
+    else:
+        cfg, prov = assemble(source, overrides, profile, facts)
+    check_paths(cfg, model="model" in paths, data="data" in paths)
+    world = world or int(os.environ.get("WORLD_SIZE", "1") or 1)
+    device = device_for(cfg.profile)
+    out = Resolved(cfg, prov, device, world)
+    return plan_run(out, cap_gib) if train else out
+
+
+def plan_run(r: Resolved, cap_gib: float | None = None) -> Resolved:
+    """Fill in a training run's machine decisions (see `resolve`)."""
+    cfg, device, notes = r.cfg, r.device, r.notes
+    m = cfg.memory
+    if device == "cpu" and m.blocks_to_swap:
+        notes.append(f"memory.blocks_to_swap={m.blocks_to_swap} keeps blocks in host memory to save GPU memory; "
+                     "this run is on the CPU, so it is 0")
+        cfg = cfg.model_copy(update={"memory": m.model_copy(update={"blocks_to_swap": 0})})
+    cfg, est, r.memory_note = fit_to_gpu(cfg, cap_gib, world=r.world)  # refuses a run that cannot fit
+    m = cfg.memory
+    sharded = cfg.method == "full" and r.world > 1
+    blocks = est["blocks"] if est else estimate(cfg, r.world)["blocks"]
+    compiled, why = compile_decision(cfg, device, sharded, m.blocks_to_swap or None,
+                                     device.startswith("cuda") and m.compile and has_repeated_blocks(cfg.model.family))
+    recomputed = blocks if m.blocks_to_swap else checkpointed(cfg, blocks)
+    graphs, graphs_why = graphs_decision(cfg, device, compiled, recomputed)
+    notes += [n for n in (why, graphs_why) if n]
+    attention = attention_backend(cfg, device, notes.append)
+    r.cfg = cfg.model_copy(update={"memory": m.model_copy(update={"compile": compiled, "cuda_graphs": graphs,
+                                                                  "attention": attention})})
+    r.estimate = est
+    return r

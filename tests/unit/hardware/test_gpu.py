@@ -1,0 +1,22 @@
+"""The GPU a process computes on and the settings that hold for the whole process."""
+
+import pytest
+
+from lorakit.hardware.gpu import apply_cap, device_for, env_cap_gib
+
+
+def test_memory_cap_from_the_environment(monkeypatch):
+
+    from lorakit.errors import InputError
+
+    monkeypatch.delenv("LORAKIT_MEMORY_CAP_GIB", raising=False)
+    assert env_cap_gib() is None and apply_cap("cuda") is None
+    monkeypatch.setenv("LORAKIT_MEMORY_CAP_GIB", "24")
+    assert env_cap_gib() == 24.0 and apply_cap("cpu") is None  # a CPU has no allocator to hold back
+    monkeypatch.setenv("LORAKIT_MEMORY_CAP_GIB", "lots")
+    with pytest.raises(InputError, match="give the GiB"):
+        env_cap_gib()
+
+
+def test_the_cpu_profile_computes_on_the_cpu_whatever_the_machine():
+    assert device_for("cpu") == "cpu"

@@ -1,0 +1,69 @@
+"""What a run decides on this machine beyond the memory plan: compile, CUDA graphs (the attention backend's
+decision is tested with the self-test, tests/unit/hardware/test_attention.py)."""
+
+def test_a_compile_the_run_cannot_do_is_said_not_dropped():
+    """The rtx4090/rtx5090 profiles compile by default; with block swapping (or FSDP) the blocks are not compiled,
+    and the run says so."""
+    from lorakit.config import assemble
+    from lorakit.plan.decide import compile_decision
+
+    cfg, _ = assemble(None, ["model.family=flux", "memory.blocks_to_swap=4"], profile="rtx4090")
+    assert cfg.memory.compile is True
+    assert "block swapping" in compile_decision(cfg, "cuda", False, object(), True)[1]
+    assert "FSDP" in compile_decision(cfg, "cuda:1", True, None, True)[1]
+    assert compile_decision(cfg, "cuda", False, None, True) == (True, None)
+    assert compile_decision(cfg, "cpu", False, object(), True) == (False, None)  # the CPU never compiles: no news
+    cfg, _ = assemble(None, ["model.family=flux", "memory.compile=false"], profile="rtx4090")
+    assert compile_decision(cfg, "cuda", False, object(), True) == (False, None)
+
+
+def test_cuda_graphs_need_compiled_blocks_that_do_not_recompute():
+    """memory.cuda_graphs replays compiled blocks; without them, or while blocks recompute for checkpointing, the
+    run says why it runs without graphs (the CPU compiles nothing and says nothing)."""
+    from lorakit.config import assemble
+    from lorakit.plan.decide import graphs_decision
+
+    cfg, _ = assemble(None, ["model.family=flux", "memory.cuda_graphs=true"], profile="datacenter")
+    assert graphs_decision(cfg, "cuda", True, 0) == (True, None)
+    off, why = graphs_decision(cfg, "cuda", True, 12)
+    assert not off and "12 of them recompute" in why
+    assert graphs_decision(cfg, "cpu", False, 0) == (False, None)
+    assert graphs_decision(cfg, "cuda", False, 0) == (False, None)  # compile asked for; compile_decision says why
+    cfg, _ = assemble(None, ["model.family=flux", "memory.cuda_graphs=true", "memory.compile=false"],
+                     profile="datacenter")
+    off, why = graphs_decision(cfg, "cuda", False, 0)
+    assert not off and "memory.compile: true" in why
+    cfg, _ = assemble(None, ["model.family=flux", "memory.cuda_graphs=true", "schedule.grad_accum=4"],
+                     profile="datacenter")
+    off, why = graphs_decision(cfg, "cuda", True, 0)
+    assert not off and "schedule.grad_accum=4" in why
+    cfg, _ = assemble(None, ["model.family=flux"], profile="datacenter")
+    assert graphs_decision(cfg, "cuda", True, 0) == (False, None)
+
+
+def test_a_cached_fa4_choice_that_cannot_run_now_gives_way_to_the_next_fastest_with_a_note(monkeypatch):
+    """Measured while flash-attn-4 worked, run after it broke (seen on the lent H100: its CuTe DSL library off the
+    path): the run used to stop with 'set memory.attention=auto' although it was auto."""
+    from lorakit.config import assemble
+    from lorakit.hardware import fa4
+    from lorakit.hardware.attention_cases import AttentionReport, CaseResult
+    from lorakit.plan import decide
+    from lorakit.plan.resolve import Resolved, plan_run
+
+    R = CaseResult
+    cases = {"512px": 2.0, "1024px": 5.0, "512px single": 2.0, "1024px single": 5.0}
+    rep = AttentionReport(fingerprint={}, results=[
+        *[R("flash", c, True, ms) for c, ms in cases.items()], *[R("fa4", c, True, 0.6 * ms) for c, ms in cases.items()],
+        *[R("efficient", c, True, 3 * ms) for c, ms in cases.items()]])
+    notes = []
+    monkeypatch.setattr(decide, "self_test", lambda device: rep)
+    monkeypatch.setattr(fa4, "problem", lambda device="cuda": "attention fa4 needs the flash-attn-4 package: gone")
+    cfg, _ = assemble(None, ["model.family=flux"], profile="datacenter")
+    assert decide.attention_backend(cfg, "cuda", notes.append) == "flash"
+    assert "chose fa4 for flux" in notes[0] and "gone" in notes[0] and "this run uses flash" in notes[0]
+    r = plan_run(Resolved(cfg, {}, "cuda"), cap_gib=80.0)  # the resolved config holds it: the run puts it in force
+    assert r.cfg.memory.attention == "flash" and any("chose fa4" in n for n in r.notes)
+    monkeypatch.setattr(fa4, "problem", lambda device="cuda": None)  # where it runs, the measured choice stands
+    assert decide.attention_backend(cfg, "cuda", notes.append) == "fa4" and len(notes) == 1
+    cfg, _ = assemble(None, ["model.family=flux", "memory.attention=flash"], profile="datacenter")
+    assert decide.attention_backend(cfg, "cuda", notes.append) == "flash"  # an explicit setting is taken as it is
