@@ -14,8 +14,19 @@ from pathlib import Path
 
 import yaml
 
+from lorakit.cache.builder import build
+from lorakit.config import dump_yaml
 from lorakit.data.demo import demo_layout_for, make_demo_dataset
+from lorakit.hardware import doctor as doc
+from lorakit.hardware.probe import probe
+from lorakit.hardware.profiles import choose
+from lorakit.io import atomic_path
+from lorakit.models.base import family_adapter
 from lorakit.models.registry import family_info, family_names
+from lorakit.models.tiny import tiny_pipeline
+from lorakit.plan.resolve import resolve
+from lorakit.quiet import quiet_libraries
+from lorakit.train.loop import run
 
 DEMO_PROMPTS = ("a red circle in the center on a blue background", "a yellow square at the top left on a black background")
 
@@ -42,8 +53,6 @@ class DemoResult:
 def demo_config(family: str, model_dir: Path, data_dir: Path, out_dir: Path) -> dict:
     """The YAML config the demo writes (also a starting point for real runs: drop the tiny sizes, i.e.
     resolution, bucket sides, control_resolution and frames, to get the defaults)."""
-    from lorakit.models.base import family_adapter
-
     facts = family_adapter(family)
     tiny_sizes = {"resolution": 64, "bucket_min_side": 32, "bucket_max_side": 128}
     if facts.max_controls:  # the pipelines encode controls at 1024²: minutes per step on a CPU
@@ -67,8 +76,6 @@ def sample_grid(model_dir: Path, family: str, prompts, size: int, steps: int, se
     import torch
     from diffusers import DiffusionPipeline
     from PIL import Image
-
-    from lorakit.models.base import family_adapter
 
     adapter = family_adapter(family)
     pipe = DiffusionPipeline.from_pretrained(model_dir, dtype=torch.float32)
@@ -102,8 +109,6 @@ def sample_grid(model_dir: Path, family: str, prompts, size: int, steps: int, se
 
 def _write(path: Path, what) -> None:
     """Text or a PIL image, written atomically (a full disk is an error naming the file)."""
-    from lorakit.io import atomic_path
-
     with atomic_path(path) as tmp:
         if isinstance(what, str):
             tmp.write_text(what)
@@ -113,14 +118,6 @@ def _write(path: Path, what) -> None:
 
 def run_demo(out_dir: Path, family: str | None = None, seed: int = 0, progress=None) -> DemoResult:
     """Run the demo into `out_dir` and return what it made."""
-    from lorakit.config import dump_yaml
-    from lorakit.hardware import doctor as doc
-    from lorakit.hardware.probe import probe
-    from lorakit.hardware.profiles import choose
-    from lorakit.models.tiny import tiny_pipeline
-    from lorakit.plan.resolve import resolve
-    from lorakit.quiet import quiet_libraries
-
     quiet_libraries()
     family = family or family_names()[0]
     family_info(family)  # unknown names fail here, before any work
@@ -137,7 +134,7 @@ def run_demo(out_dir: Path, family: str | None = None, seed: int = 0, progress=N
 
     model_dir: Path = out_dir / "model"
 
-    def build():
+    def tiny_model():
         nonlocal model_dir
         model_dir = tiny_pipeline(family, seed=seed)
         res.files["model"] = str(model_dir)
@@ -175,16 +172,12 @@ def run_demo(out_dir: Path, family: str | None = None, seed: int = 0, progress=N
         return f"resolved with profile {r.profile['profile']}"
 
     def cache():
-        from lorakit.cache.builder import build
-
         r = resolve(out_dir / "config.yaml", [], "auto", train=False)
         s = build(r.cfg, r.device)
         res.files["cache"] = s.cache_dir
         return f"{s.items} items ({s.encoded} encoded, {s.reused} reused), {s.bytes / 2**10:.0f} KiB"
 
     def train():
-        from lorakit.train.loop import run
-
         r = run(resolve(out_dir / "config.yaml", [], "auto"))
         res.files.update(lora=r["lora"], loss_curve=r["loss_curve"], metrics=r["metrics"])
         if r.get("samples"):
@@ -214,7 +207,7 @@ def run_demo(out_dir: Path, family: str | None = None, seed: int = 0, progress=N
             note += ", with the LoRA -> samples_lora.png"
         return note
 
-    stage("build tiny pipeline", build)
+    stage("build tiny pipeline", tiny_model)
     stage("demo dataset", data)
     stage("doctor", doctor)
     stage("config", config)

@@ -10,12 +10,19 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from lorakit import __version__, placement
+from lorakit.convert import lora as L
+from lorakit.convert.patches import LowRank
 from lorakit.data.images import open_image
+from lorakit.data.video import write_clip
 from lorakit.dtypes import torch_dtype
 from lorakit.errors import InputError
 from lorakit.hardware.gpu import apply_cap
+from lorakit.io import atomic_path
 from lorakit.io.digest import file_hash
+from lorakit.models.base import family_adapter, load_adapter
 from lorakit.models.registry import family_of_folder
+from lorakit.placement import apply
 
 
 @dataclass
@@ -51,8 +58,6 @@ def parse_lora(spec: str) -> tuple[Path, float]:
 def assemble(model_dir: Path, device: str, dtype, backend: str = "auto"):
     """The family's stock pipeline over every component, weights loaded through lorakit.io (the family
     adapter's loading). Returns (pipeline, adapter)."""
-    from lorakit.models.base import load_adapter
-
     adapter = load_adapter(family_of_folder(model_dir), model_dir, device=device, dtype=dtype, backend=backend)
     adapter.load([k for k in adapter.index if not k.startswith("_")])
     pipe = adapter.pipeline()
@@ -62,8 +67,6 @@ def assemble(model_dir: Path, device: str, dtype, backend: str = "auto"):
 
 def read_loras(loras: list[tuple[Path, float]], arch: str | None) -> list[tuple]:
     """Read and check every LoRA (any layout) before anything heavy is loaded: (path, scale, Lora)."""
-    from lorakit.convert import lora as L
-
     return [(path, scale, L.read(path, arch=arch)) for path, scale in loras]  # another architecture: refused
 
 
@@ -76,9 +79,6 @@ def add_loras(pipe, loras: list[tuple], arch: str | None, bake: bool = False, de
     rounding pass to sum on the GPU (`train.quant.quantize_blocks`). `loras`: paths and scales, or what
     `read_loras` returned."""
     import torch
-
-    from lorakit.convert import lora as L
-    from lorakit.convert.patches import LowRank
 
     read = loras if loras and len(loras[0]) == 3 else read_loras(loras, arch)
     tr = pipe.transformer
@@ -142,16 +142,12 @@ def generate(model_dir: Path, req: Request, loras: list[tuple[Path, float]], out
     import torch
     from PIL.PngImagePlugin import PngInfo
 
-    from lorakit import __version__
-    from lorakit.io import atomic_path
-
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     apply_cap(device)  # LORAKIT_MEMORY_CAP_GIB: a smaller card, emulated
     dtype_name = dtype_name or ("bf16" if device.startswith("cuda") else "fp32")
     dtype = torch_dtype(dtype_name)
     if not req.prompts:
         raise InputError("no prompt", "give --prompt TEXT (repeatable) or --prompts FILE")
-    from lorakit.models.base import family_adapter
 
     controls = []
     for p in req.images:  # every input is checked before the model is loaded
@@ -199,7 +195,6 @@ def generate(model_dir: Path, req: Request, loras: list[tuple[Path, float]], out
         pending = {name: [] for name in block_linears(pipe.transformer)}
     lora_facts = add_loras(pipe, read, adapter.arch, bake=fp8, defer=pending)
     phases["loras_s"] = round(time.perf_counter() - t, 2)
-    from lorakit.placement import apply
 
     say(f"placing: {plan.mode} ({plan.why})")
     t = time.perf_counter()
@@ -241,7 +236,6 @@ def generate(model_dir: Path, req: Request, loras: list[tuple[Path, float]], out
             for key, v in meta.items():
                 info.add_text(f"lorakit:{key}", v if isinstance(v, str) else json.dumps(v))
             if video:  # an .mp4 (H.264, the metadata in its comment) and a GIF beside it for quick looks
-                from lorakit.data.video import write_clip
 
                 frames = [_to_pil(f) for f in result.frames[0]]
                 path = out_dir / f"{k:04d}-seed{seed}.mp4"
@@ -283,8 +277,6 @@ def generate(model_dir: Path, req: Request, loras: list[tuple[Path, float]], out
 
 def _placement(model_dir, device: str, dtype, mode: str):
     """Where the weights wait while generating (lorakit.placement); everything on the CPU when device is."""
-    from lorakit import placement
-
     if not device.startswith("cuda"):  # the CPU holds everything; fp8 weights only when asked for
         return placement.Plan("fp8", "--offload fp8 on the CPU", {}) if mode == "fp8" else \
             placement.Plan("none", "the CPU", {})

@@ -23,6 +23,8 @@ from pathlib import Path
 
 from lorakit.errors import InputError
 from lorakit.hardware.gpu import env_cap_gib
+from lorakit.io.header import read_header
+from lorakit.io.reader import resolve_files
 
 MODES = ("auto", "none", "model", "fp8", "group")
 # everything resident: the activations of one 1024² generation plus the VAE decode (FLUX ~3, Qwen-Image ~4 GiB
@@ -43,9 +45,6 @@ class Plan:
 
 def component_gib(model_dir: Path, names, dtype_bytes: int) -> dict[str, float]:
     """Each weight component's size in GiB at `dtype_bytes` per floating-point element (from its headers)."""
-    from lorakit.io.header import read_header
-    from lorakit.io.reader import resolve_files
-
     out = {}
     for name in names:
         folder = Path(model_dir) / name
@@ -62,9 +61,6 @@ def component_gib(model_dir: Path, names, dtype_bytes: int) -> dict[str, float]:
 def fp8_bytes(folder: Path, dtype_bytes: int) -> int:
     """A transformer's size with its block Linear weights in float8 plus a float32 scale per row (what
     `train.quant.quantize_blocks` makes), the rest at `dtype_bytes` (from its headers)."""
-    from lorakit.io.header import read_header
-    from lorakit.io.reader import resolve_files
-
     total = 0
     for f in resolve_files(Path(folder)):
         for name, info in read_header(f).tensors.items():

@@ -17,6 +17,9 @@ import json
 import time
 from pathlib import Path
 
+from lorakit.io import save_sharded
+from lorakit.models.base import family_adapter
+
 # The published text encoders and VAEs (hub config.json values). Token ids come from the tokenizer written beside.
 CLIP_L = dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12,
               max_position_embeddings=77, projection_dim=768, hidden_act="quick_gelu", vocab_size=49408)
@@ -96,9 +99,6 @@ def write_model(family: str, out, device: str = "cuda", seed: int = 0, scale: st
     import shutil
 
     import torch
-
-    from lorakit.io import save_sharded
-    from lorakit.models.base import family_adapter
 
     out = Path(out)
     adapter = family_adapter(family)

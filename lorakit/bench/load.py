@@ -18,6 +18,8 @@ from pathlib import Path
 from lorakit.bench.poll import Peak
 from lorakit.dtypes import torch_dtype
 from lorakit.errors import InputError
+from lorakit.io import load, read_header, resolve_files, save_sharded
+from lorakit.io.modules import load_component
 
 WAYS = ("safetensors", "safetensors+to", "fastsafetensors", "lorakit", "lorakit-copy")
 
@@ -45,8 +47,6 @@ def parse_size(text: str) -> int:
 def make_synthetic(folder: Path, size: int, shards: int = 2, tensors_per_shard: int = 64) -> list[Path]:
     """bf16 tensors of random bytes (never zeros), split like a real sharded checkpoint."""
     import torch
-
-    from lorakit.io import save_sharded
 
     n = max(shards * tensors_per_shard, 1)
     per = max(size // n // 2, 1)  # bf16 elements per tensor
@@ -151,8 +151,6 @@ def _touch(tensors: dict) -> None:
 def _load(way: str, files: list[Path], target: str) -> dict:
     import torch
 
-    from lorakit.io import load
-
     if way == "safetensors":
         return load(files, device=target, backend="safetensors")
     if way == "safetensors+to":
@@ -222,8 +220,6 @@ def run(files: list[Path], targets=("cpu",), ways=WAYS, caches=("warm", "cold"),
 def bench(path: Path | None, synthetic: str | None, targets, repeats: int, keep: bool, progress=None,
           where: Path | None = None, caches=("warm", "cold")) -> dict:
     """The command's library function (`where`: the folder for synthetic files)."""
-    from lorakit.io import resolve_files
-
     tmp = None
     if synthetic:
         if where is not None:
@@ -231,8 +227,6 @@ def bench(path: Path | None, synthetic: str | None, targets, repeats: int, keep:
         tmp = Path(tempfile.mkdtemp(prefix="lorakit-bench-", dir=where))
         files = make_synthetic(tmp, parse_size(synthetic))
     elif path is not None:
-        from lorakit.io import read_header
-
         files = resolve_files(path)
         for f in files:  # lorakit's validation first: no third-party reader sees a damaged file
             read_header(f)
@@ -254,8 +248,6 @@ def bench_model_dir(folder: Path, device: str, dtype_name: str = "bf16", repeats
     import json as _json
 
     import torch
-
-    from lorakit.io.modules import load_component
 
     dtype = torch_dtype(dtype_name)
     folder = Path(folder)

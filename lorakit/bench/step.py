@@ -23,8 +23,18 @@ import subprocess
 import sys
 import time
 
+from lorakit import dist as dist_mod
 from lorakit.dtypes import torch_dtype
 from lorakit.errors import InputError
+from lorakit.hardware.attention_cases import family_masked
+from lorakit.hardware.sdpa import apply
+from lorakit.io.modules import keep_fp32
+from lorakit.models.base import family_adapter, load_adapter
+from lorakit.models.batch import drop_full_mask
+from lorakit.models.tiny import tiny_pipeline
+from lorakit.plan.memory import estimate
+from lorakit.plan.resolve import resolve
+from lorakit.train import flow_matching as fm
 
 REFERENCE_TARGETS = ["to_q", "to_k", "to_v", "to_out.0"]  # the diffusers training examples' default
 TEXT_LEN = 512
@@ -36,12 +46,9 @@ PEAK_BF16 = {"H100": 989e12, "H200": 989e12, "H20": 148e12, "B200": 2250e12, "GB
 
 def architecture(family: str, size: str) -> tuple[str, dict]:
     """(class name, config) of the family's transformer: `full` (published) or `tiny` (the test model)."""
-    from lorakit.models.base import family_adapter
-
     a = family_adapter(family)
     if size == "full":
         return a.info.transformer_class, dict(a.full_config)
-    from lorakit.models.tiny import tiny_pipeline
 
     cfg = json.loads((tiny_pipeline(family) / "transformer" / "config.json").read_text())
     return cfg["_class_name"], {k: v for k, v in cfg.items() if not k.startswith("_")}
@@ -73,7 +80,6 @@ def build_random(family: str, size: str, device: str, dtype, seed: int = 0, keep
             t.normal_(0.0, 0.02, generator=g)
         sd[n] = t if keep_on is None else t.to(keep_on)
     model.load_state_dict(sd, strict=True, assign=True)
-    from lorakit.io.modules import keep_fp32
 
     return keep_fp32(model.to(keep_on or device)).eval().requires_grad_(False)
 
@@ -81,8 +87,6 @@ def build_random(family: str, size: str, device: str, dtype, seed: int = 0, keep
 def reference_targets(family: str) -> list[str]:
     """The LoRA targets both ways train: the diffusers examples' default where the family has those modules,
     else the family's attention preset."""
-    from lorakit.models.base import family_adapter
-
     attention = family_adapter(family).lora_presets.attention
     return REFERENCE_TARGETS if set(REFERENCE_TARGETS) <= set(attention) else list(attention)
 
@@ -91,8 +95,6 @@ def synthetic_batch(family: str, size: str, res: int, seed: int = 0, text_len: i
     """One batch (CPU tensors) shaped as the cache gives it (the family adapter's `example_inputs`): latents at
     the resolution, text embeddings (+ mask / pooled), control latents of the same size for edit families."""
     import torch
-
-    from lorakit.models.base import family_adapter
 
     _, kw = architecture(family, size)
     return family_adapter(family).example_inputs(kw, res, text_len, torch.Generator().manual_seed(seed), frames)
@@ -111,8 +113,6 @@ class SyntheticData:
         return self.batch.keys * self.copies
 
     def load(self, keys, drop=None, variants=None):
-        from lorakit.models.batch import drop_full_mask
-
         return drop_full_mask(self.batch)
 
 
@@ -120,8 +120,6 @@ class SyntheticData:
 
 
 def _adapter(family: str):
-    from lorakit.models.base import load_adapter
-
     return load_adapter(family, None)
 
 
@@ -143,8 +141,6 @@ def plain_setup(spec: dict, model, device: str):
 
 def plain_loss(adapter, model, batch, sigmas, noise, device, dtype):
     """The plain step's loss: same conventions (adapter.predict), no autocast, everything in `dtype`."""
-    from lorakit.train import flow_matching as fm
-
     x0 = batch.latents.to(device, dtype)
     xt, target = fm.noisy(x0, noise.to(device, dtype), sigmas.to(device))
     text = {k: (v.to(device, dtype) if v.is_floating_point() else v.to(device)) for k, v in batch.text.items()}
@@ -157,8 +153,6 @@ def lorakit_config(spec: dict, device: str):
     """The run's config (profile + the bench's settings + --set), resolved as `train` resolves it: the memory plan
     fitted to the GPU (refused before anything is built when it cannot fit), compile, graphs, the attention
     backend the bench asks for."""
-    from lorakit.plan.resolve import resolve
-
     sets = [f"model.family={spec['family']}", f"data.resolution={spec['res']}", f"lora.rank={spec['rank']}",
             f"lora.targets={json.dumps(reference_targets(spec['family']))}", "lora.dropout=0", f"seed={spec['seed']}",
             f"schedule.steps={spec['warmup'] + spec['steps']}", "schedule.warmup_steps=0",
@@ -175,8 +169,6 @@ def lorakit_trainer(spec: dict, model, adapter, data, device: str, dtype, cfg=No
 
     cfg = cfg or lorakit_config(spec, device)
     if device.startswith("cuda"):
-        from lorakit.hardware.sdpa import apply
-
         apply(spec["attention"] or None)
     torch.manual_seed(spec["seed"])
     from pathlib import Path
@@ -188,8 +180,6 @@ def lorakit_trainer(spec: dict, model, adapter, data, device: str, dtype, cfg=No
 def prepare(spec: dict):
     """Build one way in this process. Returns (step function returning the loss, facts)."""
     import torch
-
-    from lorakit import dist as dist_mod
 
     d = dist_mod.init(spec["device"])  # several processes when launched with --gpus N
     device = spec["device"] = d.device(spec["device"])
@@ -211,8 +201,6 @@ def prepare(spec: dict):
     batch = synthetic_batch(spec["family"], spec["size"], spec["res"], seed=spec["seed"])
     if spec["way"] == "plain":
         if cuda and spec["plain_attention"]:
-            from lorakit.hardware.sdpa import apply
-
             apply(spec["plain_attention"])
         params, opt = plain_setup(spec, model, device)
         g = torch.Generator().manual_seed(spec["seed"])
@@ -239,8 +227,6 @@ def prepare(spec: dict):
                                                                    "optimizer_8bit")}
         info["settings"]["cuda_graphs"] = tr.graphs  # in force (memory.cuda_graphs asks; prepare decides)
         if cuda:
-            from lorakit.plan.memory import estimate
-
             info["estimate_gib"] = estimate(cfg, spec.get("gpus", 1))["gib"]  # beside the measured peak
         info["optimizer"] = cfg.optim.name
     return step, info
@@ -375,8 +361,6 @@ def model_flops(family: str, size: str, res: int) -> float:
     import torch
     from torch.utils.flop_counter import FlopCounterMode
 
-    from lorakit.train import flow_matching as fm
-
     with torch.device("meta"):
         model = build_meta(family, size)
         batch = synthetic_batch(family, size, res)
@@ -411,7 +395,6 @@ def compare_numerics(family: str, size: str = "tiny", res: int = 128, device: st
                 dtype=dtype_name, profile="datacenter" if cuda else "cpu", sets=list(sets or []),
                 attention="flash+efficient" if cuda else None, plain_checkpointing=False)
     if cuda:  # both ways on kernels that work here (PyTorch's default pick, cuDNN, fails in backward on H100)
-        from lorakit.hardware.sdpa import apply
 
         apply("flash+efficient")
     adapter = _adapter(family)
@@ -484,9 +467,6 @@ def bench(family: str, res: int, profile: str | None, steps: int = 10, warmup: i
     gpus > 1 adds lorakit on that many GPUs (one process each: data parallel, FSDP for method=full), with its
     throughput against lorakit on one GPU. checkpoint_dir: the lorakit rows also save, resume and continue."""
     import torch
-
-    from lorakit.hardware.attention_cases import family_masked
-    from lorakit.models.base import family_adapter
 
     adapter = family_adapter(family)  # an unknown name is refused here, with the closest one
     if res % 16:

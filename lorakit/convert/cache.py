@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
+from lorakit.cache.store import Store
 from lorakit.errors import InputError, short
 
 SYNONYMS = {
@@ -77,8 +78,6 @@ def _rename(path: Path, obj: dict) -> dict:
 
 
 def migrate(src, dst=None, family: str | None = None) -> dict:
-    from lorakit.cache.store import Store
-
     src = Path(src)
     if not src.is_dir():
         raise InputError(f"{src} is not a folder of .pt files")

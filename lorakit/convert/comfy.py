@@ -16,8 +16,9 @@ every save (probe vectors, any size).
 
 from __future__ import annotations
 
-from lorakit.convert.native import flat, native_table, row_sizes, swap_halves
+from lorakit.convert.native import flat, n_blocks, native_table, row_sizes, swap_halves
 from lorakit.convert.patches import weight_decompose
+from lorakit.models.base import arch_adapter
 
 # comfy/weight_adapter/lora.py LoRAAdapter.load: (up, down) key suffixes, in the order it tries them
 LORA_PAIRS = ((".lora_up.weight", ".lora_down.weight"), ("_lora.up.weight", "_lora.down.weight"),
@@ -32,8 +33,6 @@ SWAP = "swap_scale_shift"  # comfy.utils.swap_scale_shift, the function ComfyUI 
 def model_keys(arch: str, shapes: dict) -> dict:
     """The weights ComfyUI's model has ("diffusion_model.<native>.<param>") with their shapes, from the
     diffusers weights' shapes (fused rows added up). `shapes`: diffusers parameter name -> shape."""
-    from lorakit.convert.native import n_blocks
-
     table = native_table(arch, n_blocks(shapes))
     out, seen = {}, set()
     for native, rec in table.items():
@@ -64,8 +63,6 @@ def key_map(arch: str, keys: dict) -> dict:
     (non-weight parameters under their own key); then the architecture's branch maps diffusers names under the
     prefixes it lists (`Adapter.comfy_diffusers_prefixes`) — for FLUX into the fused BFL weights by row offsets,
     and the final norm with swap_scale_shift (flux_to_diffusers' MAP_BASIC)."""
-    from lorakit.models.base import arch_adapter
-
     out = {}
     for k in keys:
         if k.endswith(".weight"):
@@ -74,7 +71,6 @@ def key_map(arch: str, keys: dict) -> dict:
         else:
             out[k] = k
     prefixes = arch_adapter(arch).comfy_diffusers_prefixes
-    from lorakit.convert.native import n_blocks
 
     table = native_table(arch, n_blocks(keys))
     for native, rec in table.items():

@@ -39,6 +39,9 @@ from lorakit.convert.native import (
 )
 from lorakit.convert.patches import Full, LoHa, LoKr, LowRank, Rows, kind_name
 from lorakit.errors import FileFormatError, InputError
+from lorakit.io import atomic_path, load, read_header, save
+from lorakit.models.base import guess_arch
+from lorakit.models.registry import arch_names
 
 FORMATS = ("diffusers", "peft", "kohya", "comfyui")
 
@@ -114,8 +117,6 @@ def read(path, arch: str | None = None, strict: bool = False, base: dict | None 
 
 
 def _load(path: Path):
-    from lorakit.io import load, read_header
-
     config = None
     if path.is_dir():
         cfg_file, weights = path / "adapter_config.json", path / "adapter_model.safetensors"
@@ -210,7 +211,6 @@ def _read(path, arch: str | None, base: dict | None) -> Lora:
             table = (native_table(arch, blocks, flat_names) if ns == "native" else
                      diffusers_table(arch, blocks, True)) if arch else {}
             if not arch and ns != "native":  # shared names: every architecture that knows one reads it alike
-                from lorakit.models.registry import arch_names
 
                 readings = {diffusers_table(a, blocks, True).get(module) for a in arch_names()} - {None}
                 table = {module: readings.pop()} if len(readings) == 1 else {}
@@ -232,7 +232,6 @@ def _read(path, arch: str | None, base: dict | None) -> Lora:
             lora.biases[name] = bias
     _dora_to_magnitude(lora, base)
     _check_finite(lora)
-    from lorakit.models.base import guess_arch
 
     guessed = guess_arch(lora.weights) if lora.weights else None
     if asked and guessed not in (None, asked) and not native:
@@ -259,9 +258,6 @@ def _first_tensor(p):
 
 
 def _guess_arch(groups: dict) -> str | None:
-    from lorakit.models.base import guess_arch
-    from lorakit.models.registry import arch_names
-
     native = [m for (ns, _, m) in groups if ns == "native"]
     flats = {fl for (ns, fl, _) in groups if ns == "native"}
     if native:
@@ -383,8 +379,6 @@ def write(lora: Lora, dst, fmt: str, arch: str | None, dtype=None, extra_metadat
     Raises:
         InputError: the format cannot hold what the LoRA carries (named), or DoRA without the base weights.
     """
-    from lorakit.io import save
-
     if fmt not in FORMATS:
         raise InputError(f"--to must be one of {', '.join(FORMATS)}, got {fmt!r}")
     dst = Path(dst)
@@ -419,14 +413,11 @@ def write(lora: Lora, dst, fmt: str, arch: str | None, dtype=None, extra_metadat
             return save(sd, dst, metadata=meta)
         dst.mkdir(parents=True, exist_ok=True)
         save(sd, dst / "adapter_model.safetensors", metadata=meta)
-        from lorakit.io import atomic_path
 
         with atomic_path(dst / "adapter_config.json") as tmp:
             Path(tmp).write_text(json.dumps({"peft_type": "LORA", **cfg}, indent=2, sort_keys=True))
         return dst
     if arch is None:
-        from lorakit.models.registry import arch_names
-
         raise InputError("cannot tell which model this LoRA is for (attention-only keys are shared by several)",
                          f"pass --family (one of: {', '.join(arch_names())})")
     weights = {}

@@ -8,15 +8,14 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from lorakit.convert import lora as L
 from lorakit.errors import InputError
+from lorakit.io import load, resolve_files, save_sharded
+from lorakit.io.digest import file_hash
+from lorakit.models.registry import family_info, family_of_folder
 
 
 def merge(model_dir, lora_path, dst, scale: float = 1.0) -> dict:
-    from lorakit.convert import lora as L
-    from lorakit.io import load, resolve_files, save_sharded
-    from lorakit.io.digest import file_hash
-    from lorakit.models.registry import family_info, family_of_folder
-
     model_dir, dst = Path(model_dir), Path(dst)
     if dst.exists():
         raise InputError(f"{dst} exists", "name a new folder for the merged model")

@@ -13,7 +13,9 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
+from lorakit.dtypes import torch_dtype
 from lorakit.errors import InputError
+from lorakit.io import load, read_header, resolve_files, save, save_sharded
 
 DTYPES = ("keep", "fp32", "bf16", "fp16", "fp8")
 E4M3_MAX = 448.0
@@ -38,8 +40,6 @@ def _cast(sd: dict, dtype: str) -> dict:
     if dtype == "keep":
         return sd
     if dtype in ("fp32", "bf16", "fp16"):
-        from lorakit.dtypes import torch_dtype
-
         dt = torch_dtype(dtype)
         return {k: v.to(dt) if v.is_floating_point() else v for k, v in sd.items()}
     out = {"scaled_fp8": torch.empty(0, dtype=torch.float8_e4m3fn)}
@@ -59,8 +59,6 @@ def _cast(sd: dict, dtype: str) -> dict:
 def convert_model(src, dst, dtype: str = "keep", shard_gb: float | None = None) -> dict:
     """Convert one component's weights. `dst` ending in .safetensors: one file; otherwise a folder (sharded
     above `shard_gb`, with `config.json` copied from a source folder)."""
-    from lorakit.io import load, read_header, resolve_files, save, save_sharded
-
     src, dst = Path(src), Path(dst)
     if dtype not in DTYPES:
         raise InputError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
@@ -103,8 +101,6 @@ def convert_model(src, dst, dtype: str = "keep", shard_gb: float | None = None) 
 
 def describe(path) -> dict:
     """What a weights file or folder holds (for messages)."""
-    from lorakit.io import read_header, resolve_files
-
     hs = [read_header(f) for f in resolve_files(path)]
     dtypes: dict = {}
     for h in hs:

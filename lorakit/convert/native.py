@@ -19,6 +19,8 @@ import re
 
 from lorakit.convert.patches import LowRank, Rows
 from lorakit.errors import FileFormatError, InputError
+from lorakit.models.base import arch_adapter
+from lorakit.models.registry import arch_names
 
 
 def flat(name: str) -> str:
@@ -33,8 +35,6 @@ def n_blocks(names) -> int:
 
 def native_table(arch: str, blocks: int, flat_names: bool = False) -> dict:
     """native name (kohya: '_' for '.') -> its `NativeName` record, for blocks 0 .. blocks-1."""
-    from lorakit.models.base import arch_adapter
-
     table = arch_adapter(arch).native_table(max(blocks, 1))
     return {flat(k): v for k, v in table.items()} if flat_names else table
 
@@ -46,15 +46,11 @@ def diffusers_table(arch: str, blocks: int, flat_names: bool = False) -> dict[st
 
 
 def identity_arch(arch: str) -> bool:
-    from lorakit.models.base import arch_adapter
-
     return arch_adapter(arch).native_is_diffusers
 
 
 def guess_native_arch(names, flat_names: bool) -> str:
     """The architecture whose native names these are (the one that knows all of them, else the most)."""
-    from lorakit.models.registry import arch_names
-
     names = list(names)
     n = n_blocks(names)
     known = {a: sum(1 for x in names if x in native_table(a, n, flat_names)) for a in arch_names()}

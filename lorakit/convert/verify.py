@@ -12,8 +12,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from lorakit.convert.lora import Lora
+from lorakit.convert import comfy
+from lorakit.convert.lora import Lora, deltas_equal
+from lorakit.convert.native import n_blocks, native_table, row_sizes, swap_halves
 from lorakit.convert.patches import LoHa, LoKr, LowRank
+from lorakit.io import load
+from lorakit.models.base import family_adapter
+from lorakit.models.registry import family_info
 
 
 def trained(transformer) -> Lora:
@@ -127,8 +132,6 @@ def diffusers_view(path: Path, family: str) -> Lora:
     """The file as diffusers loads it: the pipeline's lora_state_dict + the peft config from its metadata."""
     from peft.utils.other import get_pattern_key
 
-    from lorakit.models.base import family_adapter
-
     cls = family_adapter(family).pipeline_class()
     got = cls.lora_state_dict(str(path), return_lora_metadata=True)
     sd, meta = got[0], got[-1]
@@ -160,10 +163,6 @@ def comfy_probe_check(path: Path, arch: str, expected: Lora, base: dict | None, 
     the model's weight shapes, for fused weights whose other projections the LoRA leaves alone)."""
     import torch
 
-    from lorakit.convert import comfy
-    from lorakit.convert.native import swap_halves
-    from lorakit.io import load
-
     sd = load(path, copy=True)
     shapes = dict(shapes or {})
     shapes.update({f"{m}.weight": tuple(p.shape) for m, p in expected.weights.items()})
@@ -173,7 +172,6 @@ def comfy_probe_check(path: Path, arch: str, expected: Lora, base: dict | None, 
     patches, loaded = comfy.load(sd, comfy.key_map(arch, keys))
 
     # what ComfyUI does to each native weight, through probes, against the expected modules' rows
-    from lorakit.convert.native import n_blocks, native_table, row_sizes
 
     g = torch.Generator().manual_seed(0)
     for native, rec in native_table(arch, n_blocks(shapes)).items():
@@ -219,8 +217,6 @@ def _native_base(native: str, arch: str, base: dict, rows: int, cols: int):
     is not given are zero rows (ComfyUI's row-offset patches of the others never read them)."""
     import torch
 
-    from lorakit.convert.native import n_blocks, native_table, row_sizes, swap_halves
-
     rec = native_table(arch, n_blocks(base)).get(native)
     if rec is None:
         return base[native].double() if native in base else None
@@ -232,8 +228,6 @@ def _native_base(native: str, arch: str, base: dict, rows: int, cols: int):
 
 
 def _diffusers_check(path, family, expected, base, rtol, dora) -> str:
-    from lorakit.convert.lora import deltas_equal
-
     try:
         view = diffusers_view(path, family)
         ok, why = deltas_equal(expected.weights, view.weights, rtol=rtol, base=base)
@@ -245,8 +239,6 @@ def _diffusers_check(path, family, expected, base, rtol, dora) -> str:
 def check_file(path: Path, family: str, expected: Lora, base: dict | None = None, rtol: float = 1e-5,
                shapes: dict | None = None) -> dict:
     """{"diffusers": ..., "comfyui": ...}: each consumer's reading of the file against `expected`."""
-    from lorakit.models.registry import family_info
-
     out = {}
     dora = any(getattr(p, "dora", False) for p in expected.weights.values())
     if any(isinstance(p, (LoKr, LoHa)) for p in expected.weights.values()):

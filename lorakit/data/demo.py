@@ -14,7 +14,9 @@ from pathlib import Path
 
 from PIL import Image, ImageDraw
 
+from lorakit.data.video import write_clip
 from lorakit.errors import InputError
+from lorakit.models.base import family_adapter
 
 COLORS: dict[str, tuple[int, int, int]] = {
     "red": (220, 40, 40), "green": (40, 170, 60), "blue": (40, 80, 220), "yellow": (235, 210, 40),
@@ -141,8 +143,6 @@ def make_demo_dataset(out_dir: str | Path, layout: str = "flat", count: int = 8,
                 for f, im in enumerate(images):
                     _save(im, clips / stem / f"{f:03d}.png")
             else:
-                from lorakit.data.video import write_clip
-
                 write_clip(clips / f"{stem}.{clip_format}", images, fps=8)
             (clips / f"{stem}.txt").write_text(
                 f"a {s.color} {s.shape} moving from left to right on a {s.background} background\n",
@@ -152,7 +152,5 @@ def make_demo_dataset(out_dir: str | Path, layout: str = "flat", count: int = 8,
 
 def demo_layout_for(family: str) -> str:
     """The demo dataset layout a family trains on (its adapter's layout; several controls: edit-plus)."""
-    from lorakit.models.base import family_adapter
-
     a = family_adapter(family)
     return "edit-plus" if a.layout == "edit" and a.max_controls > 1 else a.layout

@@ -12,6 +12,8 @@ package and hands back the two values torch expects, whichever release is instal
 
 from __future__ import annotations
 
+from lorakit.errors import NotAvailableError
+
 IMPL = "FA4 (lorakit)"  # the name lorakit registers its glue under in torch's registry
 
 
@@ -86,8 +88,6 @@ def activate() -> None:
         return
     why = problem()
     if why:
-        from lorakit.errors import NotAvailableError
-
         raise NotAvailableError(why, "--set memory.attention=auto")
     import torch.nn.attention as A
     from torch.nn.attention import _fa4

@@ -10,6 +10,7 @@ from typing import Any
 import yaml
 
 from lorakit.errors import FileFormatError, UnknownNameError
+from lorakit.hardware.probe import probe
 
 ORDER = ("dgx-spark", "rtx4090", "rtx5090", "datacenter", "cpu")
 
@@ -118,8 +119,6 @@ def choose(name: str = "auto", facts=None) -> Choice:
     if name != "auto" and name not in profile_names():
         raise UnknownNameError("profile", name, ["auto", *profile_names()])
     if facts is None:
-        from lorakit.hardware.probe import probe
-
         facts = probe()
     if name == "auto":
         picked, reason = auto_select(facts)

@@ -15,6 +15,7 @@ import json
 from pathlib import Path
 
 from lorakit.errors import FileFormatError, InputError
+from lorakit.io.reader import load
 
 
 def _class_of(folder: Path):
@@ -80,8 +81,6 @@ def load_component(folder, device: str = "cpu", dtype=None, backend: str = "auto
     Returns:
         the module, in eval mode, with requires_grad False.
     """
-
-    from lorakit.io.reader import load
 
     folder = Path(folder)
     kind, cls, name = _class_of(folder)

@@ -23,9 +23,10 @@ import re
 from pathlib import Path
 
 from lorakit.errors import InputError
+from lorakit.io.modules import load_component
 from lorakit.models.facts import AttentionCase, LoraPresets, NativeName, Published
 from lorakit.models.pixels import to_pixels
-from lorakit.models.registry import family_info
+from lorakit.models.registry import arch_names, family_info, family_of_arch
 
 
 class Adapter(abc.ABC):
@@ -201,8 +202,6 @@ class Adapter(abc.ABC):
 
     def load(self, names) -> None:
         """Load components (weights through lorakit.io; tokenizers/processors by their own class)."""
-        from lorakit.io.modules import load_component
-
         for name in names:
             if name in self.parts:
                 continue
@@ -311,15 +310,11 @@ def family_adapter(family: str) -> Adapter:
 
 def arch_adapter(arch: str) -> Adapter:
     """The adapter that declares an architecture's naming facts (its first family)."""
-    from lorakit.models.registry import family_of_arch
-
     return family_adapter(family_of_arch(arch))
 
 
 def guess_arch(modules) -> str | None:
     """The architecture whose marks these diffusers module names carry (None when they say nothing, e.g. an
     attention-only LoRA, whose names FLUX and Qwen-Image share)."""
-    from lorakit.models.registry import arch_names
-
     found = [a for a in arch_names() if arch_adapter(a).recognises(list(modules))]
     return found[0] if len(found) == 1 else None

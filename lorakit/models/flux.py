@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from lorakit.models import tiny
 from lorakit.models.base import Adapter
 from lorakit.models.batch import Batch
 from lorakit.models.facts import AttentionCase, LoraPresets, NativeName, Published
@@ -144,8 +145,6 @@ class FluxAdapter(Adapter):
 
     def build_tiny(self, seed: int):
         from diffusers import FluxTransformer2DModel
-
-        from lorakit.models import tiny
 
         clip_tok, t5_tok = tiny.clip_tokenizer(), tiny.t5_tokenizer()
         tiny.seeded(seed + 10)

@@ -3,6 +3,7 @@ latents = VAE mean x scaling_factor (the pipelines decode latents / scaling_fact
 
 from __future__ import annotations
 
+from lorakit.models import tiny
 from lorakit.models.base import Adapter
 from lorakit.models.batch import Batch
 from lorakit.models.facts import AttentionCase, LoraPresets, NativeName, Published
@@ -165,8 +166,6 @@ class Kandinsky5Adapter(Adapter):
     def build_tiny(self, seed: int):
         import torch
         from diffusers import Kandinsky5Transformer3DModel
-
-        from lorakit.models import tiny
 
         video = self.info.variant == "t2v"
         qtok, ctok = tiny.qwen_tokenizer(), tiny.clip_tokenizer()

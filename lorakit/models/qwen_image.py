@@ -4,6 +4,7 @@ per channel with the VAE's latents_mean / latents_std; true classifier-free guid
 
 from __future__ import annotations
 
+from lorakit.models import tiny
 from lorakit.models.base import Adapter
 from lorakit.models.batch import Batch
 from lorakit.models.facts import AttentionCase, LoraPresets, NativeName, Published
@@ -168,8 +169,6 @@ class QwenImageAdapter(Adapter):
 
     def build_tiny(self, seed: int):
         from diffusers import QwenImageTransformer2DModel
-
-        from lorakit.models import tiny
 
         tok = tiny.qwen_tokenizer()
         tiny.seeded(seed + 10)

@@ -21,6 +21,7 @@ import tempfile
 from pathlib import Path
 
 from lorakit import paths
+from lorakit.models.base import family_adapter
 from lorakit.models.registry import family_names
 
 SPEC_VERSION = "1"  # bump when a builder changes, so cached folders are rebuilt
@@ -216,8 +217,6 @@ def flow_scheduler(**kw):
 
 def build_pipeline(family: str, seed: int = 0):
     """The tiny pipeline object (in memory) for a family: its adapter builds it from the parts above."""
-    from lorakit.models.base import family_adapter
-
     return family_adapter(family).build_tiny(seed)
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from lorakit.cache.store import Store
 from lorakit.data.buckets import batches
+from lorakit.errors import ConfigError
 from lorakit.models.batch import Batch, drop_full_mask
 
 
@@ -27,8 +28,6 @@ class CachedData:
 
         trainable = [i for i, it in enumerate(items) if not of(it) or of(it).role == "train"]
         if hold_out and hold_out >= len(trainable):
-            from lorakit.errors import ConfigError
-
             raise ConfigError([f"validation.items: {hold_out} would leave no item to train on "
                                f"(the cache has {len(trainable)})"])
         held = set(random.Random(seed).sample(trainable, hold_out)) if hold_out else set()

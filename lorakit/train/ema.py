@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import contextlib
 
+from lorakit.errors import InputError
+
 
 class EMA:
     def __init__(self, params: list, decay: float, start_step: int = 0, device: str | None = None):
@@ -50,8 +52,6 @@ class EMA:
         return {"decay": self.decay, "start_step": self.start_step, "shadow": [s.cpu() for s in self.shadow]}
 
     def load_state_dict(self, state: dict, where: str) -> None:
-        from lorakit.errors import InputError
-
         shadow = state.get("shadow") or []
         same = len(shadow) == len(self.shadow) and all(a.shape == b.shape
                                                         for a, b in zip(shadow, self.shadow, strict=True))

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import math
 
+from lorakit.errors import UnknownNameError
+
 METHODS = ("uniform", "logit_normal", "shift", "resolution_shift", "sigmoid", "mode")
 
 
@@ -37,8 +39,6 @@ def sample_sigmas(n: int, method: str = "uniform", generator=None, *, shift: flo
     import torch
 
     if method not in METHODS:
-        from lorakit.errors import UnknownNameError
-
         raise UnknownNameError("timestep sampling", method, list(METHODS))
     if method == "logit_normal":
         u = torch.sigmoid(torch.normal(mean=logit_mean, std=logit_std, size=(n,), generator=generator))

@@ -22,6 +22,7 @@ from lorakit.models.base import load_adapter
 from lorakit.plan.resolve import Resolved
 from lorakit.train import checkpoint, sampling
 from lorakit.train.data import CachedData
+from lorakit.train.prepare import load_base
 from lorakit.train.report import (
     MetricsLog,
     Notes,
@@ -74,7 +75,6 @@ def run(resolved: Resolved, resume: str | None = None, progress=None, stop_at: i
 def setup(resolved: Resolved, resume: str | None, progress, warn) -> Run:
     import torch
 
-    from lorakit.train.prepare import load_base
     from lorakit.train.trainer import Trainer
 
     cfg, note, mark = resolved.cfg, Notes(warn), Timeline()  # the timeline: seconds since the run began, by phase

@@ -4,6 +4,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from lorakit.convert import lora as L
+from lorakit.convert import verify as V
+from lorakit.errors import ConfigError, FileFormatError
+from lorakit.io import load
+from lorakit.models.registry import family_info
+
 
 def target_modules(transformer, adapter, targets, io: bool = False) -> list[str]:
     """Module names for a preset (attention | attention_mlp | all_linear: inside the blocks) or an explicit
@@ -14,8 +20,6 @@ def target_modules(transformer, adapter, targets, io: bool = False) -> list[str]
         ConfigError: a listed name matches nothing, or a preset matches no module of this transformer.
     """
     import torch
-
-    from lorakit.errors import ConfigError
 
     names = [n for n, m in transformer.named_modules() if isinstance(m, torch.nn.Linear)]
     in_blocks = [n for n in names if "blocks." in n]
@@ -78,10 +82,6 @@ def save_lora(transformer, path: Path, family: str, extra: dict | None = None, c
     Raises:
         RuntimeError: a consumer would apply something else than what was trained (a bug: nothing is hidden).
     """
-    from lorakit.convert import lora as L
-    from lorakit.convert import verify as V
-    from lorakit.models.registry import family_info
-
     t = V.trained(transformer)
     dora = any(getattr(p, "dora", False) for p in t.weights.values())  # LoKr/LoHa patches have no DoRA
     base = V.base_weights(transformer, t.weights) if dora else None
@@ -101,13 +101,9 @@ def load_lora_into(transformer, source) -> None:
     the same shape."""
     from peft.utils import set_peft_model_state_dict
 
-    from lorakit.io import load
-
     raw = source if isinstance(source, dict) else load(source, copy=True)
     sd = {k.removeprefix("transformer."): v for k, v in raw.items() if not k.endswith(".dora_scale")}
     result = set_peft_model_state_dict(transformer, sd)
     if getattr(result, "unexpected_keys", None):
-        from lorakit.errors import FileFormatError
-
         raise FileFormatError(f"{source if not isinstance(source, dict) else 'checkpoint'}: LoRA keys this model "
                               f"does not have: {result.unexpected_keys[:3]}")

@@ -8,6 +8,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from lorakit.errors import NotAvailableError
+from lorakit.io.modules import load_component
+from lorakit.train.lora import add_lora
+from lorakit.train.swap import BlockSwapper, repeated_blocks
+
 
 @dataclass
 class Prepared:
@@ -27,8 +32,6 @@ def load_base(cfg, device: str, dtype):
     never visit the GPU outside their turn."""
     from pathlib import Path
 
-    from lorakit.io.modules import load_component
-
     on_gpu = device != "cpu"
     to_cpu = on_gpu and (cfg.memory.base_quant != "none" or cfg.memory.blocks_to_swap > 0)
     return load_component(Path(cfg.model.path) / "transformer", "cpu" if to_cpu else device, dtype,
@@ -42,7 +45,6 @@ def prepare(cfg, adapter, transformer, device: str, dtype, dist) -> Prepared:
     full = cfg.method == "full"
     quantized = 0
     if cfg.memory.compute == "fp8":  # 8-bit matmuls; over a bf16 base the weight is kept transposed as well
-        from lorakit.errors import NotAvailableError
         from lorakit.train.quant import fp8_compute_problem, quantize_blocks
 
         problem = fp8_compute_problem(device)
@@ -61,8 +63,6 @@ def prepare(cfg, adapter, transformer, device: str, dtype, dist) -> Prepared:
     sharded = full and dist.enabled
     swapper = None
     if cfg.memory.blocks_to_swap and not sharded:
-        from lorakit.train.swap import BlockSwapper
-
         swapper = BlockSwapper(transformer, cfg.memory.blocks_to_swap, device, pin=cfg.memory.pin_memory)
         swapper.place_rest(transformer)
     elif not sharded:
@@ -71,8 +71,6 @@ def prepare(cfg, adapter, transformer, device: str, dtype, dist) -> Prepared:
         peft_config = None
         transformer.requires_grad_(True)
     else:
-        from lorakit.train.lora import add_lora
-
         peft_config = add_lora(transformer, adapter, cfg)
     recomputed = 0
     if cfg.memory.gradient_checkpointing or swapper:  # swapping needs the recompute
@@ -126,8 +124,6 @@ def checkpoint_blocks(transformer, n: int | None) -> int:
     routes each block through the model's checkpointing function; this one recomputes only the chosen blocks
     and runs the others as they are. Returns how many blocks recompute."""
     import torch
-
-    from lorakit.train.swap import repeated_blocks
 
     blocks = repeated_blocks(transformer)
     chosen = {id(b) for b in (blocks if n is None else blocks[:n])}

@@ -6,6 +6,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from lorakit.errors import EnvironmentFault, environment_fault, short
+from lorakit.hardware import doctor as doc
+from lorakit.hardware.probe import probe
+from lorakit.hardware.profiles import choose
+from lorakit.io import atomic_path
+
 
 def loss_curve(metrics: Path, out: Path, size=(640, 360)) -> Path:
     """Loss per step (thin) and its moving average (thick), on a log-free linear axis."""
@@ -16,7 +22,6 @@ def loss_curve(metrics: Path, out: Path, size=(640, 360)) -> Path:
     img = Image.new("RGB", size, "white")
     d = ImageDraw.Draw(img)
     pad = 40
-    from lorakit.io import atomic_path
 
     if not rows:
         d.text((pad, h // 2), "no steps recorded", fill="black")
@@ -50,11 +55,6 @@ def loss_curve(metrics: Path, out: Path, size=(640, 360)) -> Path:
 def doctor_summary(out_dir: Path, profile: str, attention: str | None) -> Path:
     """`doctor.json` beside the LoRA: the machine (probe), the profile and why, the quick checks and the
     attention backend this run used — what a bug report about the run needs."""
-    from lorakit.hardware import doctor as doc
-    from lorakit.hardware.probe import probe
-    from lorakit.hardware.profiles import choose
-    from lorakit.io import atomic_path
-
     facts = probe(out_dir)
     choice = choose(profile, facts)
     results = doc.checks(facts, choice)
@@ -85,7 +85,6 @@ class MetricsLog:
             return
         if cfg is not None and cfg.logging.wandb:
             self.wandb = start_wandb(cfg, out_dir, resumed_at)
-        from lorakit.io import atomic_path
 
         if self.path.exists():
             kept = [ln for ln in self.path.read_text().splitlines() if ln.strip() and resumed_at is not None
@@ -113,15 +112,12 @@ class MetricsLog:
             self._tb_failed(e)
 
     def _tb_failed(self, e: BaseException) -> None:
-        from lorakit.errors import short
-
         self.tb = None
         self.warn(f"TensorBoard logging turned off: {short(e, 120)} (metrics.jsonl goes on)")
 
     def write(self, rec: dict) -> None:
         if not self.main:
             return
-        from lorakit.errors import environment_fault
 
         try:
             with open(self.path, "a") as f:
@@ -153,8 +149,6 @@ class MetricsLog:
                 self._wandb_failed(e)
 
     def _wandb_failed(self, e: BaseException) -> None:
-        from lorakit.errors import short
-
         self.wandb = None
         self.warn(f"W&B logging turned off: {short(e, 120)} (metrics.jsonl goes on)")
 
@@ -187,8 +181,6 @@ def require_wandb():
     try:
         import wandb
     except ImportError:
-        from lorakit.errors import EnvironmentFault
-
         raise EnvironmentFault("logging.wandb is on but wandb is not installed",
                                "pip install 'lorakit[wandb]', or --set logging.wandb=false") from None
     return wandb

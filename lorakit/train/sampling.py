@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from lorakit.data.images import open_image
+from lorakit.io import atomic_path
+from lorakit.train.flow_matching import resolution_mu
 
 
 @dataclass
@@ -102,8 +104,6 @@ def _to_image(pix):
 def sigma_schedule(steps: int, image_seq_len: int, scheduler_config: dict):
     """The sampling sigmas (steps + 1 values, ending at 0) as the family's flow-matching scheduler sets them."""
     import torch
-
-    from lorakit.train.flow_matching import resolution_mu
 
     s = torch.linspace(1.0, 1.0 / steps, steps, dtype=torch.float64)
     if scheduler_config.get("use_dynamic_shifting"):
@@ -229,7 +229,6 @@ class Sampler:
                 self.warn(f"samples at step {step}: {p}")
         if not write:
             return None
-        from lorakit.io import atomic_path
 
         cell = min(self.cell, max(64, images[0].width * 2))
         row = _labelled_row(images, [c.label for c in self.conds], f"{name or 'step'} {step}", cell,
@@ -246,8 +245,6 @@ class Sampler:
 
     def _progress(self) -> None:
         from PIL import Image
-
-        from lorakit.io import atomic_path
 
         rows = [r for _, r in sorted(self.rows, key=lambda x: x[0])]
         grid = Image.new("RGB", (max(r.width for r in rows), sum(r.height for r in rows)), "white")

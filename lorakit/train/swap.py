@@ -12,6 +12,8 @@ never move.
 
 from __future__ import annotations
 
+from lorakit.errors import InputError
+
 
 def repeated_blocks(transformer) -> list:
     """The transformer's repeated blocks in execution order (diffusers' `_repeated_blocks` classes)."""
@@ -22,8 +24,6 @@ def repeated_blocks(transformer) -> list:
 class BlockSwapper:
     def __init__(self, transformer, n: int, device: str, pin: bool = True):
         import torch
-
-        from lorakit.errors import InputError
 
         blocks = repeated_blocks(transformer)
         if not blocks:
