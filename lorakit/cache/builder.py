@@ -75,7 +75,7 @@ def build(cfg, device: str | None = None, force: bool = False, verify: bool = Fa
     if dist.main:  # temporary files a killed build left behind (finished entries are whole: atomic renames)
         summary.cleaned = len(clean_orphans(store.root, recursive=True))
     data = plan_data(cfg)
-    layout = data.layout
+    controlled = any(e.item.controls for e in data.entries)  # edit data: each prompt sees its item's controls
     summary.skipped += data.problems
     if strict and summary.skipped:
         raise InputError(f"{len(summary.skipped)} dataset problem(s) and --strict",
@@ -122,12 +122,12 @@ def build(cfg, device: str | None = None, force: bool = False, verify: bool = Fa
     # The disk work overlaps the encoders: the next item's image is decoded and cropped on a reader thread,
     # each finished item is written (atomically, flushed) on a writer thread.
     with ThreadPoolExecutor(1, thread_name_prefix="lorakit-cache-read") as reader, store.writer() as put:
-        ahead = reader.submit(_read, order[0], layout) if order else None
+        ahead = reader.submit(_read, order[0]) if order else None
         for n, entry in enumerate(order):
             read = ahead.result()
             if n + 1 < len(order):
-                ahead = reader.submit(_read, order[n + 1], layout)
-            summary.encoded += _encode_one(adapter, store, put, entry, read, layout, cfg)
+                ahead = reader.submit(_read, order[n + 1])
+            summary.encoded += _encode_one(adapter, store, put, entry, read, cfg)
             if progress:
                 progress(n + 1, len(todo), "x".join(str(x) for x in entry[1]))
     if summary.encoded:
@@ -138,7 +138,7 @@ def build(cfg, device: str | None = None, force: bool = False, verify: bool = Fa
         summary.skipped += [failed[k] for k in keys if k in failed]
         planned = [p for p in planned if p[2] not in failed]
         keys = [k for k in keys if k not in failed]
-    empty = _empty_caption(adapter, store, identity, settings, layout) if dist.main else None
+    empty = _empty_caption(adapter, store, identity, settings, controlled) if dist.main else None
     empty = dist.broadcast(empty)
     if dist.main:
         summary.pruned = store.prune(set(keys) | {empty})
@@ -147,9 +147,9 @@ def build(cfg, device: str | None = None, force: bool = False, verify: bool = Fa
         name = "x".join(str(x) for x in b)
         hist[name] = hist.get(name, 0) + 1
     summary.buckets = dict(sorted(hist.items(), key=lambda kv: [int(x) for x in kv[0].split("x")]))
-    summary.clips = len({id(e.item) for e, _, _ in planned}) if layout == "video" else 0
+    summary.clips = len({id(e.item) for e, _, _ in planned if e.window is not None})
     if dist.main:
-        _write_manifest(store, family, identity, settings, layout, empty, planned, summary)
+        _write_manifest(store, family, identity, settings, None if controlled else empty, planned, summary)
     dist.barrier()
     summary.bytes = sum(store.path(k).stat().st_size for k in set(keys) if store.path(k).is_file())
     summary.seconds = round(time.perf_counter() - t0, 2)
@@ -162,10 +162,10 @@ def build(cfg, device: str | None = None, force: bool = False, verify: bool = Fa
     return summary
 
 
-def _write_manifest(store, family, identity, settings, layout, empty, planned, summary) -> None:
+def _write_manifest(store, family, identity, settings, empty, planned, summary) -> None:
     store.write_manifest({
         "family": family, "identity": identity, "settings": settings, "policy": POLICY,
-        "empty_caption": empty if layout != "edit" else None,
+        "empty_caption": empty,  # None: each item holds its own (its prompt sees its controls)
         "items": [{"stem": e.item.stem, "label": e.label, "key": k, "bucket": list(b), "group": list(e.group),
                    "dataset": e.dataset,
                    "caption": e.item.caption, "source": str(e.item.target),
@@ -173,22 +173,22 @@ def _write_manifest(store, family, identity, settings, layout, empty, planned, s
         "skipped": summary.skipped})
 
 
-def _read(entry, layout: str):
-    """The CPU side of one entry (reader thread): its pixels decoded and cropped to the bucket, its control
-    images opened; a clip that fails to decode comes back as the ClipError."""
+def _read(entry):
+    """The CPU side of one entry (reader thread): its pixels decoded and cropped to the bucket (a window of a
+    clip: its frames), its control images opened; a clip that fails to decode comes back as the ClipError."""
     e, bucket, _ = entry
     it = e.item
-    if layout == "video":
+    if e.window is not None:
         try:
             frames = read_window(it.target, e.window)
         except ClipError as err:
             return err
         return {"pixels": to_pixels([fit(f, bucket[:2]) for f in frames])}  # (T, 3, H, W)
     return {"pixels": to_pixels([fit(open_image(it.target), bucket)]),
-            "controls": [open_image(c) for c in it.controls] if layout == "edit" else None}
+            "controls": [open_image(c) for c in it.controls] or None}
 
 
-def _encode_one(adapter, store: Store, put, entry, read, layout: str, cfg) -> int:
+def _encode_one(adapter, store: Store, put, entry, read, cfg) -> int:
     """Encode one entry (alone: see the note at the top) and hand it to the writer; a clip that failed to decode is
     recorded as a failure (by key) instead of stopping the build. Returns how many were stored (0 or 1)."""
     e, bucket, key = entry
@@ -199,13 +199,13 @@ def _encode_one(adapter, store: Store, put, entry, read, layout: str, cfg) -> in
         return 0
     tensors = {}
     controls = read.get("controls")
-    if layout == "video":
+    if e.window is not None:
         tensors["latents"] = adapter.encode_video(read["pixels"].permute(1, 0, 2, 3).unsqueeze(0))[0]
     else:
         tensors["latents"] = adapter.encode_images(read["pixels"])[0]
         if it.mask is not None:  # the loss mask at latent resolution (each latent: its pixels' mean)
             tensors["loss_mask"] = latent_mask(it.mask, bucket, tensors["latents"].shape, it.mask_alpha)
-        if layout == "edit":
+        if controls:
             for c, lat in enumerate(adapter.encode_controls(controls, cfg.data.control_resolution)):
                 tensors[f"control_latents_{c}"] = lat
     texts = adapter.encode_prompts([it.caption], controls=[controls] if controls else None)
@@ -215,7 +215,7 @@ def _encode_one(adapter, store: Store, put, entry, read, layout: str, cfg) -> in
                                                      cfg.data.keep_tokens, key)[1:], start=1):
             enc = adapter.encode_prompts([caption], controls=[controls] if controls else None)[0]
             tensors.update({f"{k}@{v}": t for k, t in enc.items() if k in ("prompt_embeds", "pooled")})
-    if layout == "edit" and cfg.data.caption_dropout > 0:  # an empty instruction still sees its controls
+    if controls and cfg.data.caption_dropout > 0:  # an empty instruction still sees its controls
         tensors["empty_prompt_embeds"] = adapter.encode_prompts([""], controls=[controls])[0]["prompt_embeds"]
     put(key, tensors, {"stem": it.stem, "label": e.label, "caption": it.caption,
                        "bucket": "x".join(str(x) for x in bucket)})
@@ -268,9 +268,9 @@ def _collect_failures(store: Store) -> dict:
     return out
 
 
-def _empty_caption(adapter, store: Store, identity: str, settings: dict, layout: str) -> str:
+def _empty_caption(adapter, store: Store, identity: str, settings: dict, controlled: bool) -> str:
     """The empty caption's embedding, for caption dropout (edit families store theirs per item)."""
     key = "empty-" + hashlib.sha256((identity + repr(sorted(settings.items()))).encode()).hexdigest()[:24]
-    if layout != "edit" and not store.has(key):
+    if not controlled and not store.has(key):
         store.put(key, adapter.encode_prompts([""])[0], {"caption": ""})
     return key

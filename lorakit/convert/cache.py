@@ -14,6 +14,7 @@ from pathlib import Path
 
 from lorakit.cache.store import Store
 from lorakit.errors import InputError, short
+from lorakit.models.base import vae_factor
 
 SYNONYMS = {
     "latents": ("latents", "latent", "x0", "vae_latents", "latents_0"),
@@ -87,12 +88,13 @@ def migrate(src, dst=None, family: str | None = None) -> dict:
     dst = Path(dst) if dst else src / "lorakit-cache"
     if (dst / "manifest.json").exists():
         raise InputError(f"{dst} already holds a lorakit cache", "name another output folder")
+    factor = vae_factor(family)  # the buckets are recorded in pixels, as the builder records them
     items = []
     for f in files:  # everything is checked before anything is written
         tensors = _rename(f, _read(f))
         key = "legacy-" + hashlib.sha256(f.read_bytes()).hexdigest()[:24]
         h, w = tensors["latents"].shape[-2:]
-        items.append((f, key, tensors, [int(w) * 8, int(h) * 8]))
+        items.append((f, key, tensors, [int(w) * factor, int(h) * factor]))
     store = Store(dst)
     for f, key, tensors, _ in items:
         store.put(key, tensors, {"migrated_from": f.name})

@@ -91,11 +91,11 @@ def plan_data(cfg) -> DataPlan:
             if it.size is None:
                 continue
             bucket = nearest_bucket(it.size, buckets)
-            if layout == "video":
+            if it.clip is not None:  # a clip: one entry per window
                 p = plan_windows(it.clip, sampling)
                 out.problems += [{"path": str(it.target), "code": c, "message": m} for c, m in p.problems]
                 out.entries += [Entry(it, (*bucket, w.frames), w, dataset=ds_index) for w in p.windows]
-            elif layout == "edit":
+            elif it.controls:  # an edit: each control at the size the family encodes it
                 sizes = [facts.control_size(w, h, cfg.data.control_resolution) for w, h in it.control_sizes]
                 out.entries.append(Entry(it, bucket, control_sizes=sizes, dataset=ds_index))
             else:
@@ -103,5 +103,5 @@ def plan_data(cfg) -> DataPlan:
         out.datasets.append({"dir": str(root), "role": ds.role, "weight": ds.weight, "layout": s.layout,
                              "items": len(s.items),
                              "entries": len(out.entries) - before, "problems": len(out.problems) - problems_before,
-                             "controls": controls if layout == "edit" else []})
+                             "controls": controls if s.layout == "edit" else []})
     return out

@@ -26,7 +26,7 @@ from lorakit.errors import InputError
 from lorakit.io.modules import load_component
 from lorakit.models.facts import AttentionCase, LoraPresets, NativeName, Published
 from lorakit.models.pixels import to_pixels
-from lorakit.models.registry import arch_names, family_info, family_of_arch
+from lorakit.models.registry import arch_names, family_info, family_names, family_of_arch
 
 
 class Adapter(abc.ABC):
@@ -311,6 +311,20 @@ def family_adapter(family: str) -> Adapter:
 def arch_adapter(arch: str) -> Adapter:
     """The adapter that declares an architecture's naming facts (its first family)."""
     return family_adapter(family_of_arch(arch))
+
+
+def vae_factor(family: str | None) -> int:
+    """Pixels per latent side of a family's VAE; with no family named, the factor every family shares.
+
+    Raises:
+        InputError: no family named and the families' VAEs differ.
+    """
+    if family is not None:
+        return family_adapter(family).vae_factor
+    factors = {load_adapter(f, None).vae_factor for f in family_names()}
+    if len(factors) != 1:
+        raise InputError("the families' VAEs scale images differently", "name the family (--family)")
+    return factors.pop()
 
 
 def guess_arch(modules) -> str | None:

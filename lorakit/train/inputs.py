@@ -47,7 +47,7 @@ def draw(tr, step: int, micro: int) -> StepInputs:
         v = torch.randint(cfg.data.caption_variants, (n,), generator=g).tolist()
         variants = [v[i] for i in idx]
     batch = tr.data.load([keys[i] for i in idx], [drop[i] for i in idx], variants)
-    seq = (batch.latents.shape[-1] // 2) * (batch.latents.shape[-2] // 2)
+    seq = tr.adapter.image_seq_len(batch.latents.shape)
     sigmas = fm.sample_sigmas(n, s.timesteps, g, shift=s.shift, logit_mean=s.logit_mean, logit_std=s.logit_std,
                               image_seq_len=seq, scheduler_config=tr.sched_cfg, scale=s.scale)
     noise = torch.randn((n, *batch.latents.shape[1:]), generator=g)

@@ -81,7 +81,7 @@ def conditions(cfg, adapter, data, limit: int = 4) -> list[Condition]:
                     if "empty_prompt_embeds" in e:
                         un = _batch1(adapter.encode_prompts([""], controls=[images])[0])
             shape = tuple(e["latents"].shape) if (n_ctrl or e["latents"].dim() == 4) else \
-                (e["latents"].shape[0], size // 8, size // 8)
+                (e["latents"].shape[0], *adapter.latent_hw(size, size))
             out.append(Condition(p, _batch1(enc), shape, controls, un, images))
     else:
         for j, it in enumerate(items[:limit]):
@@ -136,7 +136,7 @@ def render(trainer, conds: list[Condition], problems: list | None = None) -> lis
             with torch.no_grad(), torch.autocast(dev.split(":")[0], dtype=dt, enabled=dt != torch.float32):
                 g = torch.Generator().manual_seed(cfg.sampling.seed + k)
                 x = torch.randn((1, *c.shape), generator=g).to(dev, torch.float32)
-                seq = (c.shape[-1] // 2) * (c.shape[-2] // 2)
+                seq = trainer.adapter.image_seq_len(c.shape)
                 sig = sigma_schedule(cfg.sampling.steps, seq, trainer.sched_cfg)
                 text = {k2: v.to(dev, dt) for k2, v in c.text.items()}
                 controls = [t.to(dev, dt) for t in c.controls]

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from lorakit.bench import hub
+from lorakit.models import published
 from lorakit.models.base import family_adapter
 
 # Parameters of each published component (FLUX.1-dev, Qwen-Image / -Edit-2509 and Kandinsky 5.0 T2I Lite:
@@ -33,7 +34,7 @@ def test_full_size_components_have_the_published_parameter_counts(family):
             if not isinstance(part, torch.nn.Module):
                 continue
             module = (getattr(diffusers, adapter.info.transformer_class)(**adapter.full_config)
-                      if name == "transformer" else hub._full(name, part, hub._tokenizer_for(name, pipe)))
+                      if name == "transformer" else published.full_component(name, part, hub._tokenizer_for(name, pipe)))
             counts[name] = sum(t.numel() for t in module.parameters())  # tied weights once, as the files hold them
     assert counts == PUBLISHED[family]
 
@@ -59,7 +60,7 @@ def test_written_folder_is_sharded_as_the_hub_and_loads_in_diffusers_and_lorakit
         module = getattr(pipe, name)
         assert type(module).__name__ == rec["class"]
         stored = load(out / name)  # every stored tensor is the module's (nothing missing, nothing extra)
-        state = hub.hub_names(rec["class"], hub._unique_tensors(module))  # under the published files' names
+        state = published.hub_names(rec["class"], hub._unique_tensors(module))  # under the published files' names
         assert sorted(stored) == sorted(state) and sum(t.numel() for t in stored.values()) == rec["params"]
         assert all(torch.equal(stored[k], state[k]) for k in stored)
     if "text_encoder" in report["components"] and report["components"]["text_encoder"]["class"].startswith("Qwen2_5"):

@@ -1,0 +1,72 @@
+"""The published sizes of the pipelines' components other than the transformer (whose published config is each
+family adapter's `full_config`): text encoders and VAEs as the hub repositories' config.json files give them, and
+the names the published files store some classes' tensors under. `full_component` builds one at that size (bench
+and the user-path matrix write random-weight model folders from them)."""
+
+from __future__ import annotations
+
+# The published text encoders and VAEs (hub config.json values). Token ids come from the tokenizer written beside.
+CLIP_L = dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12,
+              max_position_embeddings=77, projection_dim=768, hidden_act="quick_gelu", vocab_size=49408)
+T5_XXL = dict(d_model=4096, d_kv=64, d_ff=10240, num_layers=24, num_heads=64, relative_attention_num_buckets=32,
+              relative_attention_max_distance=128, feed_forward_proj="gated-gelu", vocab_size=32128,
+              tie_word_embeddings=False)
+QWEN25_VL_7B_TEXT = dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+                         num_key_value_heads=4, vocab_size=152064, max_position_embeddings=128000, rms_norm_eps=1e-6,
+                         rope_parameters={"rope_type": "default", "rope_theta": 1000000.0,
+                                          "mrope_section": [16, 24, 24]})
+QWEN25_VL_7B_VISION = dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, in_channels=3,
+                           patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=112,
+                           out_hidden_size=3584, fullatt_block_indexes=[7, 15, 23, 31])
+FLUX_VAE = dict(in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 4,
+                up_block_types=("UpDecoderBlock2D",) * 4, block_out_channels=(128, 256, 512, 512), layers_per_block=2,
+                norm_num_groups=32, latent_channels=16, scaling_factor=0.3611, shift_factor=0.1159,
+                use_quant_conv=False, use_post_quant_conv=False, sample_size=1024)
+# AutoencoderKLQwenImage() and AutoencoderKLHunyuanVideo() defaults are the published configs
+SHARD_BYTES = {"diffusers": 10 * 10**9, "transformers": 5 * 10**9}  # as the hub repositories shard them
+# Where the published files name a class's tensors otherwise than the installed transformers names its modules
+# (transformers renames them while loading): Qwen2.5-VL — Qwen-Image's, Qwen-Image-Edit's and Kandinsky 5's text
+# encoder — is stored as `model.*` (the language model) and `visual.*`, as in the Qwen/Qwen-Image text_encoder
+# shards, which musubi-tuner also loads by those names. Writing them so makes the synthetic folder exercise the
+# renaming path that real checkpoints take.
+HUB_NAMES = {"Qwen2_5_VLForConditionalGeneration": (("model.language_model.", "model."), ("model.visual.", "visual."))}
+
+
+def hub_names(cls_name: str, tensors: dict) -> dict:
+    """`tensors` (a module's state dict) under the names the published files of that class use."""
+    rules = HUB_NAMES.get(cls_name, ())
+
+    def rename(k: str) -> str:
+        return next((old + k[len(new):] for new, old in rules if k.startswith(new)), k)
+
+    return {rename(k): v for k, v in tensors.items()}
+
+
+def full_component(name: str, part, tokenizer):
+    """The published-size module for a pipeline component (built on the current default device and dtype)."""
+    import diffusers
+    import transformers
+
+    cls = type(part).__name__
+    if cls == "CLIPTextModel":
+        ids = dict(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                   pad_token_id=tokenizer.pad_token_id)
+        return transformers.CLIPTextModel(transformers.CLIPTextConfig(**CLIP_L, **ids))
+    if cls == "T5EncoderModel":
+        ids = dict(pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+                   decoder_start_token_id=tokenizer.pad_token_id)
+        return transformers.T5EncoderModel(transformers.T5Config(**T5_XXL, **ids))
+    if cls == "Qwen2_5_VLForConditionalGeneration":
+        tok = getattr(tokenizer, "tokenizer", tokenizer)
+        ids = {k: getattr(part.config, k) for k in ("image_token_id", "video_token_id", "vision_start_token_id",
+                                                    "vision_end_token_id")}
+        text = dict(QWEN25_VL_7B_TEXT, bos_token_id=None, eos_token_id=tok.eos_token_id,
+                    pad_token_id=tok.pad_token_id)
+        cfg = transformers.Qwen2_5_VLConfig(text_config=text, vision_config=QWEN25_VL_7B_VISION,
+                                            tie_word_embeddings=False, **ids)
+        return transformers.Qwen2_5_VLForConditionalGeneration(cfg)
+    if cls == "AutoencoderKL":
+        return diffusers.AutoencoderKL(**FLUX_VAE)
+    if cls in ("AutoencoderKLQwenImage", "AutoencoderKLHunyuanVideo"):
+        return getattr(diffusers, cls)()
+    raise ValueError(f"no published config known for {name} ({cls})")
