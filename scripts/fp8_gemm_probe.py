@@ -38,7 +38,7 @@ DEV = "cuda"
 
 def shapes(family: str, res: int, size: str = "full") -> collections.Counter:
     """(tokens, in, out, needs input grad) -> calls in one forward of the full-size model."""
-    from lorakit.bench.step import build_random, synthetic_batch
+    from lorakit.bench.ways import build_random, synthetic_batch
     from lorakit.models.base import load_adapter
     from lorakit.train.quant import Float8Linear, quantize_blocks
 

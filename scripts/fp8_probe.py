@@ -33,7 +33,7 @@ def probe(family: str, cap: float, repeat: int, tiny: bool = False) -> dict:
     import torch
     import torch.nn.functional as F
 
-    from lorakit.bench.step import build_random, synthetic_batch
+    from lorakit.bench.ways import build_random, synthetic_batch
     from lorakit.models.base import load_adapter
     from lorakit.train.quant import Float8Linear, quantize_blocks
 

@@ -205,13 +205,17 @@ def _read_report(path: Path) -> dict:
 
     from lorakit.errors import InputError
 
+    why = None
     try:
         data = json.loads(Path(path).read_text())
-        assert isinstance(data, dict) and isinstance(data["facts"], dict)
-        return data
-    except (OSError, ValueError, AssertionError, KeyError) as e:
-        raise InputError(f"--from {path}: not a `lorakit doctor --json` report ({type(e).__name__})",
-                         "produce one with: lorakit doctor --json > report.json") from None
+    except (OSError, ValueError, RecursionError) as e:
+        data, why = None, type(e).__name__
+    if why is None and not (isinstance(data, dict) and isinstance(data.get("facts"), dict)):
+        why = "no facts"
+    if why:
+        raise InputError(f"--from {path}: not a `lorakit doctor --json` report ({why})",
+                         "produce one with: lorakit doctor --json > report.json")
+    return data
 
 
 def _render(counts, choice, attention, facts, from_file=None, timings=None) -> None:

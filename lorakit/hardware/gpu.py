@@ -28,9 +28,10 @@ def env_cap_gib() -> float | None:
         return None
     try:
         v = float(raw)
-        assert v > 0
-    except (ValueError, AssertionError):
-        raise InputError(f"{CAP_ENV}={raw!r}: give the GiB a process may use, e.g. 24") from None
+    except ValueError:
+        v = None
+    if v is None or not v > 0 or v == float("inf"):
+        raise InputError(f"{CAP_ENV}={raw!r}: give the GiB a process may use, e.g. 24")
     return v
 
 

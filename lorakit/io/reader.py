@@ -73,9 +73,10 @@ def resolve_files(source) -> list[Path]:
 def _from_index(index: Path) -> list[Path]:
     try:
         weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-        assert isinstance(weight_map, dict) and all(isinstance(v, str) for v in weight_map.values())
-    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, AssertionError, RecursionError):
-        raise FileFormatError(f"{index}: not a valid shard index (no weight_map of file names)") from None
+    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, RecursionError):
+        weight_map = None
+    if not (isinstance(weight_map, dict) and all(isinstance(v, str) for v in weight_map.values())):
+        raise FileFormatError(f"{index}: not a valid shard index (no weight_map of file names)")
     names = list(dict.fromkeys(weight_map.values()))
     if any(Path(n).name != n for n in names):
         raise FileFormatError(f"{index}: shard names must be files beside the index, got {names[0]!r}"[:300])

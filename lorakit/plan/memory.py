@@ -38,10 +38,11 @@ def _transformer_facts(cfg) -> tuple[int, int, float, str]:
     if folder is not None and (folder / "config.json").is_file():
         try:
             c = json.loads((folder / "config.json").read_text(encoding="utf-8"))
-            assert isinstance(c, dict)
-        except (OSError, UnicodeDecodeError, ValueError, AssertionError):
+        except (OSError, UnicodeDecodeError, ValueError, RecursionError):
+            c = None
+        if not isinstance(c, dict):
             raise InputError(f"{folder / 'config.json'}: not a readable JSON object",
-                             "re-download the model folder") from None
+                             "re-download the model folder")
         try:
             hidden, blocks = adapter.transformer_size(c)
         except (KeyError, TypeError) as e:

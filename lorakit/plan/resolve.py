@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from lorakit.config import Config, assemble, check_paths
+from lorakit.errors import ConfigError
 from lorakit.hardware.gpu import device_for
 from lorakit.plan.decide import attention_backend, compile_decision, graphs_decision, has_repeated_blocks
 from lorakit.plan.memory import checkpointed, estimate, fit_to_gpu
@@ -70,6 +71,12 @@ def plan_run(r: Resolved, cap_gib: float | None = None) -> Resolved:
     """Fill in a training run's machine decisions (see `resolve`)."""
     cfg, device, notes = r.cfg, r.device, r.notes
     m = cfg.memory
+    blocks = estimate(cfg, r.world)["blocks"]
+    if m.blocks_to_swap >= blocks:
+        raise ConfigError([f"memory.blocks_to_swap={m.blocks_to_swap}: the {cfg.model.family} transformer has "
+                           f"{blocks} blocks (swap at most {blocks - 1})"],
+                          hint="the memory check names the count that fits: leave blocks_to_swap at 0 and run "
+                               "`lorakit train CONFIG --dry-run`")
     if device == "cpu" and m.blocks_to_swap:
         notes.append(f"memory.blocks_to_swap={m.blocks_to_swap} keeps blocks in host memory to save GPU memory; "
                      "this run is on the CPU, so it is 0")
@@ -77,7 +84,6 @@ def plan_run(r: Resolved, cap_gib: float | None = None) -> Resolved:
     cfg, est, r.memory_note = fit_to_gpu(cfg, cap_gib, world=r.world)  # refuses a run that cannot fit
     m = cfg.memory
     sharded = cfg.method == "full" and r.world > 1
-    blocks = est["blocks"] if est else estimate(cfg, r.world)["blocks"]
     compiled, why = compile_decision(cfg, device, sharded, m.blocks_to_swap or None,
                                      device.startswith("cuda") and m.compile and has_repeated_blocks(cfg.model.family))
     recomputed = blocks if m.blocks_to_swap else checkpointed(cfg, blocks)

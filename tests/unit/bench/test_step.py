@@ -3,7 +3,7 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from lorakit.bench.step import compare_numerics, model_flops, synthetic_batch
+from lorakit.bench.ways import compare_numerics, model_flops, synthetic_batch
 from lorakit.cli.app import app
 from lorakit.models.batch import drop_full_mask
 
@@ -88,7 +88,7 @@ def test_bench_step_on_two_processes_saves_resumes_and_continues(tmp_path):
 def test_gap_report_finds_where_the_gpu_waited():
     from types import SimpleNamespace as NS
 
-    from lorakit.bench.step import gap_report
+    from lorakit.bench.trace import gap_report
 
     def k(s, e, name, dev="DeviceType.CUDA"):
         return NS(time_range=NS(start=s, end=e), name=name, device_type=dev)

@@ -1,0 +1,62 @@
+"""Where a bench step's time goes: a few more steps under the profiler, the busiest kernels, and the GPU's idle
+gaps between them (a host-bound step shows many gaps, a sync one big one)."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+
+def trace(step, spec: dict, cuda: bool, steps: int = 2) -> str:
+    """Profile a few more steps; write the busiest kernels and the GPU's idle share to TRACE_DIR/<way>.txt."""
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    t0 = time.perf_counter()
+    with profile(activities=acts) as prof:
+        for _ in range(steps):
+            step()
+        if cuda:
+            torch.cuda.synchronize()
+    wall = time.perf_counter() - t0
+    ev = prof.key_averages()
+    key = "self_device_time_total" if cuda else "self_cpu_time_total"
+    busy = sum(getattr(e, key, 0) for e in ev if getattr(e, "device_type", None) is not None
+               and str(e.device_type).endswith("CUDA")) / 1e6 if cuda else None
+    lines = [f"{spec['way']} {spec['family']} {spec['res']}: {steps} steps, wall {wall:.3f} s"
+             + (f", kernels busy {busy:.3f} s ({busy / wall:.0%} of wall)" if busy else "")]
+    if cuda:
+        lines += gap_report(prof.events())
+    lines.append(ev.table(sort_by=key, row_limit=30, max_name_column_width=70))
+    out = Path(spec["trace_dir"]) / f"{spec['way']}-{spec['family']}-{spec['res']}.txt"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    if cuda:  # the whole timeline, for chrome://tracing or Perfetto
+        prof.export_chrome_trace(str(out.with_suffix(".json")))
+    out.write_text("\n".join(lines) + "\n")
+    return str(out)
+
+
+def gap_report(events, top: int = 12) -> list[str]:
+    """Where the GPU waited: kernels merged into busy spans, the idle gaps between them (total, by size) and the
+    largest ones with the kernels on either side — host-bound steps show up as many gaps, a sync as one big one."""
+    ks = sorted((e.time_range.start, e.time_range.end, e.name) for e in events
+                if str(getattr(e, "device_type", "")).endswith("CUDA") and e.time_range.end > e.time_range.start)
+    if not ks:
+        return ["no kernels recorded"]
+    gaps, end, prev = [], ks[0][1], ks[0][2]
+    for s, e, name in ks[1:]:
+        if s > end:
+            gaps.append((s - end, prev, name))
+        if e >= end:
+            end, prev = e, name
+    span = (end - ks[0][0]) / 1e6
+    idle = sum(g for g, _, _ in gaps) / 1e6
+    sizes = [(lo, hi, [g for g, _, _ in gaps if lo <= g < hi]) for lo, hi in
+             ((0, 10), (10, 100), (100, 1000), (1000, float("inf")))]
+    out = [f"GPU timeline {span:.3f} s from first to last kernel: idle {idle * 1e3:.1f} ms ({idle / span:.1%}) in "
+           f"{len(gaps)} gaps; " + ", ".join(f"{len(g)} of {lo}-{hi if hi != float('inf') else ''} us: "
+                                              f"{sum(g) / 1e3:.1f} ms" for lo, hi, g in sizes)]
+    out += [f"  gap {g / 1e3:8.3f} ms after {a[:60]!r} before {b[:60]!r}" for g, a, b in sorted(gaps, reverse=True)[:top]]
+    return out

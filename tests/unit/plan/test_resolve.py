@@ -1,0 +1,60 @@
+"""A run's config is resolved once and completely: `--dry-run` prints the object the run uses and writes to
+config.resolved.yaml, path checks run once, and what the machine decides is refused or noted at the dry run."""
+
+import json
+
+import yaml
+from typer.testing import CliRunner
+
+from lorakit.cli.app import app
+from lorakit.data.demo import make_demo_dataset
+from lorakit.plan import resolve as resolve_mod
+
+runner = CliRunner()
+
+
+def _config(tmp_path, tiny, **memory):
+    data = make_demo_dataset(tmp_path / "d", "flat", count=2, size=64)
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump({
+        "model": {"family": "flux", "path": str(tiny("flux"))},
+        "data": {"dirs": [str(data)], "resolution": 64, "bucket_min_side": 32, "bucket_max_side": 128},
+        "schedule": {"steps": 2}, "sampling": {"enabled": False}, "memory": memory,
+        "output": {"dir": str(tmp_path / "out")}}))
+    return path
+
+
+def test_the_dry_run_prints_the_config_the_run_uses_and_writes(tmp_path, tiny, monkeypatch):
+    path = _config(tmp_path, tiny, blocks_to_swap=2)  # meaningless on the CPU: resolved to 0, with a note
+    dry = runner.invoke(app, ["train", str(path), "--profile", "cpu", "--dry-run", "--json"])
+    assert dry.exit_code == 0, dry.output
+    planned = json.loads(dry.output)
+    assert planned["config"]["memory"]["blocks_to_swap"] == 0 and "on the CPU" in planned["notes"][0]
+    calls = []
+    real = resolve_mod.check_paths
+    monkeypatch.setattr(resolve_mod, "check_paths", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
+    done = runner.invoke(app, ["train", str(path), "--profile", "cpu", "--json"])
+    assert done.exit_code == 0, done.output
+    assert len(calls) == 1  # every path of the run checked once
+    written = yaml.safe_load((tmp_path / "out" / "config.resolved.yaml").read_text())
+    assert written == planned["config"]
+    assert any("on the CPU" in w for w in json.loads(done.output)["warnings"])  # the note reaches the run too
+
+
+def test_a_swap_count_past_the_transformer_is_refused_at_the_dry_run(tmp_path, tiny):
+    path = _config(tmp_path, tiny)
+    r = runner.invoke(app, ["train", str(path), "--profile", "cpu", "--dry-run", "--set", "memory.blocks_to_swap=999"])
+    assert r.exit_code == 2
+    assert "memory.blocks_to_swap=999: the flux transformer has 3 blocks (swap at most 2)" in r.output
+
+
+def test_a_gpu_profile_plans_memory_at_the_dry_run(tmp_path, tiny):
+    """On this CPU machine the rtx4090 profile's plan still runs against its card: checkpointing as the estimate
+    needs it, and the estimate printed beside the config."""
+    path = _config(tmp_path, tiny)
+    r = runner.invoke(app, ["train", str(path), "--profile", "rtx4090", "--dry-run", "--json"])
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.output)
+    assert out["memory_estimate"]["gib"] > 0 and out["device"] == "cpu"
+    assert out["config"]["memory"]["compile"] is False  # the CPU compiles nothing
+    assert isinstance(out["config"]["memory"]["checkpoint_blocks"], int)  # planned, not "auto"
