@@ -46,7 +46,7 @@ test-fast: setup
 	$(BIN)/python -m pytest -q $(XDIST) -m "not slow" $(PYTEST_ARGS)
 
 lint: setup
-	$(BIN)/ruff check lorakit tests scripts
+	$(BIN)/ruff check lorakit tests scripts tools
 
 check-aarch64: setup
 	PYTHON=$(BIN)/python TORCH_SPEC="$(TORCH_SPEC)" bash scripts/check_aarch64_wheels.sh

@@ -8,7 +8,7 @@ the requested resolution, warm-up steps, then timed steps (synchronised, median 
 - `plain`: what the usual training script does — the bf16 diffusers model, peft LoRA r16 on
   to_q/to_k/to_v/to_out.0 (bf16 LoRA weights), fused AdamW, one SDPA backend set globally (flash, or
   efficient where the family passes a text mask), gradient checkpointing on for transformers over 16 B
-  parameters (the usual scripts' advice, and how the Qwen-Image baseline in docs/benchmarks.md was measured),
+  parameters (the usual scripts' advice, and how the Qwen-Image baseline in docs/benchmarks-history.md was measured),
   the text mask passed as the pipelines pass it.
 - `lorakit`: `lorakit.train.loop.Trainer.train_step` — the code `lorakit train` runs — under the profile's
   settings (plus `--set` overrides), with the same LoRA targets and rank.

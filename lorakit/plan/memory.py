@@ -6,7 +6,7 @@ peak ~= base weights (at the profile's storage) on the GPU (minus swapped blocks
         plus one block's working set; without, every block keeps its working set
       + a fixed allowance for the CUDA context, cuBLAS/cuDNN workspaces and fragmentation.
 The working-set factor (16 bf16 values per token and hidden unit per block) is calibrated on the
-measured FLUX.1-dev step on an H100 (1024², no checkpointing: 46.8 GiB peak; docs/benchmarks.md).
+measured FLUX.1-dev step on an H100 (1024², no checkpointing: 46.8 GiB peak; docs/benchmarks-history.md).
 The model's size comes from its folder (config.json, the shard index's total_size), else from the family
 adapter's published figures; its tokens (controls, video frames) from the adapter too.
 """
@@ -108,7 +108,7 @@ def checkpointed(cfg, blocks: int) -> int:
 
 
 # what partial checkpointing leaves unplanned: the estimate's error (measured within 1.5 GiB; on the H100 the
-# planned runs peaked 0.2-8.5 GiB below their estimates: docs/benchmarks.md)
+# planned runs peaked 0.2-8.5 GiB below their estimates: docs/benchmarks-history.md)
 PLAN_MARGIN_GIB = 1.5
 
 

@@ -13,8 +13,8 @@ applied to the output); the gradient for the input is the same product with the
 incoming gradient rounded to e5m2 per token and the weight kept a second time, transposed (2 bytes/parameter in
 all, as bf16) — or, over an 8-bit base, multiplied in bf16 by the dequantized weight (1 byte/parameter). Both
 8-bit products use Hopper's fast accumulation: at FLUX's shapes it adds ~0.3% relative error against the 2.5%
-(e4m3) and 5% (e5m2) of the rounding itself (scripts/fp8_gemm_probe.py), with held-out loss parity measured
-(docs/benchmarks.md). The weights are frozen, so no weight gradient is computed; LoRA's own matmuls stay in
+(e4m3) and 5% (e5m2) of the rounding itself (tools/fp8_gemm_probe.py), with held-out loss parity measured
+(docs/benchmarks-history.md, Performance V). The weights are frozen, so no weight gradient is computed; LoRA's own matmuls stay in
 bf16 with fp32 weights.
 """
 
@@ -122,7 +122,7 @@ class _Fp8Matmul(torch.autograd.Function):
             return _dequant_input_grad(grad.to(ctx.dtype), w8, w_scale), None, None, None
         g = grad.reshape(-1, grad.shape[-1]).float() * w_scale  # W = diag(s) W8: the scale goes on g's columns
         # e5m2, not e4m3: e4m3 halves the product's error but loses a row's values below ~2^-15 of its largest,
-        # and its one parity run ended 2.9% above bf16 at step 300 (e5m2's: 0.5% below; docs/benchmarks.md)
+        # and its one parity run ended 2.9% above bf16 at step 300 (e5m2's: 0.5% below; docs/benchmarks-history.md)
         g8, g_scale = _per_row(g, torch.float8_e5m2)
         ones = torch.ones(1, w8.shape[1], device=g.device, dtype=torch.float32)
         gx = torch._scaled_mm(g8, w8_t.t(), scale_a=g_scale, scale_b=ones, out_dtype=ctx.dtype, use_fast_accum=True)

@@ -128,7 +128,7 @@ def test_doctor_on_cpu_exits_0_with_cpu_profile():
 def test_doctor_rereads_a_saved_h100_report():
     from pathlib import Path
 
-    report = Path(__file__).resolve().parents[2] / "docs" / "h100" / "doctor-2026-11-22.json"
+    report = Path(__file__).resolve().parents[1] / "fixtures" / "doctor-h100-2026-11-22.json"
     r = run("doctor", "--from", str(report), "--json")
     assert r.exit_code == 0, r.output
     data = json.loads(r.output)

@@ -69,7 +69,7 @@ def test_fp8_compute_is_the_product_of_the_rounded_operands_and_its_input_gradie
 
 def test_fp8_compute_accumulates_fast_in_both_products(monkeypatch):
     """Hopper's fast accumulation is asked for in the forward product and in the input gradient's (measured
-    with held-out loss parity, docs/benchmarks.md "Performance V")."""
+    with held-out loss parity, docs/benchmarks-history.md "Performance V")."""
     seen = []
     real = torch._scaled_mm
 
@@ -204,7 +204,7 @@ def test_a_compiled_block_keeps_no_cast_copy_of_the_8bit_weights_for_backward():
 @pytest.mark.gpu
 def test_fp8_products_on_the_gpu_keep_their_error_with_fast_accumulation():
     """On fp8 hardware at a FLUX shape (4608 tokens, 3072 -> 12288): the forward product and the input gradient
-    are as close to float32 as their 8-bit rounding allows (scripts/fp8_gemm_probe.py measured 2.5% / 5.2% on the
+    are as close to float32 as their 8-bit rounding allows (tools/fp8_gemm_probe.py measured 2.5% / 5.2% on the
     H100), and fast accumulation adds little of its own against the same product accumulated in full precision."""
     from lorakit.train.quant import _per_row, fp8_compute_problem
 
