@@ -22,16 +22,17 @@ class LorakitError(Exception):
 
     exit_code = 1
 
-    def __init__(self, message: str, hint: str | None = None):
+    def __init__(self, message: str, hint: str | None = None, details: dict | None = None):
         super().__init__(message)
         self.message = message
         self.hint = hint
+        self.details = details or {}  # more for --json (e.g. every dataset problem)
 
     def __str__(self) -> str:
         return self.message if not self.hint else f"{self.message} ({self.hint})"
 
     def to_dict(self) -> dict:
-        return {"error": type(self).__name__, "message": self.message, "hint": self.hint}
+        return {"error": type(self).__name__, "message": self.message, "hint": self.hint, **self.details}
 
 
 class InputError(LorakitError):

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from lorakit.cache.store import Store, item_key
 from lorakit.data.buckets import POLICY, fit
+from lorakit.data.check import strict_refusal
 from lorakit.data.images import open_alpha, open_image
 from lorakit.data.plan import plan_data
 from lorakit.data.video import ClipError, read_window
@@ -20,6 +21,7 @@ from lorakit.dtypes import torch_dtype
 from lorakit.errors import InputError
 from lorakit.hardware.gpu import apply_cap, device_for
 from lorakit.io import atomic_path, clean_orphans
+from lorakit.io.lock import FolderLock
 from lorakit.models.base import load_adapter
 from lorakit.models.pixels import to_pixels
 
@@ -52,9 +54,6 @@ def cache_dir_for(cfg) -> Path:
     return Path(cfg.data.cache_dir) if cfg.data.cache_dir else Path(cfg.output.dir) / "cache"
 
 
-_pixels = to_pixels  # the tests' name for it
-
-
 def build(cfg, device: str | None = None, force: bool = False, verify: bool = False, strict: bool = False,
           progress=None, adapter=None, dist=None) -> Summary:
     """Encode every valid item not already in the store (the config's paths were checked when it was resolved).
@@ -68,6 +67,14 @@ def build(cfg, device: str | None = None, force: bool = False, verify: bool = Fa
             rank 0 writes the manifest once all are done.
     """
     dist = dist or Dist()
+    if not dist.main:
+        return _build(cfg, device, force, verify, strict, progress, adapter, dist)
+    with FolderLock(cache_dir_for(cfg), "cache build", hint="wait for it to finish, or give this one another "
+                                                            "data.cache_dir"):
+        return _build(cfg, device, force, verify, strict, progress, adapter, dist)
+
+
+def _build(cfg, device, force, verify, strict, progress, adapter, dist) -> Summary:
     t0 = time.perf_counter()
     family = cfg.model.family
     store = Store(cache_dir_for(cfg))
@@ -78,8 +85,8 @@ def build(cfg, device: str | None = None, force: bool = False, verify: bool = Fa
     controlled = any(e.item.controls for e in data.entries)  # edit data: each prompt sees its item's controls
     summary.skipped += data.problems
     if strict and summary.skipped:
-        raise InputError(f"{len(summary.skipped)} dataset problem(s) and --strict",
-                         "run `lorakit cache CONFIG --check` to list them")
+        raise strict_refusal(summary.skipped, "`lorakit cache CONFIG --check` lists them all; without --strict "
+                                              "the build skips those items")
     if not data.entries:
         raise InputError("no valid items to cache", "run `lorakit cache CONFIG --check` to see why")
 
@@ -138,6 +145,9 @@ def build(cfg, device: str | None = None, force: bool = False, verify: bool = Fa
         summary.skipped += [failed[k] for k in keys if k in failed]
         planned = [p for p in planned if p[2] not in failed]
         keys = [k for k in keys if k not in failed]
+    refused = dist.broadcast([failed[k] for k in failed] if dist.main and strict else [])
+    if refused:  # --strict: a clip that failed while encoding stops the build too, by name
+        raise strict_refusal(refused, "the items encoded so far are kept; without --strict the build skips it")
     empty = _empty_caption(adapter, store, identity, settings, controlled) if dist.main else None
     empty = dist.broadcast(empty)
     if dist.main:

@@ -53,17 +53,32 @@ def _escape(text: str) -> str:
     return escape(str(text))
 
 
+def _terminate_like_interrupt() -> None:
+    """SIGTERM (a scheduler's stop, `kill`) ends a command as Ctrl-C does: exit 130 with nothing saved, the temporary
+    files of an unfinished write removed — instead of the bare 143 of a process killed mid-write. A training run
+    replaces this with its own handler while it trains (it saves a checkpoint and exits 75)."""
+    import signal
+    import threading
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, interrupt)
+
+
 class LorakitGroup(TyperGroup):
     """Catches LorakitError from any command (nested groups included) and reports it."""
 
     def invoke(self, ctx: click.Context):
         use_json(False)
+        _terminate_like_interrupt()
         try:
             return super().invoke(ctx)
         except (click.exceptions.Exit, click.ClickException, click.Abort, typer.Exit):
             raise
         except KeyboardInterrupt:
-            err_console.print("interrupted")
+            err_console.print("interrupted before anything could be saved (exit 130)")
             ctx.exit(130)
         except Exception as e:  # noqa: BLE001 - the one place errors become messages
             if _debug():

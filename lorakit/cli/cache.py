@@ -7,7 +7,6 @@ from pathlib import Path
 import typer
 
 from lorakit.cli.common import JsonOpt, ProfileOpt, SetOpt, console, emit, resolve_config, use_json
-from lorakit.errors import InputError
 
 HELP = """Encode a dataset once: text embeddings and VAE latents into a content-addressed store.
 
@@ -35,10 +34,12 @@ def cache(
     from lorakit.data.check import check as check_data
 
     report = check_data(cfg)
-    emit(as_json, report, lambda: _render(report))
+    if not (as_json and strict and report["problems"]):  # with --json, one document: the refusal holds them all
+        emit(as_json, report, lambda: _render(report))
     if strict and report["problems"]:
-        raise InputError(f"{len(report['problems'])} dataset problem(s) and --strict",
-                         "fix the files listed above, or drop --strict to skip those items")
+        from lorakit.data.check import strict_refusal
+
+        raise strict_refusal(report["problems"], "fix the files listed above, or drop --strict to skip those items")
 
 
 def _build(cfg, device: str, force: bool, verify: bool, strict: bool, as_json: bool) -> None:

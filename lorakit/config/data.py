@@ -7,7 +7,7 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from lorakit.config.base import _Section, _suggest_multiple
+from lorakit.config.base import Text, _Section, _suggest_multiple
 
 
 class DatasetConfig(_Section):
@@ -19,7 +19,7 @@ class DatasetConfig(_Section):
                                                                  "(mixed in at data.prior_ratio)")
     loss_weight: float = Field(1.0, ge=0, description="its items' loss is multiplied by this (e.g. a prior "
                                                       "dataset's prior-preservation weight)")
-    trigger: str | None = Field(None, description="text put before its captions (default: data.trigger)")
+    trigger: Text | None = Field(None, description="text put before its captions (default: data.trigger)")
 
 
 class DataConfig(_Section):
@@ -36,7 +36,7 @@ class DataConfig(_Section):
     bucket_max_side: int = Field(2048, description="largest bucket side in pixels")
     caption_ext: str = Field(".txt", description="caption file extension")
     caption_dropout: float = Field(0.0, ge=0.0, le=1.0, description="probability of training with an empty caption")
-    trigger: str | None = Field(None, description="text put before every caption (e.g. a trigger word)")
+    trigger: Text | None = Field(None, description="text put before every caption (e.g. a trigger word)")
     alpha_mask: bool = Field(False, description="image families: each image's alpha channel is its loss mask "
                                                 "(opaque trains, transparent is ignored); a masks/ folder, where "
                                                 "there is one, comes first")

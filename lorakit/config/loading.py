@@ -47,13 +47,57 @@ def _strict_mapping(loader, node, deep=False):
 _StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _strict_mapping)
 
 
+# What a run config may hold. A real one is a few KB with a handful of levels; these stop a file that would take
+# minutes or gigabytes to read (YAML aliases expand: ten anchors, each nine times the one before, are 3.5e9 values)
+MAX_YAML_BYTES = 1 << 20
+MAX_YAML_DEPTH = 64
+MAX_YAML_NODES = 100_000  # values after every alias is expanded
+
+
+def _check_shape(text: str, source: str) -> None:
+    """Refuse YAML whose nesting or expanded size is past the limits, from its event stream (the parser is a
+    state machine: nothing here recurses or expands)."""
+    open_ = [[0, None]]  # per open collection: [values in it so far, its anchor]
+    anchors: dict[str, int] = {}  # anchor -> values of the node it names
+    total = 0
+    for ev in yaml.parse(text, Loader=yaml.SafeLoader):
+        n = 0
+        if isinstance(ev, (yaml.MappingStartEvent, yaml.SequenceStartEvent)):
+            open_.append([0, ev.anchor])
+            if len(open_) - 1 > MAX_YAML_DEPTH:
+                raise ConfigError([f"nested more than {MAX_YAML_DEPTH} levels deep (at line {ev.start_mark.line + 1})"],
+                                  source=source, hint="a run config has a few levels of sections; is this the "
+                                                      "right file?")
+        elif isinstance(ev, (yaml.MappingEndEvent, yaml.SequenceEndEvent)):
+            inner, anchor = open_.pop()
+            n = inner + 1
+            if anchor:
+                anchors[anchor] = n
+        elif isinstance(ev, yaml.ScalarEvent):
+            n = 1
+            if ev.anchor:
+                anchors[ev.anchor] = 1
+        elif isinstance(ev, yaml.AliasEvent):
+            n = anchors.get(ev.anchor, 1)
+            total += n  # an alias's values are new values
+        open_[-1][0] += n
+        if total > MAX_YAML_NODES or open_[0][0] > MAX_YAML_NODES or open_[-1][0] > MAX_YAML_NODES:
+            raise ConfigError([f"more than {MAX_YAML_NODES:,} values once its aliases (*name) are expanded"],
+                              source=source, hint="a run config holds a few hundred values; remove the aliases "
+                                                  "that repeat others")
+
+
 def parse_yaml(text: str, source: str) -> object:
-    """YAML text -> data, duplicate keys refused; errors name the line.
+    """YAML text -> data, duplicate keys refused, size, nesting and alias expansion limited; errors name the line.
 
     Raises:
-        ConfigError: a syntax error or a duplicate key.
+        ConfigError: a syntax error, a duplicate key, or text past the limits.
     """
+    if len(text) > MAX_YAML_BYTES:
+        raise ConfigError([f"{len(text) / 2**20:.1f} MB of YAML; a run config is a few KB (at most "
+                           f"{MAX_YAML_BYTES >> 20} MB)"], source=source, hint="is this the right file?")
     try:
+        _check_shape(text, source)
         return yaml.load(text, Loader=_StrictLoader)  # noqa: S506 - a SafeLoader subclass
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
@@ -108,8 +152,11 @@ def parse_overrides(items: list[str]) -> tuple[dict, list[str]]:
             problems.append(f"--set {item!r}: expected key.path=value, e.g. --set lora.rank=32")
             continue
         try:
-            value = yaml.safe_load(raw) if raw.strip() else ""
-        except yaml.YAMLError:
+            value = parse_yaml(raw, f"--set {key}") if raw.strip() else ""
+        except ConfigError as e:
+            if "YAML error" not in e.message:  # past the limits: said as it is
+                problems.append(f"--set {key}: {e.problems[0]}")
+                continue
             value = raw
         if isinstance(value, str) and _SCI.fullmatch(value.strip()):
             value = float(value)  # YAML 1.1 reads 2e-4 as a string
@@ -162,7 +209,10 @@ def _format_error(err: dict) -> str:
     got = err.get("input")
     if isinstance(got, dict):
         return f"{path}: {msg}"
-    return f"{path}: {msg}, got {got!r}"
+    shown = repr(got)
+    if len(shown) > 80:  # a value as long as a file says nothing more in full
+        shown = f"{shown[:60]}… ({len(got) if hasattr(got, '__len__') else len(shown)} long)"
+    return f"{path}: {msg}, got {shown}"
 
 
 def validate(data: dict, source: str | None = None, extra_problems: list[str] | None = None) -> Config:

@@ -6,18 +6,42 @@ import os
 from pathlib import Path
 
 from lorakit.config.schema import Config
-from lorakit.errors import ConfigError
+from lorakit.errors import ConfigError, EnvironmentFault
 
 
-def _writable_dir_problem(key: str, path: Path) -> str | None:
+def _writable_dir_problem(key: str, path: Path) -> tuple[str, str] | None:
+    """("input" | "machine", problem) for an output folder that cannot be used, None when it can."""
     if path.exists() and not path.is_dir():
-        return f"{key}: {path} is a file, not a folder"
+        return "input", f"{key}: {path} is a file, not a folder"
     p = path
     while not p.exists() and p != p.parent:
         p = p.parent
     if p.exists() and not os.access(p, os.W_OK | os.X_OK):
-        return f"{key}: cannot create or write {path} (no write permission on {p})"
+        try:
+            read_only = bool(os.statvfs(p).f_flag & os.ST_RDONLY)
+        except OSError:
+            read_only = False
+        why = "a read-only file system" if read_only else f"no write permission on {p}"
+        return "machine", f"{key}: cannot create or write {path} ({why})"
     return None
+
+
+def _same_folders(named: list[tuple[str, Path]]) -> list[str]:
+    """One problem per dataset folder listed more than once (its items would be cached and trained twice, each time
+    with other settings)."""
+    seen: dict[Path, str] = {}
+    out = []
+    for key, d in named:
+        try:
+            real = Path(d).resolve()
+        except OSError:
+            continue
+        if real in seen:
+            out.append(f"{key}: {d} is the folder {seen[real]} already names (list it once: in data.dirs, or in "
+                       "data.datasets with its own settings)")
+        else:
+            seen[real] = key
+    return out
 
 
 def check_paths(cfg: Config, model: bool = True, data: bool = True) -> None:
@@ -43,6 +67,8 @@ def check_paths(cfg: Config, model: bool = True, data: bool = True) -> None:
             problems.append("data.dirs: no dataset folder given")
         named = [("data.dirs", d) for d in cfg.data.dirs] + \
                 [(f"data.datasets[{k}].dir", d.dir) for k, d in enumerate(cfg.data.datasets)]
+        indexed = [(f"data.dirs[{k}]", d) for k, d in enumerate(cfg.data.dirs)] + named[len(cfg.data.dirs):]
+        problems += _same_folders(indexed)
         for key, d in named:
             if not d.exists():
                 problems.append(f"{key}: no such folder: {d}")
@@ -52,9 +78,13 @@ def check_paths(cfg: Config, model: bool = True, data: bool = True) -> None:
             for p in [c] if isinstance(c, Path) else c:
                 if not p.is_file():
                     problems.append(f"sampling.controls[{k}]: no such image file: {p}")
+    machine = []
     for key, path in (("output.dir", cfg.output.dir), ("data.cache_dir", cfg.data.cache_dir)):
-        why = _writable_dir_problem(key, Path(path)) if path is not None else None
-        if why:
-            problems.append(why)
+        found = _writable_dir_problem(key, Path(path)) if path is not None else None
+        if found:
+            (problems if found[0] == "input" else machine).append(found[1])
     if problems:
         raise ConfigError(problems, hint="fix the paths (all are listed); --set model.path=... data.dirs=[...]")
+    if machine:  # the input is right, the machine refuses it: exit 1, as a full disk is
+        raise EnvironmentFault("; ".join(machine), "choose a folder you can write (--set output.dir=... "
+                                                   "data.cache_dir=...), or fix its permissions")

@@ -10,7 +10,7 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from lorakit.config.base import _Section
+from lorakit.config.base import Text, _Section
 from lorakit.config.data import DataConfig, DatasetConfig
 from lorakit.models.base import family_adapter
 from lorakit.models.registry import family_info, family_names
@@ -172,7 +172,7 @@ class MemoryConfig(_Section):
 class SamplingConfig(_Section):
     enabled: bool = Field(True, description="render sample grids during training (samples/)")
     every: int = Field(0, ge=0, description="sample every N steps (0: only before and after)")
-    prompts: list[str] = Field(default_factory=list, description="sample prompts (default: the captions of the "
+    prompts: list[Text] = Field(default_factory=list, description="sample prompts (default: the captions of the "
                                                                  "first 4 items); edit families pair prompt k "
                                                                  "with item k's control images (items: the "
                                                                  "held-out validation items if any, else the "
@@ -257,6 +257,12 @@ class Config(_Section):
                 fix = ", ".join(f"{n} -> {(n - 1) // t * t + 1} or {((n - 1) // t + 1) * t + 1}" for n in bad)
                 problems.append(f"data.frames: {info.name} takes {t}k+1 frames (its VAE packs {t} frames into "
                                 f"one latent frame after the first); got {bad} ({fix})")
+        dirs = self.data.control_dirs
+        if facts.max_controls and len(dirs) > facts.max_controls:
+            problems.append(f"data.control_dirs: {len(dirs)} folders ({', '.join(dirs)}); {info.name} takes 1 to "
+                            f"{facts.max_controls} control images per item")
+        if len(set(dirs)) != len(dirs):
+            problems.append(f"data.control_dirs: {sorted({d for d in dirs if dirs.count(d) > 1})} listed twice")
         sc = self.sampling.controls
         if sc and not facts.max_controls:
             problems.append(f"sampling.controls: {info.name} takes no control images")

@@ -13,7 +13,8 @@ import hashlib
 from pathlib import Path
 
 from lorakit.cache.store import Store
-from lorakit.errors import InputError, short
+from lorakit.errors import InputError
+from lorakit.io.pt import load_pt
 from lorakit.models.base import vae_factor
 
 SYNONYMS = {
@@ -25,23 +26,11 @@ CONTROL = ("control_latents", "cond_latents", "control")
 
 
 def _read(path: Path) -> dict:
-    import pickle
-
     import torch
 
     if not path.is_file():
         raise InputError(f"{path}: not a regular file (a pipe, folder or device)")
-    try:
-        obj = torch.load(path, map_location="cpu", weights_only=True)
-    except (pickle.UnpicklingError, RuntimeError, AttributeError, TypeError) as e:
-        import re
-
-        found = re.search(r"Unsupported global: GLOBAL ([\w.]+)", str(e))
-        what = f"a pickled {found.group(1)} object" if found else short(e, 100)
-        raise InputError(f"{path}: refused: not plain tensors (it holds {what}; loading it would run pickled code)",
-                         "only dicts of tensors are migrated") from None
-    except (OSError, EOFError, ValueError) as e:
-        raise InputError(f"{path}: not a readable .pt file ({short(e, 120)})") from None
+    obj = load_pt(path)  # refused by name when it holds more than data
     if not isinstance(obj, dict):
         raise InputError(f"{path}: holds a {type(obj).__name__}, not a dict of tensors")
     bad = [k for k, v in obj.items() if not isinstance(k, str) or not torch.is_tensor(v)]

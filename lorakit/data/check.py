@@ -3,6 +3,15 @@
 from __future__ import annotations
 
 from lorakit.data.plan import plan_data
+from lorakit.errors import InputError
+
+
+def strict_refusal(problems: list[dict], hint: str) -> InputError:
+    """--strict and dataset problems: one line naming the first file and what is wrong with it."""
+    first = problems[0]
+    more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+    return InputError(f"--strict: {first['path']}: {first['code']}: {first['message']}{more}", hint,
+                      details={"problems": problems})
 
 
 def check(cfg) -> dict:

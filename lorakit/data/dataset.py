@@ -20,6 +20,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from lorakit.config.base import MAX_TEXT_CHARS
 from lorakit.data.images import IMAGE_EXTS, PixelError, has_alpha, open_image
 from lorakit.data.video import CLIP_EXTS, ClipError, ClipInfo, frame_files, probe
 from lorakit.errors import InputError
@@ -147,6 +148,11 @@ def _report_unused(s: Scan, listing: _Listing, used_captions: set[str], folders_
                                   f"{len(listing.hidden)} hidden file(s) not used ({names})"))
 
 
+class _TooLong(Exception):
+    def __init__(self, size: int):
+        self.size = size
+
+
 def _caption(path: Path, listing: _Listing, problems: list[Problem], trigger: str | None, ext: str) -> str | None:
     stem = path.stem if path.is_file() else path.name
     cap = listing.captions.get(stem)
@@ -154,7 +160,18 @@ def _caption(path: Path, listing: _Listing, problems: list[Problem], trigger: st
         problems.append(Problem(str(path), "missing-caption", f"no caption file {stem}{ext}"))
         return None
     try:
-        text = cap.read_text(encoding="utf-8").strip()
+        with open(cap, "rb") as f:  # read no more than a caption can be
+            raw = f.read(4 * MAX_TEXT_CHARS + 1)
+        if len(raw) > 4 * MAX_TEXT_CHARS:
+            raise _TooLong(cap.stat().st_size)
+        text = raw.decode("utf-8").strip()
+        if len(text) > MAX_TEXT_CHARS:
+            raise _TooLong(len(raw))
+    except _TooLong as e:
+        problems.append(Problem(str(cap), "caption-too-long", f"caption of {e.size / 1024:.0f} KiB; lorakit takes "
+                                f"captions up to {MAX_TEXT_CHARS} characters (the text encoders read at most 512 to "
+                                "1024 tokens)"))
+        return None
     except (OSError, UnicodeDecodeError) as e:
         problems.append(Problem(str(cap), "unreadable", f"caption not UTF-8 text ({type(e).__name__})"))
         return None

@@ -17,8 +17,9 @@ import shutil
 import signal
 from pathlib import Path
 
-from lorakit.errors import FileFormatError, InputError, LorakitError, environment_fault, short
+from lorakit.errors import FileFormatError, InputError, LorakitError, environment_fault
 from lorakit.io import atomic_path, load, read_header, resolve_files, save_sharded
+from lorakit.io.pt import NotPlainData, load_pt
 from lorakit.train.lora import load_lora_into, lora_state_dict, save_lora
 
 
@@ -150,27 +151,24 @@ def stop_on_signals(flag: StopFlag):
 
 def read_state_any(path: Path):
     """A per-rank optimizer file, read like read_state (any object, not only a state dict)."""
-    import torch
-
     try:
-        return torch.load(path, weights_only=True)
-    except Exception as e:  # noqa: BLE001 - any read failure of this file is a damaged file
-        raise FileFormatError(f"{path}: damaged optimizer state ({short(e, 100)})") from None
+        return load_pt(path, map_location=None)
+    except NotPlainData:
+        raise
+    except FileFormatError as e:
+        raise FileFormatError(f"{path}: damaged optimizer state ({e.message.removeprefix(f'{path}: ')})") from None
 
 
 def read_state(path: Path) -> dict:
-    """state.pt, read without running code (weights_only); a damaged file is an error naming it."""
-    import pickle
-    import zipfile
-
-    import torch
-
+    """state.pt, read without running code (weights_only); a damaged or refused file is an error naming it."""
+    if not Path(path).exists():
+        raise FileFormatError(f"{path}: missing (the checkpoint is incomplete)")
     try:
-        state = torch.load(path, weights_only=True)
-    except FileNotFoundError:
-        raise FileFormatError(f"{path}: missing (the checkpoint is incomplete)") from None
-    except (RuntimeError, EOFError, ValueError, pickle.UnpicklingError, zipfile.BadZipFile, KeyError) as e:
-        raise FileFormatError(f"{path}: damaged checkpoint state ({short(e, 100)})",
+        state = load_pt(path, map_location=None)
+    except NotPlainData:
+        raise
+    except FileFormatError as e:
+        raise FileFormatError(f"{path}: damaged checkpoint state ({e.message.removeprefix(f'{path}: ')})",
                               "resume from an earlier checkpoint, or start again") from None
     if not isinstance(state, dict) or "step" not in state:
         raise FileFormatError(f"{path}: not a lorakit checkpoint state (no step)")

@@ -5,6 +5,8 @@ machine, it follows the config."""
 
 from __future__ import annotations
 
+import contextlib
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,6 +20,7 @@ from lorakit.errors import InputError
 from lorakit.hardware.gpu import apply_cap, expandable_segments
 from lorakit.hardware.sdpa import apply as apply_attention
 from lorakit.io import atomic_path, clean_orphans
+from lorakit.io.lock import FolderLock
 from lorakit.models.base import load_adapter
 from lorakit.plan.resolve import Resolved
 from lorakit.train import checkpoint, sampling
@@ -30,7 +33,7 @@ from lorakit.train.report import (
     doctor_summary,
     loss_curve,
     peak_rss_gib,
-    require_wandb,
+    start_wandb,
 )
 
 
@@ -63,13 +66,26 @@ def run(resolved: Resolved, resume: str | None = None, progress=None, stop_at: i
         stop_at: stop after this many steps (tests of interruption); the run's schedule is unchanged.
         warn: called with each warning as it happens (they are also in the result's "warnings").
     """
-    r = setup(resolved, resume, progress, warn)
-    with checkpoint.stop_on_signals(r.stop):
-        try:
-            steps(r, resolved.cfg.schedule.steps if stop_at is None else min(stop_at, resolved.cfg.schedule.steps))
-        finally:
-            r.log.close()
-    return finish(r)
+    with _holding(resolved.cfg.output.dir, warn):  # one run per output folder
+        r = setup(resolved, resume, progress, warn)
+        with checkpoint.stop_on_signals(r.stop):
+            try:
+                steps(r, resolved.cfg.schedule.steps if stop_at is None else min(stop_at, resolved.cfg.schedule.steps))
+            finally:
+                r.log.close()
+        return finish(r)
+
+
+@contextlib.contextmanager
+def _holding(out, warn):
+    """The output folder, locked by rank 0 for the whole run (a second run there is refused, naming this one)."""
+    if int(os.environ.get("RANK", "0") or 0):
+        yield
+        return
+    with FolderLock(out, "training run", hint="wait for it to finish, or give this run another output.dir") as lock:
+        if lock.unsupported and warn:
+            warn(lock.unsupported)
+        yield
 
 
 def setup(resolved: Resolved, resume: str | None, progress, warn) -> Run:
@@ -78,8 +94,6 @@ def setup(resolved: Resolved, resume: str | None, progress, warn) -> Run:
     from lorakit.train.trainer import Trainer
 
     cfg, note, mark = resolved.cfg, Notes(warn), Timeline()  # the timeline: seconds since the run began, by phase
-    if cfg.logging.wandb:
-        require_wandb()
     device = resolved.device
     apply_cap(device)  # LORAKIT_MEMORY_CAP_GIB: a smaller card, emulated
     if device.startswith("cuda") and cfg.memory.expandable_segments:
@@ -88,6 +102,8 @@ def setup(resolved: Resolved, resume: str | None, progress, warn) -> Run:
     device = d.device(device)
     dtype = torch_dtype(cfg.model.dtype)
     out = Path(cfg.output.dir)
+    out.mkdir(parents=True, exist_ok=True)
+    wandb_run = start_wandb(cfg, out, bool(resume)) if cfg.logging.wandb and d.main else None  # fails in seconds
     if d.main:
         for n in resolved.notes:
             note(n)
@@ -117,7 +133,7 @@ def setup(resolved: Resolved, resume: str | None, progress, warn) -> Run:
     if progress and d.main:
         progress(tr.step, cfg.schedule.steps, {"start": True, "global_batch": tr.global_batch, "world": d.world,
                                                 "resumed": resumed, "compiled": tr.compiled})
-    log = MetricsLog(out, tr.step if resume else None, main=d.main, warn=note, cfg=cfg)
+    log = MetricsLog(out, tr.step if resume else None, main=d.main, warn=note, wandb_run=wandb_run)
     sampler = sampling.Sampler(tr, conds, out / "samples", warn=note) if conds and (d.main or tr.sharded) else None
     if sampler and tr.step == 0:  # FSDP: every rank takes part in the forward passes
         log.image("samples", sampler(0, write=d.main), 0)

@@ -74,7 +74,7 @@ class MetricsLog:
     convenience: when its writer fails (a full disk), it is turned off with one warning, and its background
     thread's traceback is not printed; metrics.jsonl failing is an error naming the file."""
 
-    def __init__(self, out_dir: Path, resumed_at: int | None, main: bool = True, warn=None, cfg=None):
+    def __init__(self, out_dir: Path, resumed_at: int | None, main: bool = True, warn=None, wandb_run=None):
         self.path = out_dir / "metrics.jsonl"
         self.main = main
         self.warn = warn or (lambda msg: None)
@@ -83,8 +83,7 @@ class MetricsLog:
         self._hook = None
         if not main:
             return
-        if cfg is not None and cfg.logging.wandb:
-            self.wandb = start_wandb(cfg, out_dir, resumed_at)
+        self.wandb = wandb_run  # started at the beginning of the run (`start_wandb`)
 
         if self.path.exists():
             kept = [ln for ln in self.path.read_text().splitlines() if ln.strip() and resumed_at is not None
@@ -186,17 +185,28 @@ def require_wandb():
     return wandb
 
 
-def start_wandb(cfg, out_dir: Path, resumed_at: int | None):
-    """A W&B run for this training run (its id kept in the output folder, so a resumed run continues it)."""
+def start_wandb(cfg, out_dir: Path, resuming: bool):
+    """A W&B run for this training run (its id kept in the output folder, so a resumed run continues it).
+
+    Raises:
+        EnvironmentFault: W&B could not start (no API key, no network, a bad WANDB_* setting), naming the service
+            and what to do, before the run loads anything.
+    """
     import time
 
     wandb = require_wandb()
 
     id_file = out_dir / "wandb_id.txt"
-    run_id = id_file.read_text().strip() if resumed_at is not None and id_file.is_file() else None
-    run = wandb.init(project=cfg.logging.wandb_project, dir=str(out_dir), config=cfg.to_dict(),
-                     name=cfg.logging.wandb_run_name or f"{cfg.output.name}-{time.strftime('%Y%m%d-%H%M%S')}",
-                     mode=cfg.logging.wandb_mode, id=run_id, resume="allow" if run_id else None)
+    run_id = id_file.read_text().strip() if resuming and id_file.is_file() else None
+    try:
+        run = wandb.init(project=cfg.logging.wandb_project, dir=str(out_dir), config=cfg.to_dict(),
+                         name=cfg.logging.wandb_run_name or f"{cfg.output.name}-{time.strftime('%Y%m%d-%H%M%S')}",
+                         mode=cfg.logging.wandb_mode, id=run_id, resume="allow" if run_id else None)
+    except Exception as e:  # noqa: BLE001 - every way W&B fails to start is the service's, said as such
+        said = " ".join(str(e).split())
+        raise EnvironmentFault(f"W&B (logging.wandb) could not start: {type(e).__name__}: {said[:240]}",
+                               "check `wandb login` / WANDB_API_KEY and the network, or log offline with "
+                               "WANDB_MODE=offline (`wandb sync` later), or --set logging.wandb=false") from None
     id_file.write_text(run.id)
     return run
 

@@ -53,7 +53,7 @@ def test_velocity_equals_the_pipelines_one_step(tiny, family):
             v_ref = pipe._unpack_latents((packed - seen["x1"]) / (1 - seen["s1"]), side, side, 8)[:, :, 0]
             ctrl = None
             if controls:
-                from lorakit.cache.builder import _pixels
+                from lorakit.models.pixels import to_pixels as _pixels
 
                 ctrl = [a.encode_images(_pixels([control]))]
             v = a.predict(transformer, noise, torch.tensor([1.0]), text, controls=ctrl)
@@ -64,7 +64,7 @@ def test_kontext_velocity_equals_the_pipelines_one_step(tiny):
     """FluxKontextPipeline appends the control image's packed latents (position ids with first coordinate 1)."""
     from diffusers import FluxKontextPipeline
 
-    from lorakit.cache.builder import _pixels
+    from lorakit.models.pixels import to_pixels as _pixels
 
     folder = tiny("flux-kontext")
     a = load_adapter("flux-kontext", folder)

@@ -1,0 +1,78 @@
+"""One writer per folder: a training run holds its output folder, a cache build its cache folder, for as long as it
+writes there. A second one is refused (bad input: exit 2) with who holds the folder — process, host, command,
+since when — instead of both running and one overwriting the other's result.
+
+The lock is the kernel's (`flock` on `<folder>/.lorakit.lock`): it goes with the process that held it, so a run
+killed with kill -9 or by a power cut leaves no stale lock behind; the file itself stays, holding the last owner's
+description. On file systems without `flock` (some network mounts) a second process is not stopped; the lock says
+so once instead of failing.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import socket
+import sys
+import time
+from pathlib import Path
+
+from lorakit.errors import InputError, environment_fault
+
+LOCK_NAME = ".lorakit.lock"
+
+
+class FolderLock:
+    """`with FolderLock(folder, "training run"):` — held while the block runs; raises InputError if another process
+    holds it."""
+
+    def __init__(self, folder, what: str, hint: str = "wait for it to finish, or choose another folder"):
+        self.folder, self.what, self.hint = Path(folder), what, hint
+        self.fd: int | None = None
+        self.unsupported: str | None = None  # why the file system could not lock (the run goes on)
+
+    @property
+    def path(self) -> Path:
+        return self.folder / LOCK_NAME
+
+    def __enter__(self) -> FolderLock:
+        import fcntl
+
+        try:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:
+            raise environment_fault(e, self.path) or e from None
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            owner = _owner(self.fd)
+            os.close(self.fd)
+            self.fd = None
+            raise InputError(f"{self.folder} is in use by another lorakit {self.what}{owner}", self.hint) from None
+        except OSError as e:
+            if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):
+                raise environment_fault(e, self.path) or e from None
+            self.unsupported = f"{self.folder}: this file system cannot lock files ({e.strerror}); nothing stops " \
+                               f"a second run from writing there at the same time"
+        info = {"pid": os.getpid(), "host": socket.gethostname(), "since": time.strftime("%Y-%m-%d %H:%M:%S"),
+                "command": " ".join(["lorakit", *sys.argv[1:]])[:300]}
+        os.ftruncate(self.fd, 0)
+        os.pwrite(self.fd, json.dumps(info).encode(), 0)
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        if self.fd is not None:
+            os.close(self.fd)  # closing releases the lock; the description stays for whoever looks
+            self.fd = None
+        return False
+
+
+def _owner(fd: int) -> str:
+    """" (pid N on host H since T: command)" from the lock file, or "" when it says nothing readable."""
+    try:
+        info = json.loads(os.pread(fd, 4096, 0).decode("utf-8"))
+        return f" (pid {info['pid']} on {info['host']} since {info['since']}: {info['command']})"
+    except (OSError, ValueError, KeyError, TypeError):
+        return ""
