@@ -272,7 +272,20 @@ def generate(model_dir: Path, req: Request, loras: list[tuple[Path, float]], out
         timing["peak_gpu_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
     return {"files": files, **({"gifs": gifs} if gifs else {}), **timing,
             "contact_sheet": str(sheet) if sheet else None, "model": str(model_dir),
-            "family": family, "device": device, "dtype": dtype_name, "loras": lora_facts}
+            "family": family, "device": device, "dtype": dtype_name, "loras": lora_facts,
+            "warnings": not_applied_warnings(lora_facts)}
+
+
+def not_applied_warnings(lora_facts: list[dict]) -> list[str]:
+    """One line per LoRA file with keys that were not applied (e.g. a kohya file's text-encoder part): nothing a
+    file holds is dropped without saying so."""
+    out = []
+    for f in lora_facts:
+        skipped = f["not_applied"]
+        if skipped:
+            whys = sorted({s["why"] for s in skipped})
+            out.append(f"{f['path']}: {len(skipped)} key(s) not applied, e.g. {skipped[0]['key']} ({'; '.join(whys)})")
+    return out
 
 
 def _placement(model_dir, device: str, dtype, mode: str):

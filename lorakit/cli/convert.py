@@ -32,39 +32,12 @@ def lora(src: Path = typer.Argument(..., show_default=False, help="LoRA file (.s
         raise InputError(f"--to must be one of diffusers, peft, kohya, comfyui; got {to!r}")
     if dtype is not None and dtype not in ("fp32", "bf16", "fp16"):
         raise InputError(f"--dtype must be one of fp32, bf16, fp16, got {dtype!r}")
-    if src.exists() and dst.exists() and src.resolve() == dst.resolve():
-        raise InputError(f"{dst} would overwrite its input", "name another output")
-    if not src.exists():
-        raise InputError(f"no such file or folder: {src}")
-    from lorakit.convert import lora as L
-    from lorakit.dtypes import torch_dtype
-    from lorakit.models.registry import arch_of
+    from lorakit.convert.run import FAILED, convert_lora
 
-    arch = arch_of(family) if family else None
-    base = _base_weights(model) if model else None
-    lora_in = L.read(src, arch=arch, strict=strict, base=base)
-    out = L.write(lora_in, dst, to, arch or lora_in.facts["arch"], dtype=torch_dtype(dtype) if dtype else None,
-                  base=base)
-    back = L.read(out, arch=arch or lora_in.facts["arch"], base=base)
-    exact, why = L.deltas_equal(lora_in, back, rtol=1e-6 if dtype in (None, "fp32") else 1e-2, base=base)
-    facts = lora_in.facts
-    result = {"input": {"path": str(src), **facts}, "output": {"path": str(out), **back.facts},
-              "deltas_equal": exact, "check": why, "compared": len(lora_in.weights) + len(lora_in.biases),
-              "not_converted": [{"key": k, "why": w} for k, w in lora_in.unused]}
-    emit(as_json, result, lambda: _render_lora(src, out, to, result))
-    if not exact:
-        raise typer.Exit(1)
-
-
-def _base_weights(model: Path) -> dict:
-    """module -> weight of a model folder's transformer (read through lorakit.io, mapped, no copy)."""
-    from lorakit.errors import InputError
-    from lorakit.io import load
-
-    folder = model / "transformer" if (model / "transformer").is_dir() else model
-    if not folder.is_dir():
-        raise InputError(f"--model {model}: not a model folder (no transformer/ inside)")
-    return {k.removesuffix(".weight"): v for k, v in load(folder).items() if k.endswith(".weight")}
+    result = convert_lora(src, dst, to, family, model, strict, dtype)
+    emit(as_json, result, lambda: _render_lora(src, Path(result["output"]["path"]), to, result))
+    if not result["equal"]:
+        raise typer.Exit(FAILED)
 
 
 def _render_lora(src: Path, out: Path, to: str, r: dict) -> None:
@@ -74,18 +47,18 @@ def _render_lora(src: Path, out: Path, to: str, r: dict) -> None:
     head = (f"{src} ({f['format']}, {f['arch'] or 'architecture unknown'}, {f['modules']} modules, {kinds}, "
             f"rank {ranks}) -> {out} ({to})")
     n = len(r["not_converted"])
-    if not r["deltas_equal"]:
-        console.print(f"{head}; deltas DIFFER: {r['check']}", markup=False)
+    if not r["equal"]:
+        console.print(f"{head}; it reads back otherwise: {r['check']} — the output was not kept", markup=False)
     elif n:
-        console.print(f"{head}; deltas equal for the {r['compared']} converted modules and biases; {n} key(s) "
+        console.print(f"{head}; {r['check']} for the {r['compared']} converted modules and biases; {n} key(s) "
                       "NOT converted:", markup=False)
         for item in r["not_converted"][:20]:
             console.print(f"  - {item['key']}: {item['why']}", markup=False)
         if n > 20:
             console.print(f"  ... and {n - 20} more (--json lists them all)")
     else:
-        console.print(f"{head}; deltas equal (all {f['keys']} keys converted, {r['compared']} modules and biases "
-                      "compared)", markup=False)
+        console.print(f"{head}; {r['check']}: all {f['keys']} keys converted, {r['compared']} modules and biases "
+                      "compared", markup=False)
 
 
 @app.command("cache", help="Migrate a legacy .pt cache (read with weights_only=True) to lorakit's store.")

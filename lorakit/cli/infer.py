@@ -82,6 +82,13 @@ def infer(
         with console.status("infer") as st:
             result = generate(model, req, loras, out, device=device, dtype_name=dtype,
                               progress=lambda msg: st.update(f"infer: {msg}"))
-    emit(as_json, result, lambda: console.print(
-        "\n".join(result["files"]) + (f"\ncontact sheet: {result['contact_sheet']}" if result["contact_sheet"]
-                                      else "")))
+    emit(as_json, result, lambda: _render(result))
+
+
+def _render(result: dict) -> None:
+    from rich.markup import escape
+
+    for w in result["warnings"]:
+        console.print(f"[yellow]warning:[/] {escape(w)}", soft_wrap=True)
+    console.print("\n".join(result["files"]) + (f"\ncontact sheet: {result['contact_sheet']}" if result["contact_sheet"]
+                                                else ""), markup=False)

@@ -149,6 +149,22 @@ def split_bias(b, rec, in_features: int | None = None) -> dict:
 # --------------------------------------------------------------------------- diffusers -> native
 
 
+def swapped_modules(arch: str | None, blocks: int) -> set[str]:
+    """The diffusers modules whose original weight holds its two halves of rows the other way round (FLUX's final
+    norm). A `dora_scale` key names the original weight's rows (ComfyUI applies it there, after swapping the
+    difference: comfy/weight_adapter/base.weight_decompose), so under a diffusers name it is stored swapped too."""
+    if arch is None:
+        return set()
+    return {rec.targets[0] for rec in native_table(arch, blocks).values() if rec.swap_halves and len(rec.targets) == 1}
+
+
+def dora_scale_order(p, module: str, swapped: set[str]):
+    """A LowRank's dora_scale between diffusers' row order and the original's (the same swap both ways)."""
+    if module in swapped and p.dora_scale is not None and p.dora_scale.shape[0] == p.B.shape[0]:
+        return LowRank(p.A, p.B, p.alpha, p.magnitude, swap_halves(p.dora_scale))
+    return p
+
+
 def owners(arch: str, blocks: int) -> dict[str, str]:
     """diffusers module name -> the native module holding it."""
     return {t: native for native, rec in native_table(arch, blocks).items() for t in rec.targets}

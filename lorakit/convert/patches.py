@@ -94,9 +94,13 @@ class LowRank:
         """The same change with alpha = rank (alpha/rank multiplied into B): every consumer reads it alike,
         whether or not it reads alpha (ComfyUI ignores diffusers' metadata and takes alpha/rank = 1)."""
 
+        import torch
+
         if self.alpha == self.rank:
             return self
-        b = (_f64(self.B) * self.scale).to(self.B.dtype)
+        b = _f64(self.B) * self.scale
+        same = b.to(self.B.dtype)  # in B's own dtype where that holds the product exactly; else in float32 (a
+        b = same if torch.equal(same.double(), b) else b.float()  # 16-bit B scaled by 5/6 would lose ~1e-3)
         return LowRank(self.A, b.contiguous(), float(self.rank), self.magnitude, self.dora_scale)
 
 

@@ -11,12 +11,14 @@ from pathlib import Path
 
 from lorakit.convert.native import (
     diffusers_table,
+    dora_scale_order,
     guess_native_arch,
     identity_arch,
     n_blocks,
     native_table,
     split_bias,
     split_patch,
+    swapped_modules,
 )
 from lorakit.convert.patches import Full, LoHa, LoKr, LowRank, Rows, kind_name
 from lorakit.errors import FileFormatError, InputError
@@ -209,6 +211,12 @@ def _read(path, arch: str | None, base: dict | None) -> Lora:
             lora.weights[name] = patch
         if bias is not None:
             lora.biases[name] = bias
+    # a dora_scale under a diffusers name is in the original weight's row order (ComfyUI's reading): to diffusers'
+    swapped = swapped_modules(arch, blocks)
+    for ns, flat_names, module in groups:
+        name = module if not flat_names else diffusers_table(arch, blocks, True).get(module) if arch else None
+        if ns != "native" and name in lora.weights and isinstance(lora.weights[name], LowRank):
+            lora.weights[name] = dora_scale_order(lora.weights[name], name, swapped)
     _dora_to_magnitude(lora, base)
     _check_finite(lora)
 

@@ -8,7 +8,14 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from lorakit.convert.native import flat, fuse_biases, fuse_patches
+from lorakit.convert.native import (
+    dora_scale_order,
+    flat,
+    fuse_biases,
+    fuse_patches,
+    n_blocks,
+    swapped_modules,
+)
 from lorakit.convert.patches import Full, LoHa, LoKr, LowRank, Rows, kind_name
 from lorakit.convert.read import Lora, magnitude_to_dora_scale
 from lorakit.errors import InputError
@@ -50,11 +57,13 @@ def write(lora: Lora, dst, fmt: str, arch: str | None, dtype=None, extra_metadat
             raise InputError(f"the {fmt} layout holds LoRA/DoRA only; {len(other)} module(s) carry other patches "
                              f"(LyCORIS or differences), e.g. {other[0]}", "use --to comfyui or --to kohya")
         sd, cfg = to_peft(lora.weights, "transformer." if fmt == "diffusers" else "base_model.model.")
-        if base is not None:  # ComfyUI reads DoRA from `dora_scale` (diffusers drops that key on loading)
+        if base is not None:  # ComfyUI reads DoRA from `dora_scale` (diffusers drops that key on loading), on the
+            swapped = swapped_modules(arch, n_blocks(lora.weights))  # rows of the original weight
             for m, p in lora.weights.items():
                 if p.magnitude is not None and m in base:
+                    q = LowRank(p.A, p.B, p.alpha, p.magnitude, magnitude_to_dora_scale(p, base[m]))
                     sd[f"{'transformer.' if fmt == 'diffusers' else 'base_model.model.'}{m}.dora_scale"] = \
-                        magnitude_to_dora_scale(p, base[m])
+                        dora_scale_order(q, m, swapped).dora_scale
         sd = {k: cast(v) for k, v in sd.items()}
         if fmt == "diffusers":
             meta["lora_adapter_metadata"] = json.dumps({f"transformer.{k}": v for k, v in cfg.items()},

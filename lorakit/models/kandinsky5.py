@@ -15,12 +15,14 @@ _TEXT = tuple(f"self_attention.{m}" for m in _ATTN) + ("feed_forward.in_layer", 
                                                         "text_modulation.out_layer")
 _TOP = ("time_embeddings.in_layer", "time_embeddings.out_layer", "text_embeddings.in_layer",
         "pooled_text_embeddings.in_layer", "visual_embeddings.in_layer", "out_layer.modulation.out_layer",
-        "out_layer.out_layer")
+        "out_layer.out_layer", "text_embeddings.norm", "pooled_text_embeddings.norm")
+# the attention norms (no LoRA on them; ComfyUI's model-diff extracts carry their differences)
+_NORMS = ("query_norm", "key_norm")
 # the diffusers port kept the original checkpoints' module names: native names are the diffusers names
 K5_NATIVE = (tuple(NativeName(f"visual_transformer_blocks.{{i}}.{m}", (f"visual_transformer_blocks.{{i}}.{m}",))
-                   for m in _VISUAL)
+                   for m in _VISUAL + tuple(f"{a}.{n}" for a in ("self_attention", "cross_attention") for n in _NORMS))
              + tuple(NativeName(f"text_transformer_blocks.{{i}}.{m}", (f"text_transformer_blocks.{{i}}.{m}",))
-                     for m in _TEXT)
+                     for m in _TEXT + tuple(f"self_attention.{n}" for n in _NORMS))
              + tuple(NativeName(m, (m,)) for m in _TOP))
 # Kandinsky 5 Lite transformers (the original repository's dit_params; diffusers config keys)
 _COMMON = dict(in_visual_dim=16, out_visual_dim=16, in_text_dim=3584, in_text_dim2=768, time_dim=512,

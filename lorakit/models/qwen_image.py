@@ -16,9 +16,12 @@ _BLOCK = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "attn.add_q_pr
           "attn.add_v_proj", "attn.to_add_out", "img_mlp.net.0.proj", "img_mlp.net.2", "txt_mlp.net.0.proj",
           "txt_mlp.net.2", "img_mod.1", "txt_mod.1")
 _TOP = ("img_in", "txt_in", "proj_out", "norm_out.linear", "time_text_embed.timestep_embedder.linear_1",
-        "time_text_embed.timestep_embedder.linear_2")
+        "time_text_embed.timestep_embedder.linear_2", "txt_norm")
+# the attention RMSNorms: no LoRA on them, but ComfyUI's model-diff extracts carry their differences
+_BLOCK_NORMS = ("attn.norm_q", "attn.norm_k", "attn.norm_added_q", "attn.norm_added_k")
 # Qwen-Image was published in diffusers layout: the original (ComfyUI, kohya) names are the diffusers names
-QWEN_NATIVE = (tuple(NativeName(f"transformer_blocks.{{i}}.{m}", (f"transformer_blocks.{{i}}.{m}",)) for m in _BLOCK)
+QWEN_NATIVE = (tuple(NativeName(f"transformer_blocks.{{i}}.{m}", (f"transformer_blocks.{{i}}.{m}",))
+                    for m in _BLOCK + _BLOCK_NORMS)
                + tuple(NativeName(m, (m,)) for m in _TOP))
 
 

@@ -250,6 +250,16 @@ CONFIGS = {  # every class of config error
     "tabs": "model:\n\tfamily: flux\n",
     "bad-override": None,
     "unknown-profile": None,
+    # the probe of issue #36: hostile YAML and values no setting means
+    "billion-laughs": "model: {family: flux}\na0: &a0 [x, x, x, x, x, x, x, x, x]\n" + "".join(
+        f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 9)}]\n" for i in range(1, 10)) + "sampling: {prompts: *a9}\n",
+    "deep-list": "[" * 10_000 + "]" * 10_000,
+    "deep-mapping": "model: " + "{a: " * 2_000 + "1" + "}" * 2_000 + "\n",
+    "huge-file": "model: {family: flux}\n" + "# padding\n" * 200_000,
+    "infinite-weight": "model: {family: flux}\ndata: {datasets: [{dir: /tmp, weight: .inf}]}\n",
+    "nan-lr": "model: {family: flux}\noptim: {lr: .nan}\n",
+    "long-prompt": "model: {family: flux}\nsampling: {prompts: [" + "x" * 20_000 + "]}\n",
+    "four-controls": "model: {family: qwen-image-edit-plus}\ndata: {control_dirs: [a, b, c, d]}\n",
 }
 
 

@@ -194,3 +194,26 @@ def test_a_lora_summed_as_its_layer_is_rounded_equals_one_baked_first(tiny, tmp_
         n += w.numel()
         same += int((weights[1][name] == w).sum())
     assert same / n > 0.999  # (the sums differ in float32 vs float64 rounding only)
+
+
+def test_text_encoder_keys_of_a_kohya_file_are_said_not_applied(tiny, tmp_path):
+    """Issue #36, 12: a kohya file's lora_te1_* keys were left unapplied with exit 0, said only in --json."""
+    from safetensors.torch import save_file
+
+    from lorakit.convert import lora as L
+    from lorakit.io import load
+
+    folder = tiny("flux")
+    kohya = L.write(L.read(_lora(tiny, "flux", tmp_path / "l.safetensors")), tmp_path / "k.safetensors", "kohya", "flux")
+    sd = load(kohya, copy=True)
+    sd["lora_te1_text_model_encoder_layers_0_mlp_fc1.lora_down.weight"] = torch.zeros(4, 32)
+    sd["lora_te1_text_model_encoder_layers_0_mlp_fc1.lora_up.weight"] = torch.zeros(64, 4)
+    save_file(sd, tmp_path / "te.safetensors")
+    args = ["infer", str(folder), "-p", "a red circle", "--steps", "1", "--width", "64", "--height", "64",
+            "--lora", str(tmp_path / "te.safetensors"), "-o", str(tmp_path / "o")]
+    r = CliRunner().invoke(app, args)
+    assert r.exit_code == 0, r.output
+    assert f"warning: {tmp_path / 'te.safetensors'}: 2 key(s) not applied, e.g. lora_te1_" in " ".join(r.output.split())
+    assert "text-encoder part" in r.output
+    data = json.loads(CliRunner().invoke(app, [*args, "--json"]).output)
+    assert len(data["warnings"]) == 1 and len(data["loras"][0]["not_applied"]) == 2

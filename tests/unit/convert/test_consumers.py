@@ -101,3 +101,25 @@ def test_lorakit_infer_applies_dora_as_diffusers_does(tiny, tmp_path):
         base = a.predict(load_component(tiny("flux") / "transformer"), x, torch.tensor([0.5]), text)
     assert (va - base).abs().max() > 1e-3
     torch.testing.assert_close(va, vb, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("family", ["flux", "flux-kontext"])
+def test_dora_on_the_final_norm_loads_alike_in_both_consumers_and_converts_exactly(tiny, tmp_path, family):
+    """DoRA with train_io (issue #36, 9): ComfyUI applies `dora_scale` to its own weight's rows, whose halves FLUX's
+    final norm stores the other way round; the file used to carry it in diffusers' order (4.8e-2 off in ComfyUI),
+    and `convert` said "deltas equal" because it compared lorakit's reading with itself."""
+    from lorakit.io import load
+
+    path = trained_like(tiny, family, tmp_path / "d.safetensors", targets="attention", dora=True, alpha=8, io=True)
+    got = _compare(tiny, family, path, tol=1e-5)
+    assert "diffusion_model.final_layer.adaLN_modulation.1.weight" in got
+    base = {k.removesuffix(".weight"): v for k, v in load(tiny(family) / "transformer").items()
+            if k.endswith("weight")}
+    _compare(tiny, family, L.write(L.read(path, base=base), tmp_path / "re.safetensors", "diffusers", "flux",
+                                   base=base), tol=1e-5)  # converted to diffusers again: both consumers alike
+    _, original, _ = _comfy(tiny, family, path)
+    for fmt in ("comfyui", "kohya"):  # diffusers takes no DoRA from these layouts; ComfyUI reads them as the original
+        out = L.write(L.read(path, base=base), tmp_path / f"{fmt}.safetensors", fmt, "flux", base=base)
+        _, converted, unused = _comfy(tiny, family, out)
+        assert not unused and converted.keys() == original.keys()
+        assert all(torch.allclose(converted[k].double(), original[k].double(), rtol=0, atol=1e-6) for k in original)

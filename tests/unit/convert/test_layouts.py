@@ -177,3 +177,69 @@ def test_flux_train_io_lora_converts_to_the_original_names(tiny, tmp_path, fmt):
 
     keys = load(tmp_path / "o.safetensors")
     assert any("final_layer_adaLN_modulation_1" in k or "final_layer.adaLN_modulation.1" in k for k in keys)
+
+
+def _convert(src, dst, *args):
+    r_ = CliRunner().invoke(app, ["convert", "lora", str(src), str(dst), "--json", *args])
+    return r_, (json.loads(r_.output) if r_.output.strip().startswith("{") else {})
+
+
+def test_a_bf16_split_qkv_file_converts_to_diffusers_exactly(tiny, tmp_path):
+    """Issue #36, 10: alpha/rank folded into a bf16 up matrix rounded it (2.6e-5 off of 5.9e-2) — `convert` said
+    "deltas DIFFER" and left its output behind, and `lorakit infer` applied the rounded file."""
+    d3, u3 = r(6, H).bfloat16(), torch.block_diag(r(H, 2), r(H, 2), r(H, 2)).bfloat16()
+    save_file({"lora_unet_double_blocks_0_img_attn_qkv.lora_down.weight": d3,
+               "lora_unet_double_blocks_0_img_attn_qkv.lora_up.weight": u3,
+               "lora_unet_double_blocks_0_img_attn_qkv.alpha": torch.tensor(5.0)}, tmp_path / "k.safetensors")
+    r_, out = _convert(tmp_path / "k.safetensors", tmp_path / "d.safetensors", "--to", "diffusers")
+    assert r_.exit_code == 0 and out["deltas_equal"], r_.output
+    diffusers_file = L.read(tmp_path / "d.safetensors")
+    assert L.deltas_equal(L.read(tmp_path / "k.safetensors"), diffusers_file, rtol=1e-6)[0]
+    from lorakit.infer import add_loras, assemble
+
+    pipe, _ = assemble(tiny("flux"), "cpu", torch.float32)
+    before = pipe.transformer.transformer_blocks[0].attn.to_q.weight.detach().clone()
+    add_loras(pipe, [(tmp_path / "k.safetensors", 1.0)], "flux")
+    pipe.transformer.fuse_lora()
+    after = pipe.transformer.transformer_blocks[0].attn.to_q.get_base_layer().weight.detach()
+    want = (u3.double() @ d3.double() * 5.0 / 6)[:H]
+    assert torch.allclose((after - before).double(), want, rtol=0, atol=1e-6)
+
+
+def test_a_qwen_extract_with_norm_differences_converts_to_kohya_as_comfyui_reads_it(tiny, tmp_path):
+    """Issue #36, 11: an extract's norm differences (norm_added_k/q, norm_k) came back from kohya names as
+    other modules: a false "deltas DIFFER" and exit 1, although ComfyUI read the output exactly like the input."""
+    m = "transformer_blocks.0.attn.to_q"
+    norms = ("transformer_blocks.0.attn.norm_k", "transformer_blocks.0.attn.norm_added_q",
+             "transformer_blocks.0.attn.norm_added_k")
+    d, u, db = r(4, H), r(H, 4), r(H)
+    sd = {f"diffusion_model.{m}.lora_up.weight": u, f"diffusion_model.{m}.lora_down.weight": d,
+          f"diffusion_model.{m}.alpha": torch.tensor(4.0), f"diffusion_model.{m}.diff_b": db}
+    sd.update({f"diffusion_model.{n}.diff": r(16) for n in norms})
+    save_file(sd, tmp_path / "extract.safetensors")
+    r_, out = _convert(tmp_path / "extract.safetensors", tmp_path / "k.safetensors", "--to", "kohya")
+    assert r_.exit_code == 0 and out["deltas_equal"], r_.output
+    back = L.read(tmp_path / "k.safetensors")
+    assert set(back.weights) == {m, *norms} and back.unused == []
+    from lorakit.io import load
+
+    sd_model = load_component(tiny("qwen-image") / "transformer").state_dict()
+    base = native_weights(sd_model, "qwen-image")
+    a, _ = comfy.apply(load(tmp_path / "extract.safetensors", copy=True), "qwen-image", base)
+    b, _ = comfy.apply(load(tmp_path / "k.safetensors", copy=True), "qwen-image", base)
+    assert a.keys() == b.keys() and all(torch.allclose(a[k], b[k]) for k in a)
+
+
+def test_a_refused_or_failed_convert_leaves_nothing_behind(tiny, tmp_path):
+    """Issue #36, 11: a FLUX extract --to comfyui was refused, yet its output file stayed on disk."""
+    m = "transformer_blocks.0.attn.to_q"  # a bias difference on a fused FLUX weight: no original form holds it
+    save_file({f"transformer.{m}.lora_A.weight": r(4, H), f"transformer.{m}.lora_B.weight": r(H, 4),
+               f"transformer.{m}.diff_b": r(H)}, tmp_path / "x.safetensors")
+    for fmt in ("comfyui", "kohya", "diffusers"):
+        dst = tmp_path / f"o-{fmt}.safetensors"
+        r_, out = _convert(tmp_path / "x.safetensors", dst, "--to", fmt, "--family", "flux")
+        if r_.exit_code == 0:
+            assert out["deltas_equal"] and dst.is_file()
+        else:
+            assert r_.exit_code in (1, 2) and not dst.exists(), (fmt, r_.output)
+            assert not list(tmp_path.glob(".o-*")), "a temporary file was left"
