@@ -177,6 +177,8 @@ def test_a_cache_being_written_is_held_too(tmp_path):
 @pytest.mark.parametrize("env, said", [
     ({"WANDB_MODE": "online"}, "No API key configured"),
     ({"WANDB_MODE": "bogus"}, "ValidationError"),
+    ({"WANDB_MODE": "online", "WANDB_API_KEY": "0" * 40, "WANDB_BASE_URL": "http://127.0.0.1:9",
+      "WANDB_INIT_TIMEOUT": "2"}, "CommError"),  # a server that does not answer
 ])
 def test_wandb_that_cannot_start_is_a_named_machine_fault_before_anything_loads(tmp_path, tiny, env, said):
     pytest.importorskip("wandb")
