@@ -154,8 +154,9 @@ def environment_fault(e: BaseException, path=None) -> EnvironmentFault | None:
                                 "memory.cache_in_memory=false")
     if type(e).__name__ == "OutOfMemoryError" or "CUDA out of memory" in str(e):
         return EnvironmentFault(f"out of GPU memory: {short(e, 160)}",
-                                "lower data.resolution or schedule.batch_size, or use --profile rtx4090 / "
-                                "--set memory.blocks_to_swap=N; `lorakit train CONFIG --dry-run` shows the estimate")
+                                "is another process using the GPU (nvidia-smi)? For training: lower data.resolution "
+                                "or schedule.batch_size, or --set memory.blocks_to_swap=N (`lorakit train CONFIG "
+                                "--dry-run` shows the estimate); for infer: --offload model | fp8 | group")
     if isinstance(e, ImportError):
         name = getattr(e, "name", None) or short(e, 80)
         return EnvironmentFault(f"a library lorakit needs is missing or broken: {name} ({short(e, 120)})",

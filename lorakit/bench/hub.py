@@ -28,9 +28,10 @@ def _tokenizer_for(name: str, pipe):
 
 
 def write_model(family: str, out, device: str = "cuda", seed: int = 0, scale: str = "full",
-                progress=None) -> dict:
+                progress=None, dtype=None) -> dict:
     """Write the family's model folder at `out` (replaced if present). Returns what was written: per component
-    its parameters, bytes and seconds, and the totals."""
+    its parameters, bytes and seconds, and the totals. `dtype`: the floating-point dtype the weights are stored
+    in (the full scale is bf16, as the hub stores these models; the tiny scale keeps float32 unless asked)."""
     import shutil
 
     import torch
@@ -72,6 +73,8 @@ def write_model(family: str, out, device: str = "cuda", seed: int = 0, scale: st
             module.config.architectures = [type(module).__name__]
             module.config.save_pretrained(folder)
         tensors = hub_names(type(module).__name__, _unique_tensors(module))
+        if dtype is not None:
+            tensors = {k: v.to(dtype) if v.is_floating_point() else v for k, v in tensors.items()}
         save_sharded(tensors, folder, base="diffusion_pytorch_model" if kind == "diffusers" else "model",
                      max_shard_bytes=SHARD_BYTES[kind])
         n = sum(t.numel() for t in tensors.values())

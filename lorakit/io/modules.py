@@ -15,7 +15,8 @@ import json
 from pathlib import Path
 
 from lorakit.errors import FileFormatError, InputError
-from lorakit.io.reader import load
+from lorakit.io.header import read_header
+from lorakit.io.reader import load, resolve_files
 
 
 def _class_of(folder: Path):
@@ -70,6 +71,37 @@ def keep_fp32(model):
     return model
 
 
+def _cast(sd: dict, dtype, keep: list[str]) -> None:
+    """Floating-point tensors to `dtype`, one at a time in place (never a second whole copy); those the class keeps
+    in float32 (`_keep_in_fp32_modules`) to float32 whatever the file stores them in, as diffusers loads them."""
+    import torch
+
+    for k in list(sd):
+        v = sd[k]
+        if v.is_floating_point():
+            want = torch.float32 if _kept_fp32(k, keep) else dtype
+            if v.dtype != want:
+                sd[k] = v.to(want)
+
+
+def _renamed(cls, folder: Path, device: str, dtype):
+    """A transformers component whose file names its tensors in an older layout (e.g. Qwen2.5-VL's `model.*` and
+    `visual.*`, as the hub's Qwen-Image text encoder stores them): transformers renames them while loading. The
+    bytes still come through lorakit.io, mapped on the CPU (the file's pages, no copy), and transformers puts each
+    tensor on the device as it fills the model — the component is resident once (a 24 GB card could not hold the
+    7 B encoder twice)."""
+    import torch
+    from transformers import AutoConfig
+
+    sd = load(folder, device="cpu", backend="lorakit")
+    dev = torch.device(device)
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    out = cls.from_pretrained(None, config=AutoConfig.from_pretrained(folder), state_dict=sd,
+                              dtype=dtype if dtype is not None else "auto", device_map={"": dev})
+    return out.eval().requires_grad_(False)
+
+
 def load_component(folder, device: str = "cpu", dtype=None, backend: str = "auto", unified_memory: bool = False):
     """Build one pipeline component from its folder.
 
@@ -88,24 +120,15 @@ def load_component(folder, device: str = "cpu", dtype=None, backend: str = "auto
         raise FileFormatError(f"{folder}: class {name} is not in the installed {kind}", f"pip install -U {kind}")
     model = _empty_model(kind, cls, folder)
     expected = dict(model.state_dict(keep_vars=True))
-    sd = load(folder, device=device, backend=backend, unified_memory=unified_memory)
-    if dtype is not None:
-        keep = _fp32_names(model)
-        sd = {k: (v.to(dtype) if v.is_floating_point() and not _kept_fp32(k, keep) else v)
-              for k, v in sd.items()}
-    unexpected = [k for k in sd if k not in expected]
+    unexpected = [k for f in resolve_files(folder) for k in read_header(f).tensors if k not in expected]
     if unexpected and kind == "transformers":
-        # transformers renames older checkpoint layouts (e.g. Qwen2.5-VL's model.* -> model.language_model.*)
-        # while loading; hand it the tensors lorakit read, so the bytes still come through lorakit.io.
-        del model
-        kw = {"dtype": dtype} if dtype is not None else {}
-        from transformers import AutoConfig
-
-        out = cls.from_pretrained(None, config=AutoConfig.from_pretrained(folder), state_dict=sd, **kw)
-        return out.to(device).eval().requires_grad_(False)
+        return _renamed(cls, folder, device, dtype)
     if unexpected:
         raise FileFormatError(f"{folder}: keys the {name} class does not have: {', '.join(unexpected[:5])}",
                               "the weights belong to another model or version")
+    sd = load(folder, device=device, backend=backend, unified_memory=unified_memory)
+    if dtype is not None:
+        _cast(sd, dtype, _fp32_names(model))
     missing = model.load_state_dict(sd, strict=False, assign=True).missing_keys
     if hasattr(model, "tie_weights"):
         model.tie_weights()

@@ -124,8 +124,10 @@ def load(source, device: str = "cpu", dtype=None, backend: str = "auto", keys=No
     else:
         t, chunk = gpu_tuning()
         out = _load_gpu(headers, wanted, device, threads or t, chunk)
-    if dtype is not None:
-        out = {k: (v.to(dtype) if v.is_floating_point() and v.dtype != dtype else v) for k, v in out.items()}
+    if dtype is not None:  # one tensor at a time: never the checkpoint twice
+        for k in list(out):
+            if out[k].is_floating_point() and out[k].dtype != dtype:
+                out[k] = out[k].to(dtype)
     return out
 
 
