@@ -86,6 +86,40 @@ def _render_load(result: dict) -> None:
         console.print(f"cold: page cache dropped with {result['cold_method']}")
 
 
+@app.command("matrix", help="The user's path at full size: every family x profile through cache, train, infer and "
+                            "the stock pipeline, each stage a lorakit process (GPU machine; --tiny on a CPU).")
+def matrix(family: list[str] = typer.Option([], "--family", help="families (repeatable; default: all)"),
+           profile: list[str] = typer.Option([], "--profile", help="profiles (repeatable; default: datacenter, "
+                                             "rtx5090 with a 32 GiB cap, rtx4090 with 24 GiB, dgx-spark)"),
+           out: Path = typer.Option(Path("matrix"), "--out", "-o", help="results folder (matrix.json, matrix.md, "
+                                    "each cell's logs)"),
+           models: Path | None = typer.Option(None, "--models", help="where the model folders are written "
+                                              "(default: OUT/models; each is removed after its family)"),
+           steps: int = typer.Option(20, "--steps", min=1, help="training steps per cell"),
+           stages: str = typer.Option("cache,train,infer,stock", "--stages", help="which stages, comma-separated"),
+           limit: float | None = typer.Option(None, "--limit", help="seconds: start no stage after this"),
+           keep_models: bool = typer.Option(False, "--keep-models", help="keep the model folders"),
+           tiny: bool = typer.Option(False, "--tiny", help="the tiny models on the CPU (checks the plumbing)"),
+           as_json: bool = JsonOpt) -> None:
+    use_json(as_json)
+    from dataclasses import asdict
+
+    from lorakit.bench.matrix import PROFILES, STAGES, run_matrix
+    from lorakit.models.registry import family_names as names
+    from lorakit.quiet import quiet_libraries
+
+    quiet_libraries()
+    chosen = tuple(s.strip() for s in stages.split(",") if s.strip())
+    bad = [s for s in chosen if s not in STAGES]
+    if bad or not chosen:
+        raise InputError(f"--stages: unknown stage {bad[0] if bad else stages!r}", "any of " + ", ".join(STAGES))
+    profiles = profile or (["cpu"] if tiny else list(PROFILES))
+    cells = run_matrix(family or names(), profiles, out, models, steps, tiny, chosen, limit, keep_models,
+                       progress=None if as_json else lambda s: console.print(f"bench matrix: {s}", soft_wrap=True))
+    emit(as_json, [asdict(c) for c in cells], lambda: console.print((out / "matrix.md").read_text(), markup=False,
+                                                                    soft_wrap=True))
+
+
 @app.command("step", help="Time lorakit's training step against plain diffusers + peft, in the same run.")
 def step(family: str = typer.Option(family_names()[0], "--family", help="model family: " + ", ".join(family_names())),
          res: int = typer.Option(1024, "--res", help="training resolution (square, pixels)"),

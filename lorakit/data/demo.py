@@ -82,15 +82,17 @@ def _save(img: Image.Image, path: Path) -> None:
     img.save(path, format=fmt, **kw)
 
 
-def make_demo_dataset(out_dir: str | Path, layout: str = "flat", count: int = 8, size: int = 64,
-                      seed: int = 0, frames: int = 5, clip_format: str = "mp4") -> Path:
+def make_demo_dataset(out_dir: str | Path, layout: str = "flat", count: int = 8,
+                      size: int | tuple[int, int] | list[tuple[int, int]] = 64, seed: int = 0, frames: int = 5,
+                      clip_format: str = "mp4") -> Path:
     """Write a demo dataset.
 
     Args:
         out_dir: target folder (created; existing demo files with the same names are overwritten).
         layout: one of `LAYOUTS`.
         count: number of items (clips for `video`).
-        size: image side in pixels.
+        size: image side in pixels, a (width, height), or a list of them (item k takes the k-th, cycling:
+            datasets in several aspect ratios).
         seed: same seed, same files.
         frames: frames per clip (`video`).
         clip_format: `video` clips as "mp4" files (H.264, 8 fps) or "frames" (a folder of PNGs per clip).
@@ -102,8 +104,9 @@ def make_demo_dataset(out_dir: str | Path, layout: str = "flat", count: int = 8,
         raise InputError(f"unknown demo layout {layout!r}", "valid: " + ", ".join(LAYOUTS))
     if clip_format not in ("frames", "mp4", "webm", "mov", "mkv", "gif", "webp"):
         raise InputError(f"unknown clip format {clip_format!r}", "valid: frames, mp4, webm, mov, mkv, gif, webp")
-    if count < 1 or size < 16:
-        raise InputError(f"demo dataset needs count >= 1 and size >= 16, got count={count} size={size}")
+    sizes = [(size, size)] if isinstance(size, int) else [size] if isinstance(size[0], int) else list(size)
+    if count < 1 or min(min(s) for s in sizes) < 16:
+        raise InputError(f"demo dataset needs count >= 1 and sides >= 16, got count={count} size={size}")
     out = Path(out_dir)
     rng = random.Random(seed)
     if layout == "flat":
@@ -111,7 +114,7 @@ def make_demo_dataset(out_dir: str | Path, layout: str = "flat", count: int = 8,
         for i in range(count):
             s = random_scene(rng)
             stem = f"item_{i:03d}"
-            _save(draw(s, size), out / f"{stem}.{_EXTS[i % len(_EXTS)]}")
+            _save(draw(s, sizes[i % len(sizes)]), out / f"{stem}.{_EXTS[i % len(_EXTS)]}")
             (out / f"{stem}.txt").write_text(s.caption() + "\n", encoding="utf-8")
     elif layout in ("edit", "edit-plus"):
         dirs = {n: out / n for n in ("images", "control") + (("control_2",) if layout == "edit-plus" else ())}
@@ -122,12 +125,13 @@ def make_demo_dataset(out_dir: str | Path, layout: str = "flat", count: int = 8,
             new = rng.choice([c for c in sorted(COLORS) if c not in (s.color, s.background)])
             target = Scene(s.shape, new, s.background, s.row, s.col, s.scale)
             stem = f"edit_{i:03d}"
-            _save(draw(target, size), dirs["images"] / f"{stem}.png")
-            _save(draw(s, size), dirs["control"] / f"{stem}.png")
+            wh = sizes[i % len(sizes)]
+            _save(draw(target, wh), dirs["images"] / f"{stem}.png")
+            _save(draw(s, wh), dirs["control"] / f"{stem}.png")
             if layout == "edit":
                 caption = f"make the {s.shape} {new}"
             else:
-                _save(Image.new("RGB", (size, size), COLORS[new]), dirs["control_2"] / f"{stem}.png")
+                _save(Image.new("RGB", wh, COLORS[new]), dirs["control_2"] / f"{stem}.png")
                 caption = f"paint the {s.shape} of picture 1 with the color of picture 2"
             (dirs["images"] / f"{stem}.txt").write_text(caption + "\n", encoding="utf-8")
     else:  # video
@@ -137,7 +141,8 @@ def make_demo_dataset(out_dir: str | Path, layout: str = "flat", count: int = 8,
             s = random_scene(rng)
             stem = f"clip_{i:03d}"
             y = (ROWS.index(s.row) + 0.5) / 3
-            images = [draw(s, size, center=(0.2 + 0.6 * f / max(frames - 1, 1), y)) for f in range(frames)]
+            images = [draw(s, sizes[i % len(sizes)], center=(0.2 + 0.6 * f / max(frames - 1, 1), y))
+                      for f in range(frames)]
             if clip_format == "frames":
                 (clips / stem).mkdir(exist_ok=True)
                 for f, im in enumerate(images):

@@ -1,0 +1,293 @@
+"""The user-path matrix: every family x profile the way a new user walks it, at full size on a GPU machine.
+
+Per family, once: a random-weight model folder in the hub's layout (`bench.hub.write_model`) and a small dataset in
+three aspect ratios (edit families: with controls; video: clips). Per family and profile (a cell), each stage a
+separate `lorakit` process as a user runs it, stdout to a file, the profile's card emulated with
+LORAKIT_MEMORY_CAP_GIB: `lorakit cache`, `lorakit train` (20 steps), `lorakit infer` with the LoRA, and the stock
+diffusers pipeline with `load_lora_weights` (same seed, same size; uncapped: the reference), images compared (PSNR).
+
+A cell passes, or is refused by `lorakit train` before loading with an exit-2 message naming a setting that fits.
+Recorded per cell: each stage's wall time and peak host RSS, seconds from `lorakit train` to its first finished
+optimizer step, median and p90 s/step (after the second step), peak GPU memory, PSNR against stock. Results are
+written after every stage (`matrix.json`, `matrix.md`), so a run cut short still says what it measured; `limit_s`
+stops starting stages once the time is spent.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import yaml
+
+from lorakit.bench.hub import write_model
+from lorakit.data.demo import demo_layout_for, make_demo_dataset
+from lorakit.data.video import Window, probe, read_window
+from lorakit.errors import InputError
+from lorakit.models.base import family_adapter
+from lorakit.models.registry import family_names
+
+PROFILES = ("datacenter", "rtx5090", "rtx4090", "dgx-spark")
+CAPS = {"rtx5090": 32.0, "rtx4090": 24.0}  # GiB the profile's card has (emulated on a larger GPU)
+STAGES = ("cache", "train", "infer", "stock")
+PROMPT = "a red circle in the center on a blue background"
+SIZES = {1024: [(1024, 1024), (1216, 832), (832, 1216)], 512: [(512, 512), (640, 384), (384, 640)],
+         64: [(64, 64), (80, 48), (48, 80)]}
+
+
+@dataclass
+class Cell:
+    family: str
+    profile: str
+    cap_gib: float | None
+    status: str = "pending"  # pass | refused | failed | skipped (time) | pending
+    note: str = ""
+    stages: dict = field(default_factory=dict)  # stage -> {"s", "rss_gib", "rc", ...}
+    first_step_s: float | None = None
+    s_per_step_median: float | None = None
+    s_per_step_p90: float | None = None
+    peak_gpu_gib: float | None = None
+    psnr_vs_stock: float | None = None
+
+
+def _sizes(res: int) -> list:
+    return SIZES.get(res) or [(res, res)]
+
+
+def _run(cmd: list[str], log: Path, env: dict, timeout: float) -> tuple[int, float, float, str]:
+    """(exit code, seconds, peak RSS GiB, stdout) of one command, its output to `log` (as under nohup)."""
+    t0 = time.perf_counter()
+    with open(log, "w") as out, open(log.with_suffix(".err"), "w") as err:
+        p = subprocess.Popen(cmd, stdout=out, stderr=err, env=env)
+        deadline = time.monotonic() + timeout
+        while True:
+            pid, status, usage = os.wait4(p.pid, os.WNOHANG)
+            if pid:
+                break
+            if time.monotonic() > deadline:
+                p.kill()
+                pid, status, usage = os.wait4(p.pid, 0)
+                break
+            time.sleep(0.05)
+    p.returncode = os.waitstatus_to_exitcode(status)
+    return p.returncode, time.perf_counter() - t0, usage.ru_maxrss / 2**20, log.read_text()
+
+
+def _json(text: str) -> dict:
+    try:
+        return json.loads(text[text.index("{"):]) if "{" in text else {}
+    except ValueError:
+        return {}
+
+
+def psnr(a, b) -> float:
+    """Peak signal-to-noise ratio of two 8-bit images in dB (inf when equal)."""
+    import numpy as np
+
+    a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+    if a.shape != b.shape:
+        return float("nan")
+    mse = float(((a - b) ** 2).mean())
+    return float("inf") if mse == 0 else 10 * math.log10(255.0**2 / mse)
+
+
+STOCK = r"""
+import json, sys, torch
+from diffusers import DiffusionPipeline
+from lorakit.data.images import open_image
+from lorakit.models.base import family_adapter
+a = json.loads(sys.argv[1])
+dev = "cuda" if torch.cuda.is_available() else "cpu"
+dt = torch.bfloat16 if dev == "cuda" else torch.float32
+pipe = DiffusionPipeline.from_pretrained(a["model"], torch_dtype=dt).to(dev)
+pipe.set_progress_bar_config(disable=True)
+pipe.load_lora_weights(a["lora"])
+ad = family_adapter(a["family"])
+kw = dict(prompt=a["prompt"], num_inference_steps=a["steps"], generator=torch.Generator().manual_seed(a["seed"]))
+kw.update({k: v for k, v in ad.call_kwargs(a["width"], a["height"], a["frames"]).items() if k != "num_frames"})
+if a["image"]:
+    imgs = [open_image(p) for p in a["image"]]
+    kw["image"] = imgs[0] if ad.max_controls == 1 else imgs
+if ad.layout == "video":
+    kw["num_frames"] = a["frames"]
+out = pipe(**kw)
+if ad.layout == "video":
+    from PIL import Image
+    import numpy as np
+    frames = out.frames[0]
+    f = frames[len(frames) // 2]
+    img = f if isinstance(f, Image.Image) else Image.fromarray((np.asarray(f) * 255).clip(0, 255).astype("uint8"))
+else:
+    img = out.images[0]
+img.save(a["out"])
+print(json.dumps({"peak_gpu_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if dev == "cuda" else None}))
+"""
+
+
+def _dataset(family: str, folder: Path, res: int, frames: int) -> Path:
+    layout = demo_layout_for(family)
+    if layout == "video":
+        return make_demo_dataset(folder, "video", count=4, size=_sizes(res), frames=frames + 4)
+    return make_demo_dataset(folder, layout, count=6 if layout == "flat" else 4, size=_sizes(res))
+
+
+def _image(files: list[str]):
+    """The picture a run wrote: a PNG, or a clip's middle frame."""
+    from PIL import Image
+
+    first = files[0]
+    if first.endswith(".png"):
+        return Image.open(first).convert("RGB")
+    info = probe(first)
+    return read_window(first, Window(0.0, (info.frames // 2,)))[0]
+
+
+def run_cell(cell: Cell, model: Path, data: Path, work: Path, steps: int, res: int, frames: int, tiny: bool,
+             stages=STAGES, save=lambda: None) -> Cell:
+    """One family x profile through the stages; `save` is called after each stage."""
+    work.mkdir(parents=True, exist_ok=True)
+    facts = family_adapter(cell.family)
+    cfg = {"model": {"family": cell.family, "path": str(model)},
+           "data": {"dirs": [str(data)], "resolution": res, **({"frames": frames} if facts.layout == "video" else {}),
+                    **({"bucket_min_side": 32, "bucket_max_side": 128} if tiny else {}),
+                    **({"control_resolution": res} if tiny and facts.max_controls else {})},
+           "schedule": {"steps": steps}, "sampling": {"enabled": False}, "output": {"dir": str(work / "run")}}
+    if tiny:
+        cfg["model"]["dtype"] = "bf16"
+    (work / "run.yaml").write_text(yaml.safe_dump(cfg))
+    env = {k: v for k, v in os.environ.items() if k != "LORAKIT_MEMORY_CAP_GIB"}
+    if cell.cap_gib:
+        env["LORAKIT_MEMORY_CAP_GIB"] = str(cell.cap_gib)
+    lk = [sys.executable, "-m", "lorakit"]
+    controls = [str(p) for p in sorted((data / "control").glob("*.png"))[:1]] if facts.max_controls else []
+    infer_steps = 2 if tiny else 10
+    for stage in stages:
+        if cell.status in ("refused", "failed"):
+            break
+        if stage == "cache":
+            cmd = [*lk, "cache", str(work / "run.yaml"), "--profile", cell.profile, "--json"]
+        elif stage == "train":
+            cmd = [*lk, "train", str(work / "run.yaml"), "--profile", cell.profile, "--json"]
+        elif stage == "infer":
+            lora = work / "run" / "lora.safetensors"
+            cmd = [*lk, "infer", str(model), "-p", PROMPT, "--steps", str(infer_steps), "--width", str(res),
+                   "--height", str(res), "--frames", str(frames), "--lora", str(lora), "-o", str(work / "infer"),
+                   *[x for c in controls for x in ("--image", c)], "--json"]
+            if tiny:
+                cmd += ["--dtype", "bf16", "--device", "cpu"]
+        else:
+            spec = {"model": str(model), "lora": str(work / "run" / "lora.safetensors"), "family": cell.family,
+                    "prompt": PROMPT, "steps": infer_steps, "seed": 0, "width": res, "height": res, "frames": frames,
+                    "image": controls, "out": str(work / "stock.png")}
+            cmd = [sys.executable, "-c", STOCK, json.dumps(spec)]
+            env = {k: v for k, v in env.items() if k != "LORAKIT_MEMORY_CAP_GIB"}  # the reference: uncapped
+        started = time.time()
+        rc, secs, rss, out = _run(cmd, work / f"{stage}.log", env, timeout=1800)
+        rec = {"s": round(secs, 1), "rss_gib": round(rss, 2), "rc": rc}
+        result = _json(out)
+        if rc == 2 and stage == "train":
+            cell.status, cell.note = "refused", f"{result.get('message', '')} ({result.get('hint', '')})"
+        elif rc != 0:
+            err = result.get("message") or (work / f"{stage}.err").read_text()[-400:]
+            cell.status, cell.note = "failed", f"{stage}: exit {rc}: {err}"
+        elif stage == "train":
+            rows = [json.loads(x) for x in (work / "run" / "metrics.jsonl").read_text().splitlines() if x.strip()]
+            cell.first_step_s = round(rows[0]["time"] - started, 1) if rows else None
+            steady = sorted(r["s_per_step"] for r in rows[2:]) or sorted(r["s_per_step"] for r in rows)
+            cell.s_per_step_median = round(statistics.median(steady), 3)
+            cell.s_per_step_p90 = round(steady[min(len(steady) - 1, int(0.9 * len(steady)))], 3)
+            cell.peak_gpu_gib = result.get("peak_gpu_gib")
+            rec["timeline"] = result.get("timeline")
+        elif stage in ("cache", "infer"):
+            rec["peak_gpu_gib"] = result.get("peak_gpu_gib")
+            if stage == "infer":
+                rec.update(offload=result.get("offload"), files=result.get("files"))
+        else:
+            ours = _image(cell.stages["infer"]["files"])
+            from PIL import Image
+
+            cell.psnr_vs_stock = round(psnr(ours, Image.open(work / "stock.png").convert("RGB")), 1)
+            rec["peak_gpu_gib"] = result.get("peak_gpu_gib")
+        cell.stages[stage] = rec
+        save()
+    if cell.status == "pending":
+        cell.status = "pass"
+    save()
+    return cell
+
+
+def run_matrix(families, profiles, out: Path, models: Path | None = None, steps: int = 20, tiny: bool = False,
+               stages=STAGES, limit_s: float | None = None, keep_models: bool = False, progress=None) -> list[Cell]:
+    """Every family x profile (see the module docstring). Returns the cells, also in out/matrix.json and .md."""
+    unknown = [f for f in families if f not in family_names()] + [p for p in profiles
+                                                                    if p not in PROFILES + ("cpu",)]
+    if unknown:
+        raise InputError(f"bench matrix: unknown family or profile {unknown[0]!r}",
+                         f"families: {', '.join(family_names())}; profiles: {', '.join(PROFILES)}")
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    models = Path(models or out / "models")
+    t0 = time.monotonic()
+    cells = [Cell(f, p, None if tiny else CAPS.get(p)) for f in families for p in profiles]
+    synth: dict = {}
+
+    def save():
+        (out / "matrix.json").write_text(json.dumps({"cells": [asdict(c) for c in cells], "synth": synth},
+                                                    indent=2))
+        (out / "matrix.md").write_text(table(cells))
+
+    for family in families:
+        video = family_adapter(family).layout == "video"
+        res, frames = (64, 5) if tiny else ((512, 17) if video else (1024, 17))
+        model = models / family
+        if limit_s and time.monotonic() - t0 > limit_s:
+            break
+        if not (model / "lorakit_synthetic.json").is_file():
+            if progress:
+                progress(f"{family}: writing the model folder")
+            import torch
+
+            t = time.perf_counter()
+            rep = write_model(family, model, device="cpu" if tiny else "cuda", scale="tiny" if tiny else "full",
+                              dtype=torch.bfloat16)
+            synth[family] = {"s": round(time.perf_counter() - t, 1), "gib": round(rep["bytes"] / 2**30, 1)}
+        data = _dataset(family, out / "data" / family, res, frames)
+        for cell in (c for c in cells if c.family == family):
+            if limit_s and time.monotonic() - t0 > limit_s:
+                cell.status, cell.note = "skipped", "the time given to this call was spent"
+                continue
+            if progress:
+                progress(f"{family} x {cell.profile}")
+            run_cell(cell, model, data, out / f"{family}-{cell.profile}", steps, res, frames, tiny, stages, save)
+        if not keep_models and not tiny:
+            import shutil
+
+            shutil.rmtree(model, ignore_errors=True)  # the next family's folder needs the disk
+    save()
+    return cells
+
+
+def table(cells: list[Cell]) -> str:
+    """The matrix as a Markdown table."""
+    def f(x, fmt="{:.1f}"):
+        return "-" if x is None else (fmt.format(x) if isinstance(x, (int, float)) else str(x))
+
+    head = ("| family | profile (cap) | result | cache s | train s | first step s | s/step median / p90 | "
+            "peak GPU GiB | peak RSS GiB | infer s | PSNR vs stock dB |\n|---|---|---|---|---|---|---|---|---|---|---|")
+    rows = []
+    for c in cells:
+        st = c.stages
+        rss = max((s.get("rss_gib") or 0 for s in st.values()), default=None)
+        result = c.status if c.status == "pass" else f"{c.status}: {c.note[:160]}"
+        rows.append(f"| {c.family} | {c.profile}{f' ({c.cap_gib:g} GiB)' if c.cap_gib else ''} | {result} | "
+                    f"{f(st.get('cache', {}).get('s'))} | {f(st.get('train', {}).get('s'))} | {f(c.first_step_s)} | "
+                    f"{f(c.s_per_step_median, '{:.3f}')} / {f(c.s_per_step_p90, '{:.3f}')} | {f(c.peak_gpu_gib)} | "
+                    f"{f(rss)} | {f(st.get('infer', {}).get('s'))} | {f(c.psnr_vs_stock)} |")
+    return head + "\n" + "\n".join(rows) + "\n"

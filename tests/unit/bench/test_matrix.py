@@ -1,0 +1,32 @@
+"""`lorakit bench matrix` on the tiny models (the full-size run is the GPU machine's): every stage a lorakit process,
+the cell's figures recorded, the table written."""
+
+import json
+import math
+
+import pytest
+from typer.testing import CliRunner
+
+from lorakit.bench.matrix import psnr
+from lorakit.cli.app import app
+
+
+@pytest.mark.slow
+def test_the_matrix_runs_a_cell_through_every_stage(tmp_path):
+    r = CliRunner().invoke(app, ["bench", "matrix", "--tiny", "--family", "flux", "--out", str(tmp_path), "--steps",
+                                 "4", "--json"])
+    assert r.exit_code == 0, r.output
+    (cell,) = json.loads(r.output)
+    assert cell["status"] == "pass", cell["note"]
+    assert set(cell["stages"]) == {"cache", "train", "infer", "stock"} and all(
+        s["rc"] == 0 and s["s"] > 0 and s["rss_gib"] > 0 for s in cell["stages"].values())
+    assert cell["first_step_s"] > 0 and 0 < cell["s_per_step_median"] <= cell["s_per_step_p90"]
+    assert math.isfinite(cell["psnr_vs_stock"])  # bf16 here, the stock pipeline in fp32: close, not equal
+    assert "| flux | cpu | pass |" in (tmp_path / "matrix.md").read_text()
+
+
+def test_a_refusal_is_a_cell_result_not_a_crash(tmp_path):
+    r = CliRunner().invoke(app, ["bench", "matrix", "--tiny", "--family", "flux", "--profile", "nope", "--out",
+                                 str(tmp_path)])
+    assert r.exit_code == 2 and "unknown family or profile 'nope'" in r.output
+    assert psnr([[1, 2]], [[1, 2]]) == float("inf")
