@@ -36,7 +36,7 @@ from lorakit.models.registry import family_names
 
 PROFILES = ("datacenter", "rtx5090", "rtx4090", "dgx-spark")
 CAPS = {"rtx5090": 32.0, "rtx4090": 24.0}  # GiB the profile's card has (emulated on a larger GPU)
-STAGES = ("cache", "train", "infer", "stock")
+STAGES = ("cache", "train", "train-warm", "infer", "stock")  # train-warm: the same training again (compile cache warm)
 PROMPT = "a red circle in the center on a blue background"
 SIZES = {1024: [(1024, 1024), (1216, 832), (832, 1216)], 512: [(512, 512), (640, 384), (384, 640)],
          64: [(64, 64), (80, 48), (48, 80)]}
@@ -50,7 +50,8 @@ class Cell:
     status: str = "pending"  # pass | refused | failed | skipped (time) | pending
     note: str = ""
     stages: dict = field(default_factory=dict)  # stage -> {"s", "rss_gib", "rc", ...}
-    first_step_s: float | None = None
+    first_step_s: float | None = None  # `lorakit train` started -> its first optimizer step finished
+    first_step_warm_s: float | None = None  # the same, run again on this machine (train-warm)
     s_per_step_median: float | None = None
     s_per_step_p90: float | None = None
     peak_gpu_gib: float | None = None
@@ -85,6 +86,19 @@ def _json(text: str) -> dict:
         return json.loads(text[text.index("{"):]) if "{" in text else {}
     except ValueError:
         return {}
+
+
+def phases(log: str) -> list:
+    """[(phase, seconds)] from a `--log-format json` log, in order (seconds since the command began at the end)."""
+    got = []
+    for line in log.splitlines():
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(rec, dict) and rec.get("event") == "phase":
+            got.append([rec["name"], rec["seconds"], rec.get("t")])
+    return got
 
 
 def psnr(a, b) -> float:
@@ -173,8 +187,8 @@ def run_cell(cell: Cell, model: Path, data: Path, work: Path, steps: int, res: i
             break
         if stage == "cache":
             cmd = [*lk, "cache", str(work / "run.yaml"), "--profile", cell.profile, "--json"]
-        elif stage == "train":
-            cmd = [*lk, "train", str(work / "run.yaml"), "--profile", cell.profile, "--json"]
+        elif stage in ("train", "train-warm"):  # phases as JSON lines on stderr, the result on stdout
+            cmd = [*lk, "train", str(work / "run.yaml"), "--profile", cell.profile, "--json", "--log-format", "json"]
         elif stage == "infer":
             lora = work / "run" / "lora.safetensors"
             cmd = [*lk, "infer", str(model), "-p", PROMPT, "--steps", str(infer_steps), "--width", str(res),
@@ -192,14 +206,21 @@ def run_cell(cell: Cell, model: Path, data: Path, work: Path, steps: int, res: i
         rc, secs, rss, out = _run(cmd, work / f"{stage}.log", env, timeout=1800)
         rec = {"s": round(secs, 1), "rss_gib": round(rss, 2), "rc": rc}
         result = _json(out)
-        if rc == 2 and stage == "train":
+        if rc == 2 and stage.startswith("train"):
             cell.status, cell.note = "refused", f"{result.get('message', '')} ({result.get('hint', '')})"
         elif rc != 0:
             err = result.get("message") or (work / f"{stage}.err").read_text()[-400:]
             cell.status, cell.note = "failed", f"{stage}: exit {rc}: {err}"
-        elif stage == "train":
+        elif stage.startswith("train"):
             rows = [json.loads(x) for x in (work / "run" / "metrics.jsonl").read_text().splitlines() if x.strip()]
-            cell.first_step_s = round(rows[0]["time"] - started, 1) if rows else None
+            first = round(rows[0]["time"] - started, 1) if rows else None
+            rec["phases"] = phases((work / f"{stage}.err").read_text())
+            if stage == "train-warm":
+                cell.first_step_warm_s = first
+                cell.stages[stage] = rec
+                save()
+                continue
+            cell.first_step_s = first
             steady = sorted(r["s_per_step"] for r in rows[2:]) or sorted(r["s_per_step"] for r in rows)
             cell.s_per_step_median = round(statistics.median(steady), 3)
             cell.s_per_step_p90 = round(steady[min(len(steady) - 1, int(0.9 * len(steady)))], 3)
@@ -279,7 +300,7 @@ def table(cells: list[Cell]) -> str:
     def f(x, fmt="{:.1f}"):
         return "-" if x is None else (fmt.format(x) if isinstance(x, (int, float)) else str(x))
 
-    head = ("| family | profile (cap) | result | cache s | train s | first step s | s/step median / p90 | "
+    head = ("| family | profile (cap) | result | cache s | train s | first step s (warm) | s/step median / p90 | "
             "peak GPU GiB | peak RSS GiB | infer s | PSNR vs stock dB |\n|---|---|---|---|---|---|---|---|---|---|---|")
     rows = []
     for c in cells:
@@ -287,7 +308,16 @@ def table(cells: list[Cell]) -> str:
         rss = max((s.get("rss_gib") or 0 for s in st.values()), default=None)
         result = c.status if c.status == "pass" else f"{c.status}: {c.note[:160]}"
         rows.append(f"| {c.family} | {c.profile}{f' ({c.cap_gib:g} GiB)' if c.cap_gib else ''} | {result} | "
-                    f"{f(st.get('cache', {}).get('s'))} | {f(st.get('train', {}).get('s'))} | {f(c.first_step_s)} | "
+                    f"{f(st.get('cache', {}).get('s'))} | {f(st.get('train', {}).get('s'))} | {f(c.first_step_s)}"
+                    f"{f' ({c.first_step_warm_s:.1f})' if c.first_step_warm_s is not None else ''} | "
                     f"{f(c.s_per_step_median, '{:.3f}')} / {f(c.s_per_step_p90, '{:.3f}')} | {f(c.peak_gpu_gib)} | "
                     f"{f(rss)} | {f(st.get('infer', {}).get('s'))} | {f(c.psnr_vs_stock)} |")
-    return head + "\n" + "\n".join(rows) + "\n"
+    text = head + "\n" + "\n".join(rows) + "\n"
+    runs = [(c, stage, c.stages[stage]["phases"]) for c in cells for stage in ("train", "train-warm")
+            if c.stages.get(stage, {}).get("phases")]
+    if runs:  # where each training run's first minutes went
+        text += "\nPhases of `lorakit train` (seconds; at: seconds since the command began):\n\n"
+        for c, stage, ph in runs:
+            text += f"- {c.family} x {c.profile}, {stage}: " + "; ".join(
+                f"{name} {secs:.1f} (at {at:.0f})" for name, secs, at in ph) + "\n"
+    return text

@@ -7,6 +7,7 @@ import json
 import random
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -19,6 +20,7 @@ from lorakit.data.video import ClipError, read_window
 from lorakit.dist import Dist
 from lorakit.dtypes import torch_dtype
 from lorakit.errors import InputError
+from lorakit.events import Events
 from lorakit.hardware.gpu import apply_cap, device_for
 from lorakit.io import atomic_path, clean_orphans
 from lorakit.io.lock import FolderLock
@@ -55,26 +57,27 @@ def cache_dir_for(cfg) -> Path:
 
 
 def build(cfg, device: str | None = None, force: bool = False, verify: bool = False, strict: bool = False,
-          progress=None, adapter=None, dist=None) -> Summary:
+          events: Events | None = None, adapter=None, dist=None) -> Summary:
     """Encode every valid item not already in the store (the config's paths were checked when it was resolved).
 
     Args:
         device: where the encoders run (default: the profile's device on this machine).
-        progress: callable(done, total, note) for a progress bar.
+        events: hears the phases (loading the encoders, encoding) and each item encoded.
         adapter: an already-loaded family adapter (tests, demo, a training run); loaded from cfg.model.path
             otherwise.
         dist: the ranks of a distributed run (`lorakit.dist.Dist`): each encodes its share of the items,
             rank 0 writes the manifest once all are done.
     """
-    dist = dist or Dist()
-    if not dist.main:
-        return _build(cfg, device, force, verify, strict, progress, adapter, dist)
-    with FolderLock(cache_dir_for(cfg), "cache build", hint="wait for it to finish, or give this one another "
-                                                            "data.cache_dir"):
-        return _build(cfg, device, force, verify, strict, progress, adapter, dist)
+    dist, events = dist or Dist(), events or Events()
+    lock = FolderLock(cache_dir_for(cfg), "cache build", hint="wait for it to finish, or give this one another "
+                                                              "data.cache_dir") if dist.main else nullcontext()
+    with lock, events.phase("cache") as facts:
+        s = _build(cfg, device, force, verify, strict, events, adapter, dist)
+        facts.update(items=s.items, encoded=s.encoded, reused=s.reused, skipped=len(s.skipped))
+    return s
 
 
-def _build(cfg, device, force, verify, strict, progress, adapter, dist) -> Summary:
+def _build(cfg, device, force, verify, strict, events, adapter, dist) -> Summary:
     t0 = time.perf_counter()
     family = cfg.model.family
     store = Store(cache_dir_for(cfg))
@@ -122,10 +125,15 @@ def _build(cfg, device, force, verify, strict, progress, adapter, dist) -> Summa
         by_group.setdefault(p[0].group, []).append(p)
     order = [p for _, group in sorted(by_group.items()) for p in group]
     if todo:  # the encoders load now, so that items/s times encoding only
-        adapter.load((*adapter.text_parts, adapter.vae_part))
+        with events.phase("load encoders") as facts:
+            t0 = time.perf_counter()
+            adapter.load((*adapter.text_parts, adapter.vae_part))
+            mods = [adapter.parts[n] for n in (*adapter.text_parts, adapter.vae_part)
+                    if hasattr(adapter.parts.get(n), "parameters")]
+            size = sum(p.numel() * p.element_size() for m in mods for p in m.parameters())
+            facts.update(gib=round(size / 2**30, 2), gb_per_s=round(size / 1e9 / (time.perf_counter() - t0), 2))
     t_enc = time.perf_counter()
-    if progress:
-        progress(0, len(todo), "encoding")
+    events.progress("encoding", 0, len(todo))
     # The disk work overlaps the encoders: the next item's image is decoded and cropped on a reader thread,
     # each finished item is written (atomically, flushed) on a writer thread.
     with ThreadPoolExecutor(1, thread_name_prefix="lorakit-cache-read") as reader, store.writer() as put:
@@ -135,8 +143,7 @@ def _build(cfg, device, force, verify, strict, progress, adapter, dist) -> Summa
             if n + 1 < len(order):
                 ahead = reader.submit(_read, order[n + 1])
             summary.encoded += _encode_one(adapter, store, put, entry, read, cfg)
-            if progress:
-                progress(n + 1, len(todo), "x".join(str(x) for x in entry[1]))
+            events.progress("encoding", n + 1, len(todo), "x".join(str(x) for x in entry[1]))
     if summary.encoded:
         summary.items_per_s = round(summary.encoded / max(time.perf_counter() - t_enc, 1e-9), 3)
     dist.barrier()  # every rank's items are in the store

@@ -96,7 +96,8 @@ def matrix(family: list[str] = typer.Option([], "--family", help="families (repe
            models: Path | None = typer.Option(None, "--models", help="where the model folders are written "
                                               "(default: OUT/models; each is removed after its family)"),
            steps: int = typer.Option(20, "--steps", min=1, help="training steps per cell"),
-           stages: str = typer.Option("cache,train,infer,stock", "--stages", help="which stages, comma-separated"),
+           stages: str = typer.Option("cache,train,infer,stock", "--stages", help="which stages, comma-separated, of cache, train, train-warm "
+                                "(the same training again: a second run's first step), infer, stock"),
            limit: float | None = typer.Option(None, "--limit", help="seconds: start no stage after this"),
            keep_models: bool = typer.Option(False, "--keep-models", help="keep the model folders"),
            tiny: bool = typer.Option(False, "--tiny", help="the tiny models on the CPU (checks the plumbing)"),

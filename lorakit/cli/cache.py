@@ -6,7 +6,17 @@ from pathlib import Path
 
 import typer
 
-from lorakit.cli.common import JsonOpt, ProfileOpt, SetOpt, console, emit, resolve_config, use_json
+from lorakit.cli.common import (
+    JsonOpt,
+    LogFormatOpt,
+    ProfileOpt,
+    SetOpt,
+    console,
+    emit,
+    err_console,
+    resolve_config,
+    use_json,
+)
 
 HELP = """Encode a dataset once: text embeddings and VAE latents into a content-addressed store.
 
@@ -22,6 +32,7 @@ def cache(
     strict: bool = typer.Option(False, "--strict", help="fail on any bad item instead of skipping it"),
     verify: bool = typer.Option(False, "--verify", help="check every stored file"),
     force: bool = typer.Option(False, "--force", help="rebuild every entry"),
+    log_format: str = LogFormatOpt,
     as_json: bool = JsonOpt,
 ) -> None:
     use_json(as_json)
@@ -29,7 +40,7 @@ def cache(
     resolved = resolve_config(config, sets, profile, paths=("data",) if check else ("model", "data"), train=False)
     cfg = resolved.cfg
     if not check:
-        _build(cfg, resolved.device, force, verify, strict, as_json)
+        _build(cfg, resolved.device, force, verify, strict, as_json, log_format)
         return
     from lorakit.data.check import check as check_data
 
@@ -42,26 +53,15 @@ def cache(
         raise strict_refusal(report["problems"], "fix the files listed above, or drop --strict to skip those items")
 
 
-def _build(cfg, device: str, force: bool, verify: bool, strict: bool, as_json: bool) -> None:
+def _build(cfg, device: str, force: bool, verify: bool, strict: bool, as_json: bool, log_format: str) -> None:
     from lorakit.cache.builder import build
+    from lorakit.cli.logs import events_for, finish
     from lorakit.quiet import quiet_libraries
 
     quiet_libraries()
-    if as_json:
-        summary = build(cfg, device, force=force, verify=verify, strict=strict)
-    else:
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
-        cols = (TextColumn("caching"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[note]}"),
-                TimeRemainingColumn())
-        with Progress(*cols, console=console, transient=True) as bar:
-            task = bar.add_task("cache", total=None, note="loading encoders")
-
-            def progress(done, total, note):
-                bar.update(task, completed=done, total=total, note=note)
-
-            summary = build(cfg, device, force=force, verify=verify, strict=strict, progress=progress)
-    emit(as_json, summary.to_dict(), lambda: _render_summary(summary))
+    with events_for(log_format, as_json, console, err_console, label="caching") as events:
+        summary = build(cfg, device, force=force, verify=verify, strict=strict, events=events)
+    finish(events, as_json, summary.to_dict(), lambda: _render_summary(summary))
 
 
 def _render_summary(s) -> None:

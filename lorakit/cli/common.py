@@ -12,11 +12,15 @@ from typing import Any
 import typer
 from rich.console import Console
 
-console = Console(highlight=False)
-err_console = Console(stderr=True, highlight=False)
+# not a terminal (a log file, a scheduler): lines as long as they are, never cut to 80 columns
+console = Console(highlight=False, width=None if sys.stdout.isatty() else 400)
+err_console = Console(stderr=True, highlight=False, width=None if sys.stderr.isatty() else 400)
 
 JsonOpt = typer.Option(False, "--json", help="print machine-readable JSON instead of tables")
 SetOpt = typer.Option(None, "--set", "-s", help="override a config value: --set lora.rank=32 (repeatable)")
+LogFormatOpt = typer.Option("auto", "--log-format", help="progress as a terminal bar (rich), one plain line per "
+                            "phase and every 10 s (plain), or JSON lines (json); auto: rich in a terminal, plain "
+                            "otherwise (a log file, a scheduler)")
 ProfileOpt = typer.Option(None, "--profile", "-p", help="hardware profile: auto, dgx-spark, rtx4090, rtx5090, "
                           "datacenter, cpu (default: the config's, else auto)")
 

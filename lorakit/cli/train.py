@@ -9,10 +9,12 @@ import typer
 
 from lorakit.cli.common import (
     JsonOpt,
+    LogFormatOpt,
     ProfileOpt,
     SetOpt,
     console,
     emit,
+    err_console,
     print_resolved,
     resolve_config,
     use_json,
@@ -35,6 +37,7 @@ def train(
     resume: str | None = typer.Option(None, "--resume", help="latest or a checkpoint folder"),
     gpus: int = typer.Option(1, "--gpus", min=1, help="processes on this machine, one per GPU (on a machine "
                                                        "without GPUs: CPU processes over gloo)"),
+    log_format: str = LogFormatOpt,
     as_json: bool = JsonOpt,
 ) -> None:
     use_json(as_json)
@@ -46,58 +49,29 @@ def train(
         emit(as_json, resolved.to_dict(), lambda: print_resolved(resolved))
         return
     if launching:
-        raise typer.Exit(_launch(gpus, config, sets, profile, resume, as_json))
+        raise typer.Exit(_launch(gpus, config, sets, profile, resume, as_json, log_format))
     rank = int(os.environ.get("RANK", "0") or 0)
+    from lorakit.cli.logs import events_for, finish
+    from lorakit.events import Events
     from lorakit.quiet import quiet_libraries
     from lorakit.train.loop import run
 
     quiet_libraries()
-    def warn(msg: str) -> None:
-        if not as_json:
-            from rich.markup import escape
+    events = Events() if rank else events_for(log_format, as_json, console, err_console, resolved.cfg.schedule.steps)
+    with events:
+        result = run(resolved, resume=resume, events=events)
+    if rank:
+        from lorakit.errors import EXIT_INTERRUPTED_RESUMABLE
 
-            console.print(f"[yellow]warning:[/] {escape(msg)}", soft_wrap=True)
-
-    cfg = resolved.cfg
-    if as_json or rank:
-        result = run(resolved, resume=resume, warn=warn)
-        if rank:
-            from lorakit.errors import EXIT_INTERRUPTED_RESUMABLE
-
-            raise typer.Exit(EXIT_INTERRUPTED_RESUMABLE if result["interrupted"] else 0)
-    else:
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
-        with Progress(TextColumn("training"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
-                      TimeRemainingColumn(), console=console) as bar:
-            task = bar.add_task("train", total=cfg.schedule.steps, info="caching")
-
-            def progress(step, total, rec):
-                if rec.get("start"):
-                    s = cfg.schedule
-                    console.print(f"global batch {rec['global_batch']} = {s.batch_size} per process x "
-                                  f"{rec['world']} process(es) x {s.grad_accum} accumulation")
-                    if rec.get("resumed"):
-                        r = rec["resumed"]
-                        console.print(f"resumed at step {step} (written by {r['from_world']} process(es))"
-                                      + (f"; {r['note']}" if r["note"] else ""))
-                    # the first step of compiled blocks waits for the compiler (tens of seconds, once per shape)
-                    bar.update(task, completed=step, info="compiling the blocks" if rec.get("compiled") else "")
-                    return
-                info = f"loss {rec['loss']:.4f}  lr {rec['lr']:.2e}  {rec['s_per_step']:.2f} s/step"
-                if "gpu_gib" in rec:
-                    info += f"  {rec['gpu_gib']:.1f} GiB"
-                bar.update(task, completed=step, info=info)
-
-            result = run(resolved, resume=resume, progress=progress, warn=warn)
-    emit(as_json, result, lambda: _render(result))
+        raise typer.Exit(EXIT_INTERRUPTED_RESUMABLE if result["interrupted"] else 0)
+    finish(events, as_json, result, lambda: _render(result))
     if result["interrupted"]:  # a scheduler must not see success: the run can be resumed
         from lorakit.errors import EXIT_INTERRUPTED_RESUMABLE
 
         raise typer.Exit(EXIT_INTERRUPTED_RESUMABLE)
 
 
-def _launch(gpus: int, config: Path, sets, profile, resume, as_json: bool) -> int:
+def _launch(gpus: int, config: Path, sets, profile, resume, as_json: bool, log_format: str) -> int:
     """Run this command again in `gpus` processes (torch's elastic launcher) and wait for them."""
     import subprocess
 
@@ -112,6 +86,8 @@ def _launch(gpus: int, config: Path, sets, profile, resume, as_json: bool) -> in
         args += ["--resume", resume]
     if as_json:
         args.append("--json")
+    if log_format != "auto":
+        args += ["--log-format", log_format]
     if not as_json:
         console.print(f"launching {gpus} processes: {' '.join(launch_command(gpus, args)[2:])}")
     return subprocess.call(launch_command(gpus, args))

@@ -91,8 +91,8 @@ def make_demo_dataset(out_dir: str | Path, layout: str = "flat", count: int = 8,
         out_dir: target folder (created; existing demo files with the same names are overwritten).
         layout: one of `LAYOUTS`.
         count: number of items (clips for `video`).
-        size: image side in pixels, a (width, height), or a list of them (item k takes the k-th, cycling:
-            datasets in several aspect ratios).
+        size: image side in pixels, a (width, height), or a list of sides and (width, height) pairs (item k
+            takes the k-th, cycling: datasets in several aspect ratios).
         seed: same seed, same files.
         frames: frames per clip (`video`).
         clip_format: `video` clips as "mp4" files (H.264, 8 fps) or "frames" (a folder of PNGs per clip).
@@ -104,7 +104,8 @@ def make_demo_dataset(out_dir: str | Path, layout: str = "flat", count: int = 8,
         raise InputError(f"unknown demo layout {layout!r}", "valid: " + ", ".join(LAYOUTS))
     if clip_format not in ("frames", "mp4", "webm", "mov", "mkv", "gif", "webp"):
         raise InputError(f"unknown clip format {clip_format!r}", "valid: frames, mp4, webm, mov, mkv, gif, webp")
-    sizes = [(size, size)] if isinstance(size, int) else [size] if isinstance(size[0], int) else list(size)
+    sides = [size] if isinstance(size, int) or (isinstance(size, tuple) and isinstance(size[0], int)) else list(size)
+    sizes = [(s, s) if isinstance(s, int) else tuple(s) for s in sides]
     if count < 1 or min(min(s) for s in sizes) < 16:
         raise InputError(f"demo dataset needs count >= 1 and sides >= 16, got count={count} size={size}")
     out = Path(out_dir)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 
 from lorakit.errors import InputError
+from lorakit.paths import cache_root
 
 
 def device_for(profile: str) -> str:
@@ -62,3 +63,12 @@ def expandable_segments() -> None:
         torch.cuda.memory._set_allocator_settings("expandable_segments:True")
     except (AttributeError, RuntimeError):  # older torch: the environment variable (read at CUDA start) holds
         pass
+
+
+def compile_cache() -> str:
+    """torch.compile's artefacts (Inductor's FX graphs and Triton kernels) kept in lorakit's cache, so a later run
+    on this machine reuses them (its blocks compile in seconds) also where /tmp is cleared between jobs; an
+    explicit TORCHINDUCTOR_CACHE_DIR is kept. Returns the folder."""
+    folder = os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_root() / "compile"))
+    os.makedirs(folder, exist_ok=True)
+    return folder

@@ -106,22 +106,42 @@ def _resume_full(tr, ck: Path, weights: Path, state: dict) -> None:
                                                           broadcast_from_rank0=tr.sharded))
 
 
+def snapshot(tr) -> dict:
+    """The trained tensors of a LoRA run as they are now (the LoRA and its average), to put back later."""
+    return {"lora": {k: v.detach().clone() for k, v in lora_state_dict(tr.transformer).items()},
+            "ema": [s.detach().clone() for s in tr.ema.shadow] if tr.ema else None}
+
+
+def _put(tr, snap: dict) -> None:
+    load_lora_into(tr.transformer, snap["lora"])
+    if tr.ema and snap.get("ema") is not None:
+        for s, v in zip(tr.ema.shadow, snap["ema"], strict=True):
+            s.copy_(v)
+
+
+@contextlib.contextmanager
+def weights_in(tr, snap: dict):
+    """The trainer with other LoRA tensors (and average) in place for the duration (LoRA runs)."""
+    mine = snapshot(tr)
+    _put(tr, snap)
+    try:
+        yield
+    finally:
+        _put(tr, mine)
+
+
 @contextlib.contextmanager
 def weights_of(tr, ck: Path):
     """The trainer with another checkpoint's LoRA (and average) in place for the duration (LoRA runs)."""
     state = read_state(ck / "state.pt")
-    mine = {k: v.detach().clone() for k, v in lora_state_dict(tr.transformer).items()}
-    shadow = [s.clone() for s in tr.ema.shadow] if tr.ema else None
-    load_lora_into(tr.transformer, state["lora"])
-    if tr.ema and "ema" in state:
-        tr.ema.load_state_dict(state["ema"], str(ck / "state.pt"))
+    mine = snapshot(tr)
     try:
+        load_lora_into(tr.transformer, state["lora"])
+        if tr.ema and "ema" in state:
+            tr.ema.load_state_dict(state["ema"], str(ck / "state.pt"))  # checked against this run's LoRA
         yield
     finally:
-        load_lora_into(tr.transformer, mine)
-        if shadow is not None:
-            for s, v in zip(tr.ema.shadow, shadow, strict=True):
-                s.copy_(v)
+        _put(tr, mine)
 
 
 class StopFlag:

@@ -46,6 +46,8 @@ class CachedData:
                 self.visits[k] *= scale
         self.loss_weight = {it["key"]: of(it).loss_weight for it in self.items if of(it)}
         self.group = {it["key"]: tuple(it.get("group", it["bucket"])) for it in self.items}  # + control sizes
+        # the input shapes a step meets: its bucket (with control sizes); validation batches too
+        self.shapes = len(set(self.group.values()) | {tuple(it.get("group", it["bucket"])) for it in self.validation})
         self._epoch_cache: dict[int, list] = {}
         self._empty = None
 

@@ -38,8 +38,9 @@ def load_base(cfg, device: str, dtype):
                           cfg.memory.loader, unified_memory=cfg.memory.unified_memory)
 
 
-def prepare(cfg, adapter, transformer, device: str, dtype, dist) -> Prepared:
-    """Put the base in its storage, add what trains, and wrap it for this machine (in that order)."""
+def prepare(cfg, adapter, transformer, device: str, dtype, dist, shapes: int = 1) -> Prepared:
+    """Put the base in its storage, add what trains, and wrap it for this machine (in that order). `shapes`: how
+    many input shapes (buckets) the data has."""
     import torch
 
     full = cfg.method == "full"
@@ -83,7 +84,8 @@ def prepare(cfg, adapter, transformer, device: str, dtype, dist) -> Prepared:
         raise ValueError(f"memory.cuda_graphs with {recomputed} blocks recomputing: the config was not resolved")
     if compiled:  # regional: each repeated block once (seconds, not minutes), shapes per bucket
         adapter.before_compile(transformer)
-        transformer.compile_repeated_blocks(**({"mode": "reduce-overhead"} if graphs else {}))
+        dynamic = compile_dynamic(cfg.memory.compile_shapes, shapes)
+        transformer.compile_repeated_blocks(dynamic=dynamic, **({"mode": "reduce-overhead"} if graphs else {}))
         if graphs:
             transformer.register_forward_pre_hook(_new_graph_generation)
     transformer.train()
@@ -92,6 +94,15 @@ def prepare(cfg, adapter, transformer, device: str, dtype, dist) -> Prepared:
         for p in params:  # LoRA weights train in fp32 whatever the base dtype, on the GPU (peft puts
             p.data = p.data.to(device, torch.float32)  # those of swapped layers beside their host weights)
     return Prepared(transformer, params, peft_config, quantized, swapper, sharded, compiled, graphs)
+
+
+def compile_dynamic(shapes_setting: str, shapes: int) -> bool | None:
+    """torch.compile's `dynamic`: True compiles each block once for every shape (sizes symbolic); None is torch's
+    default, a graph for the first shape and, at the second, one with the changed sizes symbolic (each compile of
+    a FLUX block pair at 1024² took tens of seconds on an H100: docs/benchmarks.md)."""
+    if shapes_setting == "dynamic" or (shapes_setting == "auto" and shapes > 1):
+        return True
+    return None
 
 
 def _new_graph_generation(_module, _args) -> None:

@@ -41,7 +41,7 @@ class Trainer:
         self.device, self.dtype = device, dtype
         self.dist = dist or Dist()
         self.full = cfg.method == "full"
-        p = prepare(cfg, adapter, transformer, device, dtype, self.dist)
+        p = prepare(cfg, adapter, transformer, device, dtype, self.dist, shapes=getattr(data, "shapes", 1))
         self.transformer, self.params, self.peft_config = p.transformer, p.params, p.peft_config
         self.quantized, self.swapper, self.sharded, self.compiled = p.quantized, p.swapper, p.sharded, p.compiled
         self.graphs = p.graphs
@@ -58,6 +58,7 @@ class Trainer:
         self.sched_cfg = scheduler_config(cfg.model.path)
         self.ahead = Ahead(self)  # the next micro-step's inputs, drawn while the GPU works (train/inputs.py)
         self.last_check = None  # the last saved LoRA as each consumer reads it (`save`)
+        self.last_size = None  # "WxH" (xF frames) of the last batch: what a compile for a new shape was for
 
     # the run's state, read here; it changes only through train_step and resume
     opt = property(lambda self: self.state.opt)
@@ -104,6 +105,7 @@ class Trainer:
         mine = None  # this rank's loss, summed on the device over the micro-steps
         for micro in range(s.grad_accum):
             inp = self.ahead.take(self.step, micro)
+            self.last_size = self._pixels(inp.batch.latents.shape)
             # this rank's share of the global mean
             loss = self.loss_on(inp.batch, inp.sigmas, inp.noise, reduce="sum") * (
                 inp.weight * fsdp / (inp.n * s.grad_accum))
@@ -128,6 +130,11 @@ class Trainer:
         self.opt.zero_grad(set_to_none=True)
         self.state.advance(self.params)
         return total
+
+    def _pixels(self, shape) -> str:
+        f = self.adapter.vae_factor
+        size = f"{shape[-1] * f}x{shape[-2] * f}"
+        return size + (f"x{shape[-3]} latent frames" if len(shape) == 5 else "")
 
     def _update(self) -> None:
         import torch

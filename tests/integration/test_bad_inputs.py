@@ -230,15 +230,17 @@ def test_sigterm_saves_and_exits_75(tmp_path, tiny):
 
 def test_a_signal_after_the_last_step_still_writes_the_lora(tmp_path, tiny):
     from lorakit.config import assemble
+    from lorakit.events import Events
     from lorakit.train.loop import run
 
     cfg, prov = assemble(run_cfg(tmp_path, tiny, steps=2), [], None)
 
-    def progress(step, total, rec):
-        if step == total:
-            os.kill(os.getpid(), signal.SIGINT)  # arrives during the last step's bookkeeping
+    class LastStep(Events):
+        def step(self, step, total, rec):
+            if step == total:
+                os.kill(os.getpid(), signal.SIGINT)  # arrives during the last step's bookkeeping
 
-    res = run(resolve(cfg), progress=progress)
+    res = run(resolve(cfg), events=LastStep())
     assert not res["interrupted"] and Path(res["lora"]).is_file()
 
 

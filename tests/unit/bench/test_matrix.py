@@ -14,13 +14,19 @@ from lorakit.cli.app import app
 @pytest.mark.slow
 def test_the_matrix_runs_a_cell_through_every_stage(tmp_path):
     r = CliRunner().invoke(app, ["bench", "matrix", "--tiny", "--family", "flux", "--out", str(tmp_path), "--steps",
-                                 "4", "--json"])
+                                 "4", "--stages", "cache,train,train-warm,infer,stock", "--json"])
     assert r.exit_code == 0, r.output
     (cell,) = json.loads(r.output)
     assert cell["status"] == "pass", cell["note"]
-    assert set(cell["stages"]) == {"cache", "train", "infer", "stock"} and all(
+    assert set(cell["stages"]) == {"cache", "train", "train-warm", "infer", "stock"} and all(
         s["rc"] == 0 and s["s"] > 0 and s["rss_gib"] > 0 for s in cell["stages"].values())
-    assert cell["first_step_s"] > 0 and 0 < cell["s_per_step_median"] <= cell["s_per_step_p90"]
+    assert cell["first_step_s"] > 0 and cell["first_step_warm_s"] > 0
+    assert 0 < cell["s_per_step_median"] <= cell["s_per_step_p90"]
+    for stage in ("train", "train-warm"):  # where the first minutes went, phase by phase
+        names = [name for name, _, _ in cell["stages"][stage]["phases"]]
+        assert names[:4] == ["cache", "load model", "prepare model", "step 1"], names  # sampling is off in cells
+    md = (tmp_path / "matrix.md").read_text()
+    assert "- flux x cpu, train-warm: cache " in md and "; load model " in md
     assert math.isfinite(cell["psnr_vs_stock"])  # bf16 here, the stock pipeline in fp32: close, not equal
     assert "| flux | cpu | pass |" in (tmp_path / "matrix.md").read_text()
 

@@ -20,3 +20,13 @@ def test_memory_cap_from_the_environment(monkeypatch):
 
 def test_the_cpu_profile_computes_on_the_cpu_whatever_the_machine():
     assert device_for("cpu") == "cpu"
+
+
+def test_compiled_blocks_are_kept_in_lorakits_cache_unless_the_user_chose_a_folder(tmp_path, monkeypatch):
+    from lorakit.hardware.gpu import compile_cache
+
+    monkeypatch.setenv("LORAKIT_CACHE", str(tmp_path / "lk"))
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    assert compile_cache() == str(tmp_path / "lk" / "compile") and (tmp_path / "lk" / "compile").is_dir()
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))
+    assert compile_cache() == str(tmp_path / "mine")

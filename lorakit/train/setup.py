@@ -1,0 +1,156 @@
+"""Building a training run: the output folder held, the cache built (reused), the data, the sample prompts, the
+model in its storage with what trains, the state resumed — each phase timed for the person waiting (`Events`)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from lorakit import dist as dist_mod
+from lorakit.cache.builder import build, cache_dir_for
+from lorakit.cache.store import Store
+from lorakit.config import dump_yaml
+from lorakit.dtypes import torch_dtype
+from lorakit.errors import InputError
+from lorakit.events import Events
+from lorakit.hardware.gpu import apply_cap, compile_cache, expandable_segments
+from lorakit.hardware.sdpa import apply as apply_attention
+from lorakit.io import atomic_path, clean_orphans
+from lorakit.io.lock import FolderLock
+from lorakit.models.base import load_adapter
+from lorakit.plan.resolve import Resolved
+from lorakit.train import checkpoint, sampling
+from lorakit.train.data import CachedData
+from lorakit.train.prepare import load_base
+from lorakit.train.report import MetricsLog, Notes, Timeline, doctor_summary, start_wandb
+
+
+@dataclass
+class Run:
+    """What `setup` built, for `steps` and `finish`."""
+
+    resolved: Resolved
+    trainer: object  # train.trainer.Trainer
+    data: CachedData
+    log: MetricsLog
+    sampler: object | None  # train.sampling.Sampler
+    cache: object  # cache.builder.Summary
+    dist: dist_mod.Dist
+    note: Notes
+    mark: Timeline
+    events: Events
+    resumed: dict | None = None
+    stop: checkpoint.StopFlag = field(default_factory=checkpoint.StopFlag)
+    started: float = 0.0
+    initial: object | None = None  # the trained weights before step 1, for the step-0 sample grid after it
+
+
+@contextlib.contextmanager
+def hold_output(out, events: Events):
+    """The output folder, locked by rank 0 for the whole run (a second run there is refused, naming this one)."""
+    if int(os.environ.get("RANK", "0") or 0):
+        yield
+        return
+    with FolderLock(out, "training run", hint="wait for it to finish, or give this run another output.dir") as lock:
+        if lock.unsupported:
+            events.warn(lock.unsupported)
+        yield
+
+
+def setup(resolved: Resolved, resume: str | None, events: Events) -> Run:
+    import torch
+
+    from lorakit.train.trainer import Trainer
+
+    cfg, note, mark = resolved.cfg, Notes(events.warn), Timeline()  # the timeline: seconds since the run began
+    device = resolved.device
+    apply_cap(device)  # LORAKIT_MEMORY_CAP_GIB: a smaller card, emulated
+    if device.startswith("cuda") and cfg.memory.expandable_segments:
+        expandable_segments()
+    if device.startswith("cuda") and cfg.memory.compile:
+        compile_cache()  # compiled blocks reused by the next run
+    d = dist_mod.init(device)
+    device = d.device(device)
+    dtype = torch_dtype(cfg.model.dtype)
+    out = Path(cfg.output.dir)
+    out.mkdir(parents=True, exist_ok=True)
+    wandb_run = start_wandb(cfg, out, bool(resume)) if cfg.logging.wandb and d.main else None  # fails in seconds
+    if d.main:
+        events.info(f"training {cfg.model.family} ({cfg.model.path}) for {cfg.schedule.steps} steps on {device}, "
+                    f"profile {cfg.profile}, into {out}")
+        for n in resolved.notes:
+            note(n)
+        gone = clean_orphans(out, recursive=True) + clean_orphans(cache_dir_for(cfg) / "items")
+        if gone:  # a run killed mid-write leaves its temporary files; the finished files are whole
+            note(f"removed {len(gone)} temporary file(s) an interrupted run left, e.g. {gone[0].name}")
+        with atomic_path(out / "config.resolved.yaml") as tmp:
+            tmp.write_text(dump_yaml(cfg))
+    torch.manual_seed(cfg.seed)
+    adapter = load_adapter(cfg.model.family, cfg.model.path, device=device, dtype=dtype, backend=cfg.memory.loader)
+    cache = build(cfg, device, adapter=adapter, dist=d, events=events)  # the ranks encode a share of the items each
+    mark("cached")
+    store = Store(cache_dir_for(cfg))
+    data = CachedData(store, store.read_manifest(), cfg.schedule.batch_size * d.world, cfg.seed, cfg.data.repeats,
+                      hold_out=cfg.validation.items, in_memory=cfg.memory.cache_in_memory,
+                      datasets=cfg.data.all_datasets(), prior_ratio=cfg.data.prior_ratio)
+    conds = None
+    if cfg.sampling.enabled:
+        with events.phase("sample prompts"):  # encoded now, once
+            conds = sampling.conditions(cfg, adapter, data)
+    if conds and cfg.memory.free_encoders_after_cache:
+        adapter.unload(list(adapter.text_parts))
+    attention = cfg.memory.attention if device.startswith("cuda") and cfg.memory.attention != "auto" else None
+    apply_attention(attention, fallback=True)  # in force for the whole run: forward, backward, recompute
+    if d.main:
+        doctor_summary(out, cfg.profile, attention)
+    with events.phase("load model") as facts:
+        t0 = time.perf_counter()
+        base = load_base(cfg, device, dtype)
+        size = sum(p.numel() * p.element_size() for p in base.parameters())
+        facts.update(gib=round(size / 2**30, 2), gb_per_s=round(size / 1e9 / max(time.perf_counter() - t0, 1e-9), 2))
+    with events.phase("prepare model") as facts:  # storage, LoRA, checkpointing, compiled blocks (compiled at step 1)
+        tr = Trainer(cfg, adapter, base, data, out, device, dtype, dist=d)
+        facts.update(trainable=sum(p.numel() for p in tr.params), compiled=tr.compiled)
+    del base
+    mark("model_ready")
+    resumed = _resume(tr, out, resume, note) if resume else None
+    if d.main:
+        s = cfg.schedule
+        events.info(f"global batch {tr.global_batch} = {s.batch_size} per process x {d.world} process(es) x "
+                    f"{s.grad_accum} accumulation")
+        if resumed:
+            events.info(f"resumed at step {tr.step} (written by {resumed['from_world']} process(es))"
+                        + (f"; {resumed['note']}" if resumed["note"] else ""))
+    log = MetricsLog(out, tr.step if resume else None, main=d.main, warn=note, wandb_run=wandb_run)
+    sampler = sampling.Sampler(tr, conds, out / "samples", warn=note) if conds and (d.main or tr.sharded) else None
+    r = Run(resolved, tr, data, log, sampler, cache, d, note, mark, events, resumed, started=time.perf_counter())
+    if sampler and tr.step == 0:
+        if tr.full:  # every weight trains: the grid before step 1 (FSDP: every rank takes part)
+            render_samples(r, 0)
+        else:  # the step-0 grid renders right after step 1 from these weights: it does not hold up the first step
+            r.initial = checkpoint.snapshot(tr)
+    return r
+
+
+def render_samples(r: Run, step: int, name: str | None = None):
+    with r.events.phase(f"samples (step {step})") as facts:
+        path = r.sampler(step, write=r.dist.main, name=name)
+        facts["grid"] = str(path) if path else None
+    r.log.image("samples", path, step)
+    r.mark("first_samples")
+    return path
+
+
+def _resume(tr, out: Path, resume: str, note) -> dict:
+    ck, damaged = checkpoint.latest(out, tr.full) if resume == "latest" else (Path(resume), [])
+    for w in damaged:
+        note(w)
+    if ck is None:
+        raise InputError(f"--resume latest: no intact checkpoint in {out / 'checkpoints'}",
+                         "start without --resume" + (" (the checkpoints there are damaged)" if damaged else ""))
+    return tr.resume(ck)
+
+
