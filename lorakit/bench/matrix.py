@@ -164,8 +164,9 @@ def _image(files: list[str]):
 
 
 def run_cell(cell: Cell, model: Path, data: Path, work: Path, steps: int, res: int, frames: int, tiny: bool,
-             stages=STAGES, save=lambda: None) -> Cell:
-    """One family x profile through the stages; `save` is called after each stage."""
+             stages=STAGES, save=lambda: None, cold: bool = False) -> Cell:
+    """One family x profile through the stages; `save` is called after each stage. `cold`: the model's files are
+    evicted from the page cache before its first stage (a first run reads them from the disk)."""
     work.mkdir(parents=True, exist_ok=True)
     facts = family_adapter(cell.family)
     cfg = {"model": {"family": cell.family, "path": str(model)},
@@ -202,9 +203,14 @@ def run_cell(cell: Cell, model: Path, data: Path, work: Path, steps: int, res: i
                     "image": controls, "out": str(work / "stock.png")}
             cmd = [sys.executable, "-c", STOCK, json.dumps(spec)]
             env = {k: v for k, v in env.items() if k != "LORAKIT_MEMORY_CAP_GIB"}  # the reference: uncapped
+        evicted = None
+        if cold and stage == stages[0]:
+            from lorakit.bench.load import drop_cache
+
+            evicted = drop_cache(sorted(model.rglob("*.safetensors")))
         started = time.time()
         rc, secs, rss, out = _run(cmd, work / f"{stage}.log", env, timeout=1800)
-        rec = {"s": round(secs, 1), "rss_gib": round(rss, 2), "rc": rc}
+        rec = {"s": round(secs, 1), "rss_gib": round(rss, 2), "rc": rc, **({"page_cache": evicted} if evicted else {})}
         result = _json(out)
         if rc == 2 and stage.startswith("train"):
             cell.status, cell.note = "refused", f"{result.get('message', '')} ({result.get('hint', '')})"
@@ -245,7 +251,8 @@ def run_cell(cell: Cell, model: Path, data: Path, work: Path, steps: int, res: i
 
 
 def run_matrix(families, profiles, out: Path, models: Path | None = None, steps: int = 20, tiny: bool = False,
-               stages=STAGES, limit_s: float | None = None, keep_models: bool = False, progress=None) -> list[Cell]:
+               stages=STAGES, limit_s: float | None = None, keep_models: bool = False, progress=None,
+               cold: bool = False) -> list[Cell]:
     """Every family x profile (see the module docstring). Returns the cells, also in out/matrix.json and .md."""
     unknown = [f for f in families if f not in family_names()] + [p for p in profiles
                                                                     if p not in PROFILES + ("cpu",)]
@@ -286,7 +293,7 @@ def run_matrix(families, profiles, out: Path, models: Path | None = None, steps:
                 continue
             if progress:
                 progress(f"{family} x {cell.profile}")
-            run_cell(cell, model, data, out / f"{family}-{cell.profile}", steps, res, frames, tiny, stages, save)
+            run_cell(cell, model, data, out / f"{family}-{cell.profile}", steps, res, frames, tiny, stages, save, cold)
         if not keep_models and not tiny:
             import shutil
 

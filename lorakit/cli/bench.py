@@ -100,6 +100,8 @@ def matrix(family: list[str] = typer.Option([], "--family", help="families (repe
                                 "(the same training again: a second run's first step), infer, stock"),
            limit: float | None = typer.Option(None, "--limit", help="seconds: start no stage after this"),
            keep_models: bool = typer.Option(False, "--keep-models", help="keep the model folders"),
+           cold: bool = typer.Option(False, "--cold", help="evict the model's files from the page cache before "
+                                     "each cell's first stage (drop_caches where permitted: affects the machine)"),
            tiny: bool = typer.Option(False, "--tiny", help="the tiny models on the CPU (checks the plumbing)"),
            as_json: bool = JsonOpt) -> None:
     use_json(as_json)
@@ -116,7 +118,8 @@ def matrix(family: list[str] = typer.Option([], "--family", help="families (repe
         raise InputError(f"--stages: unknown stage {bad[0] if bad else stages!r}", "any of " + ", ".join(STAGES))
     profiles = profile or (["cpu"] if tiny else list(PROFILES))
     cells = run_matrix(family or names(), profiles, out, models, steps, tiny, chosen, limit, keep_models,
-                       progress=None if as_json else lambda s: console.print(f"bench matrix: {s}", soft_wrap=True))
+                       progress=None if as_json else lambda s: console.print(f"bench matrix: {s}", soft_wrap=True),
+                       cold=cold)
     emit(as_json, [asdict(c) for c in cells], lambda: console.print((out / "matrix.md").read_text(), markup=False,
                                                                     soft_wrap=True))
 
