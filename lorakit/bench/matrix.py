@@ -28,6 +28,7 @@ from pathlib import Path
 import yaml
 
 from lorakit.bench.hub import write_model
+from lorakit.bench.load import drop_cache
 from lorakit.data.demo import demo_layout_for, make_demo_dataset
 from lorakit.data.video import Window, probe, read_window
 from lorakit.errors import InputError
@@ -205,8 +206,6 @@ def run_cell(cell: Cell, model: Path, data: Path, work: Path, steps: int, res: i
             env = {k: v for k, v in env.items() if k != "LORAKIT_MEMORY_CAP_GIB"}  # the reference: uncapped
         evicted = None
         if cold and stage == stages[0]:
-            from lorakit.bench.load import drop_cache
-
             evicted = drop_cache(sorted(model.rglob("*.safetensors")))
         started = time.time()
         rc, secs, rss, out = _run(cmd, work / f"{stage}.log", env, timeout=1800)

@@ -42,13 +42,11 @@ def train(
 ) -> None:
     use_json(as_json)
     launching = gpus > 1 and int(os.environ.get("WORLD_SIZE", "1") or 1) == 1
-    # the config and every path are checked before anything else; the launched processes resolve their own run
-    resolved = resolve_config(config, sets, profile, world=gpus if launching else None,
-                              train=dry_run or not launching)
-    if dry_run:
-        emit(as_json, resolved.to_dict(), lambda: print_resolved(resolved))
-        return
-    if launching:
+    if dry_run or launching:  # the config and every path are checked first; launched processes resolve their own
+        resolved = resolve_config(config, sets, profile, world=gpus if launching else None, train=dry_run)
+        if dry_run:
+            emit(as_json, resolved.to_dict(), lambda: print_resolved(resolved))
+            return
         raise typer.Exit(_launch(gpus, config, sets, profile, resume, as_json, log_format))
     rank = int(os.environ.get("RANK", "0") or 0)
     from lorakit.cli.logs import events_for, finish
@@ -56,9 +54,13 @@ def train(
     from lorakit.quiet import quiet_libraries
     from lorakit.train.loop import run
 
-    quiet_libraries()
-    events = Events() if rank else events_for(log_format, as_json, console, err_console, resolved.cfg.schedule.steps)
+    events = Events() if rank else events_for(log_format, as_json, console, err_console)
     with events:
+        # the first run on a machine measures its attention backends here (once, cached): the log says so
+        with events.phase("check config and machine") as facts:
+            resolved = resolve_config(config, sets, profile)
+            facts.update(profile=resolved.cfg.profile, attention=resolved.cfg.memory.attention)
+        quiet_libraries()
         result = run(resolved, resume=resume, events=events)
     if rank:
         from lorakit.errors import EXIT_INTERRUPTED_RESUMABLE

@@ -153,10 +153,10 @@ class MemoryConfig(_Section):
     cache_in_memory: bool = Field(False, description="keep the latent/text cache in memory")
     free_encoders_after_cache: bool = Field(True, description="free text encoders and VAE once cached")
     compile: bool = Field(False, description="torch.compile the repeated transformer blocks")
-    compile_shapes: Literal["auto", "static", "dynamic"] = Field(
-        "auto", description="compiled blocks for each shape (static: one compile per bucket size the run meets) or "
-                            "for every shape at once (dynamic: one compile); auto: dynamic when the data has more "
-                            "than one bucket")
+    compile_shapes: Literal["static", "dynamic"] = Field(
+        "static", description="static: the compiled blocks specialise to the first bucket's sizes and become "
+                              "symbolic at the second (torch's default); dynamic: symbolic from the start (measured "
+                              "slower to compile: FLUX 1024² on an H100, 174 s for step 1 against ~52 s)")
     cuda_graphs: bool = Field(False, description="with compile: replay each compiled block as a CUDA graph "
                                                  "(less host time per block; not while blocks recompute for "
                                                  "gradient checkpointing, nor with schedule.grad_accum > 1)")

@@ -46,6 +46,7 @@ from lorakit.hardware.attention_cases import (
 from lorakit.hardware.attention_choice import choose, measured_backends
 from lorakit.hardware.children import close, read_line
 from lorakit.hardware.sdpa import ALL_BACKENDS
+from lorakit.models.base import family_adapter
 from lorakit.models.facts import AttentionCase
 from lorakit.models.registry import family_names
 from lorakit.paths import cache_root
@@ -54,6 +55,27 @@ WATCHDOG_S = 20.0  # one case (after the child's imports) may take this long bef
 STARTUP_S = 180.0  # a child's imports (torch, diffusers) on a cold machine
 VERSION = 6  # bump when what a cached report means changes
 CHILD = [sys.executable, "-m", "lorakit.hardware.attention"]  # the command of a child (+ "bare" | "models")
+
+
+def _key(device: str, cases, models, facts=None) -> dict:
+    """What a measurement is cached under: the machine's fingerprint and what was measured."""
+    fp = fingerprint(device, facts)
+    fp.update(cases=[asdict(c) for c in cases], models=list(models), version=VERSION)
+    return fp
+
+
+def self_test_family(family: str, device: str = "cuda") -> AttentionReport:
+    """What a training run needs: doctor's measurement of every family where this machine has one, else the cases
+    of this family alone (its bare shapes and its architecture's in-model case: a fraction of the whole test),
+    measured once per machine and cached as well."""
+    full = _cache_file(_key(device, all_cases(), all_model_cases() if device.startswith("cuda") else ()))
+    if full.is_file():
+        try:
+            return AttentionReport.from_dict(json.loads(full.read_text()))
+        except (ValueError, KeyError, TypeError):
+            pass  # damaged: this family's cases are measured below
+    return self_test(device, cases=family_adapter(family).attention_cases,
+                     models=(model_case(family),) if device.startswith("cuda") else ())
 
 
 def _cache_file(fp: dict) -> Path:
@@ -177,8 +199,7 @@ def self_test(device: str = "cuda", use_cache: bool = True, repeats: int = 5, ca
     t0 = time.perf_counter()
     cases = tuple(cases) if cases is not None else all_cases()
     models = (all_model_cases() if device.startswith("cuda") else ()) if models is None else tuple(models)
-    fp = fingerprint(device, facts)
-    fp.update(cases=[asdict(c) for c in cases], models=list(models), version=VERSION)
+    fp = _key(device, cases, models, facts)
     path = _cache_file(fp)
     if use_cache and path.is_file():
         try:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from lorakit.errors import NotAvailableError
 from lorakit.hardware import fa4
-from lorakit.hardware.attention import self_test
+from lorakit.hardware.attention import self_test_family
 from lorakit.hardware.attention_choice import choose
 from lorakit.models.base import family_adapter
 
@@ -71,7 +71,7 @@ def attention_backend(cfg, device: str, note=None) -> str:
         if why:
             raise NotAvailableError(why, "--set memory.attention=auto")
         return cfg.memory.attention
-    report = self_test(device)
+    report = self_test_family(cfg.model.family, device)  # measured once per machine
     choice = choose(report, cfg.model.family, resolution=cfg.data.resolution)  # fastest at this run's size
     why = fa4.problem(device) if choice and "fa4" in choice.split("+") else None
     if why:

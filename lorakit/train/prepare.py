@@ -38,9 +38,8 @@ def load_base(cfg, device: str, dtype):
                           cfg.memory.loader, unified_memory=cfg.memory.unified_memory)
 
 
-def prepare(cfg, adapter, transformer, device: str, dtype, dist, shapes: int = 1) -> Prepared:
-    """Put the base in its storage, add what trains, and wrap it for this machine (in that order). `shapes`: how
-    many input shapes (buckets) the data has."""
+def prepare(cfg, adapter, transformer, device: str, dtype, dist) -> Prepared:
+    """Put the base in its storage, add what trains, and wrap it for this machine (in that order)."""
     import torch
 
     full = cfg.method == "full"
@@ -84,8 +83,8 @@ def prepare(cfg, adapter, transformer, device: str, dtype, dist, shapes: int = 1
         raise ValueError(f"memory.cuda_graphs with {recomputed} blocks recomputing: the config was not resolved")
     if compiled:  # regional: each repeated block once (seconds, not minutes), shapes per bucket
         adapter.before_compile(transformer)
-        dynamic = compile_dynamic(cfg.memory.compile_shapes, shapes)
-        transformer.compile_repeated_blocks(dynamic=dynamic, **({"mode": "reduce-overhead"} if graphs else {}))
+        mode = {"mode": "reduce-overhead"} if graphs else {}
+        transformer.compile_repeated_blocks(dynamic=compile_dynamic(cfg.memory.compile_shapes), **mode)
         if graphs:
             transformer.register_forward_pre_hook(_new_graph_generation)
     transformer.train()
@@ -96,13 +95,10 @@ def prepare(cfg, adapter, transformer, device: str, dtype, dist, shapes: int = 1
     return Prepared(transformer, params, peft_config, quantized, swapper, sharded, compiled, graphs)
 
 
-def compile_dynamic(shapes_setting: str, shapes: int) -> bool | None:
-    """torch.compile's `dynamic`: True compiles each block once for every shape (sizes symbolic); None is torch's
-    default, a graph for the first shape and, at the second, one with the changed sizes symbolic (each compile of
-    a FLUX block pair at 1024² took tens of seconds on an H100: docs/benchmarks.md)."""
-    if shapes_setting == "dynamic" or (shapes_setting == "auto" and shapes > 1):
-        return True
-    return None
+def compile_dynamic(shapes_setting: str) -> bool | None:
+    """torch.compile's `dynamic`: True compiles each block for symbolic sizes from the start; None is torch's
+    default, a graph for the first shape and, at the second, one with the changed sizes symbolic."""
+    return True if shapes_setting == "dynamic" else None
 
 
 def _new_graph_generation(_module, _args) -> None:

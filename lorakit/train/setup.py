@@ -113,7 +113,7 @@ def setup(resolved: Resolved, resume: str | None, events: Events) -> Run:
         facts.update(gib=round(size / 2**30, 2), gb_per_s=round(size / 1e9 / max(time.perf_counter() - t0, 1e-9), 2))
     with events.phase("prepare model") as facts:  # storage, LoRA, checkpointing, compiled blocks (compiled at step 1)
         tr = Trainer(cfg, adapter, base, data, out, device, dtype, dist=d)
-        facts.update(trainable=sum(p.numel() for p in tr.params), compiled=tr.compiled)
+        facts.update(trainable=sum(p.numel() for p in tr.params), compiled=tr.compiled, buckets=data.shapes)
     del base
     mark("model_ready")
     resumed = _resume(tr, out, resume, note) if resume else None

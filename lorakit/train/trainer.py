@@ -41,7 +41,7 @@ class Trainer:
         self.device, self.dtype = device, dtype
         self.dist = dist or Dist()
         self.full = cfg.method == "full"
-        p = prepare(cfg, adapter, transformer, device, dtype, self.dist, shapes=getattr(data, "shapes", 1))
+        p = prepare(cfg, adapter, transformer, device, dtype, self.dist)
         self.transformer, self.params, self.peft_config = p.transformer, p.params, p.peft_config
         self.quantized, self.swapper, self.sharded, self.compiled = p.quantized, p.swapper, p.sharded, p.compiled
         self.graphs = p.graphs

@@ -39,11 +39,12 @@ def test_a_run_logging_to_a_file_names_each_phase_and_its_steps_while_running(tm
     assert all(re.match(r"\[\s*\d+\.\d s\] ", x) for x in lines), text  # each line: seconds since the command began
     assert re.search(rf"training flux \(.*\) for 100000 steps on cpu, profile cpu, into {re.escape(str(out))}\n",
                      text)  # the whole path: nothing cut to 80 columns
-    for phase in (r"load encoders: \d+\.\d s \(\d+\.\d+ GiB, \d+\.\d+ GB/s\)",
+    for phase in (r"check config and machine: \d+\.\d s \(profile cpu, attention \w+\)",
+                  r"load encoders: \d+\.\d s \(\d+\.\d+ GiB, \d+\.\d+ GB/s\)",
                   r"cache: \d+\.\d s \(items 3, encoded 3, reused 0, skipped 0\)",
                   r"sample prompts: \d+\.\d s",
                   r"load model: \d+\.\d s \(\d+\.\d+ GiB, \d+\.\d+ GB/s\)",
-                  r"prepare model: \d+\.\d s \(trainable \d+\)",
+                  r"prepare model: \d+\.\d s \(trainable \d+, buckets 3\)",
                   r"step 1: \d+\.\d s \(size \d+x\d+\)"):
         assert re.search(phase, text), (phase, text)
     assert re.search(r"step 1/100000  loss \d\.\d{4}  lr \d\.\de-\d\d  \d+\.\d\d s/step  eta \d+[hm]\d\d[ms]", text), text

@@ -56,7 +56,7 @@ def test_a_cached_fa4_choice_that_cannot_run_now_gives_way_to_the_next_fastest_w
         *[R("flash", c, True, ms) for c, ms in cases.items()], *[R("fa4", c, True, 0.6 * ms) for c, ms in cases.items()],
         *[R("efficient", c, True, 3 * ms) for c, ms in cases.items()]])
     notes = []
-    monkeypatch.setattr(decide, "self_test", lambda device: rep)
+    monkeypatch.setattr(decide, "self_test_family", lambda family, device: rep)
     monkeypatch.setattr(fa4, "problem", lambda device="cuda": "attention fa4 needs the flash-attn-4 package: gone")
     cfg, _ = assemble(None, ["model.family=flux"], profile="datacenter")
     assert decide.attention_backend(cfg, "cuda", notes.append) == "flash"

@@ -59,12 +59,8 @@ def test_held_out_items_are_fixed_by_the_seed_and_repeats_multiply_an_epoch(tmp_
         CachedData(st, man, 1, seed=5, hold_out=4)
 
 
-def test_the_data_counts_the_shapes_a_step_meets_and_several_compile_once_for_all(tmp_path):
-    from lorakit.train.prepare import compile_dynamic
-
+def test_the_data_counts_the_shapes_a_step_meets(tmp_path):
     st, man = _store(tmp_path)
     assert CachedData(st, man, 2, seed=0).shapes == 2
     one = {**man, "items": [it for it in man["items"] if it["bucket"] == [64, 64]]}
     assert CachedData(st, one, 2, seed=0).shapes == 1
-    assert compile_dynamic("auto", 2) is True and compile_dynamic("dynamic", 1) is True  # one compile for all
-    assert compile_dynamic("auto", 1) is None and compile_dynamic("static", 3) is None  # torch's default
