@@ -8,8 +8,8 @@ diffusers pipeline with `load_lora_weights` (same seed, same size; uncapped: the
 
 A cell passes, or is refused by `lorakit train` before loading with an exit-2 message naming a setting that fits.
 Recorded per cell: each stage's wall time and peak host RSS, seconds from `lorakit train` to its first finished
-optimizer step, median and p90 s/step (after the second step), peak GPU memory, PSNR against stock. Results are
-written after every stage (`matrix.json`, `matrix.md`), so a run cut short still says what it measured; `limit_s`
+optimizer step, median and p90 s/step (of the steps that did not wait for the compiler), each training run's
+phases, peak GPU memory, PSNR against stock. Results are written after every stage (`matrix.json`, `matrix.md`), so a run cut short still says what it measured; `limit_s`
 stops starting stages once the time is spent.
 """
 
@@ -90,7 +90,8 @@ def _json(text: str) -> dict:
 
 
 def phases(log: str) -> list:
-    """[(phase, seconds)] from a `--log-format json` log, in order (seconds since the command began at the end)."""
+    """[(phase, seconds, at, step)] from a `--log-format json` log, in order (at: seconds since the command began;
+    step: the optimizer step a compile phase held up)."""
     got = []
     for line in log.splitlines():
         try:
@@ -98,7 +99,7 @@ def phases(log: str) -> list:
         except ValueError:
             continue
         if isinstance(rec, dict) and rec.get("event") == "phase":
-            got.append([rec["name"], rec["seconds"], rec.get("t")])
+            got.append([rec["name"], rec["seconds"], rec.get("t"), rec.get("step")])
     return got
 
 
@@ -226,7 +227,9 @@ def run_cell(cell: Cell, model: Path, data: Path, work: Path, steps: int, res: i
                 save()
                 continue
             cell.first_step_s = first
-            steady = sorted(r["s_per_step"] for r in rows[2:]) or sorted(r["s_per_step"] for r in rows)
+            waited = {1} | {ph[3] for ph in rec["phases"] if ph[0] == "compile"}  # steps that waited to compile
+            steady = sorted(r["s_per_step"] for r in rows if r["step"] not in waited) or sorted(
+                r["s_per_step"] for r in rows)
             cell.s_per_step_median = round(statistics.median(steady), 3)
             cell.s_per_step_p90 = round(steady[min(len(steady) - 1, int(0.9 * len(steady)))], 3)
             cell.peak_gpu_gib = result.get("peak_gpu_gib")
@@ -325,5 +328,5 @@ def table(cells: list[Cell]) -> str:
         text += "\nPhases of `lorakit train` (seconds; at: seconds since the command began):\n\n"
         for c, stage, ph in runs:
             text += f"- {c.family} x {c.profile}, {stage}: " + "; ".join(
-                f"{name} {secs:.1f} (at {at:.0f})" for name, secs, at in ph) + "\n"
+                f"{name} {secs:.1f} (at {at:.0f})" for name, secs, at, _ in ph) + "\n"
     return text

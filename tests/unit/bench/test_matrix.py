@@ -23,10 +23,10 @@ def test_the_matrix_runs_a_cell_through_every_stage(tmp_path):
     assert cell["first_step_s"] > 0 and cell["first_step_warm_s"] > 0
     assert 0 < cell["s_per_step_median"] <= cell["s_per_step_p90"]
     for stage in ("train", "train-warm"):  # where the first minutes went, phase by phase
-        names = [name for name, _, _ in cell["stages"][stage]["phases"]]
-        assert names[:4] == ["cache", "load model", "prepare model", "step 1"], names  # sampling is off in cells
+        names = [name for name, _, _, _ in cell["stages"][stage]["phases"]]
+        assert names[:5] == ["check config and machine", "cache", "load model", "prepare model", "step 1"], names
     md = (tmp_path / "matrix.md").read_text()
-    assert "- flux x cpu, train-warm: cache " in md and "; load model " in md
+    assert "- flux x cpu, train-warm: check config and machine " in md and "; load model " in md
     assert math.isfinite(cell["psnr_vs_stock"])  # bf16 here, the stock pipeline in fp32: close, not equal
     assert "| flux | cpu | pass |" in (tmp_path / "matrix.md").read_text()
 
