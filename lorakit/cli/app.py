@@ -12,7 +12,16 @@ from typer.core import TyperGroup
 from lorakit import __version__
 from lorakit.cli import bench, cache, convert, demo, doctor, infer, train
 from lorakit.cli.common import emit, err_console, json_requested, use_json
-from lorakit.errors import LorakitError, environment_fault, short
+from lorakit.errors import InputError, LorakitError, environment_fault, short
+
+try:  # newer Typer carries its own copy of click: its exceptions are other classes than click's
+    from typer._click import exceptions as _typer_click
+except ImportError:
+    _typer_click = click.exceptions
+_CLICKS = (click.exceptions, _typer_click)
+_USAGE = tuple({m.UsageError for m in _CLICKS})
+_CLICK_EXITS = tuple({getattr(m, n) for m in _CLICKS for n in ("Exit", "ClickException", "Abort") if hasattr(m, n)}
+                     | {typer.Exit})
 
 
 def _debug() -> bool:
@@ -47,6 +56,14 @@ def report_error(e: BaseException, as_json: bool) -> int:
     return code
 
 
+def usage_error(e) -> InputError:
+    """A command-line usage error as lorakit's bad input: the parser's words (with its "did you mean"), and where
+    the usage is explained."""
+    ctx = getattr(e, "ctx", None)
+    where = ctx.command_path if ctx is not None else "lorakit"
+    return InputError(e.format_message(), f"`{where} -h` lists its commands and options")
+
+
 def _escape(text: str) -> str:
     from rich.markup import escape
 
@@ -75,7 +92,11 @@ class LorakitGroup(TyperGroup):
         _terminate_like_interrupt()
         try:
             return super().invoke(ctx)
-        except (click.exceptions.Exit, click.ClickException, click.Abort, typer.Exit):
+        except _USAGE as e:  # a mistyped command or option, a missing argument: bad input (exit 2), with help
+            if _debug() or type(e).__name__ == "NoArgsIsHelpError":  # a bare group: its help, as click shows it
+                raise
+            ctx.exit(report_error(usage_error(e), json_requested() or "--json" in sys.argv))
+        except _CLICK_EXITS:
             raise
         except KeyboardInterrupt:
             err_console.print("interrupted before anything could be saved (exit 130)")

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from lorakit.convert import lora as L
 from lorakit.errors import InputError
-from lorakit.io import load, resolve_files, save_sharded
+from lorakit.io import load, resolve_files, save_sharded, shared_tree
 from lorakit.io.digest import file_hash
 from lorakit.models.registry import family_info, family_of_folder
 
@@ -50,6 +50,7 @@ def merge(model_dir, lora_path, dst, scale: float = 1.0) -> dict:
         save_sharded(weights, tmp / "transformer", max_shard_bytes=size + 1 if len(resolve_files(tdir)) == 1
                      else size, metadata={"format": "pt", "lorakit_merged_lora": file_hash(Path(lora_path)),
                                           "lorakit_merge_scale": str(scale)})
+        shared_tree(tmp)  # mkdtemp makes 0700 and copies keep the base's modes: readable as any new file
         tmp.rename(dst)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

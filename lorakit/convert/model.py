@@ -15,7 +15,7 @@ from pathlib import Path
 
 from lorakit.dtypes import torch_dtype
 from lorakit.errors import InputError
-from lorakit.io import load, read_header, resolve_files, save, save_sharded
+from lorakit.io import load, read_header, resolve_files, save, save_sharded, shared_tree
 
 DTYPES = ("keep", "fp32", "bf16", "fp16", "fp8")
 E4M3_MAX = 448.0
@@ -90,6 +90,7 @@ def convert_model(src, dst, dtype: str = "keep", shard_gb: float | None = None) 
                 base = "model"  # transformers components
             limit = int(shard_gb * 2**30) if shard_gb else 5 * 2**30
             save_sharded(sd, tmp, base=base, max_shard_bytes=limit, metadata=meta)
+            shared_tree(tmp)  # mkdtemp makes 0700 and a copy keeps its source's mode: readable as any new file
             tmp.rename(dst)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)

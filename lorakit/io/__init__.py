@@ -2,7 +2,8 @@
 
 from lorakit.io.header import Header, TensorInfo, read_header
 from lorakit.io.reader import BACKENDS, load, resolve_files
-from lorakit.io.writer import atomic_path, clean_orphans, save, save_sharded
+from lorakit.io.writer import atomic_path, clean_orphans, save, save_sharded, shared_mode, shared_tree
 
 __all__ = ["BACKENDS", "Header", "TensorInfo", "atomic_path", "clean_orphans", "load", "read_header", "resolve_files",
-           "save", "save_sharded"]
+           "save", "save_sharded", "shared_mode",
+           "shared_tree"]

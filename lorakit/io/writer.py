@@ -30,6 +30,33 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def umask() -> int:
+    """The process's umask, read without changing it (other threads may be creating files)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def shared_mode(path: str | os.PathLike) -> None:
+    """Give a file lorakit made (through a private temporary) the mode a plain `open()` or `mkdir` would have:
+    0644 files and 0755 folders under the usual umask 022, so another user or a service (ComfyUI) can read it."""
+    mode = 0o777 if Path(path).is_dir() else 0o666
+    os.chmod(path, mode & ~umask())
+
+
+def shared_tree(root: str | os.PathLike) -> None:
+    """`shared_mode` on a folder lorakit made and everything in it (copies keep their source's mode otherwise)."""
+    for p in [Path(root), *Path(root).rglob("*")]:
+        if not p.is_symlink():
+            shared_mode(p)
+
+
 TMP_SUFFIX = ".tmp"  # temporary siblings are ".<name>.<random>.tmp" (what `clean_orphans` removes)
 
 
@@ -46,6 +73,7 @@ class atomic_path:
         try:
             self.target.parent.mkdir(parents=True, exist_ok=True)
             fd, name = tempfile.mkstemp(prefix=f".{self.target.name}.", suffix=TMP_SUFFIX, dir=self.target.parent)
+            os.fchmod(fd, 0o666 & ~umask())  # mkstemp makes 0600: the finished file is readable as any other
         except OSError as e:
             raise environment_fault(e, self.target) or e from None
         os.close(fd)

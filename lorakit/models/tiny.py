@@ -21,6 +21,7 @@ import tempfile
 from pathlib import Path
 
 from lorakit import paths
+from lorakit.io import shared_tree
 from lorakit.models.base import family_adapter
 from lorakit.models.registry import family_names
 
@@ -245,6 +246,7 @@ def build_tiny(family: str, out_dir: str | os.PathLike, seed: int = 0) -> Path:
         pipe.transformer.save_pretrained(tr, safe_serialization=True, max_shard_size=_shard_size(pipe.transformer))
         (tmp / "lorakit_tiny.json").write_text(json.dumps(
             {"family": family, "seed": seed, "spec_version": SPEC_VERSION}, indent=2))
+        shared_tree(tmp)  # as a download would be: readable by others (mkdtemp made it 0700)
         if out.exists():
             shutil.rmtree(out)
         tmp.rename(out)

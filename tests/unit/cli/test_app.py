@@ -53,3 +53,21 @@ def test_emit_writes_json_only_when_asked(capsys):
     emit(True, {"a": 1})
     emit(False, {"a": 2}, lambda: print("people"))
     assert capsys.readouterr().out == '{\n  "a": 1\n}\npeople\n'
+
+
+@pytest.mark.parametrize("args, said", [
+    (["trian"], "No such command 'trian'. Did you mean 'train'?"),
+    (["train", "x.yaml", "--dryrun"], "No such option: --dryrun (Possible options: --dry-run)"),
+    (["infer"], "Missing argument 'model'."),
+    (["convert", "lora", "--jsn", "x"], "No such option: --jsn (Possible options: --json)"),
+])
+def test_a_usage_mistake_is_bad_input_exit_2_with_where_to_look_not_a_bug(args, said):
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "lorakit", *args], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert said in r.stderr and "bug" not in r.stderr + r.stdout
+    assert "-h` lists its commands and options" in r.stderr
+    j = subprocess.run([sys.executable, "-m", "lorakit", *args, "--json"], capture_output=True, text=True, timeout=120)
+    assert j.returncode == 2 and json.loads(j.stdout)["error"] == "InputError"
