@@ -34,7 +34,9 @@ def train(
     sets: list[str] | None = SetOpt,
     profile: str | None = ProfileOpt,
     dry_run: bool = typer.Option(False, "--dry-run", help="print the resolved config and stop"),
-    resume: str | None = typer.Option(None, "--resume", help="latest or a checkpoint folder"),
+    resume: str | None = typer.Option(None, "--resume", help="latest (the newest intact checkpoint), auto "
+                                 "(the same, or a fresh start when there is none: one command for a scheduler's first "
+                                 "start and its requeues), or a checkpoint folder"),
     gpus: int = typer.Option(1, "--gpus", min=1, help="processes on this machine, one per GPU (on a machine "
                                                        "without GPUs: CPU processes over gloo)"),
     log_format: str = LogFormatOpt,

@@ -89,6 +89,10 @@ class ScheduleConfig(_Section):
     grad_accum: int = Field(1, ge=1, description="micro-batches per optimizer step")
     lr_schedule: Literal["constant", "linear", "cosine"] = Field("constant", description="LR schedule after warmup")
     warmup_steps: int = Field(0, ge=0, description="linear warmup steps")
+    reschedule_on_resume: bool = Field(False, description="a resume whose schedule (steps, lr_schedule, "
+                                                           "warmup_steps, optim.lr) would change the learning rate "
+                                                           "follows the new schedule from the checkpoint's step "
+                                                           "(default: refused, naming the change)")
     timesteps: Literal["uniform", "logit_normal", "shift", "resolution_shift", "sigmoid", "mode"] = Field(
         "resolution_shift", description="how training sigmas are drawn: uniform; logit_normal (logit_mean, "
                                         "logit_std); shift (shift); resolution_shift (the family scheduler's own "

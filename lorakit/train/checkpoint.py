@@ -21,6 +21,7 @@ from lorakit.errors import FileFormatError, InputError, LorakitError, environmen
 from lorakit.io import atomic_path, load, read_header, resolve_files, save_sharded
 from lorakit.io.pt import NotPlainData, load_pt
 from lorakit.train.lora import load_lora_into, lora_state_dict, save_lora
+from lorakit.train.resume import check_lora_shapes, check_schedule, schedule_facts
 
 
 def save(tr, final: bool = False, name: str | None = None) -> tuple[Path, dict | None]:
@@ -48,7 +49,8 @@ def save(tr, final: bool = False, name: str | None = None) -> tuple[Path, dict |
                                            {"lorakit_step": tr.step, **({"lorakit_ema_decay": tr.ema.decay}
                                                                         if tr.ema else {})})
             opt_state = tr.opt.state_dict()
-        state = {**tr.state.state_dict(opt_state), "world": tr.dist.world, "global_batch": tr.global_batch}
+        state = {**tr.state.state_dict(opt_state), "world": tr.dist.world, "global_batch": tr.global_batch,
+                 "schedule": schedule_facts(tr.cfg)}
         if not tr.full:  # the trainable tensors bit for bit (the file has alpha folded into B)
             state["lora"] = {k: v.cpu() for k, v in lora_state_dict(tr.transformer).items()}
         with atomic_path(ck / "state.pt") as tmp:
@@ -64,6 +66,8 @@ def save(tr, final: bool = False, name: str | None = None) -> tuple[Path, dict |
 def resume(tr, ck: Path) -> dict:
     """Continue from a checkpoint (written by any number of ranks). Returns what changed, if anything."""
     weights = ck / ("transformer" if tr.full else "lora.safetensors")
+    if not ck.is_dir():
+        raise InputError(f"--resume {ck}: no such checkpoint folder")
     if not weights.exists() or not (ck / "state.pt").is_file():
         what = "transformer/ + state.pt" if tr.full else "lora.safetensors + state.pt"
         raise InputError(f"{ck} is not a lorakit checkpoint of this method ({what})",
@@ -72,9 +76,17 @@ def resume(tr, ck: Path) -> dict:
     if tr.full:
         _resume_full(tr, ck, weights, state)
     else:
-        load_lora_into(tr.transformer, state["lora"] if "lora" in state else weights)  # older: the file is raw
+        saved = state["lora"] if "lora" in state else load(weights, copy=True)  # older: the file is raw
+        check_lora_shapes(lora_state_dict(tr.transformer), saved, str(ck))
+        load_lora_into(tr.transformer, saved)
         tr.opt.load_state_dict(state["optimizer"])
     notes = tr.state.load_state_dict(state, str(ck / "state.pt"), tr.params)
+    changed, reschedule = check_schedule(tr.cfg, state, tr.step, str(ck))
+    notes += changed
+    if reschedule:  # the new peak and shape from this step (the scheduler restored the checkpoint's peak)
+        tr.sched.base_lrs = [tr.cfg.optim.lr for _ in tr.sched.base_lrs]
+        for g, base, f in zip(tr.opt.param_groups, tr.sched.base_lrs, tr.sched.lr_lambdas, strict=True):
+            g["lr"] = base * f(tr.sched.last_epoch)
     was = state.get("global_batch", tr.global_batch)
     if was != tr.global_batch:
         notes.append(f"the checkpoint was written with a global batch of {was}, this run's is {tr.global_batch}: "
@@ -223,7 +235,9 @@ def check_intact(ck: Path, full: bool) -> str | None:
 def latest(out_dir: Path, full: bool = False) -> tuple[Path | None, list[str]]:
     """The newest step checkpoint of a run folder that reads back whole (None when there is none), and a
     warning for each newer one that is damaged (a kill at the wrong moment, a full disk)."""
-    cks = sorted((p for p in (out_dir / "checkpoints").glob("step-*") if p.is_dir()), reverse=True)
+    final = out_dir / "checkpoints" / "final"  # a finished run's last state: newer than any step
+    cks = ([final] if final.is_dir() else []) + sorted(
+        (p for p in (out_dir / "checkpoints").glob("step-*") if p.is_dir()), reverse=True)
     damaged = []
     for ck in cks:
         why = check_intact(ck, full)

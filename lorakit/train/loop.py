@@ -19,7 +19,8 @@ def run(resolved: Resolved, resume: str | None = None, stop_at: int | None = Non
     """Train per a resolved config: cache (reused when built), LoRA, steps, checkpoints, metrics, samples.
 
     Args:
-        resume: "latest" (the newest checkpoint that reads back whole) or a checkpoint folder.
+        resume: "latest" (the newest checkpoint that reads back whole), "auto" (the same, or a fresh start when
+            there is none) or a checkpoint folder.
         stop_at: stop after this many steps (tests of interruption); the run's schedule is unchanged.
         events: hears each phase with its duration, each step and each warning (warnings are also in the
             result's "warnings").

@@ -14,7 +14,6 @@ from lorakit.cache.builder import build, cache_dir_for
 from lorakit.cache.store import Store
 from lorakit.config import dump_yaml
 from lorakit.dtypes import torch_dtype
-from lorakit.errors import InputError
 from lorakit.events import Events
 from lorakit.hardware.gpu import apply_cap, compile_cache, expandable_segments
 from lorakit.hardware.sdpa import apply as apply_attention
@@ -23,6 +22,7 @@ from lorakit.io.lock import FolderLock
 from lorakit.models.base import load_adapter
 from lorakit.plan.resolve import Resolved
 from lorakit.train import checkpoint, sampling
+from lorakit.train import resume as resume_mod
 from lorakit.train.data import CachedData
 from lorakit.train.prepare import load_base
 from lorakit.train.report import MetricsLog, Notes, Timeline, doctor_summary, start_wandb
@@ -77,7 +77,12 @@ def setup(resolved: Resolved, resume: str | None, events: Events) -> Run:
     dtype = torch_dtype(cfg.model.dtype)
     out = Path(cfg.output.dir)
     out.mkdir(parents=True, exist_ok=True)
-    wandb_run = start_wandb(cfg, out, bool(resume)) if cfg.logging.wandb and d.main else None  # fails in seconds
+    ck = None
+    if resume:  # found before anything loads: a wrong --resume costs seconds, not a cache build
+        ck, found = resume_mod.find(out, resume, cfg.method == "full", checkpoint.latest)
+        for n in found:
+            note(n)
+    wandb_run = start_wandb(cfg, out, ck is not None) if cfg.logging.wandb and d.main else None  # fails in seconds
     if d.main:
         events.info(f"training {cfg.model.family} ({cfg.model.path}) for {cfg.schedule.steps} steps on {device}, "
                     f"profile {cfg.profile}, into {out}")
@@ -116,7 +121,7 @@ def setup(resolved: Resolved, resume: str | None, events: Events) -> Run:
         facts.update(trainable=sum(p.numel() for p in tr.params), compiled=tr.compiled, buckets=data.shapes)
     del base
     mark("model_ready")
-    resumed = _resume(tr, out, resume, note) if resume else None
+    resumed = tr.resume(ck) if ck else None
     if d.main:
         s = cfg.schedule
         events.info(f"global batch {tr.global_batch} = {s.batch_size} per process x {d.world} process(es) x "
@@ -124,7 +129,7 @@ def setup(resolved: Resolved, resume: str | None, events: Events) -> Run:
         if resumed:
             events.info(f"resumed at step {tr.step} (written by {resumed['from_world']} process(es))"
                         + (f"; {resumed['note']}" if resumed["note"] else ""))
-    log = MetricsLog(out, tr.step if resume else None, main=d.main, warn=note, wandb_run=wandb_run)
+    log = MetricsLog(out, tr.step if ck else None, main=d.main, warn=note, wandb_run=wandb_run)
     sampler = sampling.Sampler(tr, conds, out / "samples", warn=note) if conds and (d.main or tr.sharded) else None
     r = Run(resolved, tr, data, log, sampler, cache, d, note, mark, events, resumed, started=time.perf_counter())
     if sampler and tr.step == 0:
@@ -142,15 +147,3 @@ def render_samples(r: Run, step: int, name: str | None = None):
     r.log.image("samples", path, step)
     r.mark("first_samples")
     return path
-
-
-def _resume(tr, out: Path, resume: str, note) -> dict:
-    ck, damaged = checkpoint.latest(out, tr.full) if resume == "latest" else (Path(resume), [])
-    for w in damaged:
-        note(w)
-    if ck is None:
-        raise InputError(f"--resume latest: no intact checkpoint in {out / 'checkpoints'}",
-                         "start without --resume" + (" (the checkpoints there are damaged)" if damaged else ""))
-    return tr.resume(ck)
-
-
