@@ -28,9 +28,11 @@ setup: $(STAMP)
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	@echo "installing torch ($(TORCH_SPEC)) and lorakit's dependencies into $(VENV): several GB, a few minutes"
 	$(BIN)/python -c "import torch, torchvision" 2>/dev/null || \
-	  $(BIN)/python -m pip install -q $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) $(TORCH_SPEC)
-	$(BIN)/python -m pip install -q -e ".[dev,quant]"
+	  $(BIN)/python -m pip install --progress-bar on $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) $(TORCH_SPEC)
+	$(BIN)/python -m pip install --progress-bar on -e ".[dev,quant]"
+	@echo "lorakit is $(BIN)/lorakit (source $(VENV)/bin/activate puts it on your PATH)"
 	touch $(STAMP)
 
 demo: setup

@@ -22,6 +22,9 @@ def quiet_libraries() -> None:
         logging.getLogger(name).setLevel(logging.ERROR)
     warnings.filterwarnings("ignore", category=FutureWarning)
     warnings.filterwarnings("ignore", message=".*torch_dtype.*")
+    # torch's note that a norm with bf16 weights got fp32 input (Kandinsky 5 keeps such modules in fp32, as
+    # diffusers does): the result is right, the fused kernel is not used; said once per compile otherwise
+    warnings.filterwarnings("ignore", message="Mismatch dtype between input and weight")
     try:
         from diffusers.utils import logging as dlog
 

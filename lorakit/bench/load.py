@@ -57,16 +57,25 @@ def make_synthetic(folder: Path, size: int, shards: int = 2, tensors_per_shard: 
     return [p for p in out if p.suffix == ".safetensors"]
 
 
-def drop_cache(files: list[Path]) -> str:
-    """Evict the files from the page cache; say how (or that it could not)."""
+def drop_cache(files: list[Path], machine_wide: bool = False) -> str:
+    """Evict the files from the page cache (theirs alone: posix_fadvise), and with `machine_wide` every file's
+    (drop_caches, where permitted: it slows everyone on a shared machine); say how (or that it could not)."""
     how = []
-    try:
-        os.sync()
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("1\n")
-        how.append("drop_caches")
-    except OSError:
-        pass
+    if machine_wide:
+        try:
+            os.sync()
+            with open("/proc/sys/vm/drop_caches", "w") as f:
+                f.write("1\n")
+            how.append("drop_caches")
+        except OSError:
+            pass
+    else:
+        for p in files:  # their dirty pages written first: DONTNEED leaves those in memory
+            fd = os.open(p, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
     for p in files:
         fd = os.open(p, os.O_RDONLY)
         try:
@@ -163,7 +172,7 @@ def _load(way: str, files: list[Path], target: str) -> dict:
     return out
 
 
-def run(files: list[Path], targets=("cpu",), ways=WAYS, caches=("warm", "cold"), repeats: int = 3,
+def run(files: list[Path], targets=("cpu",), ways=WAYS, caches=("warm", "cold"), repeats: int = 3, drop_caches: bool = False,
         progress=None) -> tuple[list[Row], dict]:
     """Measure every way; returns rows and notes (cache method, sizes)."""
     import torch
@@ -186,7 +195,7 @@ def run(files: list[Path], targets=("cpu",), ways=WAYS, caches=("warm", "cold"),
                 times, gpu_peak, rss, exact, note = [], None, None, None, ""
                 for _ in range(repeats):
                     if cache == "cold":
-                        notes["cold_method"] = drop_cache(files)
+                        notes["cold_method"] = drop_cache(files, machine_wide=drop_caches)
                     else:
                         warm_cache(files)
                     if target != "cpu":
@@ -218,7 +227,7 @@ def run(files: list[Path], targets=("cpu",), ways=WAYS, caches=("warm", "cold"),
 
 
 def bench(path: Path | None, synthetic: str | None, targets, repeats: int, keep: bool, progress=None,
-          where: Path | None = None, caches=("warm", "cold")) -> dict:
+          where: Path | None = None, caches=("warm", "cold"), drop_caches: bool = False) -> dict:
     """The command's library function (`where`: the folder for synthetic files)."""
     tmp = None
     if synthetic:
@@ -233,7 +242,8 @@ def bench(path: Path | None, synthetic: str | None, targets, repeats: int, keep:
     else:
         raise InputError("bench load needs a PATH or --synthetic SIZE", "e.g. lorakit bench load --synthetic 1G")
     try:
-        rows, notes = run(files, targets=targets, repeats=repeats, progress=progress, caches=caches)
+        rows, notes = run(files, targets=targets, repeats=repeats, progress=progress, caches=caches,
+                           drop_caches=drop_caches)
     finally:
         if tmp is not None and not keep:
             for p in tmp.iterdir():

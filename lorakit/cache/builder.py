@@ -42,6 +42,7 @@ class Summary:
     seconds: float = 0.0
     buckets: dict = field(default_factory=dict)
     skipped: list = field(default_factory=list)
+    warnings: list = field(default_factory=list)  # what caches, but not as the user may think
     verified_bad: list = field(default_factory=list)
     cleaned: int = 0  # temporary files of an interrupted build, removed
     clips: int = 0  # video: the clips the items (windows) come from
@@ -87,6 +88,9 @@ def _build(cfg, device, force, verify, strict, events, adapter, dist) -> Summary
     data = plan_data(cfg)
     controlled = any(e.item.controls for e in data.entries)  # edit data: each prompt sees its item's controls
     summary.skipped += data.problems
+    summary.warnings += data.notes
+    for n in data.notes:
+        events.warn(n)
     if strict and summary.skipped:
         raise strict_refusal(summary.skipped, "`lorakit cache CONFIG --check` lists them all; without --strict "
                                               "the build skips those items")

@@ -23,6 +23,9 @@ def load(path: Path | None = typer.Argument(None, help="a .safetensors file or a
          repeats: int = typer.Option(3, "--repeats", min=1, help="runs per cell (median reported)"),
          keep: bool = typer.Option(False, "--keep", help="keep the synthetic files"),
          cache: str = typer.Option("both", "--cache", help="warm, cold or both"),
+         drop_caches: bool = typer.Option(False, "--drop-caches", help="cold rows: empty the whole machine's page "
+                                          "cache (root; slows everyone on a shared machine) instead of evicting "
+                                          "the measured files alone"),
          where: Path | None = typer.Option(None, "--dir", help="where to write synthetic files (default: the "
                                            "temp folder; put them on the disk you load from, not tmpfs)"),
          model_dir: Path | None = typer.Option(None, "--model-dir", help="time a whole pipeline folder to "
@@ -56,11 +59,11 @@ def load(path: Path | None = typer.Argument(None, help="a .safetensors file or a
     if "cuda" in targets and not torch.cuda.is_available():
         raise InputError("--target cuda, but no CUDA GPU is visible", "use --target cpu")
     if as_json:
-        result = bench(path, synthetic, targets, repeats, keep, where=where, caches=caches)
+        result = bench(path, synthetic, targets, repeats, keep, where=where, caches=caches, drop_caches=drop_caches)
     else:
         with console.status("bench load") as st:
             result = bench(path, synthetic, targets, repeats, keep, progress=lambda s: st.update(f"bench load: {s}"),
-                           where=where, caches=caches)
+                           where=where, caches=caches, drop_caches=drop_caches)
     emit(as_json, result, lambda: _render_load(result))
 
 
@@ -101,7 +104,7 @@ def matrix(family: list[str] = typer.Option([], "--family", help="families (repe
            limit: float | None = typer.Option(None, "--limit", help="seconds: start no stage after this"),
            keep_models: bool = typer.Option(False, "--keep-models", help="keep the model folders"),
            cold: bool = typer.Option(False, "--cold", help="evict the model's files from the page cache before "
-                                     "each cell's first stage (drop_caches where permitted: affects the machine)"),
+                                     "each cell's first stage (theirs alone: posix_fadvise)"),
            tiny: bool = typer.Option(False, "--tiny", help="the tiny models on the CPU (checks the plumbing)"),
            as_json: bool = JsonOpt) -> None:
     use_json(as_json)

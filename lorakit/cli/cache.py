@@ -37,6 +37,10 @@ def cache(
 ) -> None:
     use_json(as_json)
     # config and path errors are reported now, before anything else (--check reads the datasets only)
+    if not check:
+        from lorakit.quiet import quiet_libraries
+
+        quiet_libraries()  # before anything imports them (bitsandbytes speaks at import)
     resolved = resolve_config(config, sets, profile, paths=("data",) if check else ("model", "data"), train=False)
     cfg = resolved.cfg
     if not check:

@@ -56,13 +56,13 @@ def train(
     from lorakit.quiet import quiet_libraries
     from lorakit.train.loop import run
 
+    quiet_libraries()  # before anything imports them (bitsandbytes speaks at import)
     events = Events() if rank else events_for(log_format, as_json, console, err_console)
     with events:
         # the first run on a machine measures its attention backends here (once, cached): the log says so
         with events.phase("check config and machine") as facts:
             resolved = resolve_config(config, sets, profile)
             facts.update(profile=resolved.cfg.profile, attention=resolved.cfg.memory.attention)
-        quiet_libraries()
         result = run(resolved, resume=resume, events=events)
     if rank:
         from lorakit.errors import EXIT_INTERRUPTED_RESUMABLE

@@ -54,6 +54,7 @@ class DataPlan:
     entries: list[Entry] = field(default_factory=list)
     problems: list[dict] = field(default_factory=list)  # {"path", "code", "message"}
     datasets: list[dict] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)  # what trains, but not as the user may think (warnings)
 
     def buckets(self) -> dict[str, int]:
         hist = Counter("x".join(str(x) for x in e.bucket) for e in self.entries)
@@ -104,4 +105,48 @@ def plan_data(cfg) -> DataPlan:
                              "items": len(s.items),
                              "entries": len(out.entries) - before, "problems": len(out.problems) - problems_before,
                              "controls": controls if s.layout == "edit" else []})
+    out.notes += collapsed_buckets(out.entries, cfg, len(buckets)) + empty_masks(out.entries)
     return out
+
+
+SQUEEZED = 1.25  # an image whose aspect ratio is this far from its bucket's is cropped hard
+
+
+def collapsed_buckets(entries: list[Entry], cfg, n_buckets: int) -> list[str]:
+    """Images cut to a much different shape because the buckets cannot hold their aspect ratio (e.g. resolution
+    256 with bucket_min_side 256: one square bucket for every image)."""
+    bad = []
+    for e in entries:
+        if e.window is not None or not e.item.size:
+            continue
+        (w, h), (bw, bh) = e.item.size, e.bucket[:2]
+        ratio = (w / h) / (bw / bh)
+        if max(ratio, 1 / ratio) > SQUEEZED:
+            bad.append(e)
+    if not bad:
+        return []
+    e = bad[0]
+    return [f"{len(bad)} of {len(entries)} images are cropped to a much different shape (e.g. {e.item.target.name} "
+            f"{e.item.size[0]}x{e.item.size[1]} -> {e.bucket[0]}x{e.bucket[1]}): at resolution "
+            f"{cfg.data.resolution} with bucket_min_side {cfg.data.bucket_min_side} there are {n_buckets} bucket "
+            f"shape(s); a smaller data.bucket_min_side (e.g. {max(cfg.data.resolution // 2, 64)}) keeps their "
+            "aspect ratios"]
+
+
+def empty_masks(entries: list[Entry]) -> list[str]:
+    """Loss masks that mask everything: their items train nothing (loss 0)."""
+    from PIL import Image
+
+    empty = []
+    for e in {id(x.item): x for x in entries if x.item.mask is not None}.values():
+        try:
+            with Image.open(e.item.mask) as im:
+                band = im.getchannel("A") if e.item.mask_alpha and "A" in im.getbands() else im.convert("L")
+                if band.getextrema()[1] == 0:
+                    empty.append(e.item.mask)
+        except OSError:
+            continue  # an unreadable mask is a problem the scan reports
+    if not empty:
+        return []
+    return [f"{len(empty)} loss mask(s) are black everywhere, so their items train nothing (loss 0), e.g. "
+            f"{empty[0]} (white trains, black is ignored)"]

@@ -52,3 +52,5 @@ def test_a_run_logging_to_a_file_names_each_phase_and_its_steps_while_running(tm
     assert "samples (step 0): " in final  # the grid before training, rendered after step 1
     assert re.search(r"checkpoint \(step \d+\): \d+\.\d s", final), final
     assert "interrupted" in final.lower()
+    for chatter in ("Warning", "Failed to load", "it/s]"):  # third-party warnings and progress bars stay out
+        assert chatter not in final, final

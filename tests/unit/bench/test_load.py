@@ -34,6 +34,30 @@ def test_bench_load_cli_measures_every_way_bit_exact():
                     for c in ("warm", "cold")}
     assert all(row["exact"] is True and row["seconds"] > 0 for row in data["rows"])
     assert "posix_fadvise" in data["cold_method"]
+    assert "drop_caches" not in data["cold_method"]  # the machine's page cache is left alone unless asked
+
+
+def test_the_whole_page_cache_is_dropped_only_when_asked(tmp_path, monkeypatch):
+    import builtins
+
+    from lorakit.bench import load as L
+
+    f = tmp_path / "a.bin"
+    f.write_bytes(b"x" * 4096)
+    opened = []
+    real_open = builtins.open
+
+    def spy(path, *a, **k):
+        if str(path) == "/proc/sys/vm/drop_caches":
+            opened.append(path)
+            raise PermissionError("not here")
+        return real_open(path, *a, **k)
+
+    monkeypatch.setattr(builtins, "open", spy)
+    L.drop_cache([f])
+    assert opened == []
+    L.drop_cache([f], machine_wide=True)
+    assert opened == ["/proc/sys/vm/drop_caches"]
 
 
 def test_bench_load_needs_input():
