@@ -14,7 +14,8 @@ from lorakit.io import atomic_path
 
 
 def loss_curve(metrics: Path, out: Path, size=(640, 360)) -> Path:
-    """Loss per step (thin) and its moving average (thick), on a log-free linear axis."""
+    """Loss per step (thin) and its moving average (thick), and the held-out val_loss (orange dots joined) where
+    the run measured it, on a log-free linear axis."""
     from PIL import Image, ImageDraw
 
     rows = [json.loads(line) for line in Path(metrics).read_text().splitlines() if line.strip()]
@@ -32,7 +33,8 @@ def loss_curve(metrics: Path, out: Path, size=(640, 360)) -> Path:
     loss = [r["loss"] for r in rows]
     k = max(1, len(loss) // 20)
     avg = [sum(loss[max(0, i - k + 1):i + 1]) / len(loss[max(0, i - k + 1):i + 1]) for i in range(len(loss))]
-    lo, hi = min(loss), max(loss)
+    val = [(r["step"], r["val_loss"]) for r in rows if r.get("val_loss") is not None]
+    lo, hi = min(loss + [v for _, v in val]), max(loss + [v for _, v in val])
     hi = hi if hi > lo else lo + 1e-9
     s0, s1 = steps[0], max(steps[-1], steps[0] + 1)
 
@@ -42,7 +44,15 @@ def loss_curve(metrics: Path, out: Path, size=(640, 360)) -> Path:
     d.rectangle([pad, pad, w - pad, h - pad], outline=(180, 180, 180))
     d.line([xy(s, v) for s, v in zip(steps, loss, strict=True)], fill=(160, 190, 230), width=1)
     d.line([xy(s, v) for s, v in zip(steps, avg, strict=True)], fill=(20, 70, 180), width=3)
-    d.text((pad, 10), f"loss: {loss[0]:.4f} -> {avg[-1]:.4f} (moving average of {k})", fill="black")
+    title = f"loss: {loss[0]:.4f} -> {avg[-1]:.4f} (moving average of {k})"
+    if val:
+        pts = [xy(s, v) for s, v in val]
+        if len(pts) > 1:
+            d.line(pts, fill=(230, 120, 20), width=2)
+        for x, y in pts:
+            d.ellipse([x - 3, y - 3, x + 3, y + 3], fill=(230, 120, 20))
+        title += f"; val_loss (orange): {val[0][1]:.4f} -> {val[-1][1]:.4f}"
+    d.text((pad, 10), title, fill="black")
     d.text((pad, h - pad + 8), f"step {s0}", fill="black")
     d.text((w - pad - 60, h - pad + 8), f"step {steps[-1]}", fill="black")
     d.text((4, pad), f"{hi:.3g}", fill="black")

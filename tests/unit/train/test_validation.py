@@ -68,3 +68,24 @@ def test_patience_needs_held_out_items(tmp_path, tiny):
 
     with pytest.raises(ConfigError, match="validation.patience needs held-out items"):
         make_cfg(tmp_path, "flux", tiny("flux"), validation={"patience": 2})
+
+
+def test_the_loss_curve_draws_val_loss_where_it_was_measured(tmp_path):
+    import json
+
+    from PIL import Image
+
+    from lorakit.train.report import loss_curve
+
+    rows = [{"step": s, "loss": 1.0 - s / 100} for s in range(1, 41)]
+    for r in rows[9::10]:
+        r["val_loss"] = 1.2 - r["step"] / 200
+    m = tmp_path / "metrics.jsonl"
+    m.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    img = Image.open(loss_curve(m, tmp_path / "curve.png")).convert("RGB")
+    orange = sum(1 for p in img.getdata() if p == (230, 120, 20))
+    assert orange > 50  # the val_loss points and the line joining them
+    plain = tmp_path / "plain.jsonl"
+    plain.write_text("".join(json.dumps({k: v for k, v in r.items() if k != "val_loss"}) + "\n" for r in rows))
+    assert sum(1 for p in Image.open(loss_curve(plain, tmp_path / "p.png")).convert("RGB").getdata()
+               if p == (230, 120, 20)) == 0
