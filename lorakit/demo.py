@@ -116,6 +116,23 @@ def _write(path: Path, what) -> None:
             what.save(tmp, format="PNG")
 
 
+def _labelled(grid, *lines: str):
+    """The grid under a white band that says what it is (a tiny random-weight model draws noise: by design)."""
+    from PIL import Image, ImageDraw
+
+    band = 14 * len(lines) + 8
+    width = int(max(ImageDraw.Draw(grid).textlength(t) for t in lines)) + 8
+    out = Image.new("RGB", (max(grid.width, width), grid.height + band), "white")
+    out.paste(grid, (0, band))
+    d = ImageDraw.Draw(out)
+    for i, t in enumerate(lines):
+        d.text((4, 4 + 14 * i), t, fill="black")
+    return out
+
+
+NOISE = "tiny random-weight model: noise is expected (the demo checks the path, not image quality)"
+
+
 def run_demo(out_dir: Path, family: str | None = None, seed: int = 0, progress=None) -> DemoResult:
     """Run the demo into `out_dir` and return what it made."""
     quiet_libraries()
@@ -197,12 +214,13 @@ def run_demo(out_dir: Path, family: str | None = None, seed: int = 0, progress=N
                 control = [control, Image.open(data_dir / "control_2" / f"{stems[0]}.png").convert("RGB")]
         grid = sample_grid(model_dir, family, DEMO_PROMPTS, 64, 4, seed, control)
         path = out_dir / "samples_base.png"
-        _write(path, grid)
+        _write(path, _labelled(grid, f"{family}: the stock diffusers pipeline, no LoRA", NOISE))
         res.files["samples_base"] = str(path)
-        note = f"{len(DEMO_PROMPTS)} samples from the base -> {path.name}"
+        note = f"{len(DEMO_PROMPTS)} samples from the base -> {path.name} (random weights: noise, by design)"
         if "lora" in res.files:
             after = sample_grid(model_dir, family, DEMO_PROMPTS, 64, 4, seed, control, lora=Path(res.files["lora"]))
-            _write(out_dir / "samples_lora.png", after)
+            _write(out_dir / "samples_lora.png", _labelled(
+                after, f"{family}: the stock diffusers pipeline with the demo's LoRA (load_lora_weights)", NOISE))
             res.files["samples_lora"] = str(out_dir / "samples_lora.png")
             note += ", with the LoRA -> samples_lora.png"
         return note

@@ -26,11 +26,12 @@ def check_schedule(cfg, state: dict, step: int, where: str) -> tuple[list[str], 
         InputError: the change would change the learning rate from here on and reschedule_on_resume is off.
     """
     was, now = state.get("schedule"), schedule_facts(cfg)
-    if not was or was == now:
+    if not was or was == now or step >= now["steps"]:  # the same, or no step left to take
         return [], False
     changed = ", ".join(f"{k} {was[k]} -> {now[k]}" for k in now if was.get(k) != now[k])
     old, new = _lrs(cfg, was), _lrs(cfg, now)
-    same = all(math.isclose(old(s), new(s), rel_tol=1e-9) for s in range(step, min(was["steps"], now["steps"]) + 1))
+    end = max(min(was["steps"], now["steps"]), step + 1)  # the steps still to take that both schedules cover
+    same = all(math.isclose(old(s), new(s), rel_tol=1e-9) for s in range(step, end))
     if same:  # e.g. more steps of a constant rate: nothing the optimizer sees changes
         return [f"schedule: {changed}; the learning rate continues unchanged"], False
     if not cfg.schedule.reschedule_on_resume:

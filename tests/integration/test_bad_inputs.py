@@ -205,16 +205,16 @@ def test_resume_latest_skips_a_damaged_newest_checkpoint(tmp_path, tiny):
     path = run_cfg(tmp_path, tiny, steps=3)
     assert cli("train", path, "--json").exit_code == 0
     cks = tmp_path / "out" / "checkpoints"
-    newest = cks / "step-000003" / "state.pt"
+    newest = cks / "final" / "state.pt"  # a finished run's newest checkpoint
     whole = newest.read_bytes()
     newest.write_bytes(whole[: len(whole) // 3])
     r = cli("train", path, "--resume", "latest", "--json")
     assert r.exit_code == 0, r.output
     res = json.loads(r.output)
-    assert res["steps"] == 3 and res["resumed"] and any("step-000003" in w and "damaged" in w for w in res["warnings"])
-    newest.write_bytes(whole[: len(whole) // 3])  # (the run above wrote step 3 again)
+    assert res["steps"] == 3 and res["resumed"] and any("final" in w and "damaged" in w for w in res["warnings"])
+    newest.write_bytes(whole[: len(whole) // 3])  # (the run above wrote final again)
     r = cli("train", path, "--resume", "latest")  # shown to people as a warning line
-    assert "warning:" in r.output and "step-000003" in r.output
+    assert "warning:" in r.output and "final" in r.output
 
 
 # 6. SIGTERM: saved, then a non-zero exit a scheduler understands; a signal after the last step keeps the LoRA
