@@ -5,7 +5,8 @@ Layouts:
 - `edit`:  images/ (targets + captions) and one or more control folders (control/, control_2/, ...)
            holding images with the same stems
 - `video`: clips/<name>.{mp4,webm,mov,mkv,avi,m4v,gif,webp} or clips/<name>/ frame folders, each with
-           clips/<name>.txt (clips are probed here: `lorakit.data.video`)
+           clips/<name>.txt (clips are probed here: `lorakit.data.video`); or the same side by side in the
+           dataset folder itself (name.mp4 + name.txt, as peer trainers take them)
 Extensions (of images and captions) are matched case-insensitively. Every file and folder in a dataset is
 either used or reported by name: captions without an image, files of other kinds, broken links, folders
 named like images, hidden files (one line per folder). Images are opened with their EXIF orientation applied
@@ -22,7 +23,7 @@ from pathlib import Path
 
 from lorakit.config.base import MAX_TEXT_CHARS
 from lorakit.data.images import IMAGE_EXTS, PixelError, has_alpha, open_image
-from lorakit.data.video import CLIP_EXTS, ClipError, ClipInfo, frame_files, probe
+from lorakit.data.video import CLIP_EXTS, CONTAINER_EXTS, ClipError, ClipInfo, frame_files, probe
 from lorakit.errors import InputError
 
 VIDEO_EXTS = CLIP_EXTS
@@ -182,9 +183,13 @@ def _caption(path: Path, listing: _Listing, problems: list[Problem], trigger: st
 
 
 def detect_layout(root: Path) -> str:
+    """edit (an images/ folder), video (a clips/ folder, or video files beside their captions as peer trainers
+    take them), else flat."""
     if (root / "images").is_dir():
         return "edit"
     if (root / "clips").is_dir():
+        return "video"
+    if any(p.suffix.lower() in CONTAINER_EXTS for p in root.iterdir() if p.is_file()):
         return "video"
     return "flat"
 
@@ -224,9 +229,11 @@ def scan(root, layout: str = "auto", control_dirs=("control",), caption_ext: str
         used = _items(s, listing, controls, caption_ext, min_side, trigger, check_images, masks, alpha_mask)
         _report_unused(s, listing, used, what="n image")
         _report_unused(s, top, set(), folders_used={"images", "masks", *control_dirs})
-    else:
+    elif (root / "clips").is_dir():
         _report_unused(s, _list(root, (), None), set(), folders_used={"clips"})
         _video_items(s, root / "clips", caption_ext, min_side, trigger, check_images)
+    else:  # name.mp4 + name.txt side by side (frame folders beside them are clips too)
+        _video_items(s, root, caption_ext, min_side, trigger, check_images)
     if not s.items and not s.problems:
         s.problems.append(Problem(str(root), "empty", f"no {layout} items found"))
     return s
@@ -285,7 +292,8 @@ def _items(s: Scan, listing: _Listing, controls: dict, ext: str, min_side: int, 
 
 def _video_items(s: Scan, clips: Path, ext: str, min_side: int, trigger, check: bool) -> None:
     if not clips.is_dir():
-        s.problems.append(Problem(str(clips), "no-target", "video datasets need a clips/ folder"))
+        s.problems.append(Problem(str(clips), "no-target", "video datasets need a clips/ folder, or the clips "
+                                                           "beside their captions"))
         return
     listing = _list(clips, VIDEO_EXTS, ext)
     folders = listing.folders

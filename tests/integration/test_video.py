@@ -121,3 +121,26 @@ def test_mp4_clips_cache_train_and_reproduce_in_the_stock_pipeline(tmp_path, tin
                          {"prompt_embeds": text["prompt_embeds"][None], "pooled": text["pooled"][None]})
     torch.testing.assert_close(ours, stock, rtol=1e-5, atol=1e-5)
     assert (ours - base).abs().max() > 1e-6  # the LoRA changed the prediction
+
+
+def test_clips_beside_their_captions_cache_as_in_a_clips_folder(tmp_path, tiny):
+    """The layout peer trainers take (name.mp4 + name.txt in the dataset folder): the same items, the same cache."""
+    import shutil
+
+    model = tiny(FAMILY)
+    nested = dataset(tmp_path / "nested")
+    flat = tmp_path / "flat"
+    shutil.copytree(nested / "clips", flat)
+    runner, got = CliRunner(), {}
+    for name, ds in (("nested", nested), ("flat", flat)):
+        cfg = {"model": {"family": FAMILY, "path": str(model)},
+               "data": {"dirs": [str(ds)], "resolution": 64, "bucket_min_side": 32, "bucket_max_side": 128},
+               "output": {"dir": str(tmp_path / f"out-{name}")}}
+        (tmp_path / f"{name}.yaml").write_text(yaml.safe_dump(cfg))
+        r = runner.invoke(app, ["cache", str(tmp_path / f"{name}.yaml"), "--json"])
+        assert r.exit_code == 0, r.output
+        got[name] = json.loads(r.output)
+    assert got["flat"]["items"] == got["nested"]["items"] >= 3
+    assert got["flat"]["buckets"] == got["nested"]["buckets"]
+    assert sorted(p["path"].rsplit("/", 1)[-1] for p in got["flat"]["skipped"]) == sorted(
+        p["path"].rsplit("/", 1)[-1] for p in got["nested"]["skipped"])  # the bad clips named alike

@@ -78,3 +78,19 @@ def test_exif_orientation_and_modes(tmp_path):
 def test_trigger_word_prefixes_captions(tmp_path):
     item(tmp_path / "a.png", "a dog")
     assert scan(tmp_path, min_side=32, trigger="sks").items[0].caption == "sks a dog"
+
+
+def test_clips_beside_their_captions_are_a_video_dataset_as_peers_take_them(tmp_path):
+    import shutil
+
+    from lorakit.data.dataset import detect_layout, scan
+    from lorakit.data.demo import make_demo_dataset
+
+    made = make_demo_dataset(tmp_path / "made", "video", count=2, size=64, frames=6)
+    flat = tmp_path / "flat"
+    shutil.copytree(made / "clips", flat)  # name.mp4 + name.txt, no clips/ folder
+    (flat / "notes.md").write_text("mine")
+    assert detect_layout(flat) == "video"
+    s = scan(flat, min_side=32)
+    assert len(s.items) == 2 and all(it.clip is not None and it.caption for it in s.items)
+    assert [(p.code, p.path.rsplit("/", 1)[-1]) for p in s.problems] == [("unused-file", "notes.md")]  # named
