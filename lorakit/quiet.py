@@ -17,7 +17,6 @@ def quiet_libraries() -> None:
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("DIFFUSERS_VERBOSITY", "error")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # lorakit never downloads weights at run time
     for name in ("bitsandbytes", "diffusers", "transformers", "huggingface_hub", "peft", "accelerate"):
         logging.getLogger(name).setLevel(logging.ERROR)
     warnings.filterwarnings("ignore", category=FutureWarning)

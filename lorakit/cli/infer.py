@@ -14,7 +14,8 @@ Example: lorakit infer ./FLUX.1-dev --lora out/lora.safetensors:0.8 -p "a red ci
 
 
 def infer(
-    model: Path = typer.Argument(..., help="diffusers model folder", show_default=False),
+    model: Path = typer.Argument(..., help="diffusers model folder, or a Hugging Face repo id (org/name[@revision], "
+                                 "from the hub's cache; downloaded when online)", show_default=False),
     lora: list[str] | None = typer.Option(None, "--lora", "-l", help="LoRA file (any layout), optionally "
                                           "PATH:scale (repeatable)"),
     prompt: list[str] | None = typer.Option(None, "--prompt", "-p", help="prompt (repeatable)"),
@@ -61,8 +62,11 @@ def infer(
         raise InputError(f"--offload {offload!r}: not one of {', '.join(MODES)}")
     req = Request(prompts=texts, seed=seed, steps=steps, guidance=guidance, negative=negative, width=width,
                   height=height, batch=batch, images=list(image or []), frames=frames, fps=fps, offload=offload)
+    from lorakit.models.sources import is_repo_id, model_from_hub
     from lorakit.quiet import quiet_libraries
 
+    if is_repo_id(str(model)):
+        model = model_from_hub(str(model))
     quiet_libraries()
     if as_json:  # stdout holds the JSON alone; the phases, time-stamped, on a terminal's stderr (or when asked)
         import os

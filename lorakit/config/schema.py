@@ -20,7 +20,9 @@ __all__ = ["Config", "DataConfig", "DatasetConfig"]
 
 class ModelConfig(_Section):
     family: str = Field(description="model family: " + ", ".join(family_names()))
-    path: Path | None = Field(None, description="the diffusers model folder (model_index.json inside), as downloaded from the hub")
+    path: Path | None = Field(None, description="the diffusers model folder (model_index.json inside), or a Hugging "
+                                                "Face repo id (org/name[@revision]) taken from the hub's cache "
+                                                "(downloaded when online; HF_HUB_OFFLINE=1 is honoured)")
     dtype: Literal["bf16", "fp16", "fp32"] = Field("bf16", description="compute dtype of the trainable model")
 
     @field_validator("family")

@@ -12,6 +12,7 @@ from pathlib import Path
 from lorakit.config import Config, assemble, check_paths
 from lorakit.errors import ConfigError
 from lorakit.hardware.gpu import device_for
+from lorakit.models.sources import is_repo_id, model_from_hub
 from lorakit.plan.decide import attention_backend, compile_decision, graphs_decision, has_repeated_blocks
 from lorakit.plan.memory import checkpointed, estimate, fit_to_gpu
 
@@ -60,10 +61,15 @@ def resolve(source: Path | dict | Config | None = None, overrides: list[str] | N
         cfg, prov = source, {"profile": source.profile, "reason": "a validated config", "warnings": []}
     else:
         cfg, prov = assemble(source, overrides, profile, facts)
+    hub = str(cfg.model.path) if "model" in paths and cfg.model.path and is_repo_id(str(cfg.model.path)) else None
+    if hub:  # a Hugging Face repo id: its folder in the hub's cache (downloaded when online)
+        cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"path": model_from_hub(hub)})})
     check_paths(cfg, model="model" in paths, data="data" in paths)
     world = world or int(os.environ.get("WORLD_SIZE", "1") or 1)
     device = device_for(cfg.profile)
     out = Resolved(cfg, prov, device, world)
+    if hub:
+        out.notes.append(f"model.path: {hub} is {cfg.model.path} (the Hugging Face cache)")
     return plan_run(out, cap_gib) if train else out
 
 

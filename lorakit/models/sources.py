@@ -1,0 +1,79 @@
+"""Where a model comes from: a diffusers folder, or a Hugging Face repo id (`org/name`, optionally `@revision`)
+resolved through huggingface_hub's own cache — the folder most users already have — downloading the diffusers
+layout alone when the machine is online, and saying exactly what to download when it is not."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+from pathlib import Path
+
+from lorakit.errors import EnvironmentFault, InputError
+
+_REPO = re.compile(r"^[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*(@[\w./-]+)?$")
+# the diffusers layout: model_index.json and the component folders (a repo's top-level single-file checkpoints,
+# e.g. FLUX.1-dev's 23 GB flux1-dev.safetensors, are not needed)
+PATTERNS = ["model_index.json", "*/*"]
+
+
+def is_repo_id(text: str) -> bool:
+    """`org/name` or `org/name@revision`, and no such local folder."""
+    return bool(_REPO.match(text)) and not Path(text).exists() and not text.startswith(("./", "../"))
+
+
+def offline() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def hub_cache() -> Path:
+    from huggingface_hub import constants
+
+    return Path(constants.HF_HUB_CACHE)
+
+
+def model_from_hub(spec: str) -> Path:
+    """The local snapshot folder of a repo id (downloaded when online and missing).
+
+    Raises:
+        InputError: no such repo or revision; offline and not in the cache (naming the download command).
+        EnvironmentFault: the hub could not be reached, or the disk filled.
+    """
+    from huggingface_hub import errors as hfe
+    from huggingface_hub import snapshot_download
+
+    repo, _, rev = spec.partition("@")
+    get = f"hf download {repo}" + (f" --revision {rev}" if rev else "") + " --include 'model_index.json' '*/*'"
+    try:
+        return Path(snapshot_download(repo, revision=rev or None, allow_patterns=PATTERNS,
+                                      local_files_only=offline()))
+    except (hfe.RepositoryNotFoundError, hfe.GatedRepoError) as e:
+        gated = isinstance(e, hfe.GatedRepoError)
+        raise InputError(f"model.path: {repo} is {'a gated repository' if gated else 'not a repository'} on the "
+                         "Hugging Face Hub" + (" (its licence must be accepted first)" if gated else ""),
+                         "accept the licence on the model's page and `hf auth login`" if gated else
+                         "check the name (org/name), or give the diffusers model folder") from None
+    except hfe.RevisionNotFoundError:
+        raise InputError(f"model.path: {repo} has no revision {rev!r}",
+                         "a branch, tag or commit of the repository, or leave @revision out") from None
+    except (hfe.LocalEntryNotFoundError, hfe.IncompleteSnapshotError) as e:
+        cache = hub_cache()
+        free = _free_gib(cache)
+        why = ("downloads are off (HF_HUB_OFFLINE=1)" if offline() else f"the hub could not be reached ({e})")
+        raise InputError(f"model.path: {spec} is no folder here, and as a Hugging Face repo id it is not (completely) "
+                         f"in the hub's cache {cache} and {why}",
+                         f"download it on a machine with network access: {get} ({free} GiB free in {cache}; "
+                         "FLUX.1-dev takes ~34 GB, Qwen-Image ~58 GB)") from None
+    except OSError as e:
+        raise EnvironmentFault(f"model.path: {spec}: the download into {hub_cache()} failed: {e}",
+                               f"free space there, or download it yourself: {get}") from None
+
+
+def _free_gib(folder: Path) -> str:
+    p = folder
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    try:
+        return f"{shutil.disk_usage(p).free / 2**30:.0f}"
+    except OSError:
+        return "?"
