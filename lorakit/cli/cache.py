@@ -110,5 +110,7 @@ def _render(report: dict) -> None:
     if report["buckets"]:
         what = "buckets (width x height x frames)" if video else "buckets"
         console.print(f"{what}: " + ", ".join(f"{b} x{n}" for b, n in report["buckets"].items()))
+    for w in report.get("warnings", []):
+        console.print("[yellow]warning:[/] " + w.replace("[", r"\["), soft_wrap=True)
     ready = f"{report['items']} clips, {report['entries']} windows ready" if video else f"{report['items']} items ready"
     console.print(f"{ready}, {len(report['problems'])} problems")

@@ -37,6 +37,9 @@ class DataConfig(_Section):
     caption_ext: str = Field(".txt", description="caption file extension")
     caption_dropout: float = Field(0.0, ge=0.0, le=1.0, description="probability of training with an empty caption")
     trigger: Text | None = Field(None, description="text put before every caption (e.g. a trigger word)")
+    default_caption: Text | None = Field(None, description="the caption of an image or clip without a caption "
+                                                           "file (the trigger before it; \"\" with a trigger: the "
+                                                           "trigger alone); default: such items are skipped, named")
     alpha_mask: bool = Field(False, description="image families: each image's alpha channel is its loss mask "
                                                 "(opaque trains, transparent is ignored); a masks/ folder, where "
                                                 "there is one, comes first")

@@ -19,4 +19,4 @@ def check(cfg) -> dict:
     an image, or a window of a clip). The paths were checked when the config was resolved."""
     p = plan_data(cfg)
     return {"family": cfg.model.family, "datasets": p.datasets, "problems": p.problems, "buckets": p.buckets(),
-            "items": sum(d["items"] for d in p.datasets), "entries": len(p.entries)}
+            "items": sum(d["items"] for d in p.datasets), "entries": len(p.entries), "warnings": p.notes}

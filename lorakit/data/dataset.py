@@ -57,6 +57,8 @@ class Scan:
     layout: str
     items: list[Item] = field(default_factory=list)
     problems: list[Problem] = field(default_factory=list)
+    default_caption: str | None = None  # for items without a caption file (data.default_caption)
+    uncaptioned: list[str] = field(default_factory=list)  # the items that took it
 
     def to_dict(self) -> dict:
         return {"root": str(self.root), "layout": self.layout, "items": len(self.items),
@@ -154,11 +156,19 @@ class _TooLong(Exception):
         self.size = size
 
 
-def _caption(path: Path, listing: _Listing, problems: list[Problem], trigger: str | None, ext: str) -> str | None:
+def _caption(path: Path, listing: _Listing, s: Scan, trigger: str | None, ext: str) -> str | None:
     stem = path.stem if path.is_file() else path.name
     cap = listing.captions.get(stem)
+    problems = s.problems
+    if cap is None and s.default_caption is not None:
+        text = " ".join(t for t in (trigger, s.default_caption) if t)
+        if text:
+            s.uncaptioned.append(path.name)
+            return text
     if cap is None:
-        problems.append(Problem(str(path), "missing-caption", f"no caption file {stem}{ext}"))
+        problems.append(Problem(str(path), "missing-caption", f"no caption file {stem}{ext}"
+                                + ("" if s.default_caption is not None else " (data.default_caption gives such "
+                                                                             "items a caption)")))
         return None
     try:
         with open(cap, "rb") as f:  # read no more than a caption can be
@@ -195,7 +205,8 @@ def detect_layout(root: Path) -> str:
 
 
 def scan(root, layout: str = "auto", control_dirs=("control",), caption_ext: str = ".txt", min_side: int = 256,
-         trigger: str | None = None, check_images: bool = True, alpha_mask: bool = False) -> Scan:
+         trigger: str | None = None, check_images: bool = True, alpha_mask: bool = False,
+         default_caption: str | None = None) -> Scan:
     """Find items and every problem (never stops at the first); every entry is used or reported."""
     root = Path(root)
     if not root.is_dir():
@@ -203,7 +214,7 @@ def scan(root, layout: str = "auto", control_dirs=("control",), caption_ext: str
     if layout not in LAYOUTS:
         raise InputError(f"unknown dataset layout {layout!r}", "valid: " + ", ".join(LAYOUTS))
     layout = detect_layout(root) if layout == "auto" else layout
-    s = Scan(root=root, layout=layout)
+    s = Scan(root=root, layout=layout, default_caption=default_caption)
     if layout == "flat":
         listing = _list(root, IMAGE_EXTS, caption_ext)
         masks = _masks(s, root, listing)
@@ -258,7 +269,7 @@ def _items(s: Scan, listing: _Listing, controls: dict, ext: str, min_side: int, 
     for stem, path in listing.media.items():
         before = len(s.problems)
         used.add(stem)
-        caption = _caption(path, listing, s.problems, trigger, ext)
+        caption = _caption(path, listing, s, trigger, ext)
         size = _check_image(path, min_side, s.problems) if check else None
         ctrl, sizes = [], []
         for name, cmedia in controls.items():
@@ -304,7 +315,7 @@ def _video_items(s: Scan, clips: Path, ext: str, min_side: int, trigger, check: 
     for stem, path in sorted({**listing.media, **folders}.items()):
         before = len(s.problems)
         used.add(stem)
-        caption = _caption(path, listing, s.problems, trigger, ext)
+        caption = _caption(path, listing, s, trigger, ext)
         if path.is_dir():
             flist = _list(path, IMAGE_EXTS, None)
             _report_unused(s, flist, set())

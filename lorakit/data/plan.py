@@ -85,8 +85,12 @@ def plan_data(cfg) -> DataPlan:
         root = Path(ds.dir)
         controls = control_dirs_for(cfg, root) if root.is_dir() else cfg.data.control_dirs
         s = scan(root, layout=layout, control_dirs=controls, caption_ext=cfg.data.caption_ext,
-                 min_side=cfg.data.bucket_min_side, trigger=ds.trigger, alpha_mask=cfg.data.alpha_mask)
+                 min_side=cfg.data.bucket_min_side, trigger=ds.trigger, alpha_mask=cfg.data.alpha_mask,
+                 default_caption=cfg.data.default_caption)
         out.problems += [p.__dict__ for p in s.problems]
+        if s.uncaptioned:
+            out.notes.append(f"{len(s.uncaptioned)} item(s) in {root} have no caption file and train with "
+                             f"data.default_caption (e.g. {s.uncaptioned[0]})")
         before, problems_before = len(out.entries), len(out.problems) - len(s.problems)
         for it in s.items:
             if it.size is None:

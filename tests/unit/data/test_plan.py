@@ -35,3 +35,19 @@ def test_a_black_loss_mask_is_said_to_train_nothing(tmp_path):
     (note,) = plan.notes
     assert note.startswith("1 loss mask(s) are black everywhere, so their items train nothing (loss 0), e.g. ")
     assert f"{stems[0]}.png" in note
+
+
+def test_uncaptioned_images_train_with_the_default_caption_when_asked_and_are_named_otherwise(tmp_path):
+    data = make_demo_dataset(tmp_path / "d", "flat", count=3, size=64)
+    bare = sorted(data.glob("*.txt"))[0]
+    bare.unlink()
+    skipped = plan_data(_cfg(tmp_path, data, resolution=64, bucket_min_side=32, bucket_max_side=128))
+    assert len(skipped.entries) == 2
+    (p,) = skipped.problems
+    assert p["code"] == "missing-caption" and "data.default_caption gives such items a caption" in p["message"]
+    asked = plan_data(_cfg(tmp_path, data, resolution=64, bucket_min_side=32, bucket_max_side=128,
+                           trigger="sks", default_caption=""))
+    assert len(asked.entries) == 3 and not asked.problems
+    assert {e.item.caption for e in asked.entries if e.item.stem == bare.stem} == {"sks"}
+    assert any(n.startswith(f"1 item(s) in {data} have no caption file and train with data.default_caption")
+               for n in asked.notes)
