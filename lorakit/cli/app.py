@@ -10,7 +10,7 @@ import typer
 from typer.core import TyperGroup
 
 from lorakit import __version__
-from lorakit.cli import bench, cache, convert, demo, doctor, infer, train
+from lorakit.cli import bench, cache, convert, demo, doctor, infer, push, train
 from lorakit.cli.common import emit, err_console, json_requested, use_json
 from lorakit.errors import InputError, LorakitError, environment_fault, short
 
@@ -140,6 +140,8 @@ app.add_typer(convert.app, name="convert", help=convert.HELP,
               short_help="LoRA formats, legacy caches, model files")
 app.add_typer(bench.app, name="bench", help=bench.HELP, short_help="measured loading and training speed")
 app.command("infer", help=infer.HELP, short_help="base model + LoRA(s) -> images")(infer.infer)
+app.command("push", help=push.HELP, short_help="a finished run -> a Hub-ready folder, uploaded when online")(
+    push.push)
 app.command("demo", help=demo.HELP, short_help="the whole path on tiny offline models, no downloads")(demo.demo)
 
 

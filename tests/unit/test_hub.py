@@ -1,0 +1,57 @@
+"""`lorakit push`: a finished run becomes a Hub-ready folder whose model card huggingface_hub parses; offline it is
+written and the upload command said; a folder that is not a finished run is bad input."""
+
+import json
+import os
+import subprocess
+import sys
+
+import yaml
+from huggingface_hub import ModelCard
+
+from lorakit.data.demo import make_demo_dataset
+from tests.unit.models.test_sources import COMMIT, _hub_cache
+
+
+def test_a_run_pushed_offline_is_a_folder_with_a_card_the_hub_parses(tmp_path, tiny):
+    hub = tmp_path / "hub-cache"
+    _hub_cache(hub, "black-forest-labs/FLUX.1-dev", tiny("flux"))
+    env = {**os.environ, "HF_HUB_CACHE": str(hub), "HF_HUB_OFFLINE": "1"}
+    data = make_demo_dataset(tmp_path / "d", "flat", count=2, size=64)
+    out = tmp_path / "out"
+    cfg = {"profile": "cpu", "model": {"family": "flux", "path": "black-forest-labs/FLUX.1-dev"},
+           "data": {"dirs": [str(data)], "resolution": 64, "bucket_min_side": 32, "bucket_max_side": 128,
+                    "trigger": "sks"},
+           "schedule": {"steps": 2}, "sampling": {"steps": 2, "prompts": ["a sks circle"]},
+           "output": {"dir": str(out)}}
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(cfg))
+    lk = [sys.executable, "-m", "lorakit"]
+    r = subprocess.run([*lk, "train", str(tmp_path / "run.yaml"), "--json"], capture_output=True, text=True,
+                       env=env, timeout=600)
+    assert r.returncode == 0, r.stderr
+    p = subprocess.run([*lk, "push", str(out), "me/my-flux-lora", "--license", "apache-2.0", "--json"],
+                       capture_output=True, text=True, env=env, timeout=300)
+    assert p.returncode == 0, p.stdout + p.stderr
+    res = json.loads(p.stdout)
+    assert res["uploaded"] is False and res["how"].startswith("hf upload me/my-flux-lora ")
+    assert res["warnings"] == [] and "lora.safetensors" in res["files"] and "README.md" in res["files"]
+    card = ModelCard.load(out / "hub" / "README.md")
+    d = card.data.to_dict()
+    assert d["base_model"] == "black-forest-labs/FLUX.1-dev" and d["license"] == "apache-2.0"
+    assert {"lora", "diffusers", "lorakit", "flux", "text-to-image"} <= set(d["tags"])
+    assert d["instance_prompt"] == "sks"
+    (w,) = d["widget"]
+    assert w["text"] == "a sks circle" and (out / "hub" / w["output"]["url"]).is_file()
+    assert "pipe.load_lora_weights('me/my-flux-lora', weight_name='lora.safetensors')" in card.text
+    assert "| steps | 2 |" in card.text
+    assert (out / "hub" / "lora.safetensors").read_bytes() == (out / "lora.safetensors").read_bytes()
+    assert COMMIT in yaml.safe_load((out / "config.resolved.yaml").read_text())["model"]["path"]
+
+
+def test_push_refuses_what_is_not_a_finished_run_or_a_repo_name(tmp_path):
+    lk = [sys.executable, "-m", "lorakit", "push"]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    r = subprocess.run([*lk, str(tmp_path), "me/x"], capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 2 and "is not a finished lorakit run (no config.resolved.yaml, lora.safetensors)" in r.stderr
+    r = subprocess.run([*lk, str(tmp_path), "not a repo"], capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 2 and "not a Hub repo name" in r.stderr
