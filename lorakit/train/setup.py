@@ -115,7 +115,11 @@ def setup(resolved: Resolved, resume: str | None, events: Events) -> Run:
         t0 = time.perf_counter()
         base = load_base(cfg, device, dtype)
         size = sum(p.numel() * p.element_size() for p in base.parameters())
-        facts.update(gib=round(size / 2**30, 2), gb_per_s=round(size / 1e9 / max(time.perf_counter() - t0, 1e-9), 2))
+        facts["gib"] = round(size / 2**30, 2)
+        if device.startswith("cuda") and next(base.parameters()).device.type == "cpu":
+            facts["mapped"] = "read while the model is prepared"  # 8-bit base or swapped blocks: mapped, not read
+        else:
+            facts["gb_per_s"] = round(size / 1e9 / max(time.perf_counter() - t0, 1e-9), 2)
     with events.phase("prepare model") as facts:  # storage, LoRA, checkpointing, compiled blocks (compiled at step 1)
         tr = Trainer(cfg, adapter, base, data, out, device, dtype, dist=d)
         facts.update(trainable=sum(p.numel() for p in tr.params), compiled=tr.compiled, buckets=data.shapes)
