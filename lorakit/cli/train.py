@@ -68,11 +68,34 @@ def train(
         from lorakit.errors import EXIT_INTERRUPTED_RESUMABLE
 
         raise typer.Exit(EXIT_INTERRUPTED_RESUMABLE if result["interrupted"] else 0)
+    if resolved.cfg.output.hub_repo and not result["interrupted"]:
+        result["hub"] = _share(resolved.cfg, events)
     finish(events, as_json, result, lambda: _render(result))
     if result["interrupted"]:  # a scheduler must not see success: the run can be resumed
         from lorakit.errors import EXIT_INTERRUPTED_RESUMABLE
 
         raise typer.Exit(EXIT_INTERRUPTED_RESUMABLE)
+
+
+def _share(cfg, events) -> dict:
+    """output.hub_repo: the finished run pushed (a failed upload is said; the run's result stands)."""
+    from lorakit.errors import LorakitError
+    from lorakit.hub import push
+
+    o = cfg.output
+    if cfg.method != "lora":
+        events.warn(f"output.hub_repo: a method={cfg.method} run is not pushed (lorakit push shares LoRA runs)")
+        return {"repo": o.hub_repo, "uploaded": False, "error": "not a LoRA run"}
+    try:
+        got = push(o.dir, o.hub_repo, license=o.hub_license, private=o.hub_private)
+    except LorakitError as e:
+        events.warn(f"output.hub_repo: {e.message} ({e.hint})")
+        return {"repo": o.hub_repo, "uploaded": False, "error": e.message}
+    for w in got["warnings"]:
+        events.warn(f"output.hub_repo: {w}")
+    events.info(f"output.hub_repo: {got['url']}" if got["uploaded"] else f"output.hub_repo: {got['folder']} "
+                f"written; {got['how']}")
+    return got
 
 
 def _launch(gpus: int, config: Path, sets, profile, resume, as_json: bool, log_format: str) -> int:

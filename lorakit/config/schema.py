@@ -232,6 +232,11 @@ class OutputConfig(_Section):
     name: str = Field("lora", description="file name stem of the LoRA")
     save_every: int = Field(0, ge=0, description="checkpoint every N steps (0: only at the end)")
     keep_last: int = Field(3, ge=1, description="checkpoints kept")
+    hub_repo: str | None = Field(None, pattern=r"^[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*$",
+                                 description="org/name: after a finished LoRA run, `lorakit push` to this Hugging "
+                                             "Face repo (the folder is written offline, uploaded online)")
+    hub_private: bool = Field(False, description="hub_repo: create it private")
+    hub_license: str = Field("other", description="hub_repo: the licence in the model card")
 
 
 class Config(_Section):

@@ -55,3 +55,23 @@ def test_push_refuses_what_is_not_a_finished_run_or_a_repo_name(tmp_path):
     assert r.returncode == 2 and "is not a finished lorakit run (no config.resolved.yaml, lora.safetensors)" in r.stderr
     r = subprocess.run([*lk, str(tmp_path), "not a repo"], capture_output=True, text=True, env=env, timeout=120)
     assert r.returncode == 2 and "not a Hub repo name" in r.stderr
+
+
+def test_output_hub_repo_pushes_a_finished_run(tmp_path, tiny):
+    data = make_demo_dataset(tmp_path / "d", "flat", count=2, size=64)
+    out = tmp_path / "out"
+    cfg = {"profile": "cpu", "model": {"family": "flux", "path": str(tiny("flux"))},
+           "data": {"dirs": [str(data)], "resolution": 64, "bucket_min_side": 32, "bucket_max_side": 128},
+           "schedule": {"steps": 2}, "sampling": {"enabled": False},
+           "output": {"dir": str(out), "hub_repo": "me/auto-pushed", "hub_license": "mit"}}
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(cfg))
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    r = subprocess.run([sys.executable, "-m", "lorakit", "train", str(tmp_path / "run.yaml")], capture_output=True,
+                       text=True, env=env, timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert f"output.hub_repo: {out / 'hub'} written; hf upload me/auto-pushed " in r.stdout
+    assert "warning: output.hub_repo: no base_model in the card" in r.stdout  # a local folder: said, not guessed
+    assert ModelCard.load(out / "hub" / "README.md").data.to_dict()["license"] == "mit"
+    bad = subprocess.run([sys.executable, "-m", "lorakit", "train", str(tmp_path / "run.yaml"), "--dry-run",
+                          "--set", "output.hub_repo=not a repo"], capture_output=True, text=True, env=env, timeout=120)
+    assert bad.returncode == 2 and "output.hub_repo" in bad.stderr
