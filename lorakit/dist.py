@@ -95,6 +95,34 @@ class Dist:
         return f"cuda:{self.local_rank}" if self.backend == "nccl" else "cpu"
 
 
+def first_host(nodelist: str) -> str:
+    """The first host of a SLURM node list ("gpu[07-09,12],gpu20" -> "gpu07"; "node1,node2" -> "node1")."""
+    head = nodelist.split(",")[0] if "[" not in nodelist.split(",")[0] else nodelist[:nodelist.index("]") + 1]
+    if "[" not in head:
+        return head.strip()
+    prefix, rng = head.split("[", 1)
+    return prefix + rng.rstrip("]").split(",")[0].split("-")[0]
+
+
+def from_slurm(env=None) -> dict:
+    """torch's process-group variables from SLURM's, where a job step started one lorakit process per task
+    (`srun lorakit train ...`) and no launcher (torchrun, accelerate) set them: RANK, WORLD_SIZE, LOCAL_RANK, and
+    the first node of the job as MASTER_ADDR (MASTER_PORT: 29500 + the job id mod 1000, unless set). Returns what
+    was set (nothing under a launcher, outside SLURM, or for a single task)."""
+    env = os.environ if env is None else env
+    if "WORLD_SIZE" in env or "SLURM_PROCID" not in env or int(env.get("SLURM_NTASKS", "1") or 1) <= 1:
+        return {}
+    got = {"RANK": env["SLURM_PROCID"], "WORLD_SIZE": env["SLURM_NTASKS"],
+           "LOCAL_RANK": env.get("SLURM_LOCALID", "0")}
+    if "MASTER_ADDR" not in env:
+        got["MASTER_ADDR"] = first_host(env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST")
+                                        or "127.0.0.1")
+    if "MASTER_PORT" not in env:
+        got["MASTER_PORT"] = str(29500 + int(env.get("SLURM_JOB_ID", "0") or 0) % 1000)
+    env.update(got)
+    return got
+
+
 def init(device: str) -> Dist:
     """Join the process group the launcher described (env:// — torchrun and accelerate set the same
     variables); a plain 1-process Dist when WORLD_SIZE is 1 or unset."""

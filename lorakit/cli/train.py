@@ -19,6 +19,7 @@ from lorakit.cli.common import (
     resolve_config,
     use_json,
 )
+from lorakit.dist import from_slurm
 
 HELP = """Train a LoRA (or, with method: full, every weight) from a config (YAML).
 
@@ -43,6 +44,7 @@ def train(
     as_json: bool = JsonOpt,
 ) -> None:
     use_json(as_json)
+    from_slurm()  # `srun lorakit train`: one process per task, its rank and peers from SLURM's variables
     launching = gpus > 1 and int(os.environ.get("WORLD_SIZE", "1") or 1) == 1
     if dry_run or launching:  # the config and every path are checked first; launched processes resolve their own
         resolved = resolve_config(config, sets, profile, world=gpus if launching else None, train=dry_run)

@@ -145,3 +145,35 @@ def test_full_fine_tune_with_8_bit_states_on_one_process_resumes_exactly(tmp_pat
     assert (tmp_path / "b" / "out" / "checkpoints" / "step-000002" / "optimizer-rank0-of-1.pt").is_file()
     assert losses(b["metrics"]) == pytest.approx(losses(a["metrics"]), rel=0, abs=1e-6)
     assert b["transformer"].endswith("lora-transformer")
+
+
+def test_slurm_tasks_become_torch_ranks_where_no_launcher_set_them():
+    from lorakit.dist import first_host, from_slurm
+
+    assert first_host("gpu[07-09,12],gpu20") == "gpu07" and first_host("node1,node2") == "node1"
+    assert first_host("a100-[3,5]") == "a100-3" and first_host("localhost") == "localhost"
+    env = {"SLURM_PROCID": "3", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1", "SLURM_JOB_NODELIST": "gpu[07-08]",
+           "SLURM_JOB_ID": "123456"}
+    assert from_slurm(env) == {"RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "MASTER_ADDR": "gpu07",
+                               "MASTER_PORT": str(29500 + 456)}
+    assert from_slurm({**env, "WORLD_SIZE": "8", "RANK": "0"}) == {}  # torchrun / accelerate set them: kept
+    assert from_slurm({**env, "SLURM_NTASKS": "1"}) == {}  # one task: a plain run
+
+
+@pytest.mark.slow
+def test_srun_style_tasks_train_as_one_group(tmp_path, tiny):
+    # what `srun --ntasks 2 lorakit train CONFIG` starts: two processes that know only SLURM's variables
+    import os
+
+    cfg = make_cfg(tmp_path, "flux", tiny("flux"), steps=3, lora={"dropout": 0.0}, sampling={"enabled": False})
+    path = _write(tmp_path, cfg)
+    base = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR",
+                                                               "MASTER_PORT")}
+    base.update(SLURM_NTASKS="2", SLURM_JOB_NODELIST="localhost", SLURM_JOB_ID=str(os.getpid()))
+    procs = [subprocess.Popen([sys.executable, "-m", "lorakit", "train", str(path), "--json"],
+                              env={**base, "SLURM_PROCID": str(r), "SLURM_LOCALID": str(r)},
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in (0, 1)]
+    outs = [p.communicate(timeout=600) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs[0][1][-2000:] + outs[1][1][-2000:]
+    res = json.loads(outs[0][0])  # rank 0 alone prints
+    assert res["processes"] == 2 and res["steps"] == 3 and len(losses(res["metrics"])) == 3
