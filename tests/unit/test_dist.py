@@ -177,3 +177,30 @@ def test_srun_style_tasks_train_as_one_group(tmp_path, tiny):
     assert [p.returncode for p in procs] == [0, 0], outs[0][1][-2000:] + outs[1][1][-2000:]
     res = json.loads(outs[0][0])  # rank 0 alone prints
     assert res["processes"] == 2 and res["steps"] == 3 and len(losses(res["metrics"])) == 3
+
+
+@pytest.mark.slow
+def test_two_nodes_on_localhost_train_as_one_process_with_the_same_global_batch(tmp_path, tiny):
+    # the documented multi-node launch, both "nodes" on this machine: torchrun --nnodes 2 --node-rank 0|1 with a
+    # c10d rendezvous; the losses are those of one process with the same global batch
+    import socket
+
+    from lorakit.train.loop import run
+
+    common = {"lora": {"dropout": 0.0}, "sampling": {"enabled": False}}
+    one = make_cfg(tmp_path / "one", "flux", tiny("flux"), steps=4, schedule={"batch_size": 2}, **common)
+    two = make_cfg(tmp_path / "two", "flux", tiny("flux"), steps=4, schedule={"batch_size": 1}, **common)
+    path = _write(tmp_path, two, "two.yaml")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+           "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "lorakit-test"]
+    nodes = [subprocess.Popen([*cmd, "--node-rank", str(r), "-m", "lorakit", "train", str(path), "--json"],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in (0, 1)]
+    outs = [p.communicate(timeout=600) for p in nodes]
+    assert [p.returncode for p in nodes] == [0, 0], outs[0][1][-2000:] + outs[1][1][-2000:]
+    printed = [json.loads(o[0]) for o in outs if o[0].strip()]  # rank 0's node prints the result
+    assert len(printed) == 1 and printed[0]["processes"] == 2 and printed[0]["global_batch"] == 2
+    r1 = run(resolve(one))
+    assert losses(printed[0]["metrics"]) == pytest.approx(losses(r1["metrics"]), rel=0, abs=1e-4)
