@@ -16,6 +16,7 @@ Only rank 0 writes checkpoints, samples, metrics and logs.
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 
 
@@ -97,11 +98,8 @@ class Dist:
 
 def first_host(nodelist: str) -> str:
     """The first host of a SLURM node list ("gpu[07-09,12],gpu20" -> "gpu07"; "node1,node2" -> "node1")."""
-    head = nodelist.split(",")[0] if "[" not in nodelist.split(",")[0] else nodelist[:nodelist.index("]") + 1]
-    if "[" not in head:
-        return head.strip()
-    prefix, rng = head.split("[", 1)
-    return prefix + rng.rstrip("]").split(",")[0].split("-")[0]
+    m = re.match(r"\s*([^,[]+)(?:\[([^],-]+))?", nodelist)  # the first name, and its range's first member
+    return m.group(1) + (m.group(2) or "")
 
 
 def from_slurm(env=None) -> dict:

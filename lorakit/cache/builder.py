@@ -24,6 +24,7 @@ from lorakit.events import Events
 from lorakit.hardware.gpu import apply_cap, device_for
 from lorakit.io import atomic_path, clean_orphans
 from lorakit.io.lock import FolderLock
+from lorakit.io.modules import load_facts
 from lorakit.models.base import load_adapter
 from lorakit.models.pixels import to_pixels
 
@@ -132,10 +133,8 @@ def _build(cfg, device, force, verify, strict, events, adapter, dist) -> Summary
         with events.phase("load encoders") as facts:
             t0 = time.perf_counter()
             adapter.load((*adapter.text_parts, adapter.vae_part))
-            mods = [adapter.parts[n] for n in (*adapter.text_parts, adapter.vae_part)
-                    if hasattr(adapter.parts.get(n), "parameters")]
-            size = sum(p.numel() * p.element_size() for m in mods for p in m.parameters())
-            facts.update(gib=round(size / 2**30, 2), gb_per_s=round(size / 1e9 / (time.perf_counter() - t0), 2))
+            facts.update(load_facts([adapter.parts[n] for n in (*adapter.text_parts, adapter.vae_part)
+                                     if hasattr(adapter.parts.get(n), "parameters")], time.perf_counter() - t0))
     t_enc = time.perf_counter()
     events.progress("encoding", 0, len(todo))
     # The disk work overlaps the encoders: the next item's image is decoded and cropped on a reader thread,

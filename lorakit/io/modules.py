@@ -141,3 +141,10 @@ def load_component(folder, device: str = "cpu", dtype=None, backend: str = "auto
     model = model.to(device)  # buffers and non-persistent tensors; parameters are already there
     return model.eval().requires_grad_(False)
 
+
+
+def load_facts(modules, seconds: float) -> dict:
+    """What a timed load read, for a phase line: its GiB and GB/s."""
+    params = [p for m in modules for p in m.parameters()]
+    size = sum(p.numel() * p.element_size() for p in params)
+    return {"gib": round(size / 2**30, 2), "gb_per_s": round(size / 1e9 / max(seconds, 1e-9), 2)}

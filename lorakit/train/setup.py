@@ -19,6 +19,7 @@ from lorakit.hardware.gpu import apply_cap, compile_cache, expandable_segments
 from lorakit.hardware.sdpa import apply as apply_attention
 from lorakit.io import atomic_path, clean_orphans
 from lorakit.io.lock import FolderLock
+from lorakit.io.modules import load_facts
 from lorakit.models.base import load_adapter
 from lorakit.plan.resolve import Resolved
 from lorakit.train import checkpoint, sampling
@@ -114,12 +115,10 @@ def setup(resolved: Resolved, resume: str | None, events: Events) -> Run:
     with events.phase("load model") as facts:
         t0 = time.perf_counter()
         base = load_base(cfg, device, dtype)
-        size = sum(p.numel() * p.element_size() for p in base.parameters())
-        facts["gib"] = round(size / 2**30, 2)
+        facts.update(load_facts([base], time.perf_counter() - t0))
         if device.startswith("cuda") and next(base.parameters()).device.type == "cpu":
-            facts["mapped"] = "read while the model is prepared"  # 8-bit base or swapped blocks: mapped, not read
-        else:
-            facts["gb_per_s"] = round(size / 1e9 / max(time.perf_counter() - t0, 1e-9), 2)
+            del facts["gb_per_s"]  # 8-bit base or swapped blocks: mapped now, read while the model is prepared
+            facts["mapped"] = "read while the model is prepared"
     with events.phase("prepare model") as facts:  # storage, LoRA, checkpointing, compiled blocks (compiled at step 1)
         tr = Trainer(cfg, adapter, base, data, out, device, dtype, dist=d)
         facts.update(trainable=sum(p.numel() for p in tr.params), compiled=tr.compiled, buckets=data.shapes)
