@@ -41,11 +41,9 @@ def cache(
         from lorakit.quiet import quiet_libraries
 
         quiet_libraries()  # before anything imports them (bitsandbytes speaks at import)
-    resolved = resolve_config(config, sets, profile, paths=("data",) if check else ("model", "data"), train=False)
-    cfg = resolved.cfg
-    if not check:
-        _build(cfg, resolved.device, force, verify, strict, as_json, log_format)
+        _build(config, sets, profile, force, verify, strict, as_json, log_format)
         return
+    cfg = resolve_config(config, sets, profile, paths=("data",), train=False).cfg
     from lorakit.data.check import check as check_data
 
     report = check_data(cfg)
@@ -57,14 +55,17 @@ def cache(
         raise strict_refusal(report["problems"], "fix the files listed above, or drop --strict to skip those items")
 
 
-def _build(cfg, device: str, force: bool, verify: bool, strict: bool, as_json: bool, log_format: str) -> None:
+def _build(config: Path, sets, profile, force: bool, verify: bool, strict: bool, as_json: bool,
+           log_format: str) -> None:
     from lorakit.cache.builder import build
     from lorakit.cli.logs import events_for, finish
-    from lorakit.quiet import quiet_libraries
 
-    quiet_libraries()
     with events_for(log_format, as_json, console, err_console, label="caching") as events:
-        summary = build(cfg, device, force=force, verify=verify, strict=strict, events=events)
+        # a single-file model is converted here, once: the log says so
+        resolved = resolve_config(config, sets, profile, train=False, events=events)
+        for note in resolved.notes:
+            events.info(note)
+        summary = build(resolved.cfg, resolved.device, force=force, verify=verify, strict=strict, events=events)
     finish(events, as_json, summary.to_dict(), lambda: _render_summary(summary))
 
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import typer
 
-from lorakit.cli.common import JsonOpt, console, emit, use_json
+from lorakit.cli.common import JsonOpt, console, emit, err_console, use_json
 
 HELP = """Generate images (or a clip) with a base model and LoRAs.
 
@@ -14,8 +14,11 @@ Example: lorakit infer ./FLUX.1-dev --lora out/lora.safetensors:0.8 -p "a red ci
 
 
 def infer(
-    model: Path = typer.Argument(..., help="diffusers model folder, or a Hugging Face repo id (org/name[@revision], "
-                                 "from the hub's cache; downloaded when online)", show_default=False),
+    model: Path = typer.Argument(..., help="diffusers model folder, a Hugging Face repo id (org/name[@revision], "
+                                 "from the hub's cache; downloaded when online), or a single-file checkpoint "
+                                 "(.safetensors) with --base", show_default=False),
+    base: str | None = typer.Option(None, "--base", help="with a single-file MODEL: the model it was made from "
+                                    "(folder or repo id), whose text encoders, VAE and scheduler go with it"),
     lora: list[str] | None = typer.Option(None, "--lora", "-l", help="LoRA file (any layout), optionally "
                                           "PATH:scale (repeatable)"),
     prompt: list[str] | None = typer.Option(None, "--prompt", "-p", help="prompt (repeatable)"),
@@ -62,18 +65,17 @@ def infer(
         raise InputError(f"--offload {offload!r}: not one of {', '.join(MODES)}")
     req = Request(prompts=texts, seed=seed, steps=steps, guidance=guidance, negative=negative, width=width,
                   height=height, batch=batch, images=list(image or []), frames=frames, fps=fps, offload=offload)
-    from lorakit.models.sources import is_repo_id, model_from_hub
+    from lorakit.models.sources import model_folder
     from lorakit.quiet import quiet_libraries
 
-    if is_repo_id(str(model)):
-        model = model_from_hub(str(model))
     quiet_libraries()
+    model, found = model_folder(model, base, keys=("MODEL", "--base"))
+    for note in found:
+        err_console.print(f"note: {note}", markup=False, highlight=False, soft_wrap=True)
     if as_json:  # stdout holds the JSON alone; the phases, time-stamped, on a terminal's stderr (or when asked)
         import os
         import sys
         import time
-
-        from lorakit.cli.common import err_console
 
         t0 = time.perf_counter()
         say = None

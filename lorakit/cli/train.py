@@ -63,7 +63,7 @@ def train(
     with events:
         # the first run on a machine measures its attention backends here (once, cached): the log says so
         with events.phase("check config and machine") as facts:
-            resolved = resolve_config(config, sets, profile)
+            resolved = resolve_config(config, sets, profile, events=events)
             facts.update(profile=resolved.cfg.profile, attention=resolved.cfg.memory.attention)
         result = run(resolved, resume=resume, events=events)
     if rank:

@@ -58,8 +58,10 @@ def check_paths(cfg: Config, model: bool = True, data: bool = True) -> None:
         elif not mp.exists():
             problems.append(f"model.path: no such folder: {mp}")
         elif not mp.is_dir():
-            problems.append(f"model.path: {mp} is a file; lorakit takes the diffusers model folder "
-                            "(model_index.json inside), as downloaded from the hub")
+            problems.append(f"model.path: {mp} is a {mp.suffix or 'plain'} file; lorakit takes a diffusers model "
+                            "folder (model_index.json inside), a Hugging Face repo id, or a single-file .safetensors "
+                            "checkpoint with model.base" + (" (GGUF files are quantised for inference engines: give "
+                                                           "the .safetensors file)" if mp.suffix == ".gguf" else ""))
         elif not (mp / "model_index.json").is_file():
             problems.append(f"model.path: {mp} has no model_index.json (not a diffusers pipeline folder)")
     if data:

@@ -20,9 +20,14 @@ __all__ = ["Config", "DataConfig", "DatasetConfig"]
 
 class ModelConfig(_Section):
     family: str = Field(description="model family: " + ", ".join(family_names()))
-    path: Path | None = Field(None, description="the diffusers model folder (model_index.json inside), or a Hugging "
+    path: Path | None = Field(None, description="the diffusers model folder (model_index.json inside), a Hugging "
                                                 "Face repo id (org/name[@revision]) taken from the hub's cache "
-                                                "(downloaded when online; HF_HUB_OFFLINE=1 is honoured)")
+                                                "(downloaded when online; HF_HUB_OFFLINE=1 is honoured), or a "
+                                                "single-file checkpoint (.safetensors: FLUX.1's flux1-dev, ComfyUI's "
+                                                "diffusion-model files) with model.base")
+    base: str | None = Field(None, description="with a single-file model.path: the model it was made from (folder "
+                                               "or repo id), whose text encoders, VAE and scheduler go with it "
+                                               "(its transformer is not downloaded)")
     dtype: Literal["bf16", "fp16", "fp32"] = Field("bf16", description="compute dtype of the trainable model")
 
     @field_validator("family")

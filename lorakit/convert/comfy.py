@@ -16,9 +16,9 @@ every save (probe vectors, any size).
 
 from __future__ import annotations
 
-from lorakit.convert.native import flat, n_blocks, native_table, row_sizes, swap_halves
 from lorakit.convert.patches import weight_decompose
 from lorakit.models.base import arch_adapter
+from lorakit.models.native import flat, n_blocks, native_table, row_sizes, swap_halves
 
 # comfy/weight_adapter/lora.py LoRAAdapter.load: (up, down) key suffixes, in the order it tries them
 LORA_PAIRS = ((".lora_up.weight", ".lora_down.weight"), ("_lora.up.weight", "_lora.down.weight"),

@@ -15,38 +15,16 @@ handled exactly:
 
 from __future__ import annotations
 
-import re
-
 from lorakit.convert.patches import LowRank, Rows
 from lorakit.errors import FileFormatError, InputError
-from lorakit.models.base import arch_adapter
+from lorakit.models.native import flat, identity_arch, n_blocks, native_table, row_sizes, swap_halves
 from lorakit.models.registry import arch_names
-
-
-def flat(name: str) -> str:
-    return name.replace(".", "_")
-
-
-def n_blocks(names) -> int:
-    """1 + the largest block index in module names (0 when none has one)."""
-    idx = [int(m.group(1)) for n in names for m in [re.search(r"blocks[._](\d+)(?:[._]|$)", n)] if m]
-    return max(idx) + 1 if idx else 0
-
-
-def native_table(arch: str, blocks: int, flat_names: bool = False) -> dict:
-    """native name (kohya: '_' for '.') -> its `NativeName` record, for blocks 0 .. blocks-1."""
-    table = arch_adapter(arch).native_table(max(blocks, 1))
-    return {flat(k): v for k, v in table.items()} if flat_names else table
 
 
 def diffusers_table(arch: str, blocks: int, flat_names: bool = False) -> dict[str, str]:
     """diffusers module name (or its '_' form) -> itself, for every module the architecture's tables know."""
     names = {t for rec in native_table(arch, blocks).values() for t in rec.targets}
     return {(flat(n) if flat_names else n): n for n in names}
-
-
-def identity_arch(arch: str) -> bool:
-    return arch_adapter(arch).native_is_diffusers
 
 
 def guess_native_arch(names, flat_names: bool) -> str:
@@ -63,26 +41,8 @@ def guess_native_arch(names, flat_names: bool) -> str:
 # --------------------------------------------------------------------------- native -> diffusers
 
 
-def swap_halves(t):
-    """Exchange the two halves of the rows (FLUX's final norm: [scale, shift] <-> [shift, scale])."""
-    import torch
-
-    first, second = t.chunk(2, dim=0)
-    return torch.cat([second, first], dim=0).contiguous()
-
-
 def _swap_index(n: int) -> list:
     return list(range(n // 2, n)) + list(range(n // 2))
-
-
-def row_sizes(rec, out_rows: int, in_features: int) -> list[int]:
-    """How the fused weight's output rows divide among the record's targets."""
-    k = len(rec.targets)
-    if rec.split == "qkv_mlp":  # FLUX linear1: q, k, v (the input width each) then the MLP input
-        return [in_features] * 3 + [out_rows - 3 * in_features]
-    if out_rows % k:
-        raise FileFormatError(f"{rec.native}: fused weight of {k} projections has {out_rows} output rows")
-    return [out_rows // k] * k
 
 
 def split_patch(p, rec) -> dict:
@@ -282,24 +242,4 @@ def fuse_biases(biases: dict, arch: str, widths: dict | None = None) -> dict:
         parts = [biases[t] if t in biases else torch.zeros(int(widths[t]), dtype=biases[present[0]].dtype)
                  for t in rec.targets]
         out[native] = torch.cat(parts)
-    return out
-
-
-def native_weights(sd: dict, arch: str) -> dict:
-    """A diffusers state dict -> the original checkpoint's weights ("diffusion_model.<native>.<param>"): fused
-    rows concatenated, swapped halves swapped, FLUX's norm scales renamed — what ComfyUI's model holds."""
-    import torch
-
-    table = native_table(arch, n_blocks(sd))
-    out, used = {}, set()
-    for native, rec in table.items():
-        for param, dparam in ((rec.param, "weight"), ("bias", "bias")):
-            parts = [sd.get(f"{t}.{dparam}") for t in rec.targets]
-            if any(p is None for p in parts):
-                continue
-            w = torch.cat(parts) if len(parts) > 1 else parts[0]
-            out[f"diffusion_model.{native}.{param}"] = swap_halves(w) if rec.swap_halves else w
-            used.update(f"{t}.{dparam}" for t in rec.targets)
-    if identity_arch(arch):
-        out.update({f"diffusion_model.{k}": v for k, v in sd.items() if k not in used})
     return out

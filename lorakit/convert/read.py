@@ -13,9 +13,6 @@ from lorakit.convert.native import (
     diffusers_table,
     dora_scale_order,
     guess_native_arch,
-    identity_arch,
-    n_blocks,
-    native_table,
     split_bias,
     split_patch,
     swapped_modules,
@@ -24,6 +21,7 @@ from lorakit.convert.patches import Full, LoHa, LoKr, LowRank, Rows, kind_name
 from lorakit.errors import FileFormatError, InputError
 from lorakit.io import load, read_header
 from lorakit.models.base import guess_arch
+from lorakit.models.native import identity_arch, n_blocks, native_table
 from lorakit.models.registry import arch_names
 
 # key suffix -> role, longest first when matching

@@ -14,10 +14,10 @@ from pathlib import Path
 
 from lorakit.convert import comfy
 from lorakit.convert.lora import Lora, deltas_equal
-from lorakit.convert.native import n_blocks, native_table, row_sizes, swap_halves
 from lorakit.convert.patches import LoHa, LoKr, LowRank
 from lorakit.io import load
 from lorakit.models.base import family_adapter
+from lorakit.models.native import n_blocks, native_table, row_sizes, swap_halves
 from lorakit.models.registry import family_info
 
 

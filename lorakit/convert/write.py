@@ -10,16 +10,15 @@ from pathlib import Path
 
 from lorakit.convert.native import (
     dora_scale_order,
-    flat,
     fuse_biases,
     fuse_patches,
-    n_blocks,
     swapped_modules,
 )
 from lorakit.convert.patches import Full, LoHa, LoKr, LowRank, Rows, kind_name
 from lorakit.convert.read import Lora, magnitude_to_dora_scale
 from lorakit.errors import InputError
 from lorakit.io import atomic_path, save
+from lorakit.models.native import flat, n_blocks
 from lorakit.models.registry import arch_names
 
 FORMATS = ("diffusers", "peft", "kohya", "comfyui")

@@ -48,6 +48,15 @@ def _empty_model(kind: str, cls, folder: Path):
         return cls(AutoConfig.from_pretrained(folder))
 
 
+def expected_shapes(folder) -> dict[str, tuple[int, ...]]:
+    """name -> shape of every weight a component folder's class holds (its config.json; nothing is read)."""
+    folder = Path(folder)
+    kind, cls, name = _class_of(folder)
+    if cls is None:
+        raise FileFormatError(f"{folder}: class {name} is not in the installed {kind}", f"pip install -U {kind}")
+    return {k: tuple(v.shape) for k, v in _empty_model(kind, cls, folder).state_dict().items()}
+
+
 def _fp32_names(model) -> list[str]:
     keep = getattr(model, "_keep_in_fp32_modules", None) or []
     return list(keep)

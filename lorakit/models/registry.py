@@ -111,8 +111,9 @@ def family_of_folder(model_dir: Path) -> str:
     """The family of a diffusers model folder, from its model_index.json (nothing heavy is read)."""
     model_dir = Path(model_dir)
     if model_dir.is_file():
-        raise InputError(f"{model_dir} is a single file; infer takes a diffusers model folder",
-                         "point at the folder downloaded from the hub (model_index.json inside)")
+        raise InputError(f"{model_dir} is a single file, not a diffusers model folder",
+                         "a single-file checkpoint goes with the model it was made from: lorakit infer FILE --base "
+                         "REPO_OR_FOLDER (model.base in a run config)")
     index_file = model_dir / "model_index.json"
     if not index_file.is_file():
         raise InputError(f"{model_dir} is not a diffusers model folder (no model_index.json)")

@@ -10,6 +10,9 @@ import shutil
 from pathlib import Path
 
 from lorakit.errors import EnvironmentFault, InputError
+from lorakit.events import Events
+from lorakit.models import single_file
+from lorakit.models.registry import family_of_folder
 
 _REPO = re.compile(r"^[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*(@[\w./-]+)?$")
 # the diffusers layout: model_index.json and the component folders (a repo's top-level single-file checkpoints,
@@ -32,8 +35,13 @@ def hub_cache() -> Path:
     return Path(constants.HF_HUB_CACHE)
 
 
-def model_from_hub(spec: str) -> Path:
+def model_from_hub(spec: str, without: tuple[str, ...] = (), key: str = "model.path") -> Path:
     """The local snapshot folder of a repo id (downloaded when online and missing).
+
+    Args:
+        without: component folders whose weights are not downloaded (a single file's base: its transformer's;
+            its config.json is).
+        key: the config key that named it (for messages).
 
     Raises:
         InputError: no such repo or revision; offline and not in the cache (naming the download command).
@@ -43,29 +51,31 @@ def model_from_hub(spec: str) -> Path:
     from huggingface_hub import snapshot_download
 
     repo, _, rev = spec.partition("@")
-    get = f"hf download {repo}" + (f" --revision {rev}" if rev else "") + " --include 'model_index.json' '*/*'"
+    get = f"hf download {repo}" + (f" --revision {rev}" if rev else "") + " --include 'model_index.json' '*/*'" \
+        + "".join(f" --exclude '{w}/*.safetensors*'" for w in without)
     try:
         return Path(snapshot_download(repo, revision=rev or None, allow_patterns=PATTERNS,
+                                      ignore_patterns=[f"{w}/*.safetensors*" for w in without] or None,
                                       local_files_only=offline()))
     except (hfe.RepositoryNotFoundError, hfe.GatedRepoError) as e:
         gated = isinstance(e, hfe.GatedRepoError)
-        raise InputError(f"model.path: {repo} is {'a gated repository' if gated else 'not a repository'} on the "
+        raise InputError(f"{key}: {repo} is {'a gated repository' if gated else 'not a repository'} on the "
                          "Hugging Face Hub" + (" (its licence must be accepted first)" if gated else ""),
                          "accept the licence on the model's page and `hf auth login`" if gated else
                          "check the name (org/name), or give the diffusers model folder") from None
     except hfe.RevisionNotFoundError:
-        raise InputError(f"model.path: {repo} has no revision {rev!r}",
+        raise InputError(f"{key}: {repo} has no revision {rev!r}",
                          "a branch, tag or commit of the repository, or leave @revision out") from None
     except (hfe.LocalEntryNotFoundError, hfe.IncompleteSnapshotError) as e:
         cache = hub_cache()
         free = _free_gib(cache)
         why = ("downloads are off (HF_HUB_OFFLINE=1)" if offline() else f"the hub could not be reached ({e})")
-        raise InputError(f"model.path: {spec} is no folder here, and as a Hugging Face repo id it is not (completely) "
+        raise InputError(f"{key}: {spec} is no folder here, and as a Hugging Face repo id it is not (completely) "
                          f"in the hub's cache {cache} and {why}",
                          f"download it on a machine with network access: {get} ({free} GiB free in {cache}; "
                          "FLUX.1-dev takes ~34 GB, Qwen-Image ~58 GB)") from None
     except OSError as e:
-        raise EnvironmentFault(f"model.path: {spec}: the download into {hub_cache()} failed: {e}",
+        raise EnvironmentFault(f"{key}: {spec}: the download into {hub_cache()} failed: {e}",
                                f"free space there, or download it yourself: {get}") from None
 
 
@@ -77,3 +87,38 @@ def _free_gib(folder: Path) -> str:
         return f"{shutil.disk_usage(p).free / 2**30:.0f}"
     except OSError:
         return "?"
+
+
+def model_folder(path, base: str | None, family: str | None = None, events: Events | None = None,
+                 keys: tuple[str, str] = ("model.path", "model.base")) -> tuple[Path, list[str]]:
+    """What model.path names, as a diffusers model folder: the folder itself, a repo id's snapshot in the hub's
+    cache, or a single-file checkpoint made into a folder with model.base's other components.
+
+    Args:
+        keys: how the user named the model and its base (config keys, or the CLI's MODEL and --base).
+
+    Returns:
+        (the folder, notes saying how it was found).
+
+    Raises:
+        InputError: a single file without a base; see `model_from_hub` and `single_file.compose`.
+    """
+    text, notes = str(path), []
+    if is_repo_id(text):
+        folder = model_from_hub(text, key=keys[0])
+        return folder, [f"{keys[0]}: {text} is {folder} (the Hugging Face cache)"]
+    if not single_file.is_single_file(path):
+        if base:
+            notes.append(f"{keys[1]}: {base} is not used (it goes with a single-file {keys[0]}; {path} is not one)")
+        return Path(path), notes
+    example = "--set model.base=" if keys[1] == "model.base" else f"{keys[1]} "
+    if not base:
+        raise InputError(f"{keys[0]}: {path} is a single-file checkpoint; its text encoders, VAE and scheduler come "
+                         f"from the model it was made from: name it with {keys[1]}",
+                         f"e.g. {example}black-forest-labs/FLUX.1-dev (a repo id: only its other components are "
+                         "downloaded) or the downloaded folder")
+    base_dir = model_from_hub(base, without=("transformer",), key=keys[1]) if is_repo_id(base) else Path(base)
+    if not base_dir.is_dir():
+        raise InputError(f"{keys[1]}: no such folder: {base_dir}",
+                         "a diffusers model folder (model_index.json inside) or a Hugging Face repo id")
+    return single_file.compose(path, base_dir, family or family_of_folder(base_dir), events)

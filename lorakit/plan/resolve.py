@@ -11,8 +11,9 @@ from pathlib import Path
 
 from lorakit.config import Config, assemble, check_paths
 from lorakit.errors import ConfigError
+from lorakit.events import Events
 from lorakit.hardware.gpu import device_for
-from lorakit.models.sources import is_repo_id, model_from_hub
+from lorakit.models.sources import model_folder
 from lorakit.plan.decide import attention_backend, compile_decision, graphs_decision, has_repeated_blocks
 from lorakit.plan.memory import checkpointed, estimate, fit_to_gpu
 
@@ -38,7 +39,8 @@ class Resolved:
 
 def resolve(source: Path | dict | Config | None = None, overrides: list[str] | None = None,
             profile: str | None = None, *, paths: tuple[str, ...] = PATHS, train: bool = True,
-            world: int | None = None, cap_gib: float | None = None, facts=None) -> Resolved:
+            world: int | None = None, cap_gib: float | None = None, facts=None,
+            events: Events | None = None) -> Resolved:
     """The run's config, complete.
 
     Args:
@@ -53,6 +55,7 @@ def resolve(source: Path | dict | Config | None = None, overrides: list[str] | N
         world: processes in the run (default: the launcher's WORLD_SIZE, else 1).
         cap_gib: the GPU memory the run may use (default: LORAKIT_MEMORY_CAP_GIB, else the card's).
         facts: the hardware probe's facts for `auto` (probed when needed).
+        events: where a long step of finding the model (a single file's one-time conversion) reports.
 
     Raises:
         ConfigError: every config and path problem at once; InputError: a run that cannot fit (with what would).
@@ -61,15 +64,14 @@ def resolve(source: Path | dict | Config | None = None, overrides: list[str] | N
         cfg, prov = source, {"profile": source.profile, "reason": "a validated config", "warnings": []}
     else:
         cfg, prov = assemble(source, overrides, profile, facts)
-    hub = str(cfg.model.path) if "model" in paths and cfg.model.path and is_repo_id(str(cfg.model.path)) else None
-    if hub:  # a Hugging Face repo id: its folder in the hub's cache (downloaded when online)
-        cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"path": model_from_hub(hub)})})
+    found = []
+    if "model" in paths and cfg.model.path:  # a repo id, a single file: the folder the run loads
+        folder, found = model_folder(cfg.model.path, cfg.model.base, cfg.model.family, events)
+        cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"path": folder, "base": None})})
     check_paths(cfg, model="model" in paths, data="data" in paths)
     world = world or int(os.environ.get("WORLD_SIZE", "1") or 1)
     device = device_for(cfg.profile)
-    out = Resolved(cfg, prov, device, world)
-    if hub:
-        out.notes.append(f"model.path: {hub} is {cfg.model.path} (the Hugging Face cache)")
+    out = Resolved(cfg, prov, device, world, notes=found)
     return plan_run(out, cap_gib) if train else out
 
 

@@ -6,8 +6,8 @@ import torch
 
 from lorakit.convert import comfy
 from lorakit.convert import lora as L
-from lorakit.convert.native import native_weights
 from lorakit.io.modules import load_component
+from lorakit.models.native import native_weights
 from lorakit.models.registry import family_info
 from tests.loras import trained_like
 

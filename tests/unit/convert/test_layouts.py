@@ -11,8 +11,8 @@ from typer.testing import CliRunner
 from lorakit.cli.app import app
 from lorakit.convert import comfy
 from lorakit.convert import lora as L
-from lorakit.convert.native import native_weights, swap_halves
 from lorakit.io.modules import load_component
+from lorakit.models.native import native_weights, swap_halves
 
 g = torch.Generator().manual_seed(0)
 H = 32  # the tiny FLUX / Qwen-Image hidden width

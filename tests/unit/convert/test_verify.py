@@ -13,8 +13,8 @@ from tests.loras import trained_like
 def test_comfy_probe_equals_the_dense_difference(tiny, tmp_path):
     # FLUX, every block Linear and the io layers: fused q/k/v (row offsets) and the final norm (swapped halves)
     path = trained_like(tiny, "flux", tmp_path / "l.safetensors", targets="all_linear", rank=4, alpha=8, io=True)
-    from lorakit.convert.native import native_weights
     from lorakit.io.modules import load_component
+    from lorakit.models.native import native_weights
 
     arch = family_info("flux").arch
     base = native_weights(load_component(tiny("flux") / "transformer").state_dict(), arch)
