@@ -138,8 +138,24 @@ def init(device: str) -> Dist:
         torch.cuda.set_device(local)
     if not td.is_initialized():
         kw = {"device_id": torch.device("cuda", local)} if cuda else {}
-        td.init_process_group(backend, **kw)
+        td.init_process_group(backend, **kw, **_elastic_store(rank, world))
     return Dist(rank=td.get_rank(), world=td.get_world_size(), local_rank=local, backend=backend)
+
+
+def _elastic_store(rank: int, world: int) -> dict:
+    """Under torchrun's agent store, a store whose keys are this attempt's alone. torchrun keeps its store across
+    the restarts of `--max-restarts` and torch adds no per-attempt prefix, so a restarted group would read the dead
+    processes' addresses and fail to connect; the prefix keeps each attempt apart. ({} elsewhere: env://.)"""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return {}
+    import datetime
+
+    import torch.distributed as td
+
+    store = td.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False,
+                        timeout=datetime.timedelta(minutes=10))
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return {"store": td.PrefixStore(f"lorakit/attempt_{attempt}", store), "rank": rank, "world_size": world}
 
 
 def launch_command(gpus: int, args: list[str]) -> list[str]:

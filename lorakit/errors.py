@@ -123,6 +123,11 @@ def disk_note(path) -> str:
     return f"{free / 2**20:.0f} MiB free there" if free < 2**30 else f"{free / 2**30:.1f} GiB free there"
 
 
+# a collective whose peer died (gloo, NCCL): the other process's fault, reported by this one
+_PEER_LOST = ("Connection reset by peer", "connectFullMesh failed", "Connection closed by peer",
+              "remote process exited or there was a network error", "NCCL communicator was aborted")
+
+
 def environment_fault(e: BaseException, path=None) -> EnvironmentFault | None:
     """The machine-level cause of an exception as a one-line `EnvironmentFault` naming the file (`path` when the
     exception does not carry one); None when it is not one lorakit recognises."""
@@ -157,6 +162,10 @@ def environment_fault(e: BaseException, path=None) -> EnvironmentFault | None:
                                 "is another process using the GPU (nvidia-smi)? For training: lower data.resolution "
                                 "or schedule.batch_size, or --set memory.blocks_to_swap=N (`lorakit train CONFIG "
                                 "--dry-run` shows the estimate); for infer: --offload model | fp8 | group")
+    if isinstance(e, RuntimeError) and any(s in str(e) for s in _PEER_LOST):
+        return EnvironmentFault(f"another process of this run stopped or cannot be reached: {short(e, 160)}",
+                                "its own log says why; torchrun --max-restarts N restarts the group, which continues "
+                                "from the latest checkpoint with --resume auto")
     if isinstance(e, ImportError):
         name = getattr(e, "name", None) or short(e, 80)
         return EnvironmentFault(f"a library lorakit needs is missing or broken: {name} ({short(e, 120)})",

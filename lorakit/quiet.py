@@ -24,6 +24,8 @@ def quiet_libraries() -> None:
     # torch's note that a norm with bf16 weights got fp32 input (Kandinsky 5 keeps such modules in fp32, as
     # diffusers does): the result is right, the fused kernel is not used; said once per compile otherwise
     warnings.filterwarnings("ignore", message="Mismatch dtype between input and weight")
+    # torch.distributed.checkpoint in a one-process run (lorakit asks for that on purpose)
+    warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
     try:
         from diffusers.utils import logging as dlog
 

@@ -91,6 +91,21 @@ def model(src: Path = typer.Argument(..., show_default=False, help="component fo
         f"dtype {dtype}, {len(result['files'])} file(s))"))
 
 
+@app.command("checkpoint", help="A full fine-tune's sharded checkpoint (dcp/) -> a transformer folder in diffusers "
+                               "layout, in one process (any machine, any process count it was written with).")
+def checkpoint(ck: Path = typer.Argument(..., show_default=False, help="checkpoint folder, e.g. "
+                                         "OUT/checkpoints/step-000500"),
+               dst: Path = typer.Argument(..., show_default=False, help="new transformer folder"),
+               as_json: bool = JsonOpt) -> None:
+    use_json(as_json)
+    from lorakit.convert.checkpoint import export_checkpoint
+
+    result = export_checkpoint(ck, dst)
+    emit(as_json, result, lambda: console.print(
+        f"{result['checkpoint']} -> {result['output']} ({result['tensors']} tensors, "
+        f"{result['bytes'] / 2**30:.2f} GiB, diffusers layout)"))
+
+
 @app.command("merge", help="Bake a LoRA into the base weights at a scale (a new model folder).")
 def merge(model_dir: Path = typer.Argument(..., show_default=False, help="diffusers model folder"),
           lora_file: Path = typer.Argument(..., show_default=False, help="LoRA (any layout)"),

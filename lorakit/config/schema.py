@@ -237,6 +237,15 @@ class OutputConfig(_Section):
     name: str = Field("lora", description="file name stem of the LoRA")
     save_every: int = Field(0, ge=0, description="checkpoint every N steps (0: only at the end)")
     keep_last: int = Field(3, ge=1, description="checkpoints kept")
+    checkpoint_format: Literal["sharded", "gathered"] = Field(
+        "sharded", description="method=full: sharded = every process writes its own shards in parallel "
+                               "(torch.distributed.checkpoint; resumes on any process count; the model is exported "
+                               "in diffusers layout at the end, or by `lorakit convert checkpoint`), gathered = rank "
+                               "0 writes the whole model in diffusers layout at every checkpoint (LoRA runs: always "
+                               "one small file)")
+    async_save: bool = Field(True, description="method=full with sharded checkpoints: a step's checkpoint is copied "
+                                               "to host memory and written while training goes on (it counts once "
+                                               "written)")
     hub_repo: str | None = Field(None, pattern=r"^[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*$",
                                  description="org/name: after a finished LoRA run, `lorakit push` to this Hugging "
                                              "Face repo (the folder is written offline, uploaded online)")

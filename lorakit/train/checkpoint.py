@@ -1,8 +1,10 @@
 """Checkpoints of a run: save, resume (on any number of GPUs), find the newest, export the final result.
 
-    <out>/checkpoints/step-NNNNNN/   lora.safetensors (or transformer/ for method=full) + state.pt
+    <out>/checkpoints/step-NNNNNN/   lora.safetensors + state.pt; method=full: dcp/ (every rank's shards, see
+                                     shards.py) + config.json + state.pt, or with output.checkpoint_format=gathered
+                                     transformer/ (the whole model, diffusers layout, written by rank 0) + state.pt
     <out>/checkpoints/final/         the same, after the last step
-    <out>/<name>.safetensors         the final LoRA (or <name>-transformer/), copied from final/
+    <out>/<name>.safetensors         the final LoRA (or <name>-transformer/, exported from final/)
 
 Every file is written atomically (temporary sibling, then rename), so a kill at any moment leaves the
 previous checkpoint whole. state.pt holds the step, optimizer, LR scheduler and RNG state, the number of
@@ -17,22 +19,29 @@ import shutil
 import signal
 from pathlib import Path
 
+from lorakit.convert.checkpoint import DIR as SHARDS
+from lorakit.convert.checkpoint import export_checkpoint
+from lorakit.convert.checkpoint import intact as shards_intact
 from lorakit.errors import FileFormatError, InputError, LorakitError, environment_fault
 from lorakit.io import atomic_path, load, read_header, resolve_files, save_sharded
 from lorakit.io.pt import NotPlainData, load_pt
+from lorakit.train import shards
 from lorakit.train.lora import load_lora_into, lora_state_dict, save_lora
 from lorakit.train.resume import check_lora_shapes, check_schedule, schedule_facts
 
 
-def save(tr, final: bool = False, name: str | None = None) -> tuple[Path, dict | None]:
-    """Write a checkpoint of the trainer (rank 0 writes; every rank takes part in gathering FSDP shards).
-    `name`: a checkpoint other than step-N / final (best). Returns the checkpoint folder and the saved LoRA read
-    back as each consumer reads it (None for method=full)."""
+def save(tr, final: bool = False, name: str | None = None, background: bool = False) -> tuple[Path, dict | None]:
+    """Write a checkpoint of the trainer (rank 0 writes; every rank takes part in gathering FSDP shards, or writes
+    its own with sharded checkpoints). `name`: a checkpoint other than step-N / final (best); `background`: a
+    sharded step checkpoint may be written while training goes on (output.async_save). Returns the checkpoint
+    folder and the saved LoRA read back as each consumer reads it (None for method=full)."""
     import torch
 
     name = name or ("final" if final else f"step-{tr.step:06d}")
     ck = tr.out / "checkpoints" / name
     consumer_check = None
+    if tr.full and tr.cfg.output.checkpoint_format == "sharded":
+        return _save_sharded(tr, ck, name, background and tr.cfg.output.async_save), None
     if tr.full:
         weights, opt_state = _full_state(tr)
         if opt_state is None:  # per-rank 8-bit optimizer state
@@ -49,31 +58,102 @@ def save(tr, final: bool = False, name: str | None = None) -> tuple[Path, dict |
                                            {"lorakit_step": tr.step, **({"lorakit_ema_decay": tr.ema.decay}
                                                                         if tr.ema else {})})
             opt_state = tr.opt.state_dict()
-        state = {**tr.state.state_dict(opt_state), "world": tr.dist.world, "global_batch": tr.global_batch,
-                 "schedule": schedule_facts(tr.cfg)}
+        state = _state(tr, optimizer=opt_state)
         if not tr.full:  # the trainable tensors bit for bit (the file has alpha folded into B)
             state["lora"] = {k: v.cpu() for k, v in lora_state_dict(tr.transformer).items()}
         with atomic_path(ck / "state.pt") as tmp:
             torch.save(state, tmp)
         if not final and name.startswith("step-"):
-            kept = sorted(p for p in (tr.out / "checkpoints").glob("step-*") if p.is_dir())
-            for old in kept[: -tr.cfg.output.keep_last]:
-                shutil.rmtree(old)
+            _prune(tr)
     tr.dist.barrier()
     return ck, consumer_check
 
 
+def _prune(tr) -> None:
+    kept = sorted(p for p in (tr.out / "checkpoints").glob("step-*") if p.is_dir())
+    for old in kept[: -tr.cfg.output.keep_last]:
+        shutil.rmtree(old)
+
+
+def _state(tr, **extra) -> dict:
+    """What state.pt holds besides the weights (and the optimizer's moments, where it holds them)."""
+    return {**tr.state.state_dict(extra.pop("optimizer", None)), "world": tr.dist.world,
+            "global_batch": tr.global_batch, "schedule": schedule_facts(tr.cfg), **extra}
+
+
+def _save_sharded(tr, ck: Path, name: str, background: bool) -> Path:
+    """Every rank writes its shards (see shards.py); state.pt follows when they are all written."""
+    import copy
+
+    import torch
+
+    wait(tr)  # the previous background save completes first
+    if tr.dist.main:
+        (ck / "state.pt").unlink(missing_ok=True)  # a rewrite (best, final) is whole only when its state.pt is back
+        shutil.rmtree(ck / SHARDS, ignore_errors=True)
+        ck.mkdir(parents=True, exist_ok=True)
+        with atomic_path(ck / "config.json") as tmp:
+            tmp.write_text(json.dumps(transformer_config(tr.transformer), indent=2, sort_keys=True, default=list))
+    tr.dist.barrier()
+    if tr.per_rank_state:  # 8-bit moments: this rank's optimizer as it is
+        with atomic_path(rank_state_file(tr, ck)) as tmp:
+            torch.save(tr.opt.state_dict(), tmp)
+    state = copy.deepcopy(_state(tr, format="sharded")) if tr.dist.main else None
+    p = shards.Pending(shards.save(tr, ck, background), ck, state, name)
+    if p.future is None:
+        _complete(tr, p)
+        tr.dist.barrier()
+    else:
+        tr.pending = p
+    return ck
+
+
+def _complete(tr, p) -> None:
+    import torch
+
+    if p.future is not None:
+        try:
+            p.future.result()
+        except OSError as e:
+            raise environment_fault(e, p.ck / SHARDS) or e from None
+    if tr.dist.main:
+        with atomic_path(p.ck / "state.pt") as tmp:
+            torch.save(p.state, tmp)
+        if p.name.startswith("step-"):
+            _prune(tr)
+
+
+def poll(tr) -> None:
+    """Complete a background save whose shards are written (called after every step)."""
+    p = tr.pending
+    if p is not None and p.future.done():
+        tr.pending = None
+        _complete(tr, p)
+
+
+def wait(tr) -> None:
+    """Complete a background save, waiting for its shards."""
+    p, tr.pending = tr.pending, None
+    if p is not None:
+        _complete(tr, p)
+
+
 def resume(tr, ck: Path) -> dict:
     """Continue from a checkpoint (written by any number of ranks). Returns what changed, if anything."""
-    weights = ck / ("transformer" if tr.full else "lora.safetensors")
+    sharded = tr.full and (ck / SHARDS).is_dir()
+    weights = ck / (SHARDS if sharded else "transformer" if tr.full else "lora.safetensors")
     if not ck.is_dir():
         raise InputError(f"--resume {ck}: no such checkpoint folder")
     if not weights.exists() or not (ck / "state.pt").is_file():
-        what = "transformer/ + state.pt" if tr.full else "lora.safetensors + state.pt"
+        what = "dcp/ or transformer/, and state.pt" if tr.full else "lora.safetensors + state.pt"
         raise InputError(f"{ck} is not a lorakit checkpoint of this method ({what})",
                          "method=full and method=lora checkpoints do not mix")
     state = read_state(ck / "state.pt")
-    if tr.full:
+    if sharded:
+        shards.load(tr, ck)
+        if tr.per_rank_state:
+            _per_rank_optimizer(tr, ck, state)
+    elif tr.full:
         _resume_full(tr, ck, weights, state)
     else:
         saved = state["lora"] if "lora" in state else load(weights, copy=True)  # older: the file is raw
@@ -105,17 +185,21 @@ def _resume_full(tr, ck: Path, weights: Path, state: dict) -> None:
     set_model_state_dict(tr.transformer, load(weights) if main else {},
                          options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=tr.sharded))
     if tr.per_rank_state or state["optimizer"] is None:
-        mine = rank_state_file(tr, ck)
-        if not (tr.per_rank_state and mine.is_file()):
-            raise InputError(f"{ck} holds 8-bit optimizer states of {state.get('world', 1)} GPU(s) (one file per "
-                             f"GPU); this run has {tr.dist.world} with {type(tr.opt).__name__}",
-                             f"resume with --gpus {state.get('world', 1)} and the same optim.name, or train with "
-                             "optim.name=adamw (its checkpoints resume on any GPU count)")
-        tr.opt.load_state_dict(read_state_any(mine))
+        _per_rank_optimizer(tr, ck, state)
     else:  # weights that never get a gradient (e.g. the last block's unused text output) have no state
         set_optimizer_state_dict(tr.transformer, tr.opt, state["optimizer"] if main else {},
                                  options=StateDictOptions(full_state_dict=True, strict=False,
                                                           broadcast_from_rank0=tr.sharded))
+
+
+def _per_rank_optimizer(tr, ck: Path, state: dict) -> None:
+    mine = rank_state_file(tr, ck)
+    if not (tr.per_rank_state and mine.is_file()):
+        raise InputError(f"{ck} holds 8-bit optimizer states of {state.get('world', 1)} GPU(s) (one file per "
+                         f"GPU); this run has {tr.dist.world} with {type(tr.opt).__name__}",
+                         f"resume with --gpus {state.get('world', 1)} and the same optim.name, or train with "
+                         "optim.name=adamw (its checkpoints resume on any GPU count)")
+    tr.opt.load_state_dict(read_state_any(mine))
 
 
 def snapshot(tr) -> dict:
@@ -224,6 +308,8 @@ def check_intact(ck: Path, full: bool) -> str | None:
                     return f"{state}: damaged checkpoint state (cut off)"
         except (zipfile.BadZipFile, OSError, ValueError) as e:
             return f"{state}: damaged checkpoint state ({type(e).__name__})"
+        if full and (ck / SHARDS).is_dir():
+            return shards_intact(ck)
         weights = ck / ("transformer" if full else "lora.safetensors")
         for f in resolve_files(weights):
             read_header(f)
@@ -254,7 +340,10 @@ def export(tr, ck: Path) -> dict:
         final = out / f"{tr.cfg.output.name}-transformer"
         shutil.rmtree(final, ignore_errors=True)
         try:
-            shutil.copytree(ck / "transformer", final)
+            if (ck / SHARDS).is_dir():  # the shards read back whole, in diffusers layout
+                export_checkpoint(ck, final)
+            else:
+                shutil.copytree(ck / "transformer", final)
         except OSError as e:
             raise environment_fault(e, final) or e from None
         return {"transformer": str(final)}
@@ -284,8 +373,8 @@ def _full_state(tr) -> tuple[dict, dict | None]:
     return weights, get_optimizer_state_dict(tr.transformer, tr.opt, options=opts)
 
 
-def _save_transformer(transformer, weights: dict, folder: Path) -> None:
-    """A fully trained transformer in diffusers layout: config.json + (sharded) safetensors."""
+def transformer_config(transformer) -> dict:
+    """The transformer's diffusers config.json (its class: the diffusers class under any wrapper)."""
     cls = next(c for c in type(transformer).__mro__ if c.__module__.startswith("diffusers."))
     config = {k: v for k, v in dict(transformer.config).items() if not k.startswith("_")}
     config["_class_name"] = cls.__name__
@@ -295,6 +384,11 @@ def _save_transformer(transformer, weights: dict, folder: Path) -> None:
         config["_diffusers_version"] = diffusers.__version__
     except ImportError:
         pass
+    return config
+
+
+def _save_transformer(transformer, weights: dict, folder: Path) -> None:
+    """A fully trained transformer in diffusers layout: config.json + (sharded) safetensors."""
     save_sharded({k: v.contiguous() for k, v in weights.items()}, folder)
     with atomic_path(folder / "config.json") as tmp:
-        tmp.write_text(json.dumps(config, indent=2, sort_keys=True, default=list))
+        tmp.write_text(json.dumps(transformer_config(transformer), indent=2, sort_keys=True, default=list))

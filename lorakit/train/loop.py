@@ -75,9 +75,10 @@ def steps(r: Run, end: int) -> None:
             r.events.step(tr.step, cfg.schedule.steps, rec)
         if r.sampler and cfg.sampling.every and tr.step % cfg.sampling.every == 0:
             render_samples(r, tr.step)
+        checkpoint.poll(tr)  # a background checkpoint whose shards are written counts from now
         if cfg.output.save_every and tr.step % cfg.output.save_every == 0:
             with r.events.phase(f"checkpoint (step {tr.step})"):
-                tr.save()
+                tr.save(background=True)
         r.stop.requested = d.total(float(r.stop.requested)) > 0  # a signal to any rank stops them all
         if tr.best and tr.best.stop:
             break

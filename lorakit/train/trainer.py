@@ -59,6 +59,7 @@ class Trainer:
         self.ahead = Ahead(self)  # the next micro-step's inputs, drawn while the GPU works (train/inputs.py)
         self.last_check = None  # the last saved LoRA as each consumer reads it (`save`)
         self.last_size = None  # "WxH" (xF frames) of the last batch: what a compile for a new shape was for
+        self.pending = None  # a sharded checkpoint being written in the background (checkpoint.py)
 
     # the run's state, read here; it changes only through train_step and resume
     opt = property(lambda self: self.state.opt)
@@ -181,10 +182,10 @@ class Trainer:
         s = self.cfg.schedule
         return s.batch_size * self.dist.world * s.grad_accum
 
-    def save(self, final: bool = False, name: str | None = None) -> Path:
+    def save(self, final: bool = False, name: str | None = None, background: bool = False) -> Path:
         """Write a checkpoint; returns its folder. `last_check`: the saved LoRA read back as each consumer reads it
-        (diffusers, ComfyUI), against what was trained."""
-        ck, check = checkpoint.save(self, final, name)
+        (diffusers, ComfyUI), against what was trained. `background`: see checkpoint.save."""
+        ck, check = checkpoint.save(self, final, name, background)
         self.last_check = check or self.last_check
         return ck
 

@@ -179,28 +179,128 @@ def test_srun_style_tasks_train_as_one_group(tmp_path, tiny):
     assert res["processes"] == 2 and res["steps"] == 3 and len(losses(res["metrics"])) == 3
 
 
-@pytest.mark.slow
-def test_two_nodes_on_localhost_train_as_one_process_with_the_same_global_batch(tmp_path, tiny):
-    # the documented multi-node launch, both "nodes" on this machine: torchrun --nnodes 2 --node-rank 0|1 with a
-    # c10d rendezvous; the losses are those of one process with the same global batch
+def _json_docs(text: str) -> list:
+    dec, docs, i = json.JSONDecoder(), [], 0
+    while i < len(text):
+        if text[i].isspace():
+            i += 1
+            continue
+        doc, i = dec.raw_decode(text, i)
+        docs.append(doc)
+    return docs
+
+
+def _free_port() -> int:
     import socket
 
-    from lorakit.train.loop import run
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
-    common = {"lora": {"dropout": 0.0}, "sampling": {"enabled": False}}
-    one = make_cfg(tmp_path / "one", "flux", tiny("flux"), steps=4, schedule={"batch_size": 2}, **common)
-    two = make_cfg(tmp_path / "two", "flux", tiny("flux"), steps=4, schedule={"batch_size": 1}, **common)
-    path = _write(tmp_path, two, "two.yaml")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+
+def _two_nodes(path, *extra):
+    """The documented multi-node launch, both "nodes" on this machine: torchrun --nnodes 2 --node-rank 0|1 with a
+    c10d rendezvous. Returns rank 0's printed result."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
-           "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "lorakit-test"]
-    nodes = [subprocess.Popen([*cmd, "--node-rank", str(r), "-m", "lorakit", "train", str(path), "--json"],
+           "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{_free_port()}", "--rdzv-id", "lorakit-test"]
+    nodes = [subprocess.Popen([*cmd, "--node-rank", str(r), "-m", "lorakit", "train", str(path), "--json", *extra],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in (0, 1)]
     outs = [p.communicate(timeout=600) for p in nodes]
     assert [p.returncode for p in nodes] == [0, 0], outs[0][1][-2000:] + outs[1][1][-2000:]
     printed = [json.loads(o[0]) for o in outs if o[0].strip()]  # rank 0's node prints the result
-    assert len(printed) == 1 and printed[0]["processes"] == 2 and printed[0]["global_batch"] == 2
+    assert len(printed) == 1
+    return printed[0]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["lora", "full"])
+def test_two_nodes_on_localhost_train_checkpoint_and_resume_as_one_process(tmp_path, tiny, method):
+    # the losses are those of one process with the same global batch, through a checkpoint and a resume across
+    # the two nodes (full fine-tune: each node writes its own shards of the sharded checkpoint)
+    from lorakit.train.loop import run
+
+    common = {"lora": {"dropout": 0.0}, "sampling": {"enabled": False}, "method": method, "optim": {"lr": 1e-3},
+              "output": {"save_every": 2}}
+    one = make_cfg(tmp_path / "one", "flux", tiny("flux"), steps=4, schedule={"batch_size": 2}, **common)
+    two = make_cfg(tmp_path / "two", "flux", tiny("flux"), steps=4, schedule={"batch_size": 1}, **common)
+    path = _write(tmp_path, two, "two.yaml")
+    first = _two_nodes(path)
+    assert first["processes"] == 2 and first["global_batch"] == 2
     r1 = run(resolve(one))
-    assert losses(printed[0]["metrics"]) == pytest.approx(losses(r1["metrics"]), rel=0, abs=1e-4)
+    want = losses(r1["metrics"])
+    assert losses(first["metrics"]) == pytest.approx(want, rel=0, abs=1e-4)
+    ck = tmp_path / "two" / "out" / "checkpoints" / "step-000002"
+    if method == "full":
+        assert sorted(p.name for p in (ck / "dcp").glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+    again = _two_nodes(path, "--resume", str(ck))
+    assert again["resumed"]["from_world"] == 2 and losses(again["metrics"]) == pytest.approx(want, rel=0, abs=1e-4)
+
+
+@pytest.mark.slow
+def test_an_elastic_restart_continues_from_the_latest_checkpoint_without_losing_or_repeating_a_step(tmp_path, tiny):
+    # torchrun --max-restarts 1: one worker is killed (kill -9) after the step-6 checkpoint is complete; the group
+    # restarts, `--resume auto` continues from the newest complete checkpoint, and every step is logged once with
+    # the loss of an uninterrupted run
+    import os
+    import signal
+    import time
+
+    from lorakit.train.loop import run
+
+    common = {"lora": {"dropout": 0.0}, "sampling": {"enabled": False}, "method": "full", "optim": {"lr": 1e-3},
+              "output": {"save_every": 3}}
+    cfg = make_cfg(tmp_path / "el", "flux", tiny("flux"), steps=30, schedule={"batch_size": 1}, **common)
+    path = _write(tmp_path, cfg, "el.yaml")
+    launcher = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                                 "2", "--max-restarts", "1", "--monitor-interval", "0.5", "-m", "lorakit", "train",
+                                 str(path), "--json", "--resume", "auto"],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    marker = tmp_path / "el" / "out" / "checkpoints" / "step-000006" / "state.pt"
+    deadline = time.monotonic() + 300
+    while not marker.is_file() and launcher.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert marker.is_file(), "no step-6 checkpoint appeared"
+    workers = subprocess.run(["pgrep", "-P", str(launcher.pid)], capture_output=True, text=True).stdout.split()
+    assert len(workers) == 2
+    os.kill(int(workers[1]), signal.SIGKILL)
+    out, err = launcher.communicate(timeout=600)
+    docs = _json_docs(out)  # the killed attempt's rank 0 said why it stopped; then the restarted one's result
+    assert launcher.returncode == 0, out[-3000:] + err[-3000:]
+    res = docs[-1]
+    assert res["resumed"] and res["steps"] == 30
+    steps = [json.loads(line)["step"] for line in open(res["metrics"])]
+    assert steps == list(range(1, 31))  # none lost, none repeated
+    ref = run(resolve(make_cfg(tmp_path / "ref", "flux", tiny("flux"), steps=30, schedule={"batch_size": 2},
+                               **common)))
+    assert losses(res["metrics"]) == pytest.approx(losses(ref["metrics"]), rel=0, abs=1e-4)
+
+
+def test_gathered_full_checkpoints_still_resume_and_sharded_ones_export(tmp_path, tiny):
+    # checkpoints written before sharded checkpoints (transformer/ + state.pt) resume in a run that writes sharded
+    # ones, exactly; `lorakit convert checkpoint` turns a sharded one into a folder stock diffusers loads
+    from diffusers import FluxTransformer2DModel
+
+    from lorakit.io import load
+    from lorakit.train.loop import run
+
+    kw = {"lora": {"dropout": 0.0}, "optim": {"lr": 1e-3}, "sampling": {"enabled": False}, "method": "full"}
+    a = run(resolve(make_cfg(tmp_path / "a", "flux", tiny("flux"), steps=4, output={"save_every": 2}, **kw)))
+    old = make_cfg(tmp_path / "b", "flux", tiny("flux"), steps=4,
+                   output={"save_every": 2, "checkpoint_format": "gathered"}, **kw)
+    run(resolve(old), stop_at=2)
+    ck = tmp_path / "b" / "out" / "checkpoints" / "step-000002"
+    assert (ck / "transformer" / "config.json").is_file() and not (ck / "dcp").exists()
+    new = make_cfg(tmp_path / "b", "flux", tiny("flux"), steps=4, output={"save_every": 2}, **kw)
+    b = run(resolve(new), resume="latest")
+    assert losses(b["metrics"]) == pytest.approx(losses(a["metrics"]), rel=0, abs=1e-6)
+    later = tmp_path / "b" / "out" / "checkpoints" / "step-000004"
+    assert (later / "dcp" / ".metadata").is_file() and (later / "state.pt").is_file()
+    r = subprocess.run([sys.executable, "-m", "lorakit", "convert", "checkpoint", str(later),
+                        str(tmp_path / "exported"), "--json"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    got, final = load(tmp_path / "exported"), load(tmp_path / "b" / "out" / "lora-transformer")
+    assert got.keys() == final.keys() and all(got[k].equal(final[k]) for k in got)  # the last step is the final
+    FluxTransformer2DModel.from_pretrained(tmp_path / "exported")
+    bad = subprocess.run([sys.executable, "-m", "lorakit", "convert", "checkpoint", str(ck), str(tmp_path / "x")],
+                         capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and "not a sharded checkpoint" in bad.stderr
