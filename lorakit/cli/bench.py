@@ -127,6 +127,22 @@ def matrix(family: list[str] = typer.Option([], "--family", help="families (repe
                                                                     soft_wrap=True))
 
 
+@app.command("checkpoint", help="A full fine-tune's checkpoint at full size: sharded (DCP) save, load and async "
+                               "save vs the gathered layout vs the disk's own O_DIRECT speed (GPU machine).")
+def checkpoint(family: str = typer.Option(family_names()[0], "--family", help="model family (its full-size "
+                                          "transformer, random weights)"),
+               folder: Path = typer.Option(Path("/tmp/lorakit-bench-checkpoint"), "--dir", help="where to write "
+                                           "(emptied after each measurement)"),
+               moments: float = typer.Option(2.0, "--moments", help="AdamW moments to include (fewer to fit the "
+                                             "card: FLUX with 2 needs ~72 GB)"),
+               as_json: bool = JsonOpt) -> None:
+    use_json(as_json)
+    from lorakit.bench.checkpoint import bench_checkpoint
+
+    result = bench_checkpoint(family, folder, moments)
+    emit(as_json, result, lambda: console.print_json(data=result))
+
+
 @app.command("step", help="Time lorakit's training step against plain diffusers + peft, in the same run.")
 def step(family: str = typer.Option(family_names()[0], "--family", help="model family: " + ", ".join(family_names())),
          res: int = typer.Option(1024, "--res", help="training resolution (square, pixels)"),
