@@ -25,6 +25,10 @@ QWEN_NATIVE = (tuple(NativeName(f"transformer_blocks.{{i}}.{m}", (f"transformer_
                + tuple(NativeName(m, (m,)) for m in _TOP))
 
 
+_FULL = dict(patch_size=2, in_channels=64, out_channels=16, num_layers=60, attention_head_dim=128,
+             num_attention_heads=24, joint_attention_dim=3584, guidance_embeds=False, axes_dims_rope=(16, 56, 56))
+
+
 def condition_size(width: int, height: int, area: int = CONDITION_AREA) -> tuple[int, int]:
     """The pipeline's rule: the given area at the image's aspect ratio, sides rounded to 32."""
     import math
@@ -44,9 +48,6 @@ class QwenImageAdapter(Adapter):
     published = Published(hidden=3072, blocks=60, params=20.4e9, text_tokens=512,
                           source="Qwen-Image transformer/config.json (60 dual-stream blocks)")
     attention_cases = (AttentionCase("512px+mask", 1536, True), AttentionCase("1024px+mask", 4608, True))
-    full_config = dict(patch_size=2, in_channels=64, out_channels=16, num_layers=60, attention_head_dim=128,
-                       num_attention_heads=24, joint_attention_dim=3584, guidance_embeds=False,
-                       axes_dims_rope=(16, 56, 56))
     native_names = QWEN_NATIVE
     lora_marks = (r"\.(img|txt)_(mlp|mod)\.", r"^img_in$", r"^txt_norm")
     max_sequence_length = 1024
@@ -54,12 +55,22 @@ class QwenImageAdapter(Adapter):
     comfy_diffusers_prefixes = ("", "transformer.", "lycoris_")  # ComfyUI's QwenImage branch
 
     @property
+    def zero_cond_t(self) -> bool:
+        """Qwen-Image-Edit-2511's transformer modulates the control images' tokens at timestep 0 (its
+        config.json: zero_cond_t); the stock pipeline's call is the same, the transformer splits by img_shapes."""
+        return self.family == "qwen-image-edit-2511"
+
+    @property
+    def full_config(self):
+        return {**_FULL, **({"zero_cond_t": True} if self.zero_cond_t else {})}
+
+    @property
     def layout(self):
         return "edit" if self.info.variant else "flat"
 
     @property
     def max_controls(self):
-        return {"": 0, "edit": 1, "edit-plus": 3}[self.info.variant]
+        return {"": 0, "edit": 1, "edit-plus": 3}[self.info.variant]  # Edit-2511 as Edit-Plus
 
     @property
     def text_parts(self):
@@ -178,7 +189,7 @@ class QwenImageAdapter(Adapter):
         transformer = QwenImageTransformer2DModel(patch_size=2, in_channels=64, out_channels=16, num_layers=2,
                                                   attention_head_dim=16, num_attention_heads=2,
                                                   joint_attention_dim=32, guidance_embeds=False,
-                                                  axes_dims_rope=(4, 6, 6))
+                                                  axes_dims_rope=(4, 6, 6), zero_cond_t=self.zero_cond_t)
         sched = tiny.flow_scheduler(shift=1.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=0.9,
                                     base_image_seq_len=256, max_image_seq_len=8192, shift_terminal=0.02,
                                     time_shift_type="exponential")

@@ -6,7 +6,7 @@ from PIL import Image
 
 from lorakit.errors import InputError
 from lorakit.models.base import family_adapter, load_adapter
-from lorakit.models.registry import family_names
+from lorakit.models.registry import family_info, family_names
 
 TEXTS = ["a red circle in the center on a blue background", "make the square green"]
 
@@ -38,9 +38,10 @@ def test_text_embeddings_equal_the_pipeline(tiny, family):
                 close(ours[i]["pooled"], c[0])
             else:
                 kw = {}
-                if family == "qwen-image-edit":  # the pipeline prompts with the image resized to 1024² area
+                variant = family_info(family).variant
+                if variant == "edit":  # the pipeline prompts with the image resized to 1024² area
                     kw["image"] = pipe.image_processor.resize(controls()[i][0], 1024, 1024)
-                elif family == "qwen-image-edit-plus":  # the pipeline resizes prompt images to 384² area
+                elif variant == "edit-plus":  # the pipeline resizes prompt images to 384² area (Edit-2511 too)
                     kw["image"] = [pipe.image_processor.resize(im, 384, 384) for im in controls()[i]]
                 e, m = pipe.encode_prompt(prompt=[text], **kw)
                 n = int(m[0].sum()) if m is not None else e.shape[1]

@@ -6,10 +6,12 @@ import torch
 from PIL import Image
 
 from lorakit.models.base import load_adapter
+from lorakit.models.registry import family_info
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["flux", "qwen-image", "qwen-image-edit"])
+@pytest.mark.parametrize("family", ["flux", "qwen-image", "qwen-image-edit", "qwen-image-edit-plus",
+                                    "qwen-image-edit-2511"])
 def test_velocity_equals_the_pipelines_one_step(tiny, family):
     from diffusers import DiffusionPipeline
 
@@ -18,8 +20,9 @@ def test_velocity_equals_the_pipelines_one_step(tiny, family):
     pipe = DiffusionPipeline.from_pretrained(folder)
     pipe.set_progress_bar_config(disable=True)
     transformer = pipe.transformer
-    # Qwen-Image-Edit encodes its control image at ~1024² whatever the output size: use that size
-    side = 1024 if family == "qwen-image-edit" else 64
+    # Qwen-Image-Edit(-Plus, -2511) encodes control images at ~1024² whatever the output size: use that size
+    variant = family_info(family).variant
+    side = 1024 if variant else 64
     noise = torch.randn(1, 16, side // 8, side // 8, generator=torch.Generator().manual_seed(0))
     prompt = "a red circle in the center on a blue background"
     kw = dict(num_inference_steps=1, output_type="latent", height=side, width=side)
@@ -34,11 +37,11 @@ def test_velocity_equals_the_pipelines_one_step(tiny, family):
             v_ref = pipe._unpack_latents(packed - out, 64, 64, 8)
             v = a.predict(transformer, noise, torch.tensor([1.0]), text, guidance=3.5)
         else:
-            controls = [[control]] if family.endswith("edit") else None
+            controls = [[control]] if variant else None  # Edit-2511: control tokens modulated at timestep 0
             e = a.encode_prompts([prompt], controls=controls)[0]["prompt_embeds"][None]
             text = {"prompt_embeds": e, "prompt_embeds_mask": torch.ones(1, e.shape[1], dtype=torch.long)}
             packed = pipe._pack_latents(noise, 1, 16, side // 8, side // 8)
-            extra = {"image": control} if controls else {}
+            extra = {"image": control if variant == "edit" else [control]} if controls else {}
             # Qwen's scheduler stretches sigmas to a terminal value, which needs >= 2 steps: capture the
             # latents after the first step (sigma 1 -> s1): x1 = noise + (s1 - 1) v
             seen = {}
