@@ -25,6 +25,7 @@ from lorakit.errors import InputError
 from lorakit.hardware.gpu import env_cap_gib
 from lorakit.io.header import read_header
 from lorakit.io.reader import resolve_files
+from lorakit.models.native import in_block
 
 MODES = ("auto", "none", "model", "fp8", "group")
 # everything resident: the activations of one 1024² generation plus the VAE decode (FLUX ~3, Qwen-Image ~4 GiB
@@ -66,7 +67,7 @@ def fp8_bytes(folder: Path, dtype_bytes: int) -> int:
         for name, info in read_header(f).tensors.items():
             if info.dtype not in FLOATS:
                 total += info.nbytes
-            elif "blocks." in name and name.endswith(".weight") and len(info.shape) == 2:
+            elif in_block(name) and name.endswith(".weight") and len(info.shape) == 2:
                 total += math.prod(info.shape) + 4 * info.shape[0]
             else:
                 total += math.prod(info.shape) * dtype_bytes

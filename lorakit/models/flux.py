@@ -6,6 +6,7 @@ from lorakit.models import tiny
 from lorakit.models.base import Adapter
 from lorakit.models.batch import Batch
 from lorakit.models.facts import AttentionCase, LoraPresets, NativeName, Published
+from lorakit.models.shift_scale import ShiftScaleLatents
 
 _D = "transformer_blocks.{i}."
 _S = "single_transformer_blocks.{i}."
@@ -46,7 +47,7 @@ FLUX_NATIVE = (
 )
 
 
-class FluxAdapter(Adapter):
+class FluxAdapter(ShiftScaleLatents, Adapter):
     layout = "flat"
     max_controls = 0
     guidance = "embedded"
@@ -83,25 +84,6 @@ class FluxAdapter(Adapter):
             embeds, pooled, _ = self.pipeline().encode_prompt(prompt=list(texts), prompt_2=None,
                                                               max_sequence_length=self.max_sequence_length)
         return [{"prompt_embeds": embeds[i], "pooled": pooled[i]} for i in range(len(texts))]
-
-    def encode_images(self, pixels):
-        import torch
-
-        self.load((self.vae_part,))
-        vae = self.parts[self.vae_part]
-        with torch.no_grad():
-            lat = vae.encode(pixels.to(vae.device, vae.dtype)).latent_dist.mode()
-        return (lat - vae.config.shift_factor) * vae.config.scaling_factor
-
-    def decode_latents(self, latents):
-        """Normalised latents (B, 16, h, w) -> pixels (B, 3, H, W) in [-1, 1]."""
-        import torch
-
-        self.load((self.vae_part,))
-        vae = self.parts[self.vae_part]
-        with torch.no_grad():
-            lat = latents.to(vae.device, vae.dtype) / vae.config.scaling_factor + vae.config.shift_factor
-            return vae.decode(lat).sample
 
     def predict(self, transformer, x_t, sigmas, text: dict, guidance: float = 1.0, controls=None):
         """The velocity for latents x_t (B, 16, h, w), as FluxPipeline calls the transformer: 2x2-packed latents,

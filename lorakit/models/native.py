@@ -18,9 +18,20 @@ def flat(name: str) -> str:
 
 
 def n_blocks(names) -> int:
-    """1 + the largest block index in module names (0 when none has one)."""
-    idx = [int(m.group(1)) for n in names for m in [re.search(r"blocks[._](\d+)(?:[._]|$)", n)] if m]
+    """1 + the largest block index in module names (0 when none has one): `...blocks.N`, `layers.N`, `..._refiner.N`
+    (Z-Image's), with '.' or '_' around."""
+    idx = [int(m.group(1)) for n in names for m in [re.search(r"(?:blocks|layers|refiner)[._](\d+)(?:[._]|$)", n)]
+           if m]
     return max(idx) + 1 if idx else 0
+
+
+_IN_BLOCK = re.compile(r"(?:^|\.)[A-Za-z_]*(?:blocks|layers|refiner)\.\d+\.")
+
+
+def in_block(name: str) -> bool:
+    """Is this module or weight name inside one of the transformer's repeated blocks (`transformer_blocks.3.`,
+    `single_transformer_blocks.0.`, Z-Image's `layers.12.` and `noise_refiner.1.`)?"""
+    return bool(_IN_BLOCK.search(name))
 
 
 def native_table(arch: str, blocks: int, flat_names: bool = False) -> dict:

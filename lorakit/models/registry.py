@@ -52,6 +52,8 @@ FAMILIES: dict[str, FamilyInfo] = {
                    "Kandinsky5Transformer3DModel", 16, "Kandinsky 5 text-to-image"),
         FamilyInfo("kandinsky5-t2v", "kandinsky5", "kandinsky5", "t2v", "Kandinsky5T2VPipeline",
                    "Kandinsky5Transformer3DModel", 16, "Kandinsky 5 text-to-video"),
+        FamilyInfo("z-image", "z-image", "z_image", "", "ZImagePipeline", "ZImageTransformer2DModel", 16,
+                   "Z-Image (Qwen3 text encoder; Turbo is step-distilled: see docs/families.md)"),
         FamilyInfo("flux-kontext", "flux", "flux_kontext", "", "FluxKontextPipeline", "FluxTransformer2DModel", 16,
                    "FLUX.1 Kontext dev (image editing with one control image)"),
     ]

@@ -109,6 +109,19 @@ def qwen_tokenizer():
                               pad_token="<|endoftext|>", model_max_length=4096)
 
 
+# Qwen's chat format, as Qwen3's template renders a user turn and the generation prompt (enable_thinking=False adds
+# the empty thinking block)
+QWEN3_CHAT = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+              "{% if add_generation_prompt %}<|im_start|>assistant\n{% if enable_thinking is defined and not "
+              "enable_thinking %}<think>\n\n</think>\n\n{% endif %}{% endif %}")
+
+
+def qwen3_tokenizer():
+    tok = qwen_tokenizer()
+    tok.chat_template = QWEN3_CHAT
+    return tok
+
+
 def qwen_processor(tokenizer):
     from transformers import Qwen2VLImageProcessor, Qwen2VLProcessor, Qwen2VLVideoProcessor
 
@@ -174,6 +187,16 @@ def qwen_vl(tokenizer, seed: int, hidden: int = 32):
         **ids,
     )
     return Qwen2_5_VLForConditionalGeneration(cfg).eval()
+
+
+def qwen3_text(tokenizer, seed: int, hidden: int = 32):
+    from transformers import Qwen3Config, Qwen3Model
+
+    seeded(seed)
+    cfg = Qwen3Config(vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2,
+                      num_attention_heads=2, num_key_value_heads=2, head_dim=hidden // 2, max_position_embeddings=1024,
+                      tie_word_embeddings=False, pad_token_id=tokenizer.pad_token_id)
+    return Qwen3Model(cfg).eval()
 
 
 # --------------------------------------------------------------------------- VAEs, schedulers

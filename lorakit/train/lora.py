@@ -8,6 +8,7 @@ from lorakit.convert import lora as L
 from lorakit.convert import verify as V
 from lorakit.errors import ConfigError, FileFormatError
 from lorakit.io import load
+from lorakit.models.native import in_block
 from lorakit.models.registry import family_info
 
 
@@ -22,7 +23,7 @@ def target_modules(transformer, adapter, targets, io: bool = False) -> list[str]
     import torch
 
     names = [n for n, m in transformer.named_modules() if isinstance(m, torch.nn.Linear)]
-    in_blocks = [n for n in names if "blocks." in n]
+    in_blocks = [n for n in names if in_block(n)]
     io_names = adapter.lora_presets.io
     extra = [n for n in names if n in io_names] if io else []
     if io and len(extra) != len(io_names):

@@ -23,6 +23,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from lorakit.models.native import in_block
+
 E4M3_MAX = 448.0
 
 
@@ -168,7 +170,7 @@ def _products_of_ones(device) -> list[float]:
 
 def block_linears(transformer) -> list[str]:
     """The Linear layers `quantize_blocks` stores in 8 bits: those inside the transformer blocks."""
-    return [n for n, m in transformer.named_modules() if type(m) is torch.nn.Linear and "blocks." in n]
+    return [n for n, m in transformer.named_modules() if type(m) is torch.nn.Linear and in_block(n)]
 
 
 def quantize_blocks(transformer, compute_dtype: torch.dtype, device=None, add: dict | None = None,
@@ -199,7 +201,7 @@ def quantize_blocks_nf4(transformer, compute_dtype: torch.dtype, device=None) ->
     import bitsandbytes as bnb
 
     targets = [(n, m) for n, m in transformer.named_modules()
-               if type(m) is torch.nn.Linear and "blocks." in n]
+               if type(m) is torch.nn.Linear and in_block(n)]
     for name, lin in targets:
         q = bnb.nn.Linear4bit(lin.in_features, lin.out_features, bias=lin.bias is not None,
                               compute_dtype=compute_dtype, quant_type="nf4", device="meta")

@@ -82,7 +82,9 @@ def test_bench_step_on_two_processes_saves_resumes_and_continues(tmp_path):
     for x in rows:
         ck = x["checkpoint"]
         assert ck["losses_after_save"] == ck["losses_after_resume"]
-    assert (tmp_path / "ck" / "checkpoints" / "step-000003" / "transformer" / "config.json").is_file()
+    ck = tmp_path / "ck" / "checkpoints" / "step-000003"  # sharded: each of the 2 ranks wrote its own shards
+    assert (ck / "config.json").is_file() and (ck / "dcp" / ".metadata").is_file()
+    assert {p.name.split("_")[2] for p in (ck / "dcp").glob("*.distcp")} == {"0", "1"}
 
 
 def test_gap_report_finds_where_the_gpu_waited():

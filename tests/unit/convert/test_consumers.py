@@ -50,7 +50,7 @@ def _compare(tiny, family, lora_path, tol=1e-6):
     return got
 
 
-@pytest.mark.parametrize("family", ["flux", "qwen-image", "kandinsky5-t2i", "flux-kontext"])
+@pytest.mark.parametrize("family", ["flux", "qwen-image", "kandinsky5-t2i", "flux-kontext", "z-image"])
 @pytest.mark.parametrize("alpha_of_rank", [2.0, 0.5])
 def test_the_default_file_loads_alike_in_diffusers_and_comfyui(tiny, tmp_path, family, alpha_of_rank):
     # every Linear of the blocks, and the latent in/out layers (FLUX's norm_out: swapped halves in the original)

@@ -20,7 +20,7 @@ def _same_tensors(a, b):
     return all(torch.equal(a[m].A, b[m].A) and torch.equal(a[m].B, b[m].B) and a[m].alpha == b[m].alpha for m in a)
 
 
-@pytest.mark.parametrize("family", ["flux", "qwen-image", "kandinsky5-t2v"])
+@pytest.mark.parametrize("family", ["flux", "qwen-image", "kandinsky5-t2v", "z-image"])
 @pytest.mark.parametrize("fmt", ["kohya", "comfyui", "peft"])
 def test_round_trips_are_lossless(tiny, tmp_path, family, fmt):
     src = _trained_like(tiny, family, tmp_path)

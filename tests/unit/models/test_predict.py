@@ -116,3 +116,26 @@ def test_kandinsky_velocity_equals_the_pipelines_one_step(tiny, family):
         v_ref = v_ref if video else v_ref[:, :, 0]
         v = a.predict(pipe.transformer, noise, torch.tensor([1.0]), text)
     torch.testing.assert_close(v, v_ref, rtol=1e-5, atol=1e-5)
+
+
+def test_z_image_velocity_equals_the_pipelines_one_step(tiny):
+    """ZImagePipeline: a list of (C, 1, h, w) latents and unpadded captions, timestep 1 - sigma, the negated output as
+    the velocity; one step from sigma 1 to 0 (its default one-step sigmas, no shift at 1) gives noise - v."""
+    from diffusers import ZImagePipeline
+
+    folder = tiny("z-image")
+    a = load_adapter("z-image", folder)
+    pipe = ZImagePipeline.from_pretrained(folder)
+    pipe.set_progress_bar_config(disable=True)
+    noise = torch.randn(2, 16, 8, 8, generator=torch.Generator().manual_seed(0))
+    texts = ["a red circle in the center on a blue background", "green"]  # two lengths: the mask path
+    e = [t["prompt_embeds"] for t in a.encode_prompts(texts)]
+    with torch.no_grad():
+        out = pipe(prompt_embeds=e, latents=noise.clone(), num_inference_steps=1, guidance_scale=0.0, height=64,
+                   width=64, output_type="latent").images
+        n = max(x.shape[0] for x in e)
+        padded = torch.stack([torch.cat([x, x.new_zeros(n - x.shape[0], x.shape[1])]) for x in e])
+        mask = torch.stack([torch.arange(n) < x.shape[0] for x in e]).long()
+        v = a.predict(pipe.transformer, noise, torch.tensor([1.0, 1.0]), {"prompt_embeds": padded,
+                                                                          "prompt_embeds_mask": mask})
+    torch.testing.assert_close(v, noise - out, rtol=1e-5, atol=1e-5)
