@@ -18,6 +18,10 @@ QWEN25_VL_7B_TEXT = dict(hidden_size=3584, intermediate_size=18944, num_hidden_l
 QWEN25_VL_7B_VISION = dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, in_channels=3,
                            patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=112,
                            out_hidden_size=3584, fullatt_block_indexes=[7, 15, 23, 31])
+# Z-Image-Turbo's text encoder: Qwen3-4B's config (its hidden size is the transformer's cap_feat_dim, 2560)
+QWEN3_4B = dict(hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32,
+                num_key_value_heads=8, head_dim=128, vocab_size=151936, max_position_embeddings=40960,
+                rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=True)
 FLUX_VAE = dict(in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 4,
                 up_block_types=("UpDecoderBlock2D",) * 4, block_out_channels=(128, 256, 512, 512), layers_per_block=2,
                 norm_num_groups=32, latent_channels=16, scaling_factor=0.3611, shift_factor=0.1159,
@@ -65,6 +69,8 @@ def full_component(name: str, part, tokenizer):
         cfg = transformers.Qwen2_5_VLConfig(text_config=text, vision_config=QWEN25_VL_7B_VISION,
                                             tie_word_embeddings=False, **ids)
         return transformers.Qwen2_5_VLForConditionalGeneration(cfg)
+    if cls == "Qwen3Model":
+        return transformers.Qwen3Model(transformers.Qwen3Config(**QWEN3_4B, pad_token_id=tokenizer.pad_token_id))
     if cls == "AutoencoderKL":
         return diffusers.AutoencoderKL(**FLUX_VAE)
     if cls in ("AutoencoderKLQwenImage", "AutoencoderKLHunyuanVideo"):

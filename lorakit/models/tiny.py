@@ -25,7 +25,7 @@ from lorakit.io import shared_tree
 from lorakit.models.base import family_adapter
 from lorakit.models.registry import family_names
 
-SPEC_VERSION = "1"  # bump when a builder changes, so cached folders are rebuilt
+SPEC_VERSION = "2"  # bump when a builder changes, so cached folders are rebuilt
 
 # Words the demo captions use, plus the pipelines' prompt templates: the tokenizers are trained
 # on this, so demo prompts tokenize into short, meaningful pieces.

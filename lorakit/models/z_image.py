@@ -114,7 +114,7 @@ class ZImageAdapter(ShiftScaleLatents, Adapter):
         tiny.seeded(seed + 10)
         transformer = ZImageTransformer2DModel(all_patch_size=(2,), all_f_patch_size=(1,), in_channels=16, dim=32,
                                                n_layers=2, n_refiner_layers=1, n_heads=2, n_kv_heads=2,
-                                               cap_feat_dim=32, axes_dims=[4, 6, 6], axes_lens=[256, 128, 128])
+                                               cap_feat_dim=32, axes_dims=[4, 6, 6])
         vae = tiny.flux_vae(seed + 20)  # an AutoencoderKL with 16 latent channels, shift and scale, as Z-Image's
         sched = tiny.flow_scheduler(shift=3.0, use_dynamic_shifting=False)  # Z-Image-Turbo's scheduler config
         return self.pipeline_class()(scheduler=sched, vae=vae, text_encoder=tiny.qwen3_text(tok, seed + 30),

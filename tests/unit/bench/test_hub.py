@@ -19,6 +19,9 @@ PUBLISHED = {
     "qwen-image-edit-plus": {"transformer": 20_430_401_088, "text_encoder": 8_292_166_656, "vae": 126_892_531},
     "kandinsky5-t2i": {"transformer": 6_022_080_576, "text_encoder": 8_292_166_656, "text_encoder_2": 123_060_480,
                        "vae": 83_819_683},
+    # Z-Image-Turbo: the transformer config FACTS.md read from diffusers (dim 3840, 30 + 2 + 2 layers), Qwen3-4B's
+    # config (tied embeddings), FLUX's VAE; not checked against the hub's files (no hub here)
+    "z-image": {"transformer": 6_154_908_736, "text_encoder": 4_022_468_096, "vae": 83_819_683},
 }
 
 
