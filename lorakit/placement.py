@@ -101,8 +101,8 @@ def choose(sizes: dict[str, float], budget_gib: float, mode: str = "auto",
     if total + headroom_gib <= budget_gib:
         return Plan("none", f"all weights ({total:.1f} GiB) fit in {budget_gib:.1f} GiB", sizes)
     if _fits_alone(sizes, budget_gib):
-        return Plan("model", f"weights {total:.1f} GiB > {budget_gib:.1f} GiB: each component on the GPU while it "
-                             f"runs (largest {largest:.1f} GiB)", sizes)
+        return Plan("model", f"weights {total:.1f} GiB + {headroom_gib:.1f} GiB to work in > {budget_gib:.1f} GiB: "
+                             f"each component on the GPU while it runs (largest {largest:.1f} GiB)", sizes)
     tr = sizes.get("transformer")
     if fp8_transformer_gib is not None and tr is not None and _fits_alone(sizes, budget_gib, fp8_transformer_gib):
         return Plan("fp8", f"the transformer ({tr:.1f} GiB) does not fit {budget_gib:.1f} GiB: its block weights "
