@@ -205,7 +205,9 @@ def test_sigterm_during_startup_is_an_interrupt_130_not_a_bare_143(tmp_path, tin
     out, err = p.communicate(timeout=60)
     if p.returncode == 75:
         pytest.skip("the run reached its training loop before the signal (a fast machine)")
-    assert p.returncode == 130, (p.returncode, err[-500:])
+    # 130, or death by SIGINT (-2), which a shell and a scheduler read as 130 too (Python ends that way when an
+    # interrupt reaches its top level; seen once in CI under load)
+    assert p.returncode in (130, -signal.SIGINT), (p.returncode, err[-500:])
     assert "interrupted before anything could be saved" in err
     assert not list((tmp_path / "out").rglob(".*.tmp"))  # an unfinished write left nothing behind
 
