@@ -121,7 +121,7 @@ from lorakit.data.images import open_image
 from lorakit.models.base import family_adapter
 a = json.loads(sys.argv[1])
 dev = "cuda" if torch.cuda.is_available() else "cpu"
-dt = torch.bfloat16 if dev == "cuda" else torch.float32
+dt = torch.bfloat16  # as `lorakit infer` runs (on the CPU the matrix asks it for bf16 too)
 pipe = DiffusionPipeline.from_pretrained(a["model"], torch_dtype=dt).to(dev)
 pipe.set_progress_bar_config(disable=True)
 pipe.load_lora_weights(a["lora"])
@@ -134,15 +134,15 @@ if a["image"]:
 if ad.layout == "video":
     kw["num_frames"] = a["frames"]
 out = pipe(**kw)
-if ad.layout == "video":
+if ad.layout == "video":  # written as `lorakit infer` writes a clip (the same H.264 writer), compared frame to frame
     from PIL import Image
     import numpy as np
-    frames = out.frames[0]
-    f = frames[len(frames) // 2]
-    img = f if isinstance(f, Image.Image) else Image.fromarray((np.asarray(f) * 255).clip(0, 255).astype("uint8"))
-else:
-    img = out.images[0]
-img.save(a["out"])
+    from lorakit.data.video import write_clip
+    frames = [f if isinstance(f, Image.Image) else Image.fromarray((np.asarray(f) * 255).clip(0, 255)
+              .astype("uint8")) for f in out.frames[0]]
+    write_clip(a["out"].replace(".png", ".mp4"), frames, fps=24.0)
+else:  # Kandinsky 5 T2I's output names it `image`
+    (out.images if hasattr(out, "images") else out.image)[0].save(a["out"])
 print(json.dumps({"peak_gpu_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if dev == "cuda" else None}))
 """
 
@@ -240,9 +240,9 @@ def run_cell(cell: Cell, model: Path, data: Path, work: Path, steps: int, res: i
                 rec.update(offload=result.get("offload"), files=result.get("files"))
         else:
             ours = _image(cell.stages["infer"]["files"])
-            from PIL import Image
 
-            cell.psnr_vs_stock = round(psnr(ours, Image.open(work / "stock.png").convert("RGB")), 1)
+            stock = [str(work / ("stock.mp4" if facts.layout == "video" else "stock.png"))]
+            cell.psnr_vs_stock = round(psnr(ours, _image(stock)), 1)
             rec["peak_gpu_gib"] = result.get("peak_gpu_gib")
         cell.stages[stage] = rec
         save()

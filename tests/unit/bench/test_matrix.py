@@ -27,8 +27,20 @@ def test_the_matrix_runs_a_cell_through_every_stage(tmp_path):
         assert names[:5] == ["check config and machine", "cache", "load model", "prepare model", "step 1"], names
     md = (tmp_path / "matrix.md").read_text()
     assert "- flux x cpu, train-warm: check config and machine " in md and "; load model " in md
-    assert math.isfinite(cell["psnr_vs_stock"])  # bf16 here, the stock pipeline in fp32: close, not equal
+    assert math.isfinite(cell["psnr_vs_stock"])  # bf16 both; lorakit's LoRA and the stock one's: close, not equal
     assert "| flux | cpu | pass |" in (tmp_path / "matrix.md").read_text()
+
+
+@pytest.mark.slow
+def test_a_video_cell_compares_the_clips_frame_for_frame(tmp_path):
+    # the stock pipeline's clip goes through the same H.264 writer as `lorakit infer`'s: equal frames, equal files
+    # (compared with a PNG of the raw frame, the codec alone read as a 24 dB difference)
+    r = CliRunner().invoke(app, ["bench", "matrix", "--tiny", "--family", "kandinsky5-t2v", "--out", str(tmp_path),
+                                 "--steps", "2", "--stages", "cache,train,infer,stock", "--json"])
+    assert r.exit_code == 0, r.output
+    (cell,) = json.loads(r.output)
+    assert cell["status"] == "pass", cell["note"]
+    assert cell["psnr_vs_stock"] == float("inf") and (tmp_path / "kandinsky5-t2v-cpu" / "stock.mp4").is_file()
 
 
 def test_a_refusal_is_a_cell_result_not_a_crash(tmp_path):
