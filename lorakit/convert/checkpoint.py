@@ -38,14 +38,15 @@ def full_weights(ck: Path) -> dict:
                  if k.startswith("model.") and isinstance(m, TensorStorageMetadata)}
         dcp.load({"model": model}, storage_reader=reader, no_dist=True)
     except Exception as e:  # DCP reports damaged and missing files as its CheckpointException
-        raise FileFormatError(f"{ck / DIR}: the sharded checkpoint does not read ({_first_line(e)})",
+        raise FileFormatError(f"{ck / DIR}: the sharded checkpoint does not read ({first_line(e)})",
                               "use an earlier checkpoint") from None
     if not model:
         raise FileFormatError(f"{ck / DIR}: holds no model weights")
     return model
 
 
-def _first_line(e: Exception) -> str:
+def first_line(e: Exception) -> str:
+    """An exception's first line (DCP's messages run to many), at most 300 characters."""
     text = str(e).strip().splitlines()
     return (text[0] if text else type(e).__name__)[:300]
 

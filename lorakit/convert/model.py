@@ -16,22 +16,10 @@ from pathlib import Path
 from lorakit.dtypes import torch_dtype
 from lorakit.errors import InputError
 from lorakit.io import load, read_header, resolve_files, save, save_sharded, shared_tree
+from lorakit.models.native import dequantize_scaled_fp8
 
 DTYPES = ("keep", "fp32", "bf16", "fp16", "fp8")
 E4M3_MAX = 448.0
-
-
-def _dequantize(sd: dict) -> dict:
-    """Undo scaled fp8: `<layer>.weight * <layer>.scale_weight`, markers dropped."""
-    import torch
-
-    out = {}
-    for k, v in sd.items():
-        if k == "scaled_fp8" or k.endswith(".scale_weight") or k.endswith(".scale_input"):
-            continue
-        scale = sd.get(k.removesuffix(".weight") + ".scale_weight") if k.endswith(".weight") else None
-        out[k] = (v.float() * scale.float()).to(torch.bfloat16) if scale is not None else v
-    return out
 
 
 def _cast(sd: dict, dtype: str) -> dict:
@@ -70,7 +58,7 @@ def convert_model(src, dst, dtype: str = "keep", shard_gb: float | None = None) 
     meta = read_header(files[0]).metadata or {}
     sd = load(files, copy=True)
     if "scaled_fp8" in sd and dtype != "keep":
-        sd = _dequantize(sd)
+        sd, _ = dequantize_scaled_fp8(sd)
     sd = _cast(sd, dtype)
     meta = {**meta, "format": "pt", "lorakit_converted_from": src.name, "lorakit_dtype": dtype}
     total = sum(v.numel() * v.element_size() for v in sd.values())

@@ -120,3 +120,27 @@ def diffusers_weights(sd: dict, arch: str) -> tuple[dict, list[str]]:
     passed = [k for k in sd if k not in used]
     out.update({k: sd[k] for k in passed})
     return out, passed
+
+
+def dequantize_scaled_fp8(sd: dict) -> tuple[dict, dict]:
+    """ComfyUI's scaled fp8 (`<layer>.weight` in fp8 beside its `<layer>.scale_weight`, `<layer>.scale_input`, a
+    `scaled_fp8` marker) -> plain weights: weight x scale, in bf16; the scales and the marker left out.
+
+    Returns:
+        (the weights, what was done: {"scaled": weights multiplied, "inputs": scale_input values left out,
+        "marker": whether the marker was there, "orphans": scale_weight keys with no weight beside them}).
+    """
+    import torch
+
+    out, scaled = {}, 0
+    for k, v in sd.items():
+        if k == "scaled_fp8" or k.endswith((".scale_weight", ".scale_input")):
+            continue
+        scale = sd.get(k.removesuffix(".weight") + ".scale_weight") if k.endswith(".weight") else None
+        if scale is not None:
+            v = (v.to(torch.float32) * scale.to(torch.float32)).to(torch.bfloat16)
+            scaled += 1
+        out[k] = v
+    orphans = [k for k in sd if k.endswith(".scale_weight") and k.removesuffix(".scale_weight") + ".weight" not in sd]
+    return out, {"scaled": scaled, "inputs": sum(k.endswith(".scale_input") for k in sd),
+                 "marker": "scaled_fp8" in sd, "orphans": orphans}

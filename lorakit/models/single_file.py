@@ -23,7 +23,7 @@ from lorakit.events import Events
 from lorakit.io import load, read_header, save_sharded, shared_tree
 from lorakit.io.lock import FolderLock
 from lorakit.io.modules import expected_shapes
-from lorakit.models.native import diffusers_weights
+from lorakit.models.native import dequantize_scaled_fp8, diffusers_weights
 from lorakit.models.registry import arch_of
 from lorakit.paths import cache_root
 
@@ -67,24 +67,18 @@ def _named(keys, n: int = 4) -> str:
     return ", ".join(keys[:n]) + (f" and {len(keys) - n} more" if len(keys) > n else "")
 
 
-def _dequantize(sd: dict, notes: list[str], name: str) -> None:
-    """ComfyUI's scaled fp8 (`<layer>.scale_weight` beside an fp8 weight): weight x scale, in bf16."""
-    import torch
-
-    scales = [k for k in sd if k.endswith(".scale_weight")]
-    for k in scales:
-        w = k.removesuffix(".scale_weight") + ".weight"
-        if w not in sd:
-            raise FileFormatError(f"{name}: {k} scales no weight ({w} is not in the file)")
-        sd[w] = (sd[w].to(torch.float32) * sd.pop(k).to(torch.float32)).to(torch.bfloat16)
-    inputs = [k for k in sd if k.endswith(".scale_input")]
-    for k in inputs:
-        del sd[k]
-    marker = sd.pop("scaled_fp8", None) is not None
-    if scales or inputs or marker:
-        notes.append(f"{name}: scaled fp8 — {len(scales)} weights multiplied by their scale_weight and kept in bf16"
-                     + (f"; {len(inputs)} scale_input values not used (fp8 matmul input scales: lorakit computes "
-                        "in bf16)" if inputs else ""))
+def _dequantize(sd: dict, notes: list[str], name: str) -> dict:
+    """ComfyUI's scaled fp8, made plain (said in `notes`)."""
+    sd, done = dequantize_scaled_fp8(sd)
+    if done["orphans"]:
+        k = done["orphans"][0]
+        raise FileFormatError(f"{name}: {k} scales no weight ({k.removesuffix('.scale_weight')}.weight is not in "
+                              "the file)")
+    if done["scaled"] or done["inputs"] or done["marker"]:
+        notes.append(f"{name}: scaled fp8 — {done['scaled']} weights multiplied by their scale_weight and kept in bf16"
+                     + (f"; {done['inputs']} scale_input values not used (fp8 matmul input scales: lorakit computes "
+                        "in bf16)" if done["inputs"] else ""))
+    return sd
 
 
 def transformer_weights(path: Path, family: str, transformer_dir: Path) -> tuple[dict, list[str]]:
@@ -112,7 +106,7 @@ def transformer_weights(path: Path, family: str, transformer_dir: Path) -> tuple
         notes.append(f"{name}: not used, model.base's are — " + ", ".join(f"{g} ({n} tensors)"
                                                                           for g, n in groups.items()))
     sd = {k[len(prefix):]: v for k, v in load(path, keys=keys).items()}
-    _dequantize(sd, notes, name)
+    sd = _dequantize(sd, notes, name)
     stored = sorted({str(v.dtype).removeprefix("torch.") for v in sd.values() if v.is_floating_point()})
     if any(d.startswith("float8") for d in stored):
         notes.append(f"{name}: weights stored in {'/'.join(stored)}; the run computes in its model dtype from "

@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from lorakit.convert.checkpoint import DIR
+from lorakit.convert.checkpoint import DIR, first_line
 from lorakit.errors import FileFormatError
 
 WRITER_THREADS = 8  # files each rank writes at once (torch's default is 1; see docs/benchmarks.md)
@@ -80,8 +80,7 @@ def load(tr, ck: Path) -> None:
     try:
         dcp.load(sd, checkpoint_id=str(ck / DIR), process_group=_group(tr), no_dist=tr.dist.world == 1)
     except Exception as e:  # DCP reports missing keys and damaged files as its CheckpointException
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
-        raise FileFormatError(f"{ck / DIR}: the sharded checkpoint does not read back ({first})",
+        raise FileFormatError(f"{ck / DIR}: the sharded checkpoint does not read back ({first_line(e)})",
                               "resume from an earlier checkpoint, or start again") from None
     set_model_state_dict(tr.transformer, sd["model"])
     if "optim" in sd:
