@@ -16,6 +16,8 @@ every save (probe vectors, any size).
 
 from __future__ import annotations
 
+import re
+
 from lorakit.convert.patches import weight_decompose
 from lorakit.models.base import arch_adapter
 from lorakit.models.native import flat, n_blocks, native_table, row_sizes, swap_halves
@@ -73,6 +75,7 @@ def key_map(arch: str, keys: dict) -> dict:
     prefixes = arch_adapter(arch).comfy_diffusers_prefixes
 
     table = native_table(arch, n_blocks(keys))
+    taken = takes_diffusers_name(arch)
     for native, rec in table.items():
         for param, dparam in ((rec.param, "weight"), ("bias", "bias")):
             key = f"diffusion_model.{native}.{param}"
@@ -90,14 +93,24 @@ def key_map(arch: str, keys: dict) -> dict:
                 else:
                     target = key
                 start += n
-                if dparam != "weight":
-                    continue  # ComfyUI maps diffusers names of weights only
+                if dparam != "weight" or not taken(t):
+                    continue  # ComfyUI maps diffusers names of weights only, and of those only the ones it lists
                 for pre in prefixes:
                     if pre.endswith("_"):  # lycoris_, lora_transformer_: '_' for '.'
                         out[f"{pre}{flat(t)}"] = target
                     else:
                         out[f"{pre}{t}"] = target
     return out
+
+
+def takes_diffusers_name(arch: str):
+    """A test: does ComfyUI's key map for this architecture take a LoRA for this diffusers module name under its
+    diffusers prefixes (`Adapter.comfy_diffusers_names`; every name when the architecture lists none)?"""
+    names = arch_adapter(arch).comfy_diffusers_names
+    if names is None:
+        return lambda module: True
+    pats = [re.compile(p) for p in names]
+    return lambda module: any(p.search(module) for p in pats)
 
 
 def load(sd: dict, kmap: dict) -> tuple[dict, set]:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from lorakit.convert.patches import LowRank, Rows
 from lorakit.errors import FileFormatError, InputError
+from lorakit.models.base import arch_adapter
 from lorakit.models.native import flat, identity_arch, n_blocks, native_table, row_sizes, swap_halves
 from lorakit.models.registry import arch_names
 
@@ -27,14 +28,26 @@ def diffusers_table(arch: str, blocks: int, flat_names: bool = False) -> dict[st
     return {(flat(n) if flat_names else n): n for n in names}
 
 
-def guess_native_arch(names, flat_names: bool) -> str:
-    """The architecture whose native names these are (the one that knows all of them, else the most)."""
+def guess_native_arch(names, flat_names: bool, shapes: dict | None = None) -> str:
+    """The architecture whose native names these are (the one that knows all of them, else the most). Where
+    several know as many (FLUX.1 and FLUX.2 share their original names), the fused layers' shapes decide
+    (`Adapter.native_fused_ratios`: rows per input column of a fused weight); the first otherwise."""
     names = list(names)
     n = n_blocks(names)
     known = {a: sum(1 for x in names if x in native_table(a, n, flat_names)) for a in arch_names()}
     best = max(known, key=known.get)
     if not known[best]:
         raise InputError("cannot tell which model this LoRA is for from its keys", "pass --family")
+    tied = [a for a in known if known[a] == known[best]]
+    if len(tied) > 1 and shapes:
+        def fits(a):
+            ratios = {(flat(k) if flat_names else k): r for k, r in arch_adapter(a).native_fused_ratios.items()}
+            seen = [(ratios[s], shape) for m, shape in shapes.items() for s in ratios if m.endswith(s)]
+            return bool(seen) and all(rows == r * cols for r, (rows, cols) in seen)
+
+        fitting = [a for a in tied if fits(a)]
+        if len(fitting) == 1:
+            return fitting[0]
     return best
 
 

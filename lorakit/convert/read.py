@@ -120,7 +120,7 @@ def _load(path: Path):
             config = {k.removeprefix("transformer."): v for k, v in json.loads(meta["lora_adapter_metadata"]).items()}
         except (ValueError, AttributeError):
             raise FileFormatError("lora_adapter_metadata is not a JSON object") from None
-    return tensors, config
+    return tensors, config, meta
 
 
 def _split_key(k: str):
@@ -158,7 +158,7 @@ def detect_format(keys) -> str:
 
 def _read(path, arch: str | None, base: dict | None) -> Lora:
     path = Path(path)
-    tensors, config = _load(path)
+    tensors, config, meta = _load(path)
     lora = Lora()
     groups: dict = {}
     for k, t in tensors.items():
@@ -176,9 +176,10 @@ def _read(path, arch: str | None, base: dict | None) -> Lora:
                          "is it a model checkpoint rather than a LoRA?")
     native = {g: v for g, v in groups.items() if g[0] == "native"}
     asked = arch
-    arch = arch or _guess_arch(groups)
-    blocks = n_blocks(m for _, _, m in groups)
     alpha_of = _config_alpha(config)
+    written = meta.get("lorakit_arch")  # lorakit names the architecture in every file it writes
+    arch = arch or (written if written in arch_names() else None) or _guess_arch(groups, alpha_of)
+    blocks = n_blocks(m for _, _, m in groups)
     for (ns, flat_names, module), roles in groups.items():
         keys = [k for k, _ in roles.values()]
         try:
@@ -242,11 +243,19 @@ def _first_tensor(p):
     raise FileFormatError("empty patch")
 
 
-def _guess_arch(groups: dict) -> str | None:
+def _guess_arch(groups: dict, alpha_of=None) -> str | None:
     native = [m for (ns, _, m) in groups if ns == "native"]
     flats = {fl for (ns, fl, _) in groups if ns == "native"}
     if native:
-        return guess_native_arch(native, flat_names=True in flats)
+        shapes = {}
+        for (ns, _, m), roles in groups.items():
+            try:
+                p = _patch(m, roles, alpha_of)[0] if ns == "native" else None
+                if p is not None:
+                    shapes[m] = tuple(p.shape[:2])
+            except (FileFormatError, AttributeError, IndexError):
+                continue  # reported where the patch is read
+        return guess_native_arch(native, flat_names=True in flats, shapes=shapes)
     dotted = [m for (ns, fl, m) in groups if ns == "diffusers" and not fl]
     if dotted:
         return guess_arch(dotted)

@@ -164,6 +164,10 @@ def comfy_probe_check(path: Path, arch: str, expected: Lora, base: dict | None, 
     import torch
 
     sd = load(path, copy=True)
+    native_only = _native_only(sd, arch, expected)
+    if native_only:  # ComfyUI reads these modules under their native names only: compare the others
+        expected = Lora({m: p for m, p in expected.weights.items() if m not in native_only}, expected.biases)
+        sd = {k: v for k, v in sd.items() if not any(k.startswith(f"transformer.{m}.") for m in native_only)}
     shapes = dict(shapes or {})
     shapes.update({f"{m}.weight": tuple(p.shape) for m, p in expected.weights.items()})
     if base:
@@ -209,7 +213,18 @@ def comfy_probe_check(path: Path, arch: str, expected: Lora, base: dict | None, 
                                                           and k.replace(".lora_magnitude_vector", ".dora_scale") in sd)]
     if unused:
         return f"{len(unused)} key(s) ComfyUI would not load, e.g. {unused[0]}"
+    if native_only:
+        return (f"not compared: ComfyUI takes {len(native_only)} module(s) of this file by their native names only "
+                f"(e.g. {native_only[0]}): `lorakit convert --to comfyui` writes them so; the other "
+                f"{len(expected.weights)} equal")
     return "equal"
+
+
+def _native_only(sd: dict, arch: str, expected: Lora) -> list[str]:
+    """The file's diffusers-named modules ("transformer.<module>.") that ComfyUI's key map does not take under
+    that name for this architecture."""
+    taken = comfy.takes_diffusers_name(arch)
+    return [m for m in expected.weights if not taken(m) and any(k.startswith(f"transformer.{m}.") for k in sd)]
 
 
 def _native_base(native: str, arch: str, base: dict, rows: int, cols: int):

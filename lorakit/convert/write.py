@@ -18,6 +18,7 @@ from lorakit.convert.patches import Full, LoHa, LoKr, LowRank, Rows, kind_name
 from lorakit.convert.read import Lora, magnitude_to_dora_scale
 from lorakit.errors import InputError
 from lorakit.io import atomic_path, save
+from lorakit.models.base import arch_adapter
 from lorakit.models.native import flat, n_blocks
 from lorakit.models.registry import arch_names
 
@@ -41,7 +42,7 @@ def write(lora: Lora, dst, fmt: str, arch: str | None, dtype=None, extra_metadat
     def cast(t):
         return t.to(dtype).contiguous() if dtype is not None and t.is_floating_point() else t.contiguous()
 
-    meta = {"format": "pt", **(extra_metadata or {})}
+    meta = {"format": "pt", **({"lorakit_arch": arch} if arch else {}), **(extra_metadata or {})}
     lyco = [m for m, p in lora.weights.items() if isinstance(p, (LoKr, LoHa))]
     if fmt == "diffusers" and lyco and len(lyco) == len(lora.weights) and not lora.biases:
         # LyCORIS patches under diffusers module names (`transformer.<module>.lokr_w1`, `.hada_w1_a`): ComfyUI
@@ -89,10 +90,16 @@ def write(lora: Lora, dst, fmt: str, arch: str | None, dtype=None, extra_metadat
     native = fuse_patches(weights, arch, widths, base)
     biases = fuse_biases(lora.biases, arch, widths)
     sd = {}
+    fold = fmt == "comfyui" and not arch_adapter(arch).native_alpha_keys
     for name in sorted(set(native) | set(biases)):
         k = ("lora_unet_" + flat(name)) if fmt == "kohya" else ("diffusion_model." + name)
         if name in native:
-            sd.update(_native_keys(k, native[name], fmt, cast))
+            p = native[name]
+            if fold and isinstance(p, LowRank) and p.dora_scale is None:
+                p = p.folded()  # alpha in B: the key-less form (alpha == rank) every reader agrees on
+                sd.update({f"{k}.lora_A.weight": cast(p.A), f"{k}.lora_B.weight": cast(p.B)})
+                continue
+            sd.update(_native_keys(k, p, fmt, cast))
         if name in biases:
             sd[f"{k}.diff_b"] = cast(biases[name])
     return save(sd, dst, metadata=meta)

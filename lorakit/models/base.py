@@ -29,6 +29,16 @@ from lorakit.models.pixels import to_pixels
 from lorakit.models.registry import arch_names, family_info, family_names, family_of_arch
 
 
+def resolution_mu(image_seq_len: int, scheduler_config: dict) -> float:
+    """The flow-matching scheduler's dynamic-shift mu for a number of image tokens (linear in the token count)."""
+    base_len = scheduler_config.get("base_image_seq_len", 256)
+    max_len = scheduler_config.get("max_image_seq_len", 4096)
+    base_shift = scheduler_config.get("base_shift", 0.5)
+    max_shift = scheduler_config.get("max_shift", 1.15)
+    m = (max_shift - base_shift) / (max_len - base_len)
+    return image_seq_len * m + (base_shift - m * base_len)
+
+
 class Adapter(abc.ABC):
     """Base of the family adapters. Class attributes are the family's facts (None = not declared); the
     abstract methods are what every family implements (a family that leaves one out cannot be created, and
@@ -57,6 +67,15 @@ class Adapter(abc.ABC):
     # diffusers module names ("" = the bare name, DiffSynth); native names it always takes under "diffusion_model."
     # and, with "_" for ".", under "lora_unet_"
     comfy_diffusers_prefixes: tuple[str, ...] | None = None
+    # regexes of the diffusers module names ComfyUI's key map takes under those prefixes (None: every name of the
+    # native table); the others load in ComfyUI under their native names only (`convert --to comfyui`)
+    comfy_diffusers_names: tuple[str, ...] | None = None
+    # native name suffix -> output rows per input column of that fused weight: tells apart architectures that share
+    # their original names (FLUX.1's single-block linear1 holds 7 widths, FLUX.2's 9)
+    native_fused_ratios: dict = {}
+    # whether the readers of ComfyUI-layout files ("diffusion_model.<native>") take `.alpha` keys; where one does not
+    # (diffusers' FLUX.2 reader of ai-toolkit files refuses them), `--to comfyui` folds alpha into the up matrices
+    native_alpha_keys = True
     vae_part = "vae"
     vae_factor = 8  # pixels per latent row/column (every family here: an 8x VAE)
 
@@ -122,6 +141,12 @@ class Adapter(abc.ABC):
     def transformer_size(self, config: dict) -> tuple[int, int]:
         """(width of the repeated blocks, number of repeated blocks) of a transformer config (config.json's keys,
         as the family's transformer class names them): the memory estimate's facts."""
+
+    def shift_mu(self, image_seq_len: int, scheduler_config: dict, steps: int | None = None) -> float | None:
+        """The dynamic shift (mu) the stock pipeline samples `steps` steps with at this token count (None: the
+        scheduler shifts by its fixed `shift`). Default: the scheduler's linear rule; training draws its sigmas
+        with the same mu (`steps` None)."""
+        return resolution_mu(image_seq_len, scheduler_config) if scheduler_config.get("use_dynamic_shifting") else None
 
     def preset_modules(self, preset: str) -> tuple[str, ...]:
         """Module-name suffixes of a `lora.targets` preset (attention | attention_mlp)."""
@@ -328,7 +353,11 @@ def vae_factor(family: str | None) -> int:
 
 
 def guess_arch(modules) -> str | None:
-    """The architecture whose marks these diffusers module names carry (None when they say nothing, e.g. an
-    attention-only LoRA, whose names FLUX and Qwen-Image share)."""
-    found = [a for a in arch_names() if arch_adapter(a).recognises(list(modules))]
-    return found[0] if len(found) == 1 else None
+    """The architecture whose marks these diffusers module names carry most (None when they say nothing or two
+    say as much, e.g. an attention-only LoRA, whose names FLUX and Qwen-Image share)."""
+    modules = list(modules)
+    counts = {a: sum(1 for m in modules if any(re.search(p, m) for p in arch_adapter(a).lora_marks))
+              for a in arch_names()}
+    best = max(counts.values(), default=0)
+    found = [a for a, n in counts.items() if n == best and n]
+    return found[0] if len(found) == 1 else None  # the architecture most of the names mark (FLUX.2 kept x_embedder)

@@ -65,13 +65,16 @@ class FluxAdapter(ShiftScaleLatents, Adapter):
                        num_attention_heads=24, joint_attention_dim=4096, pooled_projection_dim=768,
                        guidance_embeds=True, axes_dims_rope=(16, 56, 56))
     native_names = FLUX_NATIVE
-    lora_marks = (r"^single_transformer_blocks\.", r"\.ff\.net\.", r"\.norm1\.linear$", r"^x_embedder$")
+    # (FLUX.2 shares the block and x_embedder names: FLUX.1's single blocks are marked by their own Linears)
+    lora_marks = (r"^single_transformer_blocks\.\d+\.(attn\.to_[qkv]|proj_mlp|proj_out|norm\.linear)$", r"\.ff\.net\.",
+                  r"\.norm1\.linear$", r"^x_embedder$")
     text_parts = ("text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2")
     max_sequence_length = 512
     temporal = 1
     # ComfyUI's Flux branch: diffusers names ("transformer." regular, "lycoris_" SimpleTuner, "lora_transformer_"
     # OneTrainer, bare for DiffSynth), placed into the BFL weights by row offsets (flux_to_diffusers)
     comfy_diffusers_prefixes = ("transformer.", "lycoris_", "lora_transformer_", "")
+    native_fused_ratios = {"linear1": 7, "img_mlp.0": 4, "txt_mlp.0": 4}  # q, k, v + a 4x MLP; a 4x MLP
     known_bad_attention = (
         ("cudnn", "919", "9.0", "cuDNN 9.19 attention backward on sm_90: non-finite gradients / illegal memory "
                                 "access inside the FLUX transformer in some runs (seen on an H100, 2026-11-22)"),)

@@ -22,11 +22,18 @@ QWEN25_VL_7B_VISION = dict(depth=32, hidden_size=1280, intermediate_size=3420, n
 QWEN3_4B = dict(hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32,
                 num_key_value_heads=8, head_dim=128, vocab_size=151936, max_position_embeddings=40960,
                 rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=True)
+# FLUX.2-dev's text encoder: Mistral Small 3.1 24B (Mistral3ForConditionalGeneration: Pixtral vision tower + Mistral
+# language model; FLUX.2 reads hidden states 10, 20 and 30 of its 40 layers)
+MISTRAL_SMALL_31_TEXT = dict(model_type="mistral", hidden_size=5120, intermediate_size=32768, num_hidden_layers=40,
+                             num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=131072,
+                             max_position_embeddings=131072, rms_norm_eps=1e-5, rope_theta=1000000000.0)
+MISTRAL_SMALL_31_VISION = dict(model_type="pixtral", hidden_size=1024, intermediate_size=4096, num_hidden_layers=24,
+                               num_attention_heads=16, head_dim=64, image_size=1540, patch_size=14, rope_theta=10000.0)
 FLUX_VAE = dict(in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 4,
                 up_block_types=("UpDecoderBlock2D",) * 4, block_out_channels=(128, 256, 512, 512), layers_per_block=2,
                 norm_num_groups=32, latent_channels=16, scaling_factor=0.3611, shift_factor=0.1159,
                 use_quant_conv=False, use_post_quant_conv=False, sample_size=1024)
-# AutoencoderKLQwenImage() and AutoencoderKLHunyuanVideo() defaults are the published configs
+# AutoencoderKLQwenImage(), AutoencoderKLHunyuanVideo() and AutoencoderKLFlux2() defaults are the published configs
 SHARD_BYTES = {"diffusers": 10 * 10**9, "transformers": 5 * 10**9}  # as the hub repositories shard them
 # Where the published files name a class's tensors otherwise than the installed transformers names its modules
 # (transformers renames them while loading): Qwen2.5-VL — Qwen-Image's, Qwen-Image-Edit's and Kandinsky 5's text
@@ -71,8 +78,18 @@ def full_component(name: str, part, tokenizer):
         return transformers.Qwen2_5_VLForConditionalGeneration(cfg)
     if cls == "Qwen3Model":
         return transformers.Qwen3Model(transformers.Qwen3Config(**QWEN3_4B, pad_token_id=tokenizer.pad_token_id))
+    if cls == "Qwen3ForCausalLM":  # FLUX.2 klein 4B's text encoder
+        return transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**QWEN3_4B, pad_token_id=tokenizer.pad_token_id))
+    if cls == "Mistral3ForConditionalGeneration":
+        tok = getattr(tokenizer, "tokenizer", tokenizer)
+        text = dict(MISTRAL_SMALL_31_TEXT, pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id,
+                    eos_token_id=tok.eos_token_id)
+        cfg = transformers.Mistral3Config(text_config=text, vision_config=MISTRAL_SMALL_31_VISION,
+                                          image_token_index=part.config.image_token_index, spatial_merge_size=2,
+                                          tie_word_embeddings=False)
+        return transformers.Mistral3ForConditionalGeneration(cfg)
     if cls == "AutoencoderKL":
         return diffusers.AutoencoderKL(**FLUX_VAE)
-    if cls in ("AutoencoderKLQwenImage", "AutoencoderKLHunyuanVideo"):
+    if cls in ("AutoencoderKLQwenImage", "AutoencoderKLHunyuanVideo", "AutoencoderKLFlux2"):
         return getattr(diffusers, cls)()
     raise ValueError(f"no published config known for {name} ({cls})")

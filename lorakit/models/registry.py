@@ -54,6 +54,10 @@ FAMILIES: dict[str, FamilyInfo] = {
                    "Kandinsky5Transformer3DModel", 16, "Kandinsky 5 text-to-video"),
         FamilyInfo("z-image", "z-image", "z_image", "", "ZImagePipeline", "ZImageTransformer2DModel", 16,
                    "Z-Image (Qwen3 text encoder; Turbo is step-distilled: see docs/families.md)"),
+        FamilyInfo("flux2-dev", "flux2", "flux2", "dev", "Flux2Pipeline", "Flux2Transformer2DModel", 16,
+                   "FLUX.2 [dev] (guidance-distilled, Mistral Small 3.1 text encoder)"),
+        FamilyInfo("flux2-klein", "flux2", "flux2", "klein", "Flux2KleinPipeline", "Flux2Transformer2DModel", 16,
+                   "FLUX.2 [klein] (Qwen3 text encoder; train klein-base: see docs/families.md)"),
         FamilyInfo("flux-kontext", "flux", "flux_kontext", "", "FluxKontextPipeline", "FluxTransformer2DModel", 16,
                    "FLUX.1 Kontext dev (image editing with one control image)"),
     ]

@@ -25,7 +25,7 @@ from lorakit.io import shared_tree
 from lorakit.models.base import family_adapter
 from lorakit.models.registry import family_names
 
-SPEC_VERSION = "2"  # bump when a builder changes, so cached folders are rebuilt
+SPEC_VERSION = "3"  # bump when a builder changes, so cached folders are rebuilt
 
 # Words the demo captions use, plus the pipelines' prompt templates: the tokenizers are trained
 # on this, so demo prompts tokenize into short, meaningful pieces.
@@ -122,6 +122,28 @@ def qwen3_tokenizer():
     return tok
 
 
+# Mistral Small 3.1's chat format as FLUX.2-dev's pipeline renders it: a system turn and a user turn, each a list
+# of {type: text} parts (no generation prompt)
+MISTRAL3_CHAT = ("{{ bos_token }}{% for m in messages %}{% set text = m['content'] | selectattr('type', 'equalto', "
+                 "'text') | map(attribute='text') | join('') %}{% if m['role'] == 'system' %}[SYSTEM_PROMPT]{{ text }}"
+                 "[/SYSTEM_PROMPT]{% elif m['role'] == 'user' %}[INST]{{ text }}[/INST]{% else %}{{ text }}"
+                 "{{ eos_token }}{% endif %}{% endfor %}")
+_MISTRAL_SPECIALS = ["<unk>", "<s>", "</s>", "<pad>", "[INST]", "[/INST]", "[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]",
+                     "[IMG]", "[IMG_BREAK]", "[IMG_END]"]
+
+
+def mistral3_processor():
+    """FLUX.2-dev's tokenizer component: a Pixtral processor (image processor + tokenizer + chat template)."""
+    from transformers import PixtralImageProcessor, PixtralProcessor, PreTrainedTokenizerFast
+
+    raw = byte_bpe(440, _MISTRAL_SPECIALS)
+    tok = PreTrainedTokenizerFast(tokenizer_object=raw, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
+                                  pad_token="<pad>", model_max_length=4096)
+    images = PixtralImageProcessor(size={"longest_edge": 64}, patch_size={"height": 16, "width": 16})
+    return PixtralProcessor(image_processor=images, tokenizer=tok, patch_size=16, spatial_merge_size=2,
+                            chat_template=MISTRAL3_CHAT)
+
+
 def qwen_processor(tokenizer):
     from transformers import Qwen2VLImageProcessor, Qwen2VLProcessor, Qwen2VLVideoProcessor
 
@@ -199,6 +221,36 @@ def qwen3_text(tokenizer, seed: int, hidden: int = 32):
     return Qwen3Model(cfg).eval()
 
 
+def qwen3_causal(tokenizer, seed: int, layers: int, hidden: int = 16):
+    """Qwen3 with its language-model head (FLUX.2 klein's text encoder class): `layers` deep, as the pipeline reads
+    hidden states 9, 18 and 27."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    seeded(seed)
+    cfg = Qwen3Config(vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=2 * hidden,
+                      num_hidden_layers=layers, num_attention_heads=2, num_key_value_heads=2, head_dim=hidden // 2,
+                      max_position_embeddings=1024, tie_word_embeddings=True, pad_token_id=tokenizer.pad_token_id)
+    return Qwen3ForCausalLM(cfg).eval()
+
+
+def mistral3(processor, seed: int, layers: int, hidden: int = 16):
+    """Mistral Small 3.1's class (Pixtral vision tower + Mistral language model), `layers` deep: FLUX.2-dev reads
+    hidden states 10, 20 and 30."""
+    from transformers import Mistral3Config, Mistral3ForConditionalGeneration
+
+    seeded(seed)
+    tok = processor.tokenizer
+    cfg = Mistral3Config(
+        text_config=dict(model_type="mistral", vocab_size=len(tok), hidden_size=hidden, intermediate_size=2 * hidden,
+                         num_hidden_layers=layers, num_attention_heads=2, num_key_value_heads=1, head_dim=hidden // 2,
+                         max_position_embeddings=1024, pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id,
+                         eos_token_id=tok.eos_token_id),
+        vision_config=dict(model_type="pixtral", hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                           num_attention_heads=2, head_dim=8, image_size=64, patch_size=16),
+        image_token_index=tok.convert_tokens_to_ids("[IMG]"), spatial_merge_size=2, tie_word_embeddings=False)
+    return Mistral3ForConditionalGeneration(cfg).eval()
+
+
 # --------------------------------------------------------------------------- VAEs, schedulers
 
 
@@ -211,6 +263,21 @@ def flux_vae(seed: int):
                          layers_per_block=1, norm_num_groups=8, latent_channels=16, scaling_factor=0.3611,
                          shift_factor=0.1159, use_quant_conv=False, use_post_quant_conv=False,
                          sample_size=64).eval()
+
+
+def flux2_vae(seed: int):
+    """FLUX.2's VAE (32 latent channels; batch-norm statistics of the 2x2-patchified latents, set away from 0 / 1
+    so that a missed normalisation shows)."""
+    import torch
+    from diffusers import AutoencoderKLFlux2
+
+    seeded(seed)
+    vae = AutoencoderKLFlux2(block_out_channels=(16, 16, 16, 16), layers_per_block=1, norm_num_groups=8,
+                             latent_channels=32, sample_size=64).eval()
+    g = torch.Generator().manual_seed(seed)
+    vae.bn.running_mean.copy_(0.3 * torch.randn(vae.bn.running_mean.shape, generator=g))
+    vae.bn.running_var.copy_(0.5 + torch.rand(vae.bn.running_var.shape, generator=g))
+    return vae
 
 
 def qwen_vae(seed: int):

@@ -10,23 +10,14 @@ from __future__ import annotations
 import math
 
 from lorakit.errors import UnknownNameError
+from lorakit.models.base import resolution_mu
 
 METHODS = ("uniform", "logit_normal", "shift", "resolution_shift", "sigmoid", "mode")
 
 
-def resolution_mu(image_seq_len: int, scheduler_config: dict) -> float:
-    """The scheduler's dynamic-shift mu for a number of image tokens (linear in the token count)."""
-    base_len = scheduler_config.get("base_image_seq_len", 256)
-    max_len = scheduler_config.get("max_image_seq_len", 4096)
-    base_shift = scheduler_config.get("base_shift", 0.5)
-    max_shift = scheduler_config.get("max_shift", 1.15)
-    m = (max_shift - base_shift) / (max_len - base_len)
-    return image_seq_len * m + (base_shift - m * base_len)
-
-
 def sample_sigmas(n: int, method: str = "uniform", generator=None, *, shift: float = 3.0, logit_mean: float = 0.0,
                   logit_std: float = 1.0, image_seq_len: int | None = None, scheduler_config: dict | None = None,
-                  scale: float = 1.0):
+                  scale: float = 1.0, mu: float | None = None):
     """n training sigmas in (0, 1).
 
     Args:
@@ -35,6 +26,8 @@ def sample_sigmas(n: int, method: str = "uniform", generator=None, *, shift: flo
             (sigmoid(scale * N(0, 1)): logit-normal about 0.5, wider as `scale` grows) | mode (SD3's mode
             sampling with heavy tails: 1 - u - scale * (cos²(pi u / 2) - 1 + u), u uniform; scale 0 is
             uniform, larger puts more weight mid-way; -1 <= scale <= 2 / (pi - 2)).
+        mu: the dynamic shift the family's pipeline uses for these tokens (`Adapter.shift_mu`; None: the
+            scheduler's linear rule).
     """
     import torch
 
@@ -53,9 +46,9 @@ def sample_sigmas(n: int, method: str = "uniform", generator=None, *, shift: flo
     if method == "resolution_shift":
         cfg = scheduler_config or {}
         if cfg.get("use_dynamic_shifting"):
-            if image_seq_len is None:
+            if mu is None and image_seq_len is None:
                 raise ValueError("resolution_shift needs image_seq_len")
-            mu = resolution_mu(image_seq_len, cfg)
+            mu = resolution_mu(image_seq_len, cfg) if mu is None else mu
             if cfg.get("time_shift_type", "exponential") == "linear":
                 return mu / (mu + (1 / u - 1))
             return math.exp(mu) / (math.exp(mu) + (1 / u - 1))

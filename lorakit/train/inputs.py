@@ -49,7 +49,8 @@ def draw(tr, step: int, micro: int) -> StepInputs:
     batch = tr.data.load([keys[i] for i in idx], [drop[i] for i in idx], variants)
     seq = tr.adapter.image_seq_len(batch.latents.shape)
     sigmas = fm.sample_sigmas(n, s.timesteps, g, shift=s.shift, logit_mean=s.logit_mean, logit_std=s.logit_std,
-                              image_seq_len=seq, scheduler_config=tr.sched_cfg, scale=s.scale)
+                              image_seq_len=seq, scheduler_config=tr.sched_cfg, scale=s.scale,
+                              mu=tr.adapter.shift_mu(seq, tr.sched_cfg))
     noise = torch.randn((n, *batch.latents.shape[1:]), generator=g)
     if idx != list(range(n)):
         sigmas, noise = sigmas[idx], noise[idx]

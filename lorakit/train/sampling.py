@@ -17,7 +17,7 @@ from pathlib import Path
 
 from lorakit.data.images import open_image
 from lorakit.io import atomic_path
-from lorakit.train.flow_matching import resolution_mu
+from lorakit.models.base import resolution_mu
 
 
 @dataclass
@@ -101,13 +101,14 @@ def _to_image(pix):
     return Image.fromarray(arr)
 
 
-def sigma_schedule(steps: int, image_seq_len: int, scheduler_config: dict):
-    """The sampling sigmas (steps + 1 values, ending at 0) as the family's flow-matching scheduler sets them."""
+def sigma_schedule(steps: int, image_seq_len: int, scheduler_config: dict, mu: float | None = None):
+    """The sampling sigmas (steps + 1 values, ending at 0) as the family's flow-matching scheduler sets them
+    (`mu`: the dynamic shift the family's pipeline passes it, `Adapter.shift_mu`)."""
     import torch
 
     s = torch.linspace(1.0, 1.0 / steps, steps, dtype=torch.float64)
     if scheduler_config.get("use_dynamic_shifting"):
-        mu = resolution_mu(image_seq_len, scheduler_config)
+        mu = resolution_mu(image_seq_len, scheduler_config) if mu is None else mu
         s = math.exp(mu) / (math.exp(mu) + (1 / s - 1))
     else:
         k = float(scheduler_config.get("shift", 1.0))
@@ -137,7 +138,8 @@ def render(trainer, conds: list[Condition], problems: list | None = None) -> lis
                 g = torch.Generator().manual_seed(cfg.sampling.seed + k)
                 x = torch.randn((1, *c.shape), generator=g).to(dev, torch.float32)
                 seq = trainer.adapter.image_seq_len(c.shape)
-                sig = sigma_schedule(cfg.sampling.steps, seq, trainer.sched_cfg)
+                sig = sigma_schedule(cfg.sampling.steps, seq, trainer.sched_cfg,
+                                     trainer.adapter.shift_mu(seq, trainer.sched_cfg, cfg.sampling.steps))
                 text = {k2: v.to(dev, dt) for k2, v in c.text.items()}
                 controls = [t.to(dev, dt) for t in c.controls]
                 un = {k2: v.to(dev, dt) for k2, v in c.uncond.items()} if c.uncond and guidance > 1 and not embedded \

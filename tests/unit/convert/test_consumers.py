@@ -123,3 +123,28 @@ def test_dora_on_the_final_norm_loads_alike_in_both_consumers_and_converts_exact
         _, converted, unused = _comfy(tiny, family, out)
         assert not unused and converted.keys() == original.keys()
         assert all(torch.allclose(converted[k].double(), original[k].double(), rtol=0, atol=1e-6) for k in original)
+
+
+@pytest.mark.parametrize("family", ["flux2-dev", "flux2-klein"])
+def test_flux2_files_load_alike_in_diffusers_and_comfyui(tiny, tmp_path, family):
+    """The default file (attention preset + the latent in/out layers: names ComfyUI's FLUX.2 map takes) loads alike
+    in both; with the MLPs of the double blocks too, whose diffusers names ComfyUI does not map, the save check says
+    so instead of 'equal', and `--to comfyui` (native names) gives ComfyUI exactly what diffusers applies."""
+    from lorakit.convert import verify
+
+    path = trained_like(tiny, family, tmp_path / "a.safetensors", targets="attention", io=True)
+    got = _compare(tiny, family, path)
+    assert "diffusion_model.final_layer.adaLN_modulation.1.weight" in got
+    assert any(".linear1." in k for k in got) and any("img_attn.qkv" in k for k in got)
+
+    every = trained_like(tiny, family, tmp_path / "b.safetensors", targets="all_linear", io=True)
+    lora = L.read(every)
+    said = verify.check_file(every, family, lora)
+    assert said["diffusers"] == "equal" and said["comfyui"].startswith("not compared: ComfyUI takes"), said
+    assert "ff.linear_in" in said["comfyui"] or "ff_context" in said["comfyui"]
+    native = L.write(lora, tmp_path / "c.safetensors", "comfyui", "flux2")
+    want = native_weights(_diffusers_fused(tiny, family, every), "flux2")
+    base, changed, not_loaded = _comfy(tiny, family, native)
+    assert not not_loaded
+    for k, w in want.items():
+        torch.testing.assert_close(changed.get(k, base[k]).double(), w.double(), rtol=1e-5, atol=1e-6)

@@ -6,6 +6,7 @@ from typer.testing import CliRunner
 
 from lorakit.cli.app import app
 from lorakit.convert import lora as L
+from lorakit.io import load
 from lorakit.convert.patches import LowRank
 from lorakit.errors import InputError
 from tests.loras import trained_like
@@ -20,7 +21,7 @@ def _same_tensors(a, b):
     return all(torch.equal(a[m].A, b[m].A) and torch.equal(a[m].B, b[m].B) and a[m].alpha == b[m].alpha for m in a)
 
 
-@pytest.mark.parametrize("family", ["flux", "qwen-image", "kandinsky5-t2v", "z-image"])
+@pytest.mark.parametrize("family", ["flux", "qwen-image", "kandinsky5-t2v", "z-image", "flux2-klein"])
 @pytest.mark.parametrize("fmt", ["kohya", "comfyui", "peft"])
 def test_round_trips_are_lossless(tiny, tmp_path, family, fmt):
     src = _trained_like(tiny, family, tmp_path)
@@ -73,6 +74,21 @@ def test_flux_kohya_file_loads_through_diffusers_own_converter(tmp_path):
     assert ok, why
     back = L.read(out)
     assert back.facts["format"] == "kohya" and _same_tensors(orig, back)
+
+
+@pytest.mark.parametrize("fmt", ["kohya", "comfyui"])
+def test_flux2_native_files_load_through_diffusers_own_converters(tiny, tmp_path, fmt):
+    """FLUX.2 in Black Forest Labs' names (fused img_attn.qkv / txt_attn.qkv, single blocks' linear1/linear2,
+    the double blocks' MLPs): kohya's lora_unet_ file through diffusers' kohya converter, ComfyUI's
+    diffusion_model. file (ai-toolkit's layout) through its non-diffusers converter."""
+    from diffusers import Flux2KleinPipeline
+
+    src = L.read(trained_like(tiny, "flux2-klein", tmp_path / "d.safetensors", targets="attention_mlp"))
+    out = L.write(src, tmp_path / "n.safetensors", fmt, "flux2")
+    names = list(load(out))
+    assert any("img_attn" in k and "qkv" in k for k in names) and any("linear1" in k for k in names)
+    ok, why = L.deltas_equal(src.weights, _oracle_pieces(Flux2KleinPipeline.lora_state_dict(str(out))), rtol=1e-6)
+    assert ok, why
 
 
 def test_fusing_unequal_scales_keeps_every_delta(tmp_path):

@@ -36,6 +36,9 @@ def test_text_embeddings_equal_the_pipeline(tiny, family):
                 q, c, cu = pipe.encode_prompt(prompt=[text], max_sequence_length=512)
                 close(ours[i]["prompt_embeds"], q[0, : int(cu[1])])
                 close(ours[i]["pooled"], c[0])
+            elif family_adapter(family).arch == "flux2":  # the whole padded sequence, three layers stacked
+                e, _ = pipe.encode_prompt(prompt=[text])
+                close(ours[i]["prompt_embeds"], e[0])
             elif family == "z-image":  # a list of unpadded captions
                 e, _ = pipe.encode_prompt(prompt=[text], do_classifier_free_guidance=False)
                 close(ours[i]["prompt_embeds"], e[0])
@@ -67,6 +70,11 @@ def test_latents_equal_the_pipeline_convention(tiny, family):
             ref = QwenImageEditPipeline(**{k: v for k, v in pipe.components.items() if k != "processor"},
                                         processor=None)._encode_vae_image(pix.unsqueeze(2), None)[:, :, 0]
             close(a.encode_images(pix), ref)
+        elif family_adapter(family).arch == "flux2":  # 2x2 patches, normalised by the VAE's batch-norm statistics
+            close(a.encode_images(pix), pipe._encode_vae_image(pix, None))
+            back = a.decode_latents(a.encode_images(pix))
+            lat = pipe.vae.encode(pix).latent_dist.mode()
+            close(back, pipe.vae.decode(lat).sample)  # decoding undoes the normalisation and the patches
         elif family_adapter(family).arch in ("flux", "z-image"):  # FluxImg2ImgPipeline._encode_vae_image's
             # normalisation (ZImagePipeline decodes latents / scaling_factor + shift_factor: its inverse)
             from diffusers.pipelines.flux.pipeline_flux_img2img import retrieve_latents

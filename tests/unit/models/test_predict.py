@@ -139,3 +139,39 @@ def test_z_image_velocity_equals_the_pipelines_one_step(tiny):
         v = a.predict(pipe.transformer, noise, torch.tensor([1.0, 1.0]), {"prompt_embeds": padded,
                                                                           "prompt_embeds_mask": mask})
     torch.testing.assert_close(v, noise - out, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("family", ["flux2-dev", "flux2-klein"])
+def test_flux2_velocity_equals_the_pipelines_first_step(tiny, family):
+    """Flux2Pipeline / Flux2KleinPipeline: row-major tokens with 4-axis ids, timestep = sigma, dev's embedded
+    guidance; their sampling shift is the empirical mu of tokens and steps. The latents after the first of two
+    steps (sigma 1 -> s1) give the velocity: x1 = noise + (s1 - 1) v."""
+    from diffusers import DiffusionPipeline
+
+    from lorakit.train.sampling import sigma_schedule
+
+    folder = tiny(family)
+    a = load_adapter(family, folder)
+    pipe = DiffusionPipeline.from_pretrained(folder)
+    pipe.set_progress_bar_config(disable=True)
+    noise = torch.randn(1, 128, 4, 6, generator=torch.Generator().manual_seed(0))  # 64 x 96 pixels
+    e = a.encode_prompts(["a red circle in the center on a blue background"])[0]["prompt_embeds"][None]
+    seen = {}
+
+    def grab(p, i, t, kw_):
+        seen.setdefault("x1", kw_["latents"].clone())
+        seen.setdefault("sigmas", p.scheduler.sigmas.clone())
+        return kw_
+
+    guidance = 1.0 if family.endswith("klein") else 3.5
+    with torch.no_grad():
+        pipe(prompt_embeds=e, latents=noise.clone(), num_inference_steps=2, guidance_scale=guidance, height=64,
+             width=96, output_type="latent", callback_on_step_end=grab)
+        s1 = float(seen["sigmas"][1])
+        x1 = seen["x1"].permute(0, 2, 1).reshape(noise.shape)
+        v_ref = (noise - x1) / (1 - s1)
+        v = a.predict(pipe.transformer, noise, torch.tensor([1.0]), {"prompt_embeds": e}, guidance=guidance)
+    torch.testing.assert_close(v, v_ref, rtol=1e-5, atol=1e-5)
+    # lorakit's sampler steps through the same sigmas
+    ours = sigma_schedule(2, 24, dict(pipe.scheduler.config), a.shift_mu(24, dict(pipe.scheduler.config), 2))
+    torch.testing.assert_close(ours, seen["sigmas"].float(), rtol=1e-6, atol=1e-6)

@@ -4,9 +4,10 @@ from lorakit.errors import UnknownNameError
 from lorakit.models.registry import family_info, family_names
 
 
-def test_the_nine_families():
+def test_the_eleven_families():
     assert family_names() == ["flux", "qwen-image", "qwen-image-edit", "qwen-image-edit-plus", "qwen-image-edit-2511",
-                              "kandinsky5-t2i", "kandinsky5-t2v", "z-image", "flux-kontext"]
+                              "kandinsky5-t2i", "kandinsky5-t2v", "z-image", "flux2-dev", "flux2-klein",
+                              "flux-kontext"]
 
 
 def test_variants_are_flags_of_one_adapter():
@@ -18,7 +19,7 @@ def test_variants_are_flags_of_one_adapter():
 def test_architecture_is_the_naming_scheme_families_share():
     from lorakit.models.registry import arch_names, arch_of
 
-    assert arch_names() == ["flux", "qwen-image", "kandinsky5", "z-image"]
+    assert arch_names() == ["flux", "qwen-image", "kandinsky5", "z-image", "flux2"]
     assert arch_of("qwen-image-edit-plus") == "qwen-image" and arch_of("kandinsky5") == "kandinsky5"
     with pytest.raises(UnknownNameError):
         arch_of("sdxl")

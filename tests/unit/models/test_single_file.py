@@ -63,6 +63,31 @@ def test_flux_original_names_convert_as_diffusers_own_single_file_loader_does(tm
     assert all(torch.equal(ours[k], theirs[k]) and torch.equal(ours[k], sd[k]) for k in sd)
 
 
+def test_flux2_original_names_convert_as_diffusers_own_single_file_loader_does(tmp_path):
+    """FLUX.2's names (fused double-block qkv, single blocks' linear1/linear2, shared modulations, the final norm's
+    swapped halves) against diffusers' convert_flux2_transformer_checkpoint_to_diffusers."""
+    from diffusers import Flux2Transformer2DModel
+
+    cfg = dict(patch_size=1, in_channels=128, num_layers=2, num_single_layers=2, attention_head_dim=16,
+               num_attention_heads=2, joint_attention_dim=48, timestep_guidance_channels=32,
+               axes_dims_rope=(4, 4, 4, 4), guidance_embeds=True)
+    with torch.device("meta"):
+        shapes = {k: v.shape for k, v in Flux2Transformer2DModel(**cfg).state_dict().items()}
+    g = torch.Generator().manual_seed(0)
+    sd = {k: torch.randn(s, generator=g).to(torch.bfloat16) for k, s in shapes.items()}
+    (tmp_path / "base" / "transformer").mkdir(parents=True)
+    (tmp_path / "base" / "transformer" / "config.json").write_text(
+        json.dumps({"_class_name": "Flux2Transformer2DModel", **cfg}))
+    native = native_weights(sd, "flux2")
+    assert "diffusion_model.single_stream_modulation.lin.weight" in native
+    # BFL publishes FLUX.2 with bare names (diffusers' converter takes no "model.diffusion_model." prefix for it)
+    file = save({k.removeprefix("diffusion_model."): v for k, v in native.items()}, tmp_path / "flux2.safetensors")
+    theirs = Flux2Transformer2DModel.from_single_file(str(file), config=str(tmp_path / "base"),
+                                                      subfolder="transformer", torch_dtype=torch.bfloat16).state_dict()
+    assert set(theirs) == set(sd)
+    assert all(torch.equal(theirs[k], sd[k]) for k in sd)
+
+
 def test_a_comfyui_checkpoint_trains_infers_and_is_converted_once(tmp_path, tiny):
     base = tiny("flux")
     file = _flux_file(base, tmp_path / "flux1-dev-comfy.safetensors")

@@ -17,6 +17,7 @@ EXPECTED_SHAPE = {  # (batch, [frames,] height, width, channels) of output_type=
     "qwen-image-edit-plus": (1, 64, 64, 3), "qwen-image-edit-2511": (1, 64, 64, 3), "z-image": (1, 64, 64, 3),
     # Kandinsky 5 T2I only accepts its listed sizes; the tiny VAE decodes 1024² requests to 1024²
     "kandinsky5-t2i": (1, 1024, 1024, 3), "kandinsky5-t2v": (1, 5, 64, 64, 3), "flux-kontext": (1, 64, 64, 3),
+    "flux2-dev": (1, 64, 64, 3), "flux2-klein": (1, 64, 64, 3),
 }
 
 
