@@ -21,7 +21,7 @@ from lorakit.hardware.gpu import apply_cap
 from lorakit.io import atomic_path
 from lorakit.io.digest import file_hash
 from lorakit.models.base import family_adapter, load_adapter
-from lorakit.models.registry import family_of_folder
+from lorakit.models.registry import family_info, family_names, family_of_folder
 from lorakit.placement import apply
 
 
@@ -160,6 +160,9 @@ def generate(model_dir: Path, req: Request, loras: list[tuple[Path, float]], out
         except (OSError, ValueError, SyntaxError):
             raise InputError(f"--image {p}: not a readable image") from None
     facts = family_adapter(family_of_folder(model_dir))
+    if controls and facts.layout != "edit":  # one pipeline for both (FLUX.2): reference images make it the edit family
+        facts = next((family_adapter(f) for f in family_names() if family_info(f).pipeline_class ==
+                      facts.info.pipeline_class and family_adapter(f).layout == "edit"), facts)
     family, edit, video = facts.family, facts.layout == "edit", facts.layout == "video"
     if edit and not controls:
         raise InputError(f"{family} edits an image", f"give --image PATH (up to {facts.max_controls})")

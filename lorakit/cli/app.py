@@ -70,6 +70,17 @@ def _escape(text: str) -> str:
     return escape(str(text))
 
 
+_STOP = {"asked": False}  # a SIGTERM arrived: whatever fails after it is its consequence, not a bug
+
+
+def _interrupted(ctx) -> None:
+    """Exit 130 saying so, in plain writes: the interrupt may have cut an import short, and a library imported
+    now (rich's console) could fail on the half-made module."""
+    sys.stderr.write("interrupted before anything could be saved (exit 130)\n")
+    sys.stderr.flush()
+    ctx.exit(130)
+
+
 def _terminate_like_interrupt() -> None:
     """SIGTERM (a scheduler's stop, `kill`) ends a command as Ctrl-C does: exit 130 with nothing saved, the temporary
     files of an unfinished write removed — instead of the bare 143 of a process killed mid-write. A training run
@@ -78,6 +89,7 @@ def _terminate_like_interrupt() -> None:
     import threading
 
     def interrupt(signum, frame):
+        _STOP["asked"] = True
         raise KeyboardInterrupt
 
     if threading.current_thread() is threading.main_thread():
@@ -99,11 +111,12 @@ class LorakitGroup(TyperGroup):
         except _CLICK_EXITS:
             raise
         except KeyboardInterrupt:
-            err_console.print("interrupted before anything could be saved (exit 130)")
-            ctx.exit(130)
+            _interrupted(ctx)
         except Exception as e:  # noqa: BLE001 - the one place errors become messages
             if _debug():
                 raise
+            if _STOP["asked"]:  # e.g. an import the signal cut short failing later (RecursionError seen under load)
+                _interrupted(ctx)
             ctx.exit(report_error(e, json_requested()))
 
 

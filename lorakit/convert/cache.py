@@ -77,12 +77,13 @@ def migrate(src, dst=None, family: str | None = None) -> dict:
     dst = Path(dst) if dst else src / "lorakit-cache"
     if (dst / "manifest.json").exists():
         raise InputError(f"{dst} already holds a lorakit cache", "name another output folder")
-    factor = vae_factor(family)  # the buckets are recorded in pixels, as the builder records them
     items = []
     for f in files:  # everything is checked before anything is written
         tensors = _rename(f, _read(f))
         key = "legacy-" + hashlib.sha256(f.read_bytes()).hexdigest()[:24]
         h, w = tensors["latents"].shape[-2:]
+        # the buckets are recorded in pixels, as the builder records them
+        factor = vae_factor(family, int(tensors["latents"].shape[0]))
         items.append((f, key, tensors, [int(w) * factor, int(h) * factor]))
     store = Store(dst)
     for f, key, tensors, _ in items:

@@ -77,7 +77,8 @@ class Adapter(abc.ABC):
     # (diffusers' FLUX.2 reader of ai-toolkit files refuses them), `--to comfyui` folds alpha into the up matrices
     native_alpha_keys = True
     vae_part = "vae"
-    vae_factor = 8  # pixels per latent row/column (every family here: an 8x VAE)
+    vae_factor = 8  # pixels per latent row/column (an 8x VAE; FLUX.2 folds 2x2 patches in: 16)
+    latent_channels = 16  # channels of the cached latents (FLUX.2: 128)
 
     def __init__(self, family: str, model_dir, device: str = "cpu", dtype=None, backend: str = "auto"):
         self.info = family_info(family)
@@ -338,17 +339,21 @@ def arch_adapter(arch: str) -> Adapter:
     return family_adapter(family_of_arch(arch))
 
 
-def vae_factor(family: str | None) -> int:
-    """Pixels per latent side of a family's VAE; with no family named, the factor every family shares.
+def vae_factor(family: str | None, channels: int | None = None) -> int:
+    """Pixels per latent side of a family's VAE; with no family named, the factor every family whose latents have
+    `channels` channels (any, when None) shares.
 
     Raises:
-        InputError: no family named and the families' VAEs differ.
+        InputError: no family named and those families' VAEs differ.
     """
     if family is not None:
         return family_adapter(family).vae_factor
-    factors = {load_adapter(f, None).vae_factor for f in family_names()}
+    adapters = [family_adapter(f) for f in family_names()]
+    factors = {a.vae_factor for a in adapters if channels is None or a.latent_channels == channels}
     if len(factors) != 1:
-        raise InputError("the families' VAEs scale images differently", "name the family (--family)")
+        raise InputError("the families' VAEs scale images differently"
+                         + (f" (latents of {channels} channels)" if channels is not None else ""),
+                         "name the family (--family)")
     return factors.pop()
 
 

@@ -81,9 +81,11 @@ def empirical_mu(image_seq_len: int, num_steps: int) -> float:
     return float(a * num_steps + m_200 - 200.0 * a)
 
 
+REFERENCE_AREA = 1024 * 1024  # the pipelines shrink a larger reference image to this area (aspect kept)
+MAX_REFERENCES = 4  # reference images per item lorakit trains with (the pipelines take more, at a token cost each)
+
+
 class Flux2Adapter(Adapter):
-    layout = "flat"
-    max_controls = 0
     guidance_arg = "guidance_scale"
     lora_presets = LoraPresets(
         # the single blocks have no attention-only Linear: their fused input and output projections carry the
@@ -98,6 +100,7 @@ class Flux2Adapter(Adapter):
     max_sequence_length = 512
     temporal = 1
     vae_factor = 16  # 8x VAE, then 2x2 patches folded into channels
+    latent_channels = 128
     # ComfyUI's Flux branch (flux_to_diffusers, applied to FLUX.2 models too): diffusers names under these
     # prefixes, for the names it maps (`comfy_diffusers_names`); the native names always
     comfy_diffusers_prefixes = ("transformer.", "lycoris_", "lora_transformer_", "")
@@ -115,7 +118,20 @@ class Flux2Adapter(Adapter):
 
     @property
     def klein(self) -> bool:
-        return self.info.variant == "klein"
+        return self.info.variant.startswith("klein")
+
+    @property
+    def edit(self) -> bool:
+        """The -edit families: the target image conditioned on reference images (the pipelines' `image=`)."""
+        return self.info.variant.endswith("-edit")
+
+    @property
+    def layout(self) -> str:
+        return "edit" if self.edit else "flat"
+
+    @property
+    def max_controls(self) -> int:
+        return MAX_REFERENCES if self.edit else 0
 
     @property
     def guidance(self) -> str:
@@ -149,13 +165,40 @@ class Flux2Adapter(Adapter):
         """The pipelines' empirical mu (training: at their default 50 steps)."""
         return empirical_mu(image_seq_len, steps or DEFAULT_STEPS)
 
+    def control_size(self, width: int, height: int, resolution: int | None = None) -> tuple[int, int]:
+        """As the pipelines size a reference image: shrunk to 1024² area when larger (`resolution`: that area
+        instead), then each side down to a multiple of 16 (centre-cropped to it)."""
+        if not self.edit:
+            return super().control_size(width, height, resolution)
+        area = resolution * resolution if resolution else REFERENCE_AREA
+        if width * height > area:
+            scale = (area / (width * height)) ** 0.5
+            width, height = int(width * scale), int(height * scale)
+        return width // 16 * 16, height // 16 * 16
+
+    def encode_controls(self, images: list, resolution: int | None = None) -> list:
+        """Reference images (PIL) -> one normalised latent (128, h, w) each, prepared as the pipelines prepare
+        them: shrunk with Lanczos to the area, resized to cover the 16-multiple size and centre-cropped."""
+        from diffusers.pipelines.flux2.image_processor import Flux2ImageProcessor
+
+        proc = Flux2ImageProcessor(vae_scale_factor=self.vae_factor)
+        area = resolution * resolution if resolution else REFERENCE_AREA
+        out = []
+        for im in images:
+            im = im.convert("RGB")
+            if im.width * im.height > area:
+                im = proc._resize_to_target_area(im, area)
+            w, h = im.width // 16 * 16, im.height // 16 * 16
+            out.append(self.encode_images(proc.preprocess(im, height=h, width=w, resize_mode="crop"))[0])
+        return out
+
     def encode_prompts(self, texts, controls=None):
         import torch
 
         self.load(self.text_parts)
         with torch.no_grad():
             embeds, _ = self.pipeline().encode_prompt(prompt=list(texts), max_sequence_length=self.max_sequence_length,
-                                                      text_encoder_out_layers=TEXT_LAYERS[self.info.variant])
+                                                      text_encoder_out_layers=TEXT_LAYERS["klein" if self.klein else "dev"])
         return [{"prompt_embeds": e} for e in embeds]  # the whole padded sequence: the pipelines pass no mask
 
     def encode_images(self, pixels):
@@ -190,19 +233,28 @@ class Flux2Adapter(Adapter):
 
     def predict(self, transformer, x_t, sigmas, text: dict, guidance: float = 1.0, controls=None):
         """The velocity for latents x_t (B, 128, h, w), as the FLUX.2 pipelines call the transformer: tokens in
-        row-major order with (0, row, col, 0) ids, text ids (0, 0, 0, index), timestep = sigma, the guidance
-        embedding where the transformer has one; the target's tokens of the output."""
+        row-major order with (0, row, col, 0) ids, reference images' tokens after them with (10 + 10 k, row, col,
+        0), text ids (0, 0, 0, index), timestep = sigma, the guidance embedding where the transformer has one; the
+        target's tokens of the output."""
         import torch
 
         b, c, h, w = x_t.shape
         dev, dt = x_t.device, x_t.dtype
-        tokens = x_t.reshape(b, c, h * w).permute(0, 2, 1)
-        img_ids = torch.cartesian_prod(torch.arange(1), torch.arange(h), torch.arange(w), torch.arange(1))
+        tokens = [x_t.reshape(b, c, h * w).permute(0, 2, 1)]
+        ids = [torch.cartesian_prod(torch.arange(1), torch.arange(h), torch.arange(w), torch.arange(1))]
+        for k, ref in enumerate(controls or []):
+            ref = ref.to(dev, dt)
+            rh, rw = ref.shape[-2:]
+            tokens.append(ref.reshape(b, c, rh * rw).permute(0, 2, 1))
+            ids.append(torch.cartesian_prod(torch.tensor([10 + 10 * k]), torch.arange(rh), torch.arange(rw),
+                                            torch.arange(1)))
+        img_ids = torch.cat(ids)
         embeds = text["prompt_embeds"].to(dev, dt)
         txt_ids = torch.cartesian_prod(torch.arange(1), torch.arange(1), torch.arange(1),
                                        torch.arange(embeds.shape[1]))
         gvec = torch.full((b,), guidance, device=dev, dtype=dt) if transformer.config.guidance_embeds else None
-        out = transformer(hidden_states=tokens, encoder_hidden_states=embeds, timestep=sigmas.to(dev, dt),
+        out = transformer(hidden_states=torch.cat(tokens, dim=1), encoder_hidden_states=embeds,
+                          timestep=sigmas.to(dev, dt),
                           img_ids=img_ids.expand(b, -1, -1).to(dev), txt_ids=txt_ids.expand(b, -1, -1).to(dev),
                           guidance=gvec, return_dict=False)[0]
         return out[:, : h * w].permute(0, 2, 1).reshape(b, c, h, w)
@@ -213,7 +265,8 @@ class Flux2Adapter(Adapter):
         side = resolution // self.vae_factor
         latents = torch.randn(1, config["in_channels"], side, side, generator=generator)
         text = {"prompt_embeds": torch.randn(1, text_len, config["joint_attention_dim"], generator=generator)}
-        return Batch(["synthetic"], latents, text, [])
+        refs = [torch.randn(1, config["in_channels"], side, side, generator=generator) for _ in range(self.max_controls)]
+        return Batch(["synthetic"], latents, text, refs)
 
     def transformer_size(self, config: dict) -> tuple[int, int]:
         return (config["num_attention_heads"] * config["attention_head_dim"],
@@ -225,7 +278,7 @@ class Flux2Adapter(Adapter):
     def build_tiny(self, seed: int):
         from diffusers import Flux2Transformer2DModel
 
-        layers = TEXT_LAYERS[self.info.variant]
+        layers = TEXT_LAYERS["klein" if self.klein else "dev"]
         if self.klein:
             tok = tiny.qwen3_tokenizer()
             text = tiny.qwen3_causal(tok, seed + 30, layers=max(layers) + 1)
@@ -234,7 +287,9 @@ class Flux2Adapter(Adapter):
             text = tiny.mistral3(tok, seed + 30, layers=max(layers) + 1)
         hidden = text.config.get_text_config().hidden_size
         tiny.seeded(seed + 10)
-        transformer = Flux2Transformer2DModel(patch_size=1, in_channels=128, num_layers=1, num_single_layers=2,
+        # 16 latent channels (64 once patchified) instead of 32: at 128 the tiny model cannot pass enough of x_t
+        # through a rank-16 LoRA on its in/out layers to show overfitting (the published VAE has 32)
+        transformer = Flux2Transformer2DModel(patch_size=1, in_channels=64, num_layers=1, num_single_layers=2,
                                               attention_head_dim=16, num_attention_heads=2,
                                               joint_attention_dim=hidden * len(layers), timestep_guidance_channels=32,
                                               axes_dims_rope=(4, 4, 4, 4), guidance_embeds=not self.klein)

@@ -58,6 +58,10 @@ FAMILIES: dict[str, FamilyInfo] = {
                    "FLUX.2 [dev] (guidance-distilled, Mistral Small 3.1 text encoder)"),
         FamilyInfo("flux2-klein", "flux2", "flux2", "klein", "Flux2KleinPipeline", "Flux2Transformer2DModel", 16,
                    "FLUX.2 [klein] (Qwen3 text encoder; train klein-base: see docs/families.md)"),
+        FamilyInfo("flux2-dev-edit", "flux2", "flux2", "dev-edit", "Flux2Pipeline", "Flux2Transformer2DModel", 16,
+                   "FLUX.2 [dev] editing with 1-4 reference images"),
+        FamilyInfo("flux2-klein-edit", "flux2", "flux2", "klein-edit", "Flux2KleinPipeline",
+                   "Flux2Transformer2DModel", 16, "FLUX.2 [klein] editing with 1-4 reference images"),
         FamilyInfo("flux-kontext", "flux", "flux_kontext", "", "FluxKontextPipeline", "FluxTransformer2DModel", 16,
                    "FLUX.1 Kontext dev (image editing with one control image)"),
     ]

@@ -266,14 +266,14 @@ def flux_vae(seed: int):
 
 
 def flux2_vae(seed: int):
-    """FLUX.2's VAE (32 latent channels; batch-norm statistics of the 2x2-patchified latents, set away from 0 / 1
-    so that a missed normalisation shows)."""
+    """FLUX.2's VAE class (16 latent channels here, 32 published; batch-norm statistics of the 2x2-patchified
+    latents, set away from 0 / 1 so that a missed normalisation shows)."""
     import torch
     from diffusers import AutoencoderKLFlux2
 
     seeded(seed)
     vae = AutoencoderKLFlux2(block_out_channels=(16, 16, 16, 16), layers_per_block=1, norm_num_groups=8,
-                             latent_channels=32, sample_size=64).eval()
+                             latent_channels=16, sample_size=64).eval()
     g = torch.Generator().manual_seed(seed)
     vae.bn.running_mean.copy_(0.3 * torch.randn(vae.bn.running_mean.shape, generator=g))
     vae.bn.running_var.copy_(0.5 + torch.rand(vae.bn.running_var.shape, generator=g))

@@ -6,9 +6,9 @@ from typer.testing import CliRunner
 
 from lorakit.cli.app import app
 from lorakit.convert import lora as L
-from lorakit.io import load
 from lorakit.convert.patches import LowRank
 from lorakit.errors import InputError
+from lorakit.io import load
 from tests.loras import trained_like
 
 

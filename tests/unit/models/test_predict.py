@@ -141,7 +141,7 @@ def test_z_image_velocity_equals_the_pipelines_one_step(tiny):
     torch.testing.assert_close(v, noise - out, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("family", ["flux2-dev", "flux2-klein"])
+@pytest.mark.parametrize("family", ["flux2-dev", "flux2-klein", "flux2-dev-edit", "flux2-klein-edit"])
 def test_flux2_velocity_equals_the_pipelines_first_step(tiny, family):
     """Flux2Pipeline / Flux2KleinPipeline: row-major tokens with 4-axis ids, timestep = sigma, dev's embedded
     guidance; their sampling shift is the empirical mu of tokens and steps. The latents after the first of two
@@ -154,7 +154,7 @@ def test_flux2_velocity_equals_the_pipelines_first_step(tiny, family):
     a = load_adapter(family, folder)
     pipe = DiffusionPipeline.from_pretrained(folder)
     pipe.set_progress_bar_config(disable=True)
-    noise = torch.randn(1, 128, 4, 6, generator=torch.Generator().manual_seed(0))  # 64 x 96 pixels
+    noise = torch.randn(1, 64, 4, 6, generator=torch.Generator().manual_seed(0))  # 64 x 96 pixels
     e = a.encode_prompts(["a red circle in the center on a blue background"])[0]["prompt_embeds"][None]
     seen = {}
 
@@ -163,14 +163,21 @@ def test_flux2_velocity_equals_the_pipelines_first_step(tiny, family):
         seen.setdefault("sigmas", p.scheduler.sigmas.clone())
         return kw_
 
-    guidance = 1.0 if family.endswith("klein") else 3.5
+    guidance = 1.0 if "klein" in family else 3.5
+    # edit: two reference images of other sizes than the target's (the second one shrunk and cropped by the rules)
+    refs = [Image.new("RGB", (80, 64), (200, 30, 30)), Image.new("RGB", (70, 100), (30, 60, 200))] \
+        if family.endswith("-edit") else None
     with torch.no_grad():
         pipe(prompt_embeds=e, latents=noise.clone(), num_inference_steps=2, guidance_scale=guidance, height=64,
-             width=96, output_type="latent", callback_on_step_end=grab)
+             width=96, output_type="latent", callback_on_step_end=grab, **({"image": refs} if refs else {}))
         s1 = float(seen["sigmas"][1])
         x1 = seen["x1"].permute(0, 2, 1).reshape(noise.shape)
         v_ref = (noise - x1) / (1 - s1)
-        v = a.predict(pipe.transformer, noise, torch.tensor([1.0]), {"prompt_embeds": e}, guidance=guidance)
+        ctrl = [c[None] for c in a.encode_controls(refs)] if refs else None
+        if refs:
+            assert [tuple(c.shape[-2:]) for c in ctrl] == [(4, 5), (6, 4)]  # 80x64 -> 80x64; 70x100 -> 64x96
+        v = a.predict(pipe.transformer, noise, torch.tensor([1.0]), {"prompt_embeds": e}, guidance=guidance,
+                      controls=ctrl)
     torch.testing.assert_close(v, v_ref, rtol=1e-5, atol=1e-5)
     # lorakit's sampler steps through the same sigmas
     ours = sigma_schedule(2, 24, dict(pipe.scheduler.config), a.shift_mu(24, dict(pipe.scheduler.config), 2))

@@ -4,10 +4,10 @@ from lorakit.errors import UnknownNameError
 from lorakit.models.registry import family_info, family_names
 
 
-def test_the_eleven_families():
+def test_the_thirteen_families():
     assert family_names() == ["flux", "qwen-image", "qwen-image-edit", "qwen-image-edit-plus", "qwen-image-edit-2511",
                               "kandinsky5-t2i", "kandinsky5-t2v", "z-image", "flux2-dev", "flux2-klein",
-                              "flux-kontext"]
+                              "flux2-dev-edit", "flux2-klein-edit", "flux-kontext"]
 
 
 def test_variants_are_flags_of_one_adapter():

@@ -86,6 +86,8 @@ def test_flux2_original_names_convert_as_diffusers_own_single_file_loader_does(t
                                                       subfolder="transformer", torch_dtype=torch.bfloat16).state_dict()
     assert set(theirs) == set(sd)
     assert all(torch.equal(theirs[k], sd[k]) for k in sd)
+    ours, notes = transformer_weights(file, "flux2", tmp_path / "base" / "transformer")  # lorakit's own reading
+    assert set(ours) == set(sd) and not notes and all(torch.equal(ours[k], sd[k]) for k in sd)
 
 
 def test_a_comfyui_checkpoint_trains_infers_and_is_converted_once(tmp_path, tiny):

@@ -17,7 +17,8 @@ EXPECTED_SHAPE = {  # (batch, [frames,] height, width, channels) of output_type=
     "qwen-image-edit-plus": (1, 64, 64, 3), "qwen-image-edit-2511": (1, 64, 64, 3), "z-image": (1, 64, 64, 3),
     # Kandinsky 5 T2I only accepts its listed sizes; the tiny VAE decodes 1024² requests to 1024²
     "kandinsky5-t2i": (1, 1024, 1024, 3), "kandinsky5-t2v": (1, 5, 64, 64, 3), "flux-kontext": (1, 64, 64, 3),
-    "flux2-dev": (1, 64, 64, 3), "flux2-klein": (1, 64, 64, 3),
+    "flux2-dev": (1, 64, 64, 3), "flux2-klein": (1, 64, 64, 3), "flux2-dev-edit": (1, 64, 64, 3),
+    "flux2-klein-edit": (1, 64, 64, 3),
 }
 
 
@@ -36,6 +37,8 @@ def _call_kwargs(family):
     elif family == "flux-kontext":
         # it scales the output to max_area and the control to a preferred 1024-class size unless told not to
         kw.update(image=red, _auto_resize=False, max_area=64 * 64)
+    elif family_info(family).variant.endswith("-edit"):  # FLUX.2: reference images of their own sizes
+        kw["image"] = [red, Image.new("RGB", (96, 64), (40, 80, 220))]
     elif family_info(family).variant == "edit-plus":
         kw["image"] = [red, Image.new("RGB", (64, 64), (40, 80, 220))]
     return kw
