@@ -10,7 +10,7 @@ import typer
 from typer.core import TyperGroup
 
 from lorakit import __version__
-from lorakit.cli import bench, cache, convert, demo, doctor, infer, push, train
+from lorakit.cli import bench, cache, convert, demo, doctor, infer, push, train, ui
 from lorakit.cli.common import emit, err_console, json_requested, use_json
 from lorakit.errors import InputError, LorakitError, environment_fault, short
 
@@ -155,6 +155,7 @@ app.add_typer(bench.app, name="bench", help=bench.HELP, short_help="measured loa
 app.command("infer", help=infer.HELP, short_help="base model + LoRA(s) -> images")(infer.infer)
 app.command("push", help=push.HELP, short_help="a finished run -> a Hub-ready folder, uploaded when online")(
     push.push)
+app.command("ui", help=ui.HELP, short_help="a local web dashboard of the runs (lorakit[ui])")(ui.ui)
 app.command("demo", help=demo.HELP, short_help="the whole path on tiny offline models, no downloads")(demo.demo)
 
 

@@ -1,0 +1,116 @@
+"""`lorakit ui`: a local web dashboard over the run folders (FastAPI + uvicorn, the optional extra `lorakit[ui]`).
+
+Pages are static files of this package (no CDN: the machine may be offline; the chart is drawn by its own script).
+The API reads run folders through `ui.runs`; live updates are server-sent events. Bound to 127.0.0.1 by default;
+bound elsewhere, every request needs the token printed at start (header `Authorization: Bearer T`, `?token=T`
+once — kept in a cookie — or that cookie). Every file path is confined to the runs folder.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+from pathlib import Path
+
+from fastapi import FastAPI, HTTPException, Request
+from fastapi.responses import FileResponse, JSONResponse, StreamingResponse
+
+from lorakit.errors import InputError
+from lorakit.ui import runs as R
+
+STATIC = Path(__file__).parent / "static"
+COOKIE = "lorakit_token"
+POLL_S = 0.5  # how often the event stream looks at a run folder
+
+
+def create_app(runs_root, token: str | None = None):
+    """The ASGI app over the run folders under `runs_root` (token None: no token asked, for 127.0.0.1)."""
+    root = Path(runs_root).resolve()
+    app = FastAPI(title="lorakit", docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.middleware("http")
+    async def need_token(request: Request, call_next):
+        if token is None:
+            return await call_next(request)
+        given = request.headers.get("authorization", "").removeprefix("Bearer ").strip() \
+            or request.query_params.get("token") or request.cookies.get(COOKIE) or ""
+        if not hmac.compare_digest(given.encode(), token.encode()):
+            return JSONResponse({"error": "this lorakit ui needs the token printed when it started"}, status_code=401)
+        response = await call_next(request)
+        if request.query_params.get("token"):
+            response.set_cookie(COOKIE, token, httponly=True, samesite="strict")
+        return response
+
+    def run_of(name: str) -> Path:
+        try:
+            return R.run_folder(root, name)
+        except InputError as e:
+            raise HTTPException(404, e.message) from None
+
+    @app.get("/")
+    def index():
+        return FileResponse(STATIC / "index.html")
+
+    @app.get("/static/{name}")
+    def static(name: str):
+        p = STATIC / name
+        if p.parent != STATIC or not p.is_file():
+            raise HTTPException(404, "no such file")
+        return FileResponse(p)
+
+    @app.get("/api/runs")
+    def run_list():
+        return {"root": str(root), "runs": [R.summary(r, root) for r in R.find_runs(root)]}
+
+    @app.get("/api/run/{name:path}/metrics")
+    def metrics(name: str, since: int = 0):
+        rows = R.read_metrics(run_of(name), max(since, 0))
+        return {"since": since, "rows": rows}
+
+    @app.get("/api/run/{name:path}")
+    def run_detail(name: str):
+        return R.detail(run_of(name), root)
+
+    @app.get("/api/events/{name:path}")
+    async def events(name: str, request: Request, since: int = 0):
+        run = run_of(name)
+
+        async def stream():
+            seen, samples, state = max(since, 0), None, None
+            while not await request.is_disconnected():
+                rows = R.read_metrics(run, seen)
+                if rows:
+                    seen += len(rows)
+                    yield f"event: metrics\ndata: {json.dumps({'next': seen, 'rows': rows})}\n\n"
+                now = sorted(p.name for p in (run / "samples").glob("*.png")) if (run / "samples").is_dir() else []
+                if now != samples:
+                    samples = now
+                    yield f"event: samples\ndata: {json.dumps([f'{name}/samples/{s}' for s in now])}\n\n"
+                st = R.status(run)
+                if st != state:
+                    state = st
+                    yield f"event: status\ndata: {json.dumps(R.summary(run, root))}\n\n"
+                await asyncio.sleep(POLL_S)
+
+        return StreamingResponse(stream(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-store", "X-Accel-Buffering": "no"})
+
+    @app.get("/files/{rel:path}")
+    def files(rel: str):
+        try:
+            p = R.confined(root, rel)
+        except InputError as e:
+            raise HTTPException(403, e.message) from None
+        if not p.is_file():
+            raise HTTPException(404, "no such file")
+        return FileResponse(p, filename=p.name if p.suffix in (".safetensors", ".pt", ".jsonl", ".yaml") else None)
+
+    return app
+
+
+def serve(runs_root, host: str = "127.0.0.1", port: int = 7860, token: str | None = None) -> None:
+    """Serve until interrupted."""
+    import uvicorn
+
+    uvicorn.run(create_app(runs_root, token), host=host, port=port, log_level="warning")

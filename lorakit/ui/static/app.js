@@ -1,0 +1,127 @@
+// lorakit ui: the run list (refreshed every few seconds) and a run page fed by server-sent events.
+"use strict";
+
+const $ = (sel) => document.querySelector(sel);
+let source = null;      // the open EventSource of a run page
+let listTimer = null;   // the run list's refresh
+let points = [];        // the run page's metrics rows
+let current = null;     // the run page's summary, kept up to date by the stream
+
+function esc(s) {
+  return String(s ?? "").replace(/[&<>"']/g, (c) => ({ "&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;", "'": "&#39;" }[c]));
+}
+function num(x, digits = 4) { return typeof x === "number" ? x.toFixed(digits) : "-"; }
+function duration(s) {
+  if (typeof s !== "number") return "-";
+  const h = Math.floor(s / 3600), m = Math.floor((s % 3600) / 60), sec = Math.round(s % 60);
+  return h ? `${h}h${String(m).padStart(2, "0")}m` : `${m}m${String(sec).padStart(2, "0")}s`;
+}
+function fileUrl(rel) { return "/files/" + rel.split("/").map(encodeURIComponent).join("/"); }
+function runUrl(name) { return name.split("/").map(encodeURIComponent).join("/"); }
+
+async function getJSON(url) {
+  const r = await fetch(url, { credentials: "same-origin" });
+  if (!r.ok) throw new Error(`${url}: ${r.status}`);
+  return r.json();
+}
+
+async function showList() {
+  const data = await getJSON("/api/runs");
+  $("#root").textContent = data.root;
+  const body = $("#runs tbody");
+  body.innerHTML = data.runs.map((r) => `
+    <tr data-run="${esc(r.name)}">
+      <td><a href="#/run/${esc(r.name)}">${esc(r.name)}</a></td>
+      <td><span class="status ${esc(r.status)}">${esc(r.status)}</span></td>
+      <td>${esc(r.family)}</td><td>${r.step}${r.steps ? " / " + r.steps : ""}</td>
+      <td>${num(r.loss)}</td><td>${num(r.s_per_step, 3)}</td><td>${duration(r.eta_s)}</td><td>${esc(r.updated)}</td>
+    </tr>`).join("");
+  $("#empty").hidden = data.runs.length > 0;
+}
+
+function drawChart() {
+  const c = $("#chart"), g = c.getContext("2d"), W = c.width, H = c.height, pad = 44;
+  g.clearRect(0, 0, W, H);
+  const loss = points.filter((p) => typeof p.loss === "number" && typeof p.step === "number");
+  const val = points.filter((p) => typeof p.val_loss === "number" && typeof p.step === "number");
+  $("#points").textContent = `${loss.length} steps` + (val.length ? `, ${val.length} validations` : "");
+  if (!loss.length && !val.length) return;
+  const all = loss.map((p) => p.loss).concat(val.map((p) => p.val_loss));
+  const steps = loss.map((p) => p.step).concat(val.map((p) => p.step));
+  let lo = Math.min(...all), hi = Math.max(...all);
+  if (hi === lo) { hi += 0.5; lo -= 0.5; }
+  const s0 = Math.min(...steps), s1 = Math.max(...steps, s0 + 1);
+  const x = (s) => pad + ((s - s0) / (s1 - s0)) * (W - 2 * pad);
+  const y = (v) => H - pad + ((lo - v) / (hi - lo)) * (H - 2 * pad);
+  g.strokeStyle = "#99a"; g.lineWidth = 1; g.beginPath();
+  g.moveTo(pad, pad / 2); g.lineTo(pad, H - pad); g.lineTo(W - pad / 2, H - pad); g.stroke();
+  g.fillStyle = "#556"; g.font = "12px sans-serif";
+  g.fillText(hi.toFixed(3), 2, y(hi) + 4); g.fillText(lo.toFixed(3), 2, y(lo) + 4);
+  g.fillText(`step ${s0}`, pad, H - pad + 16); g.fillText(`step ${s1}`, W - pad - 50, H - pad + 16);
+  g.strokeStyle = "#1f6fd1"; g.lineWidth = 1.5; g.beginPath();
+  loss.forEach((p, i) => (i ? g.lineTo(x(p.step), y(p.loss)) : g.moveTo(x(p.step), y(p.loss))));
+  g.stroke();
+  g.fillStyle = "#e07b00";
+  val.forEach((p) => { g.beginPath(); g.arc(x(p.step), y(p.val_loss), 3.5, 0, 2 * Math.PI); g.fill(); });
+}
+
+function showSamples(list) {
+  $("#samples").innerHTML = list.map((s) => `<li><a href="${fileUrl(s)}" target="_blank">${esc(s.split("/").pop())}</a></li>`).join("");
+  const last = list.filter((s) => !s.endsWith("progress.png")).pop() || list[list.length - 1];
+  $("#latest").innerHTML = last ? `<img src="${fileUrl(last)}" alt="${esc(last)}" data-sample="${esc(last)}">` : "<p>No sample grid yet.</p>";
+}
+
+function showSummary(r) {
+  current = r;
+  $("#run-summary").innerHTML = `<span class="status ${esc(r.status)}">${esc(r.status)}</span> ${esc(r.family)} ·
+    step ${r.step}${r.steps ? " / " + r.steps : ""} · loss ${num(r.loss)} · ${num(r.s_per_step, 3)} s/step · ETA ${duration(r.eta_s)}`;
+}
+
+async function showRun(name) {
+  const r = await getJSON("/api/run/" + runUrl(name));
+  $("#run-name").textContent = r.name;
+  showSummary(r);
+  $("#config").textContent = r.config;
+  $("#checkpoints").innerHTML = r.checkpoints.map((c) => `<li>${esc(c.name)}: ` +
+    c.files.map((f) => `<a href="${fileUrl(f)}">${esc(f.split("/").pop())}</a>`).join(", ") + "</li>").join("") +
+    r.files.map((f) => `<li><a href="${fileUrl(f)}">${esc(f.split("/").pop())}</a></li>`).join("");
+  points = [];
+  drawChart();
+  showSamples(r.samples);
+  source = new EventSource("/api/events/" + runUrl(name) + "?since=0");
+  source.addEventListener("metrics", (e) => {
+    const rows = JSON.parse(e.data).rows;
+    points = points.concat(rows);
+    drawChart();
+    const last = rows.filter((p) => typeof p.loss === "number").pop();
+    if (last && current) {  // the header follows the newest step; the s/step is the last 20 steps' median
+      const recent = points.filter((p) => typeof p.s_per_step === "number").slice(-20).map((p) => p.s_per_step).sort((a, b) => a - b);
+      const sps = recent.length ? recent[Math.floor(recent.length / 2)] : current.s_per_step;
+      showSummary({ ...current, step: last.step, loss: last.loss, s_per_step: sps,
+                    eta_s: current.status === "running" && current.steps && sps ? (current.steps - last.step) * sps : current.eta_s });
+    }
+  });
+  source.addEventListener("samples", (e) => showSamples(JSON.parse(e.data)));
+  source.addEventListener("status", (e) => showSummary(JSON.parse(e.data)));
+}
+
+async function route() {
+  if (source) { source.close(); source = null; }
+  if (listTimer) { clearInterval(listTimer); listTimer = null; }
+  const m = location.hash.match(/^#\/run\/(.+)$/);
+  $("#list-view").hidden = !!m;
+  $("#run-view").hidden = !m;
+  try {
+    if (m) {
+      await showRun(decodeURIComponent(m[1]));
+    } else {
+      await showList();
+      listTimer = setInterval(() => showList().catch(() => {}), 3000);
+    }
+  } catch (err) {
+    document.body.insertAdjacentHTML("beforeend", `<p class="error">${esc(err.message)}</p>`);
+  }
+}
+
+window.addEventListener("hashchange", route);
+route();

@@ -1,0 +1,110 @@
+"""`lorakit ui` in a real headless Chromium (Debian's chromium + chromedriver, driven by Selenium): the run list of a
+folder, then a run page open while a tiny run trains — the loss chart gains points and a sample grid appears without
+a reload. Screenshots go to test-artifacts/ui/ (LORAKIT_TEST_ARTIFACTS to put them elsewhere)."""
+
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("selenium")
+pytest.importorskip("fastapi")
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+DRIVER = shutil.which("chromedriver")
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(not (CHROMIUM and DRIVER), reason="needs chromium and chromedriver (apt-get install "
+                                                                    "chromium chromium-driver; .ci/run does)")]
+ARTIFACTS = Path(os.environ.get("LORAKIT_TEST_ARTIFACTS", Path(__file__).resolve().parents[2] / "test-artifacts")) / "ui"
+
+
+@pytest.fixture
+def server(tmp_path):
+    import uvicorn
+
+    from lorakit.ui.server import create_app
+
+    root = tmp_path / "runs"
+    root.mkdir()
+    srv = uvicorn.Server(uvicorn.Config(create_app(root), host="127.0.0.1", port=0, log_level="warning"))
+    t = threading.Thread(target=srv.run, daemon=True)
+    t.start()
+    while not srv.started:
+        time.sleep(0.02)
+    yield root, f"http://127.0.0.1:{srv.servers[0].sockets[0].getsockname()[1]}"
+    srv.should_exit = True
+    t.join(timeout=10)
+
+
+@pytest.fixture
+def browser():
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    opts = webdriver.ChromeOptions()
+    opts.binary_location = CHROMIUM
+    for a in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu", "--window-size=1200,1400"):
+        opts.add_argument(a)
+    d = webdriver.Chrome(service=Service(DRIVER), options=opts)
+    d.set_page_load_timeout(30)
+    yield d
+    d.quit()
+
+
+def _shot(browser, name):
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    browser.save_screenshot(str(ARTIFACTS / f"{name}.png"))
+
+
+def _wait(cond, timeout=60, what="the page"):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        got = cond()
+        if got:
+            return got
+        time.sleep(0.1)
+    raise AssertionError(f"{what} did not change within {timeout} s")
+
+
+def test_a_training_run_updates_its_page_live(server, browser, tiny, tmp_path):
+    from selenium.webdriver.common.by import By
+
+    from tests.unit.ui.conftest import run_yaml
+
+    root, url = server
+    cfg = run_yaml(tmp_path, tiny, root / "live", steps=3000, sampling={"every": 200, "steps": 2},
+                   output={"save_every": 100000})
+    p = subprocess.Popen([sys.executable, "-m", "lorakit", "train", str(cfg), "--json"], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    try:
+        metrics = root / "live" / "metrics.jsonl"
+        _wait(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 3, 120, "metrics.jsonl")
+
+        browser.get(url + "/")
+        row = _wait(lambda: browser.find_elements(By.CSS_SELECTOR, 'tr[data-run="live"]'), what="the run list")[0]
+        assert "running" in row.text and "flux" in row.text
+        _shot(browser, "run-list")
+
+        row.find_element(By.TAG_NAME, "a").click()
+        _wait(lambda: "steps" in browser.find_element(By.ID, "points").text, what="the chart")
+        first = int(browser.find_element(By.ID, "points").text.split()[0])
+        grids = {s.get_attribute("data-sample") for s in browser.find_elements(By.CSS_SELECTOR, "#latest img")}
+        url_before = browser.current_url
+        # new steps reach the chart and a new sample grid replaces the latest one, without a page load
+        _wait(lambda: int(browser.find_element(By.ID, "points").text.split()[0]) > first + 20, what="the chart")
+        _wait(lambda: {s.get_attribute("data-sample") for s in browser.find_elements(By.CSS_SELECTOR, "#latest img")}
+              - grids - {None}, 120, "the sample grid")
+        assert browser.current_url == url_before
+        assert browser.execute_script("return performance.getEntriesByType('navigation').length") == 1
+        img = browser.find_element(By.CSS_SELECTOR, "#latest img")
+        assert browser.execute_script("return arguments[0].complete && arguments[0].naturalWidth", img) > 0
+        summary = browser.find_element(By.ID, "run-summary").text
+        assert "running" in summary and int(summary.split("step ")[1].split()[0]) > first  # the header follows
+        _shot(browser, "run-page-live")
+    finally:
+        p.terminate()
+        p.communicate(timeout=120)

@@ -1,0 +1,67 @@
+"""`lorakit ui` as a user starts it: the run list served within seconds; bound elsewhere, a token."""
+
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+pytest.importorskip("fastapi")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start(*args):
+    return subprocess.Popen([sys.executable, "-m", "lorakit", "ui", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def _first_answer(url, p, timeout=30):
+    t0 = time.time()
+    while time.time() - t0 < timeout:
+        if p.poll() is not None:
+            raise AssertionError(p.communicate()[1])
+        try:
+            return httpx.get(url, timeout=2), time.time() - t0
+        except httpx.TransportError:
+            time.sleep(0.05)
+    raise AssertionError("lorakit ui did not answer")
+
+
+def test_ui_serves_the_run_list_soon_after_it_starts(runs):
+    port = _free_port()
+    p = _start("--runs", str(runs), "--port", str(port))
+    try:
+        r, took = _first_answer(f"http://127.0.0.1:{port}/api/runs", p)
+        assert r.status_code == 200 and {x["name"] for x in r.json()["runs"]} >= {"done", "team/stopped"}
+        print(f"UI first answer after {took:.2f} s")
+        assert took < 10  # 1-2 s measured here; torch is not imported to serve the dashboard
+    finally:
+        p.terminate()
+        out, _ = p.communicate(timeout=30)
+    assert f"http://127.0.0.1:{port}/" in out
+
+
+def test_ui_bound_elsewhere_prints_a_token_and_asks_for_it(runs):
+    port = _free_port()
+    p = _start("--runs", str(runs), "--port", str(port), "--host", "0.0.0.0")
+    try:
+        r, _ = _first_answer(f"http://127.0.0.1:{port}/api/runs", p)
+        assert r.status_code == 401
+    finally:
+        p.terminate()
+        out, _ = p.communicate(timeout=30)
+    token = out.split("every request needs this token: ")[1].split()[0]
+    assert len(token) >= 24
+
+
+def test_ui_refuses_a_missing_runs_folder(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "lorakit", "ui", "--runs", str(tmp_path / "nope")], capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 2 and "no such folder" in r.stderr

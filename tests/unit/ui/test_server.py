@@ -1,0 +1,77 @@
+"""The dashboard's HTTP API through the framework's test client, and its event stream from a real server."""
+
+import json
+import threading
+import time
+
+import pytest
+
+pytest.importorskip("fastapi")
+
+from fastapi.testclient import TestClient  # noqa: E402
+
+from lorakit.ui.server import create_app  # noqa: E402
+
+
+def test_the_api_lists_runs_and_serves_their_files(runs):
+    c = TestClient(create_app(runs))
+    page = c.get("/")
+    assert page.status_code == 200 and "/static/app.js" in page.text
+    assert c.get("/static/app.js").status_code == 200 and c.get("/static/../server.py").status_code == 404
+    listed = {r["name"]: r for r in c.get("/api/runs").json()["runs"]}
+    assert listed["done"]["status"] == "finished" and listed["team/stopped"]["status"] == "interrupted"
+    d = c.get("/api/run/done").json()
+    assert d["samples"] and d["checkpoints"]
+    img = c.get("/files/" + d["samples"][-1])
+    assert img.status_code == 200 and img.headers["content-type"] == "image/png"
+    lora = c.get("/files/done/lora.safetensors")
+    assert lora.status_code == 200 and "attachment" in lora.headers.get("content-disposition", "")
+    assert [m["step"] for m in c.get("/api/run/done/metrics?since=3").json()["rows"]] == [4]
+    assert c.get("/api/run/nothing-here").status_code == 404
+    for bad in ("/files/..%2F..%2Fetc%2Fpasswd", "/files/%2Fetc%2Fpasswd"):
+        assert c.get(bad).status_code in (403, 404)
+
+
+def test_bound_elsewhere_every_request_needs_the_token(runs):
+    c = TestClient(create_app(runs, token="s3cret"))
+    assert c.get("/api/runs").status_code == 401 and c.get("/").status_code == 401
+    assert c.get("/api/runs", headers={"Authorization": "Bearer nope"}).status_code == 401
+    assert c.get("/api/runs", headers={"Authorization": "Bearer s3cret"}).status_code == 200
+    first = c.get("/?token=s3cret")  # the link printed at start: the token is kept in a cookie after it
+    assert first.status_code == 200 and "lorakit_token" in first.headers.get("set-cookie", "")
+    assert c.get("/api/runs").status_code == 200
+
+
+def test_the_event_stream_sends_new_metrics_samples_and_status(runs, tmp_path):
+    import httpx
+    import uvicorn
+
+    server = uvicorn.Server(uvicorn.Config(create_app(runs), host="127.0.0.1", port=0, log_level="warning"))
+    t = threading.Thread(target=server.run, daemon=True)
+    t.start()
+    while not server.started:
+        time.sleep(0.02)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    metrics = runs / "broken" / "metrics.jsonl"
+    before = metrics.read_text()
+    try:
+        events = []
+        with httpx.stream("GET", f"http://127.0.0.1:{port}/api/events/broken?since=1", timeout=10) as r:
+            assert r.headers["content-type"].startswith("text/event-stream")
+            appended = False
+            for line in r.iter_lines():
+                if line.startswith("event: "):
+                    events.append(line.removeprefix("event: "))
+                elif line.startswith("data: ") and events[-1] == "metrics":
+                    rows = json.loads(line.removeprefix("data: "))["rows"]
+                    assert [x["step"] for x in rows] == [2]
+                    break
+                if not appended and "status" in events:  # the stream is open: a step lands
+                    with open(metrics, "a") as f:
+                        f.write(json.dumps({"step": 2, "loss": 1.4, "s_per_step": 0.1}) + "\n")
+                    appended = True
+        assert events[:1] == ["samples"] or "status" in events
+    finally:
+        metrics.write_text(before)
+        server.should_exit = True
+        t.join(timeout=10)
