@@ -9,7 +9,8 @@ import typer
 from lorakit.cli.common import console
 
 HELP = """A web dashboard of the run folders under --runs: status, loss chart (live), sample grids as they appear,
-the resolved config and checkpoints to download. Binds to 127.0.0.1; any other --host needs the token printed at
+the resolved config and checkpoints to download; and of the dataset folders under --datasets: images and clips with
+their captions (edited in place) and the problems `lorakit cache --check` finds. Binds to 127.0.0.1; any other --host needs the token printed at
 start on every request. Needs `pip install 'lorakit[ui]'`."""
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
@@ -17,7 +18,9 @@ LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 def ui(host: str = typer.Option("127.0.0.1", "--host", help="address to bind (another than 127.0.0.1 needs a token)"),
        port: int = typer.Option(7860, "--port", min=1, max=65535, help="port"),
-       runs: Path = typer.Option(Path("."), "--runs", help="the folder holding run folders (output.dir of runs)")) -> None:
+       runs: Path = typer.Option(Path("."), "--runs", help="the folder holding run folders (output.dir of runs)"),
+       datasets: Path | None = typer.Option(None, "--datasets", help="the folder holding dataset folders, whose "
+                                            "captions the pages edit (default: --runs)")) -> None:
     import importlib.util
     import secrets
 
@@ -29,6 +32,8 @@ def ui(host: str = typer.Option("127.0.0.1", "--host", help="address to bind (an
                                "pip install 'lorakit[ui]'")
     if not runs.is_dir():
         raise InputError(f"--runs {runs}: no such folder")
+    if datasets is not None and not datasets.is_dir():
+        raise InputError(f"--datasets {datasets}: no such folder")
     token = None if host in LOOPBACK else secrets.token_urlsafe(24)
     where = f"http://{'[' + host + ']' if ':' in host else host}:{port}/"
     console.print(f"lorakit ui: {where}{'?token=' + token if token else ''} (runs under {runs.resolve()}; "
@@ -37,4 +42,4 @@ def ui(host: str = typer.Option("127.0.0.1", "--host", help="address to bind (an
         console.print(f"bound to {host}: every request needs this token: {token}", soft_wrap=True, markup=False)
     from lorakit.ui.server import serve
 
-    serve(runs, host, port, token)
+    serve(runs, host, port, token, datasets)

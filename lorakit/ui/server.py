@@ -17,16 +17,21 @@ from fastapi import FastAPI, HTTPException, Request
 from fastapi.responses import FileResponse, JSONResponse, StreamingResponse
 
 from lorakit.errors import InputError
+from lorakit.models.registry import family_names
+from lorakit.ui import datasets as D
 from lorakit.ui import runs as R
 
 STATIC = Path(__file__).parent / "static"
+MAX_BODY = 64 * 1024  # bytes a request may send (a caption is the largest thing the pages send)
 COOKIE = "lorakit_token"
 POLL_S = 0.5  # how often the event stream looks at a run folder
 
 
-def create_app(runs_root, token: str | None = None):
-    """The ASGI app over the run folders under `runs_root` (token None: no token asked, for 127.0.0.1)."""
+def create_app(runs_root, token: str | None = None, datasets_root=None):
+    """The ASGI app over the run folders under `runs_root` and the dataset folders under `datasets_root` (default:
+    the same folder); token None: no token asked (127.0.0.1)."""
     root = Path(runs_root).resolve()
+    droot = Path(datasets_root).resolve() if datasets_root else root
     app = FastAPI(title="lorakit", docs_url=None, redoc_url=None, openapi_url=None)
 
     @app.middleware("http")
@@ -41,6 +46,12 @@ def create_app(runs_root, token: str | None = None):
         if request.query_params.get("token"):
             response.set_cookie(COOKIE, token, httponly=True, samesite="strict")
         return response
+
+    @app.middleware("http")
+    async def limit_body(request: Request, call_next):
+        if int(request.headers.get("content-length") or 0) > MAX_BODY:
+            return JSONResponse({"error": f"request body over {MAX_BODY} bytes"}, status_code=413)
+        return await call_next(request)
 
     def run_of(name: str) -> Path:
         try:
@@ -96,6 +107,53 @@ def create_app(runs_root, token: str | None = None):
         return StreamingResponse(stream(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-store", "X-Accel-Buffering": "no"})
 
+    def dataset_of(name: str) -> Path:
+        try:
+            return D.dataset_folder(droot, name)
+        except InputError as e:
+            raise HTTPException(404, e.message) from None
+
+    @app.get("/api/datasets")
+    def dataset_list():
+        return {"root": str(droot), "datasets": D.find_datasets(droot)}
+
+    @app.get("/api/dataset/{name:path}")
+    def dataset_detail(name: str, family: str = "flux"):
+        folder = dataset_of(name)
+        if family not in family_names():
+            raise HTTPException(400, f"unknown family {family!r}")
+        return {"name": name, "items": D.items(folder, name), "check": D.check(folder, family), "family": family,
+                "families": family_names()}
+
+    @app.put("/api/caption/{name:path}")
+    async def caption(name: str, request: Request):
+        folder = dataset_of(name)
+        body = await request.body()
+        if len(body) > MAX_BODY:
+            raise HTTPException(413, f"request body over {MAX_BODY} bytes")
+        try:
+            got = json.loads(body)
+            stem, text = got["stem"], got["text"]
+            if not (isinstance(stem, str) and isinstance(text, str)):
+                raise TypeError
+        except (ValueError, KeyError, TypeError):
+            raise HTTPException(400, 'send {"stem": "...", "text": "..."}') from None
+        try:
+            path = D.set_caption(folder, stem, text)
+        except InputError as e:
+            raise HTTPException(400, e.message) from None
+        return {"written": str(path.relative_to(droot)), "chars": len(text)}
+
+    @app.get("/dfiles/{rel:path}")
+    def dataset_files(rel: str):
+        try:
+            p = R.confined(droot, rel)
+        except InputError as e:
+            raise HTTPException(403, e.message) from None
+        if not p.is_file():
+            raise HTTPException(404, "no such file")
+        return FileResponse(p)
+
     @app.get("/files/{rel:path}")
     def files(rel: str):
         try:
@@ -109,8 +167,8 @@ def create_app(runs_root, token: str | None = None):
     return app
 
 
-def serve(runs_root, host: str = "127.0.0.1", port: int = 7860, token: str | None = None) -> None:
+def serve(runs_root, host: str = "127.0.0.1", port: int = 7860, token: str | None = None, datasets_root=None) -> None:
     """Serve until interrupted."""
     import uvicorn
 
-    uvicorn.run(create_app(runs_root, token), host=host, port=port, log_level="warning")
+    uvicorn.run(create_app(runs_root, token, datasets_root), host=host, port=port, log_level="warning")

@@ -30,7 +30,9 @@ def server(tmp_path):
 
     root = tmp_path / "runs"
     root.mkdir()
-    srv = uvicorn.Server(uvicorn.Config(create_app(root), host="127.0.0.1", port=0, log_level="warning"))
+    (tmp_path / "sets").mkdir()
+    srv = uvicorn.Server(uvicorn.Config(create_app(root, datasets_root=tmp_path / "sets"), host="127.0.0.1", port=0,
+                                        log_level="warning"))
     t = threading.Thread(target=srv.run, daemon=True)
     t.start()
     while not srv.started:
@@ -108,3 +110,28 @@ def test_a_training_run_updates_its_page_live(server, browser, tiny, tmp_path):
     finally:
         p.terminate()
         p.communicate(timeout=120)
+
+
+def test_a_caption_is_edited_in_place_and_the_problems_are_shown(server, browser, tmp_path):
+    from selenium.webdriver.common.by import By
+
+    from lorakit.data.demo import make_demo_dataset
+
+    root, url = server
+    data = make_demo_dataset(tmp_path / "sets" / "shapes", "flat", count=3, size=64)
+    (data / "item_000.txt").unlink()  # an uncaptioned image: listed as a problem, captioned from the page
+    browser.get(url + "/#/datasets")
+    _wait(lambda: browser.find_elements(By.CSS_SELECTOR, 'a[data-dataset="shapes"]'), what="the dataset list")[0].click()
+    item = _wait(lambda: browser.find_elements(By.CSS_SELECTOR, '.item[data-stem="item_000"]'), what="the items")[0]
+    problems = browser.find_element(By.ID, "problems").text
+    assert "item_000.png" in problems and "missing-caption" in problems
+    assert "no caption" in item.text
+    box = item.find_element(By.TAG_NAME, "textarea")
+    box.clear()
+    box.send_keys("a red circle drawn by hand")
+    item.find_element(By.TAG_NAME, "button").click()
+    _wait(lambda: "saved" in item.find_element(By.CLASS_NAME, "saved").text, what="the save")
+    assert (data / "item_000.txt").read_text(encoding="utf-8") == "a red circle drawn by hand"
+    _wait(lambda: "missing-caption" not in browser.find_element(By.ID, "problems").text, what="the problems table")
+    assert browser.execute_script("return document.querySelector('.item img').naturalWidth") > 0
+    _shot(browser, "dataset-caption-edited")

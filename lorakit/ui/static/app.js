@@ -105,15 +105,70 @@ async function showRun(name) {
   source.addEventListener("status", (e) => showSummary(JSON.parse(e.data)));
 }
 
+function dfileUrl(rel) { return "/dfiles/" + rel.split("/").map(encodeURIComponent).join("/"); }
+
+async function showDatasets() {
+  const data = await getJSON("/api/datasets");
+  $("#root").textContent = data.root;
+  $("#datasets").innerHTML = data.datasets.map((d) =>
+    `<li><a href="#/dataset/${esc(d.name)}" data-dataset="${esc(d.name)}">${esc(d.name)}</a> (${d.items})</li>`).join("")
+    || "<li>No folder with images or clips here.</li>";
+}
+
+function showCheck(c) {
+  $("#check-summary").textContent = c.error ? `not checked: ${c.error}` :
+    `${c.items} items train, ${c.problems.length} problems` + (c.warnings.length ? `; ${c.warnings.join("; ")}` : "");
+  $("#problems tbody").innerHTML = (c.problems || []).map((p) =>
+    `<tr><td>${esc(p.path)}</td><td>${esc(p.code)}</td><td>${esc(p.message)}</td></tr>`).join("");
+}
+
+async function showDataset(name, family) {
+  const d = await getJSON("/api/dataset/" + runUrl(name) + "?family=" + encodeURIComponent(family));
+  $("#dataset-name").textContent = d.name;
+  $("#family").innerHTML = d.families.map((f) => `<option${f === family ? " selected" : ""}>${f}</option>`).join("");
+  $("#family").onchange = () => showDataset(name, $("#family").value);
+  showCheck(d.check);
+  $("#items").innerHTML = d.items.map((it) => `
+    <div class="item" data-stem="${esc(it.stem)}">
+      ${it.kind === "image" ? `<img src="${dfileUrl(it.file)}" alt="${esc(it.stem)}" loading="lazy">` : `<p>clip ${esc(it.file)}</p>`}
+      <div>${esc(it.file.split("/").pop())} ${it.caption === null ? '<span class="missing">no caption</span>' : ""}</div>
+      <textarea>${esc(it.caption ?? "")}</textarea>
+      <button>save</button><span class="saved"></span>
+    </div>`).join("");
+  document.querySelectorAll("#items .item").forEach((el) => {
+    el.querySelector("button").onclick = async () => {
+      const r = await fetch("/api/caption/" + runUrl(name), { method: "PUT", credentials: "same-origin",
+        headers: { "Content-Type": "application/json" },
+        body: JSON.stringify({ stem: el.dataset.stem, text: el.querySelector("textarea").value }) });
+      const out = await r.json();
+      el.querySelector(".saved").textContent = r.ok ? `saved (${out.chars} characters)` : (out.detail || "not saved");
+      const miss = el.querySelector(".missing");
+      if (r.ok && miss) miss.remove();
+      if (r.ok) {  // the problems as the check sees the folder now
+        const fresh = await getJSON("/api/dataset/" + runUrl(name) + "?family=" + encodeURIComponent($("#family").value));
+        showCheck(fresh.check);
+      }
+    };
+  });
+}
+
 async function route() {
   if (source) { source.close(); source = null; }
   if (listTimer) { clearInterval(listTimer); listTimer = null; }
   const m = location.hash.match(/^#\/run\/(.+)$/);
-  $("#list-view").hidden = !!m;
+  const ds = location.hash.match(/^#\/dataset\/(.+)$/);
+  const dsList = location.hash === "#/datasets";
+  $("#list-view").hidden = !!(m || ds || dsList);
   $("#run-view").hidden = !m;
+  $("#datasets-view").hidden = !dsList;
+  $("#dataset-view").hidden = !ds;
   try {
     if (m) {
       await showRun(decodeURIComponent(m[1]));
+    } else if (ds) {
+      await showDataset(decodeURIComponent(ds[1]), "flux");
+    } else if (dsList) {
+      await showDatasets();
     } else {
       await showList();
       listTimer = setInterval(() => showList().catch(() => {}), 3000);

@@ -75,3 +75,26 @@ def test_the_event_stream_sends_new_metrics_samples_and_status(runs, tmp_path):
         metrics.write_text(before)
         server.should_exit = True
         t.join(timeout=10)
+
+
+def test_datasets_are_listed_checked_and_their_captions_edited(runs, tmp_path):
+    from lorakit.data.demo import make_demo_dataset
+
+    data = make_demo_dataset(tmp_path / "sets" / "shapes", "flat", count=3, size=64)
+    (data / "broken.png").write_bytes(b"not a png")
+    c = TestClient(create_app(runs, datasets_root=tmp_path / "sets"))
+    assert {d["name"]: d["items"] for d in c.get("/api/datasets").json()["datasets"]} == {"shapes": 4}
+    d = c.get("/api/dataset/shapes?family=flux").json()
+    assert len(d["items"]) == 4 and "flux2-klein" in d["families"]
+    codes = {(p["path"], p["code"]) for p in d["check"]["problems"]}
+    assert ("broken.png", "unreadable") in codes and ("broken.png", "missing-caption") in codes
+    assert c.get("/api/dataset/shapes?family=sdxl").status_code == 400
+    stem = d["items"][0]["stem"]
+    r = c.put("/api/caption/shapes", json={"stem": stem, "text": "a tiny red square"})
+    assert r.status_code == 200 and (data / f"{stem}.txt").read_text() == "a tiny red square"
+    assert c.put("/api/caption/shapes", json={"stem": "nope", "text": "x"}).status_code == 400
+    assert c.put("/api/caption/shapes", json={"stem": stem, "text": "x" * 20000}).status_code == 400  # > 16384
+    assert c.put("/api/caption/shapes", content=b"x" * 70000).status_code == 413  # uploads are size-limited
+    assert c.put("/api/caption/../shapes", json={"stem": stem, "text": "x"}).status_code in (403, 404)
+    assert c.get(f"/dfiles/shapes/{stem}.png").status_code in (200, 404)
+    assert c.get("/dfiles/../../etc/passwd").status_code in (403, 404)
