@@ -20,7 +20,9 @@ def ui(host: str = typer.Option("127.0.0.1", "--host", help="address to bind (an
        port: int = typer.Option(7860, "--port", min=1, max=65535, help="port"),
        runs: Path = typer.Option(Path("."), "--runs", help="the folder holding run folders (output.dir of runs)"),
        datasets: Path | None = typer.Option(None, "--datasets", help="the folder holding dataset folders, whose "
-                                            "captions the pages edit (default: --runs)")) -> None:
+                                            "captions the pages edit (default: --runs)"),
+       slots: int = typer.Option(0, "--slots", min=0, help="training runs the job queue runs at once (0: one per "
+                                 "GPU nvidia-smi lists, one without a GPU)")) -> None:
     import importlib.util
     import secrets
 
@@ -42,4 +44,18 @@ def ui(host: str = typer.Option("127.0.0.1", "--host", help="address to bind (an
         console.print(f"bound to {host}: every request needs this token: {token}", soft_wrap=True, markup=False)
     from lorakit.ui.server import serve
 
-    serve(runs, host, port, token, datasets)
+    serve(runs, host, port, token, datasets, slots or _gpus())
+
+
+def _gpus() -> int:
+    """GPUs nvidia-smi lists (1 without one): the job queue's default slots, found without importing torch."""
+    import shutil
+    import subprocess
+
+    if not shutil.which("nvidia-smi"):
+        return 1
+    try:
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=20).stdout
+    except (OSError, subprocess.SubprocessError):
+        return 1
+    return max(1, sum(1 for line in out.splitlines() if line.startswith("GPU ")))

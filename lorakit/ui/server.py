@@ -20,6 +20,7 @@ from lorakit.errors import InputError
 from lorakit.models.registry import family_names
 from lorakit.ui import datasets as D
 from lorakit.ui import runs as R
+from lorakit.ui.jobs import Queue
 
 STATIC = Path(__file__).parent / "static"
 MAX_BODY = 64 * 1024  # bytes a request may send (a caption is the largest thing the pages send)
@@ -27,12 +28,23 @@ COOKIE = "lorakit_token"
 POLL_S = 0.5  # how often the event stream looks at a run folder
 
 
-def create_app(runs_root, token: str | None = None, datasets_root=None):
+def create_app(runs_root, token: str | None = None, datasets_root=None, slots: int = 1):
     """The ASGI app over the run folders under `runs_root` and the dataset folders under `datasets_root` (default:
-    the same folder); token None: no token asked (127.0.0.1)."""
+    the same folder), with its job queue (`slots` runs at once); token None: no token asked (127.0.0.1)."""
+    from contextlib import asynccontextmanager
+
     root = Path(runs_root).resolve()
     droot = Path(datasets_root).resolve() if datasets_root else root
-    app = FastAPI(title="lorakit", docs_url=None, redoc_url=None, openapi_url=None)
+    queue = Queue(root, slots, (droot,))
+
+    @asynccontextmanager
+    async def lifespan(app):
+        queue.start()
+        yield
+        queue.close()
+
+    app = FastAPI(title="lorakit", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
+    app.state.queue = queue
 
     @app.middleware("http")
     async def need_token(request: Request, call_next):
@@ -144,6 +156,41 @@ def create_app(runs_root, token: str | None = None, datasets_root=None):
             raise HTTPException(400, e.message) from None
         return {"written": str(path.relative_to(droot)), "chars": len(text)}
 
+    def job_call(fn, *args):
+        try:
+            return fn(*args)
+        except InputError as e:
+            return JSONResponse({"error": e.message, "hint": e.hint,
+                                 "problems": (getattr(e, "details", None) or {}).get("problems", [e.message])},
+                                status_code=400)
+
+    @app.get("/api/jobs")
+    def job_list():
+        return {"jobs": queue.jobs(), "slots": queue.slots}
+
+    @app.post("/api/jobs")
+    async def job_submit(request: Request):
+        try:
+            got = json.loads(await request.body())
+            config, sets, resume = got["config"], got.get("sets") or [], bool(got.get("resume", False))
+            if not isinstance(config, str) or not all(isinstance(x, str) for x in sets):
+                raise TypeError
+        except (ValueError, KeyError, TypeError):
+            raise HTTPException(400, 'send {"config": "path/in/the/runs/folder.yaml", "sets": ["key=value"]}') from None
+        return await asyncio.to_thread(job_call, queue.submit, config, sets, resume)
+
+    @app.post("/api/jobs/{job_id}/stop")
+    def job_stop(job_id: int):
+        return job_call(queue.stop, job_id)
+
+    @app.post("/api/jobs/{job_id}/resume")
+    async def job_resume(job_id: int):
+        return await asyncio.to_thread(job_call, queue.resume, job_id)
+
+    @app.get("/api/jobs/{job_id}/log")
+    def job_log(job_id: int):
+        return {"id": job_id, "log": queue.log(job_id)}
+
     @app.get("/dfiles/{rel:path}")
     def dataset_files(rel: str):
         try:
@@ -167,8 +214,9 @@ def create_app(runs_root, token: str | None = None, datasets_root=None):
     return app
 
 
-def serve(runs_root, host: str = "127.0.0.1", port: int = 7860, token: str | None = None, datasets_root=None) -> None:
+def serve(runs_root, host: str = "127.0.0.1", port: int = 7860, token: str | None = None, datasets_root=None,
+          slots: int = 1) -> None:
     """Serve until interrupted."""
     import uvicorn
 
-    uvicorn.run(create_app(runs_root, token, datasets_root), host=host, port=port, log_level="warning")
+    uvicorn.run(create_app(runs_root, token, datasets_root, slots), host=host, port=port, log_level="warning")

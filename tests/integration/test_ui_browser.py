@@ -78,7 +78,7 @@ def test_a_training_run_updates_its_page_live(server, browser, tiny, tmp_path):
     from tests.unit.ui.conftest import run_yaml
 
     root, url = server
-    cfg = run_yaml(tmp_path, tiny, root / "live", steps=3000, sampling={"every": 200, "steps": 2},
+    cfg = run_yaml(tmp_path, tiny, root / "live", steps=3000, sampling={"every": 60, "steps": 2},
                    output={"save_every": 100000})
     p = subprocess.Popen([sys.executable, "-m", "lorakit", "train", str(cfg), "--json"], stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, text=True)

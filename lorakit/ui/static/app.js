@@ -152,13 +152,46 @@ async function showDataset(name, family) {
   });
 }
 
+async function jobAction(url, body) {
+  const r = await fetch(url, { method: "POST", credentials: "same-origin", headers: { "Content-Type": "application/json" },
+    body: body ? JSON.stringify(body) : undefined });
+  const out = await r.json();
+  $("#job-problems").innerHTML = r.ok ? "" : (out.problems || [out.error || out.detail]).map((p) => `<li>${esc(p)}</li>`).join("");
+  await showJobs();
+  return r.ok;
+}
+
+async function showJobs() {
+  const data = await getJSON("/api/jobs");
+  $("#jobs tbody").innerHTML = data.jobs.map((j) => {
+    const run = j.out_dir ? j.out_dir.split("/").pop() : "";
+    const act = ["queued", "running"].includes(j.state) ? `<button data-stop="${j.id}">stop</button>`
+      : ["interrupted", "failed", "cancelled"].includes(j.state) ? `<button data-resume="${j.id}">resume</button>` : "";
+    return `<tr data-job="${j.id}"><td>${j.id}</td><td><span class="status ${esc(j.state)}">${esc(j.state)}</span>` +
+      `${j.exit !== null && j.exit !== undefined ? " (exit " + j.exit + ")" : ""}</td><td>${esc(j.config)}</td>` +
+      `<td>${esc(run)}</td><td>${act} <a href="#/jobs" data-log="${j.id}">log</a></td></tr>`;
+  }).join("");
+  document.querySelectorAll("[data-stop]").forEach((b) => { b.onclick = () => jobAction(`/api/jobs/${b.dataset.stop}/stop`); });
+  document.querySelectorAll("[data-resume]").forEach((b) => { b.onclick = () => jobAction(`/api/jobs/${b.dataset.resume}/resume`); });
+  document.querySelectorAll("[data-log]").forEach((a) => {
+    a.onclick = async (e) => {
+      e.preventDefault();
+      const l = await getJSON(`/api/jobs/${a.dataset.log}/log`);
+      $("#job-log").hidden = false;
+      $("#job-log").textContent = l.log || "(empty)";
+    };
+  });
+}
+
 async function route() {
   if (source) { source.close(); source = null; }
   if (listTimer) { clearInterval(listTimer); listTimer = null; }
   const m = location.hash.match(/^#\/run\/(.+)$/);
   const ds = location.hash.match(/^#\/dataset\/(.+)$/);
   const dsList = location.hash === "#/datasets";
-  $("#list-view").hidden = !!(m || ds || dsList);
+  const jobs = location.hash === "#/jobs";
+  $("#list-view").hidden = !!(m || ds || dsList || jobs);
+  $("#jobs-view").hidden = !jobs;
   $("#run-view").hidden = !m;
   $("#datasets-view").hidden = !dsList;
   $("#dataset-view").hidden = !ds;
@@ -169,6 +202,9 @@ async function route() {
       await showDataset(decodeURIComponent(ds[1]), "flux");
     } else if (dsList) {
       await showDatasets();
+    } else if (jobs) {
+      await showJobs();
+      listTimer = setInterval(() => showJobs().catch(() => {}), 1000);
     } else {
       await showList();
       listTimer = setInterval(() => showList().catch(() => {}), 3000);
@@ -179,4 +215,10 @@ async function route() {
 }
 
 window.addEventListener("hashchange", route);
+$("#job-form").onsubmit = async (e) => {
+  e.preventDefault();
+  const sets = $("#job-sets").value.split("\n").map((x) => x.trim()).filter(Boolean);
+  $("#job-problems").innerHTML = "<li>checking the config as lorakit train --dry-run does...</li>";
+  await jobAction("/api/jobs", { config: $("#job-config").value, sets });
+};
 route();

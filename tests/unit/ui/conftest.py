@@ -4,10 +4,7 @@ holds the folder lock), failed (nothing saved) — built once per module from th
 from __future__ import annotations
 
 import json
-import signal
-import subprocess
-import sys
-import time
+import shutil
 
 import pytest
 import yaml
@@ -28,30 +25,24 @@ def run_yaml(folder, tiny, out, steps=4, **over):
     return path
 
 
-def train(config, *extra):
-    return subprocess.run([sys.executable, "-m", "lorakit", "train", str(config), "--json", *extra],
-                          capture_output=True, text=True, timeout=300)
-
-
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def runs(tmp_path_factory, tiny):
-    """root/{done, stopped, broken}: a finished run, one stopped by SIGINT after 2 of 400 steps, one whose
-    config exists but whose training never saved anything."""
+    """root/{done, team/stopped, broken}: a finished run; one stopped after its step-2 checkpoint (no final: what a
+    kill leaves, `--resume latest` continues it); one whose config exists but that never saved anything. Built in
+    this process (the CLI's own command), once per test worker."""
+    from typer.testing import CliRunner
+
+    from lorakit.cli.app import app
+
     root = tmp_path_factory.mktemp("runs")
     work = tmp_path_factory.mktemp("work")
-    r = train(run_yaml(work, tiny, root / "done"))
-    assert r.returncode == 0, r.stderr
-    cfg = run_yaml(work, tiny, root / "team" / "stopped", steps=400, sampling={"enabled": False},
-                   output={"save_every": 1000})
-    p = subprocess.Popen([sys.executable, "-m", "lorakit", "train", str(cfg), "--json"], stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True)
-    metrics = root / "team" / "stopped" / "metrics.jsonl"
-    deadline = time.time() + 120
-    while time.time() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 2):
-        time.sleep(0.05)
-    p.send_signal(signal.SIGINT)
-    p.communicate(timeout=120)
-    assert p.returncode == 75
+    cli = CliRunner()
+    r = cli.invoke(app, ["train", str(run_yaml(work, tiny, root / "done")), "--json"])
+    assert r.exit_code == 0, r.output
+    r = cli.invoke(app, ["train", str(run_yaml(work, tiny, root / "team" / "stopped", steps=3,
+                                               sampling={"enabled": False})), "--json"])
+    assert r.exit_code == 0, r.output
+    shutil.rmtree(root / "team" / "stopped" / "checkpoints" / "final")
     broken = root / "broken"
     (broken / "checkpoints").mkdir(parents=True)
     (broken / "config.resolved.yaml").write_text((root / "done" / "config.resolved.yaml").read_text())
