@@ -62,6 +62,15 @@ def _shot(browser, name):
     browser.save_screenshot(str(ARTIFACTS / f"{name}.png"))
 
 
+def _text(browser, css: str) -> str:
+    """An element's text read in one step (the jobs table is redrawn every second: a found element can go stale)."""
+    return browser.execute_script("const e = document.querySelector(arguments[0]); return e ? e.innerText : ''", css)
+
+
+def _click(browser, css: str) -> None:
+    browser.execute_script("document.querySelector(arguments[0]).click()", css)
+
+
 def _wait(cond, timeout=60, what="the page"):
     deadline = time.time() + timeout
     while time.time() < deadline:
@@ -135,3 +144,36 @@ def test_a_caption_is_edited_in_place_and_the_problems_are_shown(server, browser
     _wait(lambda: "missing-caption" not in browser.find_element(By.ID, "problems").text, what="the problems table")
     assert browser.execute_script("return document.querySelector('.item img').naturalWidth") > 0
     _shot(browser, "dataset-caption-edited")
+
+
+def test_a_job_is_started_and_stopped_from_the_page(server, browser, tiny, tmp_path):
+    from selenium.webdriver.common.by import By
+
+    from tests.unit.ui.conftest import run_yaml
+
+    root, url = server
+    run_yaml(root, tiny, root / "queued", steps=5000, sampling={"enabled": False}, output={"save_every": 100000})
+    browser.get(url + "/#/jobs")
+    form = _wait(lambda: browser.find_elements(By.ID, "job-form"), what="the jobs page")[0]
+    form.find_element(By.ID, "job-sets").send_keys("lora.rank=0\nschedule.steps=-2")
+    form.find_element(By.ID, "job-config").send_keys("queued.yaml")
+    form.find_element(By.TAG_NAME, "button").click()
+    # refused as the CLI refuses it: every problem listed, nothing queued
+    _wait(lambda: "lora.rank" in browser.find_element(By.ID, "job-problems").text, 120, "the problems")
+    assert "schedule.steps" in browser.find_element(By.ID, "job-problems").text
+    assert not browser.find_elements(By.CSS_SELECTOR, "tr[data-job]")
+    sets = browser.find_element(By.ID, "job-sets")
+    sets.clear()
+    form.find_element(By.TAG_NAME, "button").click()
+    _wait(lambda: _text(browser, 'tr[data-job="1"]'), 120, "the job row")
+    metrics = root / "queued" / "metrics.jsonl"
+    _wait(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 2, 120, "the run's first steps")
+    _wait(lambda: "running" in _text(browser, 'tr[data-job="1"]'), what="the state")
+    _shot(browser, "job-running")
+    _click(browser, 'button[data-stop="1"]')
+    _wait(lambda: "interrupted" in _text(browser, 'tr[data-job="1"]'), 120, "the stop (a checkpoint, then exit 75)")
+    assert "exit 75" in _text(browser, 'tr[data-job="1"]')
+    assert any((root / "queued" / "checkpoints").glob("step-*"))
+    _click(browser, 'a[data-log="1"]')
+    _wait(lambda: "interrupted" in _text(browser, "#job-log").lower(), what="the job's log")
+    _shot(browser, "job-stopped")

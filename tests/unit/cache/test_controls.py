@@ -81,17 +81,17 @@ def cached(tmp_path, family, model, dirs):
 
 
 @pytest.mark.slow
-def test_edit_plus_with_one_two_and_three_controls_equals_the_stock_pipeline(tmp_path, tiny):
+def test_edit_plus_with_one_and_three_controls_equals_the_stock_pipeline(tmp_path, tiny):
     from diffusers import QwenImageEditPlusPipeline
 
     family = "qwen-image-edit-plus"
     model = tiny(family)
-    dirs = [edit_dataset(tmp_path / f"n{n}", n, seed=n) for n in (1, 2, 3)]
+    dirs = [edit_dataset(tmp_path / f"n{n}", n, seed=n) for n in (1, 3)]  # one, and the most (2: the same path)
     entries = cached(tmp_path, family, model, dirs)
     a = load_adapter(family, model)
     pipe = QwenImageEditPlusPipeline.from_pretrained(model)
     pipe.set_progress_bar_config(disable=True)
-    for n in (1, 2, 3):
+    for n in (1, 3):
         it, e = entries[f"n{n}"]
         controls = [Image.open(c).convert("RGB") for c in it["controls"]]
         assert len(controls) == n

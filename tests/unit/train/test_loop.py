@@ -94,7 +94,10 @@ def test_saved_lora_reproduces_predictions_in_stock_diffusers(tmp_path, tiny, fa
     assert (ours - base).abs().max() > 1e-3  # the LoRA changed something
 
 
-OVERFIT_FAMILIES = family_names()
+# one family per (architecture, layout, several controls): siblings that differ in text encoder, guidance or a
+# transformer flag (FLUX.2 dev/klein, Edit-Plus/Edit-2511) train the same tiny transformer the same way
+OVERFIT_FAMILIES = list({(family_adapter(f).arch, family_adapter(f).layout, family_adapter(f).max_controls > 1): f
+                         for f in reversed(family_names())}.values())[::-1]
 
 
 @pytest.mark.slow

@@ -34,12 +34,19 @@ def _first_answer(url, p, timeout=30):
     raise AssertionError("lorakit ui did not answer")
 
 
-def test_ui_serves_the_run_list_soon_after_it_starts(runs):
+def test_ui_serves_the_run_list_of_the_demo_soon_after_it_starts(tmp_path):
+    from typer.testing import CliRunner
+
+    from lorakit.cli.app import app
+
+    demo = CliRunner().invoke(app, ["demo", "--out", str(tmp_path / "demo-out")])  # what `make demo` runs
+    assert demo.exit_code == 0, demo.output
     port = _free_port()
-    p = _start("--runs", str(runs), "--port", str(port))
+    p = _start("--runs", str(tmp_path / "demo-out"), "--port", str(port))
     try:
         r, took = _first_answer(f"http://127.0.0.1:{port}/api/runs", p)
-        assert r.status_code == 200 and {x["name"] for x in r.json()["runs"]} >= {"done", "team/stopped"}
+        listed = {x["name"]: x for x in r.json()["runs"]}
+        assert r.status_code == 200 and listed["run"]["status"] == "finished" and listed["run"]["family"] == "flux"
         print(f"UI first answer after {took:.2f} s")
         assert took < 10  # 1-2 s measured here; torch is not imported to serve the dashboard
     finally:
