@@ -10,12 +10,29 @@ from lorakit.models.shift_scale import ShiftScaleLatents
 
 _D = "transformer_blocks.{i}."
 _S = "single_transformer_blocks.{i}."
-# Black Forest Labs' names (what ComfyUI and kohya use): the fused projections hold several diffusers Linears
-FLUX_NATIVE = (
+# The original names FLUX.1 and FLUX.2 share with the same diffusers modules: the double blocks' attention
+# projections (fused q, k, v), the latent/text input and output layers, the attention RMSNorms
+BFL_SHARED = (
     NativeName("double_blocks.{i}.img_attn.qkv", (_D + "attn.to_q", _D + "attn.to_k", _D + "attn.to_v")),
     NativeName("double_blocks.{i}.img_attn.proj", (_D + "attn.to_out.0",)),
     NativeName("double_blocks.{i}.txt_attn.qkv", (_D + "attn.add_q_proj", _D + "attn.add_k_proj", _D + "attn.add_v_proj")),
     NativeName("double_blocks.{i}.txt_attn.proj", (_D + "attn.to_add_out",)),
+    NativeName("img_in", ("x_embedder",)),
+    NativeName("txt_in", ("context_embedder",)),
+    NativeName("final_layer.linear", ("proj_out",)),
+    # the final norm's modulation: BFL stores [scale, shift], diffusers [shift, scale]
+    NativeName("final_layer.adaLN_modulation.1", ("norm_out.linear",), swap_halves=True),
+    # the attention RMSNorms (no LoRA on them, but ComfyUI's model-diff extracts carry their differences)
+    NativeName("double_blocks.{i}.img_attn.norm.query_norm", (_D + "attn.norm_q",), param="scale"),
+    NativeName("double_blocks.{i}.img_attn.norm.key_norm", (_D + "attn.norm_k",), param="scale"),
+    NativeName("double_blocks.{i}.txt_attn.norm.query_norm", (_D + "attn.norm_added_q",), param="scale"),
+    NativeName("double_blocks.{i}.txt_attn.norm.key_norm", (_D + "attn.norm_added_k",), param="scale"),
+    NativeName("single_blocks.{i}.norm.query_norm", (_S + "attn.norm_q",), param="scale"),
+    NativeName("single_blocks.{i}.norm.key_norm", (_S + "attn.norm_k",), param="scale"),
+)
+# Black Forest Labs' names (what ComfyUI and kohya use): the fused projections hold several diffusers Linears
+FLUX_NATIVE = (
+    *BFL_SHARED,
     NativeName("double_blocks.{i}.img_mlp.0", (_D + "ff.net.0.proj",)),
     NativeName("double_blocks.{i}.img_mlp.2", (_D + "ff.net.2",)),
     NativeName("double_blocks.{i}.txt_mlp.0", (_D + "ff_context.net.0.proj",)),
@@ -26,24 +43,12 @@ FLUX_NATIVE = (
                split="qkv_mlp"),
     NativeName("single_blocks.{i}.linear2", (_S + "proj_out",)),
     NativeName("single_blocks.{i}.modulation.lin", (_S + "norm.linear",)),
-    NativeName("img_in", ("x_embedder",)),
-    NativeName("txt_in", ("context_embedder",)),
-    NativeName("final_layer.linear", ("proj_out",)),
-    # the final norm's modulation: BFL stores [scale, shift], diffusers [shift, scale]
-    NativeName("final_layer.adaLN_modulation.1", ("norm_out.linear",), swap_halves=True),
     NativeName("time_in.in_layer", ("time_text_embed.timestep_embedder.linear_1",)),
     NativeName("time_in.out_layer", ("time_text_embed.timestep_embedder.linear_2",)),
     NativeName("vector_in.in_layer", ("time_text_embed.text_embedder.linear_1",)),
     NativeName("vector_in.out_layer", ("time_text_embed.text_embedder.linear_2",)),
     NativeName("guidance_in.in_layer", ("time_text_embed.guidance_embedder.linear_1",)),
     NativeName("guidance_in.out_layer", ("time_text_embed.guidance_embedder.linear_2",)),
-    # the attention RMSNorms (no LoRA on them, but ComfyUI's model-diff extracts carry their differences)
-    NativeName("double_blocks.{i}.img_attn.norm.query_norm", (_D + "attn.norm_q",), param="scale"),
-    NativeName("double_blocks.{i}.img_attn.norm.key_norm", (_D + "attn.norm_k",), param="scale"),
-    NativeName("double_blocks.{i}.txt_attn.norm.query_norm", (_D + "attn.norm_added_q",), param="scale"),
-    NativeName("double_blocks.{i}.txt_attn.norm.key_norm", (_D + "attn.norm_added_k",), param="scale"),
-    NativeName("single_blocks.{i}.norm.query_norm", (_S + "attn.norm_q",), param="scale"),
-    NativeName("single_blocks.{i}.norm.key_norm", (_S + "attn.norm_k",), param="scale"),
 )
 
 

@@ -21,16 +21,14 @@ from lorakit.models import tiny
 from lorakit.models.base import Adapter
 from lorakit.models.batch import Batch
 from lorakit.models.facts import AttentionCase, LoraPresets, NativeName, Published
+from lorakit.models.flux import BFL_SHARED, FluxAdapter
 
 _D = "transformer_blocks.{i}."
 _S = "single_transformer_blocks.{i}."
 # Black Forest Labs' names (the original checkpoints, ComfyUI, kohya), as diffusers' own single-file converter
-# (convert_flux2_transformer_checkpoint_to_diffusers) maps them
+# (convert_flux2_transformer_checkpoint_to_diffusers) maps them: FLUX.1's where the modules are the same
 FLUX2_NATIVE = (
-    NativeName("double_blocks.{i}.img_attn.qkv", (_D + "attn.to_q", _D + "attn.to_k", _D + "attn.to_v")),
-    NativeName("double_blocks.{i}.img_attn.proj", (_D + "attn.to_out.0",)),
-    NativeName("double_blocks.{i}.txt_attn.qkv", (_D + "attn.add_q_proj", _D + "attn.add_k_proj", _D + "attn.add_v_proj")),
-    NativeName("double_blocks.{i}.txt_attn.proj", (_D + "attn.to_add_out",)),
+    *BFL_SHARED,
     NativeName("double_blocks.{i}.img_mlp.0", (_D + "ff.linear_in",)),
     NativeName("double_blocks.{i}.img_mlp.2", (_D + "ff.linear_out",)),
     NativeName("double_blocks.{i}.txt_mlp.0", (_D + "ff_context.linear_in",)),
@@ -38,10 +36,6 @@ FLUX2_NATIVE = (
     # one Linear in both layouts: q, k, v and the SwiGLU's gate and value rows stay fused
     NativeName("single_blocks.{i}.linear1", (_S + "attn.to_qkv_mlp_proj",)),
     NativeName("single_blocks.{i}.linear2", (_S + "attn.to_out",)),
-    NativeName("img_in", ("x_embedder",)),
-    NativeName("txt_in", ("context_embedder",)),
-    NativeName("final_layer.linear", ("proj_out",)),
-    NativeName("final_layer.adaLN_modulation.1", ("norm_out.linear",), swap_halves=True),
     NativeName("time_in.in_layer", ("time_guidance_embed.timestep_embedder.linear_1",)),
     NativeName("time_in.out_layer", ("time_guidance_embed.timestep_embedder.linear_2",)),
     NativeName("guidance_in.in_layer", ("time_guidance_embed.guidance_embedder.linear_1",)),
@@ -49,12 +43,6 @@ FLUX2_NATIVE = (
     NativeName("double_stream_modulation_img.lin", ("double_stream_modulation_img.linear",)),
     NativeName("double_stream_modulation_txt.lin", ("double_stream_modulation_txt.linear",)),
     NativeName("single_stream_modulation.lin", ("single_stream_modulation.linear",)),
-    NativeName("double_blocks.{i}.img_attn.norm.query_norm", (_D + "attn.norm_q",), param="scale"),
-    NativeName("double_blocks.{i}.img_attn.norm.key_norm", (_D + "attn.norm_k",), param="scale"),
-    NativeName("double_blocks.{i}.txt_attn.norm.query_norm", (_D + "attn.norm_added_q",), param="scale"),
-    NativeName("double_blocks.{i}.txt_attn.norm.key_norm", (_D + "attn.norm_added_k",), param="scale"),
-    NativeName("single_blocks.{i}.norm.query_norm", (_S + "attn.norm_q",), param="scale"),
-    NativeName("single_blocks.{i}.norm.key_norm", (_S + "attn.norm_k",), param="scale"),
 )
 
 # The published transformers (hub config.json): FLUX.2-dev (32B) and FLUX.2-klein-base-4B (klein-base-9B:
@@ -268,12 +256,9 @@ class Flux2Adapter(Adapter):
         refs = [torch.randn(1, config["in_channels"], side, side, generator=generator) for _ in range(self.max_controls)]
         return Batch(["synthetic"], latents, text, refs)
 
-    def transformer_size(self, config: dict) -> tuple[int, int]:
-        return (config["num_attention_heads"] * config["attention_head_dim"],
-                config["num_layers"] + config["num_single_layers"])
-
-    def attention_model_config(self) -> dict:
-        return {**self.full_config, "num_layers": 1, "num_single_layers": 1}
+    # the transformer's size and one-block config read as FLUX.1's (the same config keys)
+    transformer_size = FluxAdapter.transformer_size
+    attention_model_config = FluxAdapter.attention_model_config
 
     def build_tiny(self, seed: int):
         from diffusers import Flux2Transformer2DModel

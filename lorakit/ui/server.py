@@ -65,11 +65,15 @@ def create_app(runs_root, token: str | None = None, datasets_root=None, slots: i
             return JSONResponse({"error": f"request body over {MAX_BODY} bytes"}, status_code=413)
         return await call_next(request)
 
-    def run_of(name: str) -> Path:
+    def found(get, folder: Path, name: str) -> Path:
+        """A run or dataset folder by its name in the lists (404 with the reason when it is not one)."""
         try:
-            return R.run_folder(root, name)
+            return get(folder, name)
         except InputError as e:
             raise HTTPException(404, e.message) from None
+
+    def run_of(name: str) -> Path:
+        return found(R.run_folder, root, name)
 
     @app.get("/")
     def index():
@@ -120,10 +124,7 @@ def create_app(runs_root, token: str | None = None, datasets_root=None, slots: i
                                  headers={"Cache-Control": "no-store", "X-Accel-Buffering": "no"})
 
     def dataset_of(name: str) -> Path:
-        try:
-            return D.dataset_folder(droot, name)
-        except InputError as e:
-            raise HTTPException(404, e.message) from None
+        return found(D.dataset_folder, droot, name)
 
     @app.get("/api/datasets")
     def dataset_list():
@@ -191,25 +192,23 @@ def create_app(runs_root, token: str | None = None, datasets_root=None, slots: i
     def job_log(job_id: int):
         return {"id": job_id, "log": queue.log(job_id)}
 
-    @app.get("/dfiles/{rel:path}")
-    def dataset_files(rel: str):
+    def file_in(folder: Path, rel: str):
+        """A file below `folder` (403 outside it, symlinks followed; weights and logs as downloads)."""
         try:
-            p = R.confined(droot, rel)
-        except InputError as e:
-            raise HTTPException(403, e.message) from None
-        if not p.is_file():
-            raise HTTPException(404, "no such file")
-        return FileResponse(p)
-
-    @app.get("/files/{rel:path}")
-    def files(rel: str):
-        try:
-            p = R.confined(root, rel)
+            p = R.confined(folder, rel)
         except InputError as e:
             raise HTTPException(403, e.message) from None
         if not p.is_file():
             raise HTTPException(404, "no such file")
         return FileResponse(p, filename=p.name if p.suffix in (".safetensors", ".pt", ".jsonl", ".yaml") else None)
+
+    @app.get("/dfiles/{rel:path}")
+    def dataset_files(rel: str):
+        return file_in(droot, rel)
+
+    @app.get("/files/{rel:path}")
+    def files(rel: str):
+        return file_in(root, rel)
 
     return app
 

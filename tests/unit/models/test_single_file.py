@@ -40,6 +40,17 @@ def _flux_file(model_dir, path, all_in_one=True):
     return path
 
 
+def _random_transformer(cls, cfg: dict, base) -> dict:
+    """Random bf16 weights of a transformer config, and a base folder holding that config (diffusers' single-file
+    loader reads the architecture from it)."""
+    with torch.device("meta"):
+        shapes = {k: v.shape for k, v in cls(**cfg).state_dict().items()}
+    g = torch.Generator().manual_seed(0)
+    (base / "transformer").mkdir(parents=True)
+    (base / "transformer" / "config.json").write_text(json.dumps({"_class_name": cls.__name__, **cfg}))
+    return {k: torch.randn(s, generator=g).to(torch.bfloat16) for k, s in shapes.items()}
+
+
 @pytest.mark.slow
 def test_flux_original_names_convert_as_diffusers_own_single_file_loader_does(tmp_path):
     """At FLUX's real width (diffusers' converter assumes 3072), one double and one single block."""
@@ -48,13 +59,7 @@ def test_flux_original_names_convert_as_diffusers_own_single_file_loader_does(tm
     cfg = dict(patch_size=1, in_channels=64, num_layers=1, num_single_layers=1, attention_head_dim=128,
                num_attention_heads=24, joint_attention_dim=64, pooled_projection_dim=32, guidance_embeds=True,
                axes_dims_rope=(16, 56, 56))
-    with torch.device("meta"):
-        shapes = {k: v.shape for k, v in FluxTransformer2DModel(**cfg).state_dict().items()}
-    g = torch.Generator().manual_seed(0)
-    sd = {k: torch.randn(s, generator=g).to(torch.bfloat16) for k, s in shapes.items()}
-    (tmp_path / "base" / "transformer").mkdir(parents=True)
-    (tmp_path / "base" / "transformer" / "config.json").write_text(
-        json.dumps({"_class_name": "FluxTransformer2DModel", **cfg}))
+    sd = _random_transformer(FluxTransformer2DModel, cfg, tmp_path / "base")
     file = save({f"model.{k}": v for k, v in native_weights(sd, "flux").items()}, tmp_path / "flux1-dev.safetensors")
     theirs = FluxTransformer2DModel.from_single_file(str(file), config=str(tmp_path / "base"),
                                                      subfolder="transformer", torch_dtype=torch.bfloat16).state_dict()
@@ -71,13 +76,7 @@ def test_flux2_original_names_convert_as_diffusers_own_single_file_loader_does(t
     cfg = dict(patch_size=1, in_channels=128, num_layers=2, num_single_layers=2, attention_head_dim=16,
                num_attention_heads=2, joint_attention_dim=48, timestep_guidance_channels=32,
                axes_dims_rope=(4, 4, 4, 4), guidance_embeds=True)
-    with torch.device("meta"):
-        shapes = {k: v.shape for k, v in Flux2Transformer2DModel(**cfg).state_dict().items()}
-    g = torch.Generator().manual_seed(0)
-    sd = {k: torch.randn(s, generator=g).to(torch.bfloat16) for k, s in shapes.items()}
-    (tmp_path / "base" / "transformer").mkdir(parents=True)
-    (tmp_path / "base" / "transformer" / "config.json").write_text(
-        json.dumps({"_class_name": "Flux2Transformer2DModel", **cfg}))
+    sd = _random_transformer(Flux2Transformer2DModel, cfg, tmp_path / "base")
     native = native_weights(sd, "flux2")
     assert "diffusion_model.single_stream_modulation.lin.weight" in native
     # BFL publishes FLUX.2 with bare names (diffusers' converter takes no "model.diffusion_model." prefix for it)
