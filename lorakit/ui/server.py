@@ -11,11 +11,13 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import time
 from pathlib import Path
 
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.responses import FileResponse, JSONResponse, StreamingResponse
 
+from lorakit.config.schema import Config
 from lorakit.errors import InputError
 from lorakit.models.registry import family_names
 from lorakit.ui import datasets as D
@@ -169,15 +171,23 @@ def create_app(runs_root, token: str | None = None, datasets_root=None, slots: i
     def job_list():
         return {"jobs": queue.jobs(), "slots": queue.slots}
 
+    @app.get("/api/schema")
+    def schema():
+        """The typed config's JSON schema: the job form is generated from it."""
+        return Config.model_json_schema()
+
     @app.post("/api/jobs")
     async def job_submit(request: Request):
         try:
             got = json.loads(await request.body())
+            if isinstance(got.get("form"), dict):  # the generated form: its values become a config file
+                got["config"] = str(_form_config(root, got["form"]))
             config, sets, resume = got["config"], got.get("sets") or [], bool(got.get("resume", False))
             if not isinstance(config, str) or not all(isinstance(x, str) for x in sets):
                 raise TypeError
-        except (ValueError, KeyError, TypeError):
-            raise HTTPException(400, 'send {"config": "path/in/the/runs/folder.yaml", "sets": ["key=value"]}') from None
+        except (ValueError, KeyError, TypeError, AttributeError):
+            raise HTTPException(400, 'send {"config": "path/in/the/runs/folder.yaml", "sets": ["key=value"]} or '
+                                     '{"form": {section: {field: value}}}') from None
         return await asyncio.to_thread(job_call, queue.submit, config, sets, resume)
 
     @app.post("/api/jobs/{job_id}/stop")
@@ -211,6 +221,21 @@ def create_app(runs_root, token: str | None = None, datasets_root=None, slots: i
         return file_in(root, rel)
 
     return app
+
+
+FORMS = ".lorakit-ui-configs"  # configs written from the job form, inside the runs folder
+
+
+def _form_config(root: Path, form: dict) -> Path:
+    """The form's values (only those the user set) as a YAML config file in the runs folder; checked like any
+    config when the job is submitted."""
+    import yaml
+
+    folder = root / FORMS
+    folder.mkdir(exist_ok=True)
+    path = folder / f"form-{time.strftime('%Y%m%d-%H%M%S')}-{time.time_ns() % 10**6:06d}.yaml"
+    path.write_text(yaml.safe_dump(form, sort_keys=False), encoding="utf-8")
+    return path
 
 
 def serve(runs_root, host: str = "127.0.0.1", port: int = 7860, token: str | None = None, datasets_root=None,

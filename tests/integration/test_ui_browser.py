@@ -177,3 +177,43 @@ def test_a_job_is_started_and_stopped_from_the_page(server, browser, tiny, tmp_p
     _click(browser, 'a[data-log="1"]')
     _wait(lambda: "interrupted" in _text(browser, "#job-log").lower(), what="the job's log")
     _shot(browser, "job-stopped")
+
+
+def test_a_job_is_queued_from_the_form_the_config_schema_generates(server, browser, tiny, tmp_path):
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import Select
+
+    from lorakit.data.demo import make_demo_dataset
+
+    root, url = server
+    data = make_demo_dataset(tmp_path / "data", "flat", count=2, size=64)
+    browser.get(url + "/#/jobs")
+    _wait(lambda: browser.find_elements(By.CSS_SELECTOR, '#schema-fields [data-key="model.family"]'), what="the form")
+    browser.find_element(By.CSS_SELECTOR, "#job-form-details summary").click()
+    keys = {e.get_attribute("data-key") for e in browser.find_elements(By.CSS_SELECTOR, "#schema-fields [data-key]")}
+    assert {"model.family", "model.path", "data.dirs", "lora.rank", "schedule.steps", "output.dir"} <= keys
+
+    def field(key):
+        return browser.find_element(By.CSS_SELECTOR, f'#schema-fields [data-key="{key}"]')
+
+    field("model.family").send_keys("flux")
+    field("model.path").send_keys(str(tiny("flux")))
+    field("data.dirs").send_keys(str(data))
+    for key, value in {"data.resolution": "64", "data.bucket_min_side": "32", "data.bucket_max_side": "128",
+                       "schedule.steps": "5000", "output.dir": str(root / "from-form")}.items():
+        field(key).send_keys(value)
+    Select(field("sampling.enabled")).select_by_visible_text("false")
+    if "profile" in keys:
+        field("profile").send_keys("cpu")
+    field("lora.rank").send_keys("0")  # refused as the CLI refuses it
+    browser.find_element(By.CSS_SELECTOR, "#schema-form button").click()
+    _wait(lambda: "lora.rank" in _text(browser, "#job-problems"), 120, "the problems")
+    field("lora.rank").clear()
+    browser.find_element(By.CSS_SELECTOR, "#schema-form button").click()
+    _wait(lambda: "running" in _text(browser, 'tr[data-job="1"]'), 120, "the job from the form")
+    browser.execute_script("window.scrollTo(0, 0)")
+    _shot(browser, "job-form")
+    metrics = root / "from-form" / "metrics.jsonl"
+    _wait(lambda: metrics.exists() and metrics.read_text().count("\n") >= 2, 120, "the run's first steps")
+    _click(browser, 'button[data-stop="1"]')
+    _wait(lambda: "interrupted" in _text(browser, 'tr[data-job="1"]'), 120, "the stop")

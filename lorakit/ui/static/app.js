@@ -183,6 +183,63 @@ async function showJobs() {
   });
 }
 
+let schemaLoaded = false;
+
+function fieldKind(spec) {
+  const alts = spec.anyOf || [spec];
+  const enumAlt = alts.find((a) => a.enum);
+  if (enumAlt) return { kind: "enum", values: enumAlt.enum };
+  const t = alts.map((a) => a.type).filter((x) => x && x !== "null");
+  if (t.includes("boolean")) return { kind: "enum", values: [true, false] };
+  if (t.includes("integer")) return { kind: "integer" };
+  if (t.includes("number")) return { kind: "number" };
+  if (t.includes("array") && alts.some((a) => a.items && a.items.type === "string")) return { kind: "lines" };
+  if (t.includes("string")) return { kind: "string" };
+  return null;  // nested objects and lists of them: a config file
+}
+
+async function buildSchemaForm() {
+  if (schemaLoaded) return;
+  const s = await getJSON("/api/schema");
+  const section = (name, props) => Object.entries(props).map(([k, spec]) => {
+    const f = fieldKind(spec);
+    if (!f) return "";
+    const key = name ? `${name}.${k}` : k;
+    const dflt = spec.default === undefined || spec.default === null ? "" : JSON.stringify(spec.default);
+    const input = f.kind === "enum"
+      ? `<select data-key="${esc(key)}" data-kind="${f.kind}"><option value="">${esc(dflt ? "default: " + dflt : "")}</option>` +
+        f.values.map((v) => `<option value="${esc(JSON.stringify(v))}">${esc(v)}</option>`).join("") + "</select>"
+      : f.kind === "lines" ? `<textarea data-key="${esc(key)}" data-kind="lines" rows="2" placeholder="one per line"></textarea>`
+      : `<input data-key="${esc(key)}" data-kind="${f.kind}" placeholder="${esc(dflt)}">`;
+    return `<label>${esc(key)} ${input}<small>${esc(spec.description || "")}</small></label>`;
+  }).join("");
+  let html = `<fieldset><legend>run</legend>${section("", Object.fromEntries(
+    Object.entries(s.properties).filter(([, v]) => !v.$ref)))}</fieldset>`;
+  for (const [name, v] of Object.entries(s.properties)) {
+    if (!v.$ref) continue;
+    const def = s.$defs[v.$ref.split("/").pop()];
+    html += `<fieldset><legend>${esc(name)}</legend>${section(name, def.properties)}</fieldset>`;
+  }
+  $("#schema-fields").innerHTML = html;
+  schemaLoaded = true;
+}
+
+function formValues() {
+  const out = {};
+  document.querySelectorAll("#schema-fields [data-key]").forEach((el) => {
+    const raw = el.value.trim();
+    if (!raw) return;
+    const kind = el.dataset.kind;
+    const value = kind === "enum" ? JSON.parse(raw) : kind === "integer" || kind === "number" ? Number(raw)
+      : kind === "lines" ? raw.split("\n").map((x) => x.trim()).filter(Boolean) : raw;
+    const path = el.dataset.key.split(".");
+    let at = out;
+    path.slice(0, -1).forEach((p) => { at = at[p] = at[p] || {}; });
+    at[path[path.length - 1]] = Number.isNaN(value) ? raw : value;  // a bad number is the CLI's to name
+  });
+  return out;
+}
+
 async function route() {
   if (source) { source.close(); source = null; }
   if (listTimer) { clearInterval(listTimer); listTimer = null; }
@@ -204,6 +261,7 @@ async function route() {
       await showDatasets();
     } else if (jobs) {
       await showJobs();
+      await buildSchemaForm();
       listTimer = setInterval(() => showJobs().catch(() => {}), 1000);
     } else {
       await showList();
@@ -215,6 +273,11 @@ async function route() {
 }
 
 window.addEventListener("hashchange", route);
+$("#schema-form").onsubmit = async (e) => {
+  e.preventDefault();
+  $("#job-problems").innerHTML = "<li>checking the config as lorakit train --dry-run does...</li>";
+  await jobAction("/api/jobs", { form: formValues() });
+};
 $("#job-form").onsubmit = async (e) => {
   e.preventDefault();
   const sets = $("#job-sets").value.split("\n").map((x) => x.trim()).filter(Boolean);

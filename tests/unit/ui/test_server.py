@@ -98,3 +98,18 @@ def test_datasets_are_listed_checked_and_their_captions_edited(runs, tmp_path):
     assert c.put("/api/caption/../shapes", json={"stem": stem, "text": "x"}).status_code in (403, 404)
     assert c.get(f"/dfiles/shapes/{stem}.png").status_code in (200, 404)
     assert c.get("/dfiles/../../etc/passwd").status_code in (403, 404)
+
+
+def test_the_job_form_comes_from_the_config_schema_and_is_checked_as_the_cli_checks(tmp_path):
+    c = TestClient(create_app(tmp_path))
+    schema = c.get("/api/schema").json()
+    assert {"model", "data", "lora", "schedule", "output"} <= set(schema["properties"])
+    r = c.post("/api/jobs", json={"form": {"model": {"family": "flux"}, "lora": {"rank": 0},
+                                           "schedule": {"steps": -1}}})
+    assert r.status_code == 400
+    problems = r.json()["problems"]
+    assert any("lora.rank" in p for p in problems) and any("schedule.steps" in p for p in problems)
+    written = list((tmp_path / ".lorakit-ui-configs").glob("form-*.yaml"))
+    assert len(written) == 1 and "rank: 0" in written[0].read_text()  # the form's values, and only those
+    assert c.get("/api/jobs").json()["jobs"] == []  # nothing queued
+    assert c.post("/api/jobs", json={"form": "not a mapping"}).status_code == 400
