@@ -4,6 +4,7 @@ diffusers layout diffusers' own loader — and leave nothing behind when the con
 
 from __future__ import annotations
 
+import logging
 import shutil
 from pathlib import Path
 
@@ -58,7 +59,7 @@ def convert_lora(src: Path, dst: Path, to: str, family: str | None = None, model
         if not existed:
             _remove(dst)
         raise
-    equal = ok and all(v == "equal" or v.startswith("not compared") for v in checks.values())
+    equal = ok and all(v == "equal" or v.startswith(("not compared", ELSEWHERE)) for v in checks.values())
     if not equal and not existed:
         _remove(dst)  # a file that reads back otherwise than its input is not kept
     return {"input": {"path": str(src), **lora_in.facts}, "output": {"path": str(out), **back.facts,
@@ -84,11 +85,36 @@ def _consumers(out: Path, to: str, arch: str | None, expected, base, rtol: float
     if to == "diffusers" and arch is not None and plain and (base or not dora):
         view = diffusers_view(out, family_of_arch(arch))
         checks["diffusers"] = deltas_equal(expected.weights, view.weights, rtol=rtol, base=base)[1]
+    elif to in ("kohya", "comfyui") and arch is not None and plain and not dora:
+        checks["diffusers"] = _also_diffusers(out, arch, expected, rtol)
     return checks
 
 
+ELSEWHERE = "read otherwise by diffusers"  # a layout made for ComfyUI/kohya that diffusers' own reader gets wrong
+
+
+def _also_diffusers(out: Path, arch: str, expected, rtol: float) -> str:
+    """How diffusers' own converters read a ComfyUI/kohya file (told, not required: those layouts are for other
+    consumers; e.g. diffusers 0.42's FLUX.2 readers mis-swap or drop the final norm's modulation)."""
+    level = logging.getLogger("diffusers").level
+    logging.getLogger("diffusers").setLevel(logging.ERROR)  # its converters warn about keys they drop: said below
+    try:
+        view = diffusers_view(out, family_of_arch(arch))
+    except Exception as e:  # noqa: BLE001 - a reader that refuses the layout is a fact to report
+        return f"not compared: diffusers does not read this layout ({type(e).__name__})"
+    finally:
+        logging.getLogger("diffusers").setLevel(level)
+    ok, why = deltas_equal(expected.weights, view.weights, rtol=rtol)
+    if ok:
+        return "equal"
+    missing = sorted(set(expected.weights) - set(view.weights))
+    what = f"it drops {missing[0]}" + (f" and {len(missing) - 1} more" if len(missing) > 1 else "") if missing \
+        else why
+    return f"{ELSEWHERE}: {what} (for diffusers write --to diffusers)"
+
+
 def _summary(checks: dict) -> str:
-    bad = {k: v for k, v in checks.items() if v != "equal" and not v.startswith("not compared")}
+    bad = {k: v for k, v in checks.items() if v != "equal" and not v.startswith(("not compared", ELSEWHERE))}
     if bad:
         return "; ".join(f"{k}: {v}" for k, v in bad.items())
     return "equal (" + ", ".join(k for k, v in checks.items() if v == "equal") + ")"

@@ -143,3 +143,21 @@ def test_unknown_native_keys_are_refused(tmp_path):
                "lora_unet_mystery_block_0.lora_up.weight": torch.zeros(4, 2)}, tmp_path / "k.safetensors")
     with pytest.raises(InputError):
         L.read(tmp_path / "k.safetensors", arch="flux")
+
+
+def test_a_comfyui_file_says_how_diffusers_reads_it_without_failing(tiny, tmp_path):
+    """ComfyUI/kohya files are for those consumers; where diffusers' own reader takes the layout too, convert says how
+    it reads it: FLUX.2's readers (diffusers 0.42) get the final norm's modulation wrong (ai-toolkit layout: halves
+    not swapped) or drop it (kohya) — told, the conversion still equal for its consumers."""
+    src = trained_like(tiny, "flux2-klein", tmp_path / "a.safetensors", targets="attention", io=True)
+    plain = trained_like(tiny, "flux2-klein", tmp_path / "b.safetensors", targets="attention")
+    run = CliRunner()
+    for fmt, said in (("comfyui", "norm_out.linear: relative difference"), ("kohya", "it drops norm_out.linear")):
+        r = run.invoke(app, ["convert", "lora", str(src), str(tmp_path / f"{fmt}.safetensors"), "--to", fmt,
+                             "--family", "flux2-klein", "--json"])
+        out = json.loads(r.output)
+        assert r.exit_code == 0 and out["equal"] and out["check"] == "equal (lorakit, comfyui)", r.output
+        assert out["checks"]["diffusers"].startswith(f"read otherwise by diffusers: {said}"), out["checks"]
+        r = run.invoke(app, ["convert", "lora", str(plain), str(tmp_path / f"p-{fmt}.safetensors"), "--to", fmt,
+                             "--family", "flux2-klein", "--json"])
+        assert json.loads(r.output)["check"] == "equal (lorakit, comfyui, diffusers)", r.output
