@@ -101,7 +101,7 @@ def _also_diffusers(out: Path, arch: str, expected, rtol: float) -> str:
     try:
         view = diffusers_view(out, family_of_arch(arch))
     except Exception as e:  # noqa: BLE001 - a reader that refuses the layout is a fact to report
-        return f"not compared: diffusers does not read this layout ({type(e).__name__})"
+        return f"not compared: diffusers' reader for this layout failed on it ({type(e).__name__}: {str(e)[:80]})"
     finally:
         logging.getLogger("diffusers").setLevel(level)
     ok, why = deltas_equal(expected.weights, view.weights, rtol=rtol)
