@@ -26,7 +26,8 @@ LOGS = ".lorakit-ui-logs"
 ENDED = {0: "finished", 75: "interrupted", 130: "interrupted"}
 SCHEMA = """CREATE TABLE IF NOT EXISTS jobs (id INTEGER PRIMARY KEY, config TEXT NOT NULL, sets TEXT NOT NULL,
   resume INTEGER NOT NULL, state TEXT NOT NULL, out_dir TEXT, pid INTEGER, exit INTEGER, created REAL, started REAL,
-  ended REAL)"""
+  ended REAL, slot INTEGER)"""
+ACTIVE = ("running", "stopping")
 
 
 def _alive(pid: int | None) -> bool:
@@ -141,8 +142,7 @@ class Queue:
         j = self.job(job_id)
         if j["state"] in ("queued", "running", "stopping"):
             raise InputError(f"job {job_id} is {j['state']}")
-        return self.submit(str(Path(j["config"]).relative_to(self.root)) if Path(j["config"]).is_relative_to(
-            self.root) else j["config"], j["sets"], resume=True)
+        return self.submit(j["config"], j["sets"], resume=True)  # an absolute path inside the roots
 
     # ------------------------------------------------------------------ the worker
 
@@ -170,13 +170,14 @@ class Queue:
             if code is not None:
                 del self.procs[job_id]
                 self._set(job_id, state=ENDED.get(code, "failed"), exit=code, ended=time.time())
-        running = [j for j in self.jobs() if j["state"] in ("running", "stopping")]
-        for j in running:  # adopted from a previous `lorakit ui`: ended while nobody watched
-            if j["id"] not in self.procs and not _alive(j["pid"]):
-                self._set(j["id"], state=_read_state(j), ended=time.time())
-        free = self.slots - sum(1 for j in self.jobs() if j["state"] in ("running", "stopping"))
-        for j in [j for j in self.jobs() if j["state"] == "queued"][:max(free, 0)]:
-            self._launch(j, slot=len(self.procs) % self.slots)
+        jobs = self.jobs()
+        for j in jobs:  # adopted from a previous `lorakit ui`: ended while nobody watched
+            if j["state"] in ACTIVE and j["id"] not in self.procs and not _alive(j["pid"]):
+                j["state"] = _read_state(j)
+                self._set(j["id"], state=j["state"], ended=time.time())
+        slots = free_slots({j["slot"] for j in jobs if j["state"] in ACTIVE}, self.slots)
+        for j, slot in zip([j for j in jobs if j["state"] == "queued"], slots, strict=False):
+            self._launch(j, slot)
 
     def _launch(self, j: dict, slot: int) -> None:
         (self.root / LOGS).mkdir(exist_ok=True)
@@ -189,12 +190,17 @@ class Queue:
         p = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         log.close()
         self.procs[j["id"]] = p
-        self._set(j["id"], state="running", pid=p.pid, started=time.time())
+        self._set(j["id"], state="running", pid=p.pid, started=time.time(), slot=slot)
 
     def _set(self, job_id: int, **fields) -> None:
         cols = ", ".join(f"{k} = ?" for k in fields)
         with self.lock:
             self.db.execute(f"UPDATE jobs SET {cols} WHERE id = ?", (*fields.values(), job_id))  # noqa: S608
+
+
+def free_slots(busy: set, slots: int) -> list[int]:
+    """The slots (GPU indices) no active job holds, lowest first."""
+    return [s for s in range(slots) if s not in busy]
 
 
 def _out_dir(dry_run_json: str) -> str | None:

@@ -133,8 +133,9 @@ def create_app(runs_root, token: str | None = None, datasets_root=None, slots: i
         return {"root": str(droot), "datasets": D.find_datasets(droot)}
 
     @app.get("/api/dataset/{name:path}")
-    def dataset_detail(name: str, family: str = "flux"):
+    def dataset_detail(name: str, family: str | None = None):
         folder = dataset_of(name)
+        family = family or family_names()[0]  # the registry's first family until the page picks one
         if family not in family_names():
             raise HTTPException(400, f"unknown family {family!r}")
         return {"name": name, "items": D.items(folder, name), "check": D.check(folder, family), "family": family,

@@ -123,7 +123,8 @@ function showCheck(c) {
 }
 
 async function showDataset(name, family) {
-  const d = await getJSON("/api/dataset/" + runUrl(name) + "?family=" + encodeURIComponent(family));
+  const d = await getJSON("/api/dataset/" + runUrl(name) + (family ? "?family=" + encodeURIComponent(family) : ""));
+  family = d.family;
   $("#dataset-name").textContent = d.name;
   $("#family").innerHTML = d.families.map((f) => `<option${f === family ? " selected" : ""}>${f}</option>`).join("");
   $("#family").onchange = () => showDataset(name, $("#family").value);
@@ -256,7 +257,7 @@ async function route() {
     if (m) {
       await showRun(decodeURIComponent(m[1]));
     } else if (ds) {
-      await showDataset(decodeURIComponent(ds[1]), "flux");
+      await showDataset(decodeURIComponent(ds[1]), "");
     } else if (dsList) {
       await showDatasets();
     } else if (jobs) {

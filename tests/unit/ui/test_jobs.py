@@ -71,3 +71,12 @@ def test_jobs_queue_run_stop_resume_and_survive_a_restart(tmp_path, tiny):
     q2.stop(again["id"])
     j = _until(q2, again["id"], {"interrupted", "failed"})
     assert j["state"] == "interrupted"  # read from its run folder: step checkpoints, no final
+
+
+def test_a_freed_slot_is_reused_and_a_held_one_never_shared():
+    from lorakit.ui.jobs import free_slots
+
+    assert free_slots(set(), 2) == [0, 1]
+    assert free_slots({0}, 2) == [1]
+    assert free_slots({1}, 2) == [0]  # A (slot 0) ended, B holds 1: the next job gets 0, not B's GPU
+    assert free_slots({0, 1}, 2) == []
