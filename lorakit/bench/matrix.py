@@ -228,8 +228,12 @@ def run_cell(cell: Cell, model: Path, data: Path, work: Path, steps: int, res: i
                 continue
             cell.first_step_s = first
             waited = {1} | {ph[3] for ph in rec["phases"] if ph[0] == "compile"}  # steps that waited to compile
-            steady = sorted(r["s_per_step"] for r in rows if r["step"] not in waited) or sorted(
-                r["s_per_step"] for r in rows)
+            steady = sorted(r["s_per_step"] for r in rows if r["step"] not in waited and not r.get("eager_blocks"))
+            if not steady:  # no step ran compiled (the background compile outlasted the run): the uncompiled ones
+                steady = sorted(r["s_per_step"] for r in rows if r["step"] not in waited) or sorted(
+                    r["s_per_step"] for r in rows)
+                cell.note = (cell.note + "; " if cell.note else "") + "s/step of uncompiled steps"
+            rec["eager_steps"] = sum(1 for r in rows if r.get("eager_blocks"))
             cell.s_per_step_median = round(statistics.median(steady), 3)
             cell.s_per_step_p90 = round(steady[min(len(steady) - 1, int(0.9 * len(steady)))], 3)
             cell.peak_gpu_gib = result.get("peak_gpu_gib")

@@ -168,6 +168,11 @@ class MemoryConfig(_Section):
         "static", description="static: the compiled blocks specialise to the first bucket's sizes and become "
                               "symbolic at the second (torch's default); dynamic: symbolic from the start (measured "
                               "slower to compile: FLUX 1024² on an H100, 174 s for step 1 against ~52 s)")
+    compile_background: Literal["auto", "on", "off"] = Field(
+        "auto", description="with compile: the first steps run the blocks uncompiled while a worker thread "
+                            "compiles them (for each bucket shape), so no step waits for the compiler; auto: on "
+                            "where the memory plan leaves room for the worker's pass over one block (not with "
+                            "CUDA graphs, nor LoRA dropout); off: each new shape's step waits for its compile")
     cuda_graphs: bool = Field(False, description="with compile: replay each compiled block as a CUDA graph "
                                                  "(less host time per block; not while blocks recompute for "
                                                  "gradient checkpointing, nor with schedule.grad_accum > 1)")

@@ -10,6 +10,7 @@ from lorakit.hardware import fa4
 from lorakit.hardware.attention import self_test_family
 from lorakit.hardware.attention_choice import choose
 from lorakit.models.base import family_adapter
+from lorakit.plan.memory import PLAN_MARGIN_GIB
 
 
 def compile_decision(cfg, device: str, sharded: bool, swapper, has_blocks: bool) -> tuple[bool, str | None]:
@@ -42,6 +43,28 @@ def graphs_decision(cfg, device: str, compiled: bool, recomputed: int) -> tuple[
         return False, ("memory.cuda_graphs: the compiled blocks run without CUDA graphs with "
                        f"schedule.grad_accum={cfg.schedule.grad_accum} (measured only with 1)")
     return True, None
+
+
+def background_decision(cfg, compiled: bool, graphs: bool, est: dict | None, budget_gib: float | None
+                        ) -> tuple[str, str | None]:
+    """memory.compile_background as the run follows it ("on" or "off"), and, where it asked for "on" and cannot,
+    why. The worker runs one block forward and backward beside the run (its activations: one block's working set
+    of the estimate), so "auto" turns it on where the estimate plus that leaves the plan's margin free."""
+    asked = cfg.memory.compile_background
+    if asked == "off" or not compiled:
+        return "off", None
+    why = ("with CUDA graphs (memory.cuda_graphs)" if graphs
+           else "with LoRA dropout (the worker would draw from the run's random numbers)"
+           if cfg.method == "lora" and cfg.lora.dropout else None)
+    if why is None and asked == "auto" and est is not None and budget_gib:
+        need = est["gib"] + est.get("block_gib", 0.0)
+        if need > budget_gib - PLAN_MARGIN_GIB:
+            why = (f"for lack of GPU memory (about {need:.1f} GiB with the worker's pass, of "
+                   f"{budget_gib:.0f})")
+    if why:
+        return "off", (f"memory.compile_background: the blocks compile while step 1 waits, {why}"
+                       if asked == "on" else None)
+    return "on", None
 
 
 def has_repeated_blocks(family: str) -> bool:

@@ -87,7 +87,7 @@ def estimate(cfg, world: int = 1) -> dict:
     acts = ckpt * tokens * hidden * 2 + (blocks - ckpt) * per_block + (per_block if ckpt else 0)
     parts = {"base": base / GIB, "lora_and_optimizer": lora / GIB, "activations": acts / GIB, "overhead": OVERHEAD_GIB}
     return {"gib": round(sum(parts.values()), 1), "parts": {k: round(v, 2) for k, v in parts.items()},
-            "tokens": tokens, "blocks": blocks, "source": source}
+            "tokens": tokens, "blocks": blocks, "block_gib": round(per_block / GIB, 2), "source": source}
 
 
 def controls_in_use(cfg, adapter) -> int:
@@ -197,4 +197,4 @@ def fit_to_gpu(cfg, cap_gib: float | None = None, world: int = 1):
     else:
         budget = float(hw.get("memory_gib") or hw.get("min_memory_gib") or 0)
     cfg, note = plan(cfg, budget, world)
-    return cfg, check(cfg, budget, world), note
+    return cfg, {**check(cfg, budget, world), "budget_gib": round(budget, 1)}, note

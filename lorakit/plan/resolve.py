@@ -14,7 +14,13 @@ from lorakit.errors import ConfigError
 from lorakit.events import Events
 from lorakit.hardware.gpu import device_for
 from lorakit.models.sources import model_folder
-from lorakit.plan.decide import attention_backend, compile_decision, graphs_decision, has_repeated_blocks
+from lorakit.plan.decide import (
+    attention_backend,
+    background_decision,
+    compile_decision,
+    graphs_decision,
+    has_repeated_blocks,
+)
 from lorakit.plan.memory import checkpointed, estimate, fit_to_gpu
 
 PATHS = ("model", "data")  # what `train` and `cache` read; output and cache folders are always checked
@@ -96,9 +102,11 @@ def plan_run(r: Resolved, cap_gib: float | None = None) -> Resolved:
                                      device.startswith("cuda") and m.compile and has_repeated_blocks(cfg.model.family))
     recomputed = blocks if m.blocks_to_swap else checkpointed(cfg, blocks)
     graphs, graphs_why = graphs_decision(cfg, device, compiled, recomputed)
-    notes += [n for n in (why, graphs_why) if n]
+    background, bg_why = background_decision(cfg, compiled, graphs, est, est and est.get("budget_gib"))
+    notes += [n for n in (why, graphs_why, bg_why) if n]
     attention = attention_backend(cfg, device, notes.append)
     r.cfg = cfg.model_copy(update={"memory": m.model_copy(update={"compile": compiled, "cuda_graphs": graphs,
+                                                                  "compile_background": background,
                                                                   "attention": attention})})
     r.estimate = est
     return r

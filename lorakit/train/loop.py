@@ -10,6 +10,7 @@ import time
 from lorakit.events import Events
 from lorakit.plan.resolve import Resolved
 from lorakit.train import checkpoint
+from lorakit.train.compile_bg import summary
 from lorakit.train.report import loss_curve, peak_rss_gib
 from lorakit.train.setup import Run, hold_output, render_samples, setup
 
@@ -28,12 +29,17 @@ def run(resolved: Resolved, resume: str | None = None, stop_at: int | None = Non
     events = events or Events()
     with hold_output(resolved.cfg.output.dir, events):  # one run per output folder
         r = setup(resolved, resume, events)
-        with checkpoint.stop_on_signals(r.stop):
-            try:
-                steps(r, resolved.cfg.schedule.steps if stop_at is None else min(stop_at, resolved.cfg.schedule.steps))
-            finally:
-                r.log.close()
-        return finish(r)
+        try:
+            with checkpoint.stop_on_signals(r.stop):
+                try:
+                    steps(r, resolved.cfg.schedule.steps if stop_at is None
+                          else min(stop_at, resolved.cfg.schedule.steps))
+                finally:
+                    r.log.close()
+            return finish(r)
+        finally:  # a compile still running in the worker thread ends first (a process leaving it aborts)
+            if r.trainer.background:
+                r.trainer.background.close()
 
 
 def steps(r: Run, end: int) -> None:
@@ -43,18 +49,25 @@ def steps(r: Run, end: int) -> None:
     tr, cfg, d = r.trainer, r.resolved.cfg, r.dist
     cuda = tr.device.startswith("cuda")
     first = tr.step + 1
-    opening = f"step {first}" + (" (compiling the blocks)" if tr.compiled else "")
+    bg = tr.background  # the blocks compile in a worker thread while the first steps run them eager
+    heard = []  # what the worker finished, said when nothing is left to it
+    opening = f"step {first}" + (" (the blocks compile in the background)" if bg else
+                                 " (compiling the blocks)" if tr.compiled else "")
     if tr.step < end:  # the first step waits for the compiler (compiled blocks) and the first kernels
         r.events.phase_start(opening)
     while tr.step < end and not r.stop.requested:
+        if bg:
+            heard = background_news(r, bg, heard + bg.advance(), tr.step + 1)
         t0 = time.perf_counter()
-        graphs = compiled_graphs() if tr.compiled else 0
+        graphs = own_graphs(bg) if tr.compiled else 0
         rec = {"step": None, "loss": tr.train_step()}
         rec.update(step=tr.step, lr=tr.sched.get_last_lr()[0], s_per_step=round(time.perf_counter() - t0, 4),
                    time=round(time.time(), 3))
+        if bg and bg.eager_calls:  # not yet compiled: a step of its own kind (benchmarks leave it out)
+            rec["eager_blocks"] = bg.eager_calls
         if tr.step == first:  # how long the first step took (compiling, the first kernels' warm-up)
             r.events.phase_end(opening, rec["s_per_step"], {"size": tr.last_size})
-        elif tr.compiled and compiled_graphs() > graphs:  # this step waited for the compiler (a new shape)
+        elif tr.compiled and own_graphs(bg) > graphs:  # this step waited for the compiler (a new shape)
             r.events.phase_end("compile", rec["s_per_step"], {"step": tr.step, "size": tr.last_size})
         r.mark("first_step")
         if cuda:
@@ -89,6 +102,27 @@ def compiled_graphs() -> int:
     from torch._dynamo.utils import counters
 
     return int(counters["stats"]["unique_graphs"])
+
+
+def own_graphs(bg) -> int:
+    """Graphs the run compiled itself (those of the background worker held up no step)."""
+    return bg.own_graphs() if bg else compiled_graphs()
+
+
+def background_news(r: Run, bg, ready: list, step: int) -> list:
+    """What the background compile finished, said once the worker has nothing left (every block call met so far
+    runs compiled from this step on); a failed one at once (the run compiles it itself at its next call). Returns
+    what is still to be said."""
+    for x in ready:
+        if x.failed:
+            r.note(f"the background compile of {summary(x.what)} failed ({x.failed}); the run compiles it at its "
+                   "next call")
+    done = [x for x in ready if not x.failed]
+    if bg.pending or not done:
+        return done
+    r.events.info(f"compiled in the background ({sum(x.seconds for x in done):.1f} s): "
+                  f"{', '.join(summary(x.what) for x in done)}; the blocks run compiled from step {step}")
+    return []
 
 
 def finish(r: Run) -> dict:

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from lorakit.errors import NotAvailableError
 from lorakit.io.modules import load_component
+from lorakit.train.compile_bg import BackgroundCompile
 from lorakit.train.lora import add_lora
 from lorakit.train.swap import BlockSwapper, repeated_blocks
 
@@ -24,6 +25,7 @@ class Prepared:
     sharded: bool  # FSDP
     compiled: bool  # the repeated blocks are compiled (memory.compile, as resolved)
     graphs: bool = False  # the compiled blocks replay as CUDA graphs (memory.cuda_graphs, as resolved)
+    background: object | None = None  # train.compile_bg.BackgroundCompile: the blocks compile while steps run
 
 
 def load_base(cfg, device: str, dtype):
@@ -81,18 +83,23 @@ def prepare(cfg, adapter, transformer, device: str, dtype, dist) -> Prepared:
     compiled, graphs = cfg.memory.compile, cfg.memory.compile and cfg.memory.cuda_graphs  # resolved (lorakit.plan)
     if graphs and recomputed:
         raise ValueError(f"memory.cuda_graphs with {recomputed} blocks recomputing: the config was not resolved")
-    if compiled:  # regional: each repeated block once (seconds, not minutes), shapes per bucket
-        adapter.before_compile(transformer)
-        mode = {"mode": "reduce-overhead"} if graphs else {}
-        transformer.compile_repeated_blocks(dynamic=compile_dynamic(cfg.memory.compile_shapes), **mode)
-        if graphs:
-            transformer.register_forward_pre_hook(_new_graph_generation)
     transformer.train()
     params = [p for p in transformer.parameters() if p.requires_grad]
     if not full:
         for p in params:  # LoRA weights train in fp32 whatever the base dtype, on the GPU (peft puts
             p.data = p.data.to(device, torch.float32)  # those of swapped layers beside their host weights)
-    return Prepared(transformer, params, peft_config, quantized, swapper, sharded, compiled, graphs)
+    background = None
+    if compiled:  # regional: each repeated block once (seconds, not minutes), shapes per bucket
+        adapter.before_compile(transformer)
+        options = {"dynamic": compile_dynamic(cfg.memory.compile_shapes)} | (
+            {"mode": "reduce-overhead"} if graphs else {})
+        if cfg.memory.compile_background == "on":  # compiled by a worker while the first steps run eager
+            background = BackgroundCompile(repeated_blocks(transformer), options, device)
+        else:
+            transformer.compile_repeated_blocks(**options)
+        if graphs:
+            transformer.register_forward_pre_hook(_new_graph_generation)
+    return Prepared(transformer, params, peft_config, quantized, swapper, sharded, compiled, graphs, background)
 
 
 def compile_dynamic(shapes_setting: str) -> bool | None:

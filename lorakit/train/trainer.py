@@ -44,7 +44,7 @@ class Trainer:
         p = prepare(cfg, adapter, transformer, device, dtype, self.dist)
         self.transformer, self.params, self.peft_config = p.transformer, p.params, p.peft_config
         self.quantized, self.swapper, self.sharded, self.compiled = p.quantized, p.swapper, p.sharded, p.compiled
-        self.graphs = p.graphs
+        self.graphs, self.background = p.graphs, p.background
         opt = make_optimizer(self.params, cfg, device, full=self.full)
         # 8-bit (bitsandbytes) moments are saved per rank as they are, not gathered by parameter name
         self.per_rank_state = self.full and (getattr(opt, "local_shards", False)

@@ -1,0 +1,234 @@
+"""The repeated blocks compiled while training runs (memory.compile_background): the first steps run the blocks
+as they are (eager) and a worker thread compiles them meanwhile, on a copy of one block of each kind that shares
+the run's weights, for each shape, grad mode and input the blocks meet. Between two steps, what the worker has
+compiled goes into use; from then on those calls run the compiled code.
+
+Why it works: torch.compile keeps what it compiles with the block's code, not with the block: a graph compiled for
+the copy is found (its guards pass) when the run's blocks of that kind call with the same input shapes, dtypes and
+grad requirements, so they never wait for the compiler. Each call's inputs are described (shapes, dtypes, which
+require grad, grad mode) and a new description is given to the worker once, with detached copies of the inputs;
+the worker runs the compiled copy forward and, where grad is on, backward to the copy's inputs and trainable
+weights (`torch.autograd.grad`: the run's gradients are untouched), which compiles both passes. The copy's
+trainable weights are new parameters over the same storage, so the optimizer's in-place updates never invalidate
+the worker's pass, and no weight memory is duplicated.
+
+Which calls run compiled changes only between optimizer steps (`advance`), never inside one: a block's forward and
+its recompute (gradient checkpointing) always run the same code.
+
+A compile that fails in the worker (out of memory, say) leaves that description to the run: it compiles there at
+its next call, as it would without this (the step waits; the loop says so)."""
+
+from __future__ import annotations
+
+import copy
+import queue
+import threading
+import time
+from dataclasses import dataclass
+
+
+def describe(block, args, kwargs) -> tuple:
+    """What decides which compiled graph a block's call needs: its kind, train/eval mode, grad, inference and autocast
+    modes (each thread has its own) and each input's shape, dtype, device, grad requirement and strides (a view of
+    a wider tensor compiles apart), plain values by value."""
+    import torch
+
+    cast = tuple((torch.is_autocast_enabled(d), str(torch.get_autocast_dtype(d))) for d in ("cuda", "cpu"))
+    return (type(block).__name__, block.training, torch.is_grad_enabled(), _meta(args), _meta(kwargs),
+            torch.is_inference_mode_enabled(), cast)
+
+
+def _meta(v):
+    import torch
+
+    if isinstance(v, torch.Tensor):
+        return ("T", tuple(v.shape), str(v.dtype), v.device.type, v.requires_grad, v.stride())
+    if isinstance(v, (tuple, list)):
+        return (type(v).__name__, tuple(_meta(x) for x in v))
+    if isinstance(v, dict):
+        return ("dict", tuple(sorted((str(k), _meta(x)) for k, x in v.items())))
+    if v is None or isinstance(v, (bool, int, float, str)):
+        return v
+    return type(v).__name__
+
+
+def _detached(v):
+    """The inputs for the worker: each tensor copied (its own memory), detached, with its grad requirement."""
+    import torch
+
+    if isinstance(v, torch.Tensor):  # the same strides (a view's too: compiled graphs are specialised to them)
+        c = torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=v.device).copy_(v.detach())
+        return c.requires_grad_(v.requires_grad) if v.is_floating_point() else c
+    if isinstance(v, tuple):
+        return tuple(_detached(x) for x in v)
+    if isinstance(v, list):
+        return [_detached(x) for x in v]
+    if isinstance(v, dict):
+        return {k: _detached(x) for k, x in v.items()}
+    return v
+
+
+def _tensors(v) -> list:
+    import torch
+
+    if isinstance(v, torch.Tensor):
+        return [v]
+    if isinstance(v, (tuple, list)):
+        return [t for x in v for t in _tensors(x)]
+    if isinstance(v, dict):
+        return [t for x in v.values() for t in _tensors(x)]
+    return []
+
+
+def shadow(block):
+    """A copy of `block` over the same weights: frozen parameters and buffers are the block's own objects, each
+    trainable parameter a new parameter over the same storage (its own version counter)."""
+    import torch
+
+    memo = {}
+    for t in block.buffers():
+        memo[id(t)] = t
+    for p in block.parameters():
+        memo[id(p)] = torch.nn.Parameter(p.data, requires_grad=True) if p.requires_grad else p
+    s = copy.deepcopy(block, memo)
+    s._compiled_call_impl = None
+    return s
+
+
+@dataclass
+class Ready:
+    """A description the worker finished: how long it took, and why it failed (None: compiled)."""
+
+    what: tuple
+    seconds: float
+    failed: str | None = None
+
+
+class BackgroundCompile:
+    """The blocks' calls routed to eager or compiled code; the worker thread that compiles (see the module)."""
+
+    def __init__(self, blocks: list, options: dict, device: str):
+        import torch
+
+        self.device = device
+        self.active: set = set()  # descriptions the blocks run compiled (changed by `advance` only)
+        self._seen: set = set()  # descriptions given to the worker
+        self._done: list[Ready] = []  # finished by the worker, not yet active (under `_lock`)
+        self._lock = threading.Lock()
+        self._jobs: queue.Queue = queue.Queue()
+        self._made = 0  # graphs the worker compiled in the jobs it finished
+        self._started_at: int | None = None  # the process's graph count when the worker's job in progress began
+        self.eager_calls = 0  # block calls that ran eager since the last `advance`
+        self.pending = 0  # descriptions given to the worker and not yet finished
+        self._copies: dict = {}  # block kind -> (copy, its compiled call)
+        for b in blocks:
+            kind = type(b).__name__
+            if kind not in self._copies:
+                s = shadow(b)
+                self._copies[kind] = (s, torch.compile(s._call_impl, **options))
+            b._compiled_call_impl = _Route(self, b, torch.compile(b._call_impl, **options))
+        self._thread = threading.Thread(target=self._work, name="lorakit-compile", daemon=True)
+        self._thread.start()
+
+    def call(self, block, compiled, args, kwargs):
+        what = describe(block, args, kwargs)
+        if what in self.active:
+            return compiled(*args, **kwargs)
+        if what not in self._seen:
+            self._seen.add(what)
+            self.pending += 1
+            self._jobs.put((what, type(block).__name__, _detached(args), _detached(kwargs)))
+        self.eager_calls += 1
+        return block._call_impl(*args, **kwargs)
+
+    def advance(self) -> list[Ready]:
+        """Between steps: what the worker finished goes into use (a failed one compiles at its next call, in the
+        run). Returns what went into use now."""
+        with self._lock:
+            done, self._done = self._done, []
+        for r in done:
+            self.active.add(r.what)
+            self.pending -= 1
+        self.eager_calls = 0
+        return done
+
+    def own_graphs(self) -> int:
+        """Graphs compiled in the process so far that the worker did not compile (a step that made one waited)."""
+        from torch._dynamo.utils import counters
+
+        with self._lock:
+            total = int(counters["stats"]["unique_graphs"])
+            return total - self._made - (total - self._started_at if self._started_at is not None else 0)
+
+    def close(self) -> None:
+        """Stop the worker: what it has not begun is dropped, the compile it is in finishes (a process that exits
+        while the compiler runs in a thread aborts)."""
+        while True:
+            try:
+                self._jobs.get_nowait()
+            except queue.Empty:
+                break
+        self._jobs.put(None)
+        self._thread.join()
+
+    def _work(self) -> None:
+        import torch
+        from torch._dynamo.utils import counters
+
+        if self.device.startswith("cuda"):
+            torch.cuda.set_device(torch.device(self.device))
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            what, kind, args, kwargs = job
+            copy_, compiled = self._copies[kind]
+            with self._lock:
+                self._started_at = int(counters["stats"]["unique_graphs"])
+            t0, failed = time.perf_counter(), None
+            try:
+                copy_.train(what[1])
+                cast = [torch.autocast(d, dtype=getattr(torch, dt.split(".")[-1]), enabled=on)
+                        for d, (on, dt) in zip(("cuda", "cpu"), what[6], strict=True)]
+                with torch.inference_mode(what[5]), torch.set_grad_enabled(what[2]), cast[0], cast[1]:
+                    out = compiled(*args, **kwargs)
+                    outs = [o for o in _tensors(out) if o.requires_grad]
+                    if outs:  # the backward pass compiles at its first call: make it here
+                        wrt = [t for t in _tensors((args, kwargs)) if t.requires_grad]
+                        wrt += [p for p in copy_.parameters() if p.requires_grad]
+                        torch.autograd.grad(sum(o.float().sum() for o in outs), wrt, allow_unused=True)
+                del out, outs
+                if self.device.startswith("cuda"):
+                    torch.cuda.synchronize()
+            except Exception as e:  # noqa: BLE001 - the run compiles this one itself at its next call
+                failed = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+            del args, kwargs
+            with self._lock:
+                self._made += int(counters["stats"]["unique_graphs"]) - self._started_at
+                self._started_at = None
+                self._done.append(Ready(what, time.perf_counter() - t0, failed))
+
+
+class _Route:
+    """A block's `_compiled_call_impl`: the block's call goes through `BackgroundCompile.call`."""
+
+    def __init__(self, owner: BackgroundCompile, block, compiled):
+        self.owner, self.block, self.compiled = owner, block, compiled
+
+    def __call__(self, *args, **kwargs):
+        return self.owner.call(self.block, self.compiled, args, kwargs)
+
+
+def summary(what: tuple) -> str:
+    """A description in words: the block kind and its first input's shape, grad mode."""
+    shapes = [m[1] for m in _flat(what[3]) + _flat(what[4]) if isinstance(m, tuple) and m and m[0] == "T"]
+    first = "x".join(str(n) for n in shapes[0]) if shapes else "-"
+    return f"{what[0]} {first}" + ("" if what[2] else " (no grad)")
+
+
+def _flat(m) -> list:
+    if isinstance(m, tuple) and m and m[0] == "T":
+        return [m]
+    if isinstance(m, tuple):
+        return [x for v in m for x in _flat(v)]
+    return []

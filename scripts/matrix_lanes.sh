@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# The user-path matrix on a GPU machine with several GPUs: one `lorakit bench matrix` per GPU at once (a lane: its
+# own GPU, lorakit cache, compile cache and model folders), each lane's results under OUT/laneN (matrix.json,
+# matrix.md, the stages' logs). Every lane's model folders are written first, all lanes together, so no lane's timed
+# stages share the disk with another lane's writing (a lane's `--cold` stage still reads from the disk alone only if
+# the other lanes read their folders from the page cache: leave --cold off there). Needs the disk for every lane's
+# folders at once.
+#   bash scripts/matrix_lanes.sh OUT "--family flux --profile datacenter --stages train,train-warm --cold" \
+#                                    "--family kandinsky5-t2i --profile datacenter"
+set -uo pipefail
+out=$1; shift
+mkdir -p "$out"
+bash scripts/device.sh true || exit 1  # the wheels, once
+i=0
+for spec in "$@"; do
+  fams=$(echo "$spec" | grep -o -- '--family [^ ]*' | cut -d' ' -f2)
+  (export CUDA_VISIBLE_DEVICES=$i
+   for f in $fams; do
+     bash scripts/device.sh python3 -c "import sys, time, torch; from pathlib import Path
+from lorakit.bench.hub import write_model
+t = time.perf_counter(); r = write_model(sys.argv[1], Path(sys.argv[2]), device='cuda', dtype=torch.bfloat16)
+print(f'{sys.argv[1]}: {r[\"bytes\"] / 2**30:.1f} GiB written in {time.perf_counter() - t:.1f} s')" "$f" "/tmp/models-$i/$f"
+   done) > "$out/lane$i-write.log" 2>&1 &
+  i=$((i + 1))
+done
+wait
+i=0
+for spec in "$@"; do
+  # shellcheck disable=SC2086  # a lane's arguments are words
+  (CUDA_VISIBLE_DEVICES=$i LORAKIT_CACHE=/tmp/lorakit-cache-$i bash scripts/device.sh lorakit bench matrix $spec \
+     --models "/tmp/models-$i" --out "$out/lane$i") > "$out/lane$i.log" 2>&1 &
+  i=$((i + 1))
+done
+wait
+for f in "$out"/lane*/matrix.md; do echo "== $f"; cat "$f"; done

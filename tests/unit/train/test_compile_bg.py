@@ -1,0 +1,151 @@
+"""The blocks compiled by a worker thread while steps run eager (train/compile_bg.py), on the tiny FLUX transformer
+with a LoRA and partial gradient checkpointing. torch.compile's `aot_eager` backend stands in for Inductor on the
+CPU: the same Dynamo capture, guards and forward/backward graphs, without a C++ toolchain."""
+
+import functools
+import json
+import threading
+import time
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+from lorakit.config import assemble
+from lorakit.events import Events
+from lorakit.io.modules import load_component
+from lorakit.models.base import load_adapter
+from lorakit.plan.resolve import resolve
+from lorakit.train.compile_bg import BackgroundCompile, describe, summary
+from lorakit.train.loop import run
+from lorakit.train.lora import add_lora
+from lorakit.train.prepare import checkpoint_blocks
+from lorakit.train.swap import repeated_blocks
+from tests.unit.train.test_loop import make_cfg
+
+
+def _model(folder, adapter):
+    cfg, _ = assemble(None, ["model.family=flux", "lora.rank=4"], "cpu")
+    tr = load_component(folder / "transformer", "cpu", torch.float32)
+    add_lora(tr, adapter, cfg)
+    tr.train()
+    checkpoint_blocks(tr, 1)  # the first block recomputes in backward: its recompute runs the same code
+    return tr
+
+
+def _step(tr, adapter, batch, sigma=0.6):
+    v = adapter.predict(tr, batch.latents.clone(), torch.tensor([sigma]), batch.text)
+    v.square().mean().backward()
+    grads = {n: p.grad.clone() for n, p in tr.named_parameters() if p.requires_grad}
+    tr.zero_grad(set_to_none=True)
+    return v.detach(), grads
+
+
+def test_the_worker_compiles_every_call_the_blocks_make_and_the_run_never_compiles(tiny):
+    torch._dynamo.reset()
+    folder = tiny("flux")
+    adapter = load_adapter("flux", folder, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(0)
+    config = dict(load_component(folder / "transformer").config)
+    small, large = (adapter.example_inputs(config, res, 8, gen) for res in (64, 96))  # two buckets
+    ref = _model(folder, adapter)
+    want_small, want_large = _step(ref, adapter, small), _step(ref, adapter, large)
+
+    tr = _model(folder, adapter)
+    tr.load_state_dict(ref.state_dict())
+    bg = BackgroundCompile(repeated_blocks(tr), {"backend": "aot_eager"}, "cpu")
+    try:
+        got = _step(tr, adapter, small)  # eager: the worker compiles meanwhile
+        assert bg.eager_calls > 0 and bg.pending > 0
+        torch.testing.assert_close(got[0], want_small[0])
+        deadline = time.monotonic() + 120
+        while True:  # steps run eager until the worker is done; what it finishes goes into use between steps
+            ready = bg.advance()
+            assert all(r.failed is None for r in ready), [r.failed for r in ready]
+            if not bg.pending:
+                break
+            assert time.monotonic() < deadline, "the worker did not finish"
+            time.sleep(0.05)
+        kinds = {what[0] for what in bg.active}
+        assert kinds == {"FluxTransformerBlock", "FluxSingleTransformerBlock"}
+        # the double block's input needs no grad (the embedders are frozen), the single block's does
+        needs = {what[0]: what[3][1][0][4] for what in bg.active}
+        assert needs == {"FluxTransformerBlock": False, "FluxSingleTransformerBlock": True}
+        made = counters["stats"]["unique_graphs"]
+        assert made > 0 and bg.own_graphs() == 0
+
+        out, grads = _step(tr, adapter, small)  # compiled now: no compile in the run's thread
+        assert bg.eager_calls == 0
+        assert counters["stats"]["unique_graphs"] == made and bg.own_graphs() == 0
+        torch.testing.assert_close(out, want_small[0])
+        for n, g in want_small[1].items():
+            torch.testing.assert_close(grads[n], g, msg=n)
+
+        bg.advance()  # a second bucket: eager (right), given to the worker
+        out, grads = _step(tr, adapter, large)
+        assert bg.eager_calls > 0 and bg.pending > 0
+        torch.testing.assert_close(out, want_large[0])
+        for n, g in want_large[1].items():
+            torch.testing.assert_close(grads[n], g, msg=n)
+        bg.close()
+        assert not bg._thread.is_alive()
+        assert all(p.grad is None for p in tr.parameters())  # the worker's passes never touched the run's grads
+    finally:
+        bg.close()
+        torch._dynamo.reset()
+
+
+def test_a_description_names_what_a_compiled_graph_depends_on():
+    block = torch.nn.Linear(4, 4)
+    x = torch.zeros(2, 3, 4)
+    a = describe(block, (x,), {})
+    assert describe(block, (x.clone(),), {}) == a
+    assert describe(block, (x.requires_grad_(True),), {}) != a
+    assert describe(block, (torch.zeros(2, 5, 4),), {}) != a
+    with torch.no_grad():
+        assert describe(block, (torch.zeros(2, 3, 4),), {}) != a
+        assert summary(describe(block, (torch.zeros(2, 3, 4),), {})) == "Linear 2x3x4 (no grad)"
+    block.eval()
+    assert describe(block, (torch.zeros(2, 3, 4),), {}) != a
+
+
+class _Heard(Events):
+    def __init__(self):
+        self.lines, self.phases = [], []
+
+    def info(self, msg):
+        self.lines.append(msg)
+
+    def phase_end(self, name, seconds, facts):
+        self.phases.append(name)
+
+
+@pytest.mark.slow
+def test_a_run_steps_while_its_blocks_compile_and_then_runs_them_compiled(tmp_path, tiny, monkeypatch):
+    """`lorakit train`'s loop with memory.compile_background on (the CPU never compiles: the decision is patched,
+    torch.compile given the aot_eager backend): step 1 does not wait, the compiled blocks come into use between
+    steps and the log says from which, no step waits for a compile, and the run ends with the worker stopped."""
+    import lorakit.plan.resolve as resolve_mod
+
+    monkeypatch.setattr(resolve_mod, "compile_decision", lambda *a: (True, None))
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="aot_eager"))
+    torch._dynamo.reset()
+    cfg = make_cfg(tmp_path, "flux", tiny("flux"), steps=400, lora={"dropout": 0.0},
+                   sampling={"enabled": False}, output={"save_every": 0})
+    resolved = resolve(cfg)
+    assert resolved.cfg.memory.compile and resolved.cfg.memory.compile_background == "on"
+    heard = _Heard()
+    try:
+        r = run(resolved, events=heard)
+    finally:
+        torch._dynamo.reset()
+    assert r["steps"] == 400
+    assert not [t for t in threading.enumerate() if t.name == "lorakit-compile"]  # the worker stopped with the run
+    rows = [json.loads(x) for x in open(r["metrics"])]
+    assert rows[0].get("eager_blocks")  # step 1 ran the blocks as they are
+    compiled = [x["step"] for x in rows if not x.get("eager_blocks")]
+    assert compiled, "no step ran the compiled blocks"
+    used = [m for m in heard.lines if m.startswith("compiled in the background")]
+    assert used and used[0].endswith(f"the blocks run compiled from step {compiled[0]}")
+    assert "compile" not in heard.phases  # no step waited for the compiler
+    assert all(x.get("eager_blocks") for x in rows[:compiled[0] - 1])
