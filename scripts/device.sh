@@ -11,7 +11,19 @@ if [ "$(cat /tmp/site/.lorakit-wheels 2>/dev/null)" != "$have" ]; then  # instal
   python3 -m pip install -q --no-index --no-deps --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && echo "$have" > /tmp/site/.lorakit-wheels || exit 1
 fi
-export PYTHONPATH=/tmp/site:$PWD
+export PYTHONPATH=/tmp/site:$PWD PYTHONPYCACHEPREFIX=/tmp/pycache
+# The image's packages come without bytecode and Python may not write it beside them (each lorakit process compiled
+# ~2,400 sources at import: ~10 s). A user's pip compiles it at install; here it is compiled once per machine.
+if [ ! -f /tmp/pycache/.done ]; then
+  mkdir -p /tmp/pycache
+  sp=$(python3 -c "import importlib.util as u, os; print(os.path.dirname(os.path.dirname(u.find_spec('torch').origin)))")
+  dirs=(/tmp/site)
+  for p in torch transformers peft accelerate safetensors sympy huggingface_hub tokenizers typer rich click yaml \
+           numpy PIL networkx jinja2 filelock fsspec triton regex tqdm packaging psutil mpmath markupsafe; do
+    [ -d "$sp/$p" ] && dirs+=("$sp/$p")
+  done
+  python3 -m compileall -q -j 16 "${dirs[@]}" > /dev/null 2>&1; touch /tmp/pycache/.done
+fi
 # FlashAttention 4's CuTe DSL packages, where tools/fa4_carry.sh put them (a --target install leaves .pth files unread)
 [ -d /tmp/site/nvidia_cutlass_dsl/dsl_packages ] && export PYTHONPATH=$PYTHONPATH:/tmp/site/nvidia_cutlass_dsl/dsl_packages
 export LORAKIT_CACHE=${LORAKIT_CACHE:-/tmp/lorakit-cache} HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1

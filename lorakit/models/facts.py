@@ -32,6 +32,7 @@ class Published:
     params: float  # transformer parameters
     text_tokens: int  # text length the estimate counts (the pipeline's usual maximum)
     source: str  # where the figures come from
+    working_set: float = 16.0  # bf16 values per token x hidden unit one block keeps for backward (calibrated)
 
 
 @dataclass(frozen=True)

@@ -5,8 +5,9 @@ peak ~= base weights (at the profile's storage) on the GPU (minus swapped blocks
       + activations: with gradient checkpointing each block keeps its input (tokens x hidden x 2 bytes)
         plus one block's working set; without, every block keeps its working set
       + a fixed allowance for the CUDA context, cuBLAS/cuDNN workspaces and fragmentation.
-The working-set factor (16 bf16 values per token and hidden unit per block) is calibrated on the
-measured FLUX.1-dev step on an H100 (1024², no checkpointing: 46.8 GiB peak; docs/benchmarks-history.md).
+The working-set factor (bf16 values per token and hidden unit per block: 16 by default, the family's own where
+measured otherwise) is calibrated on the measured FLUX.1-dev step on an H100 (1024², no checkpointing: 46.8 GiB
+peak; docs/benchmarks-history.md); Kandinsky 5's blocks keep more (26: the H100's 40.8 GiB uncompiled at 1024²).
 The model's size comes from its folder (config.json, the shard index's total_size), else from the family
 adapter's published figures; its tokens (controls, video frames) from the adapter too.
 """
@@ -23,7 +24,6 @@ from lorakit.hardware.profiles import load_profile
 from lorakit.models.base import family_adapter
 
 GIB = 2**30
-WORKING_SET = 16  # bf16 values per token x hidden unit kept by one block in backward (calibrated)
 OVERHEAD_GIB = 2.0
 BYTES_PER_PARAM = {"none": None, "fp8": 1.0, "qfloat8": 1.0, "nf4": 0.55}
 
@@ -82,7 +82,7 @@ def estimate(cfg, world: int = 1) -> dict:
     per_item = adapter.image_tokens(cfg.data.resolution, frames, controls_in_use(cfg, adapter),
                                     cfg.data.control_resolution)
     tokens = (per_item + adapter.published.text_tokens) * cfg.schedule.batch_size
-    per_block = tokens * hidden * 2 * WORKING_SET
+    per_block = tokens * hidden * 2 * adapter.published.working_set
     ckpt = checkpointed(cfg, blocks)  # a recomputed block keeps its input, the others their working set
     acts = ckpt * tokens * hidden * 2 + (blocks - ckpt) * per_block + (per_block if ckpt else 0)
     parts = {"base": base / GIB, "lora_and_optimizer": lora / GIB, "activations": acts / GIB, "overhead": OVERHEAD_GIB}

@@ -111,6 +111,9 @@ class BackgroundCompile:
         import torch
 
         self.device = device
+        d = torch.device(device)
+        self._index = (d.index if d.index is not None else torch.cuda.current_device()) if d.type == "cuda" else None
+        self._dead: str | None = None  # why the worker itself stopped (the run then compiles what it meets)
         self.active: set = set()  # descriptions the blocks run compiled (changed by `advance` only)
         self._seen: set = set()  # descriptions given to the worker
         self._done: list[Ready] = []  # finished by the worker, not yet active (under `_lock`)
@@ -134,6 +137,9 @@ class BackgroundCompile:
         what = describe(block, args, kwargs)
         if what in self.active:
             return compiled(*args, **kwargs)
+        if self._dead and what not in self._seen:  # no worker: compiled here, as without one (the step waits)
+            self.active.add(what)
+            return compiled(*args, **kwargs)
         if what not in self._seen:
             self._seen.add(what)
             self.pending += 1
@@ -144,6 +150,15 @@ class BackgroundCompile:
     def advance(self) -> list[Ready]:
         """Between steps: what the worker finished goes into use (a failed one compiles at its next call, in the
         run). Returns what went into use now."""
+        if self._dead:  # given after the worker stopped: the run compiles them
+            while True:
+                try:
+                    job = self._jobs.get_nowait()
+                except queue.Empty:
+                    break
+                if job is not None:
+                    with self._lock:
+                        self._done.append(Ready(job[0], 0.0, self._dead))
         with self._lock:
             done, self._done = self._done, []
         for r in done:
@@ -172,11 +187,28 @@ class BackgroundCompile:
         self._thread.join()
 
     def _work(self) -> None:
+        try:
+            self._jobs_loop()
+        except BaseException as e:  # noqa: BLE001 - the worker itself failed: what it was given compiles in the run
+            self._dead = f"{type(e).__name__}: {e}"
+            left = []
+            while True:
+                try:
+                    job = self._jobs.get_nowait()
+                except queue.Empty:
+                    break
+                if job is not None:
+                    left.append(Ready(job[0], 0.0, self._dead))
+            with self._lock:
+                self._started_at = None
+                self._done += left
+
+    def _jobs_loop(self) -> None:
         import torch
         from torch._dynamo.utils import counters
 
-        if self.device.startswith("cuda"):
-            torch.cuda.set_device(torch.device(self.device))
+        if self._index is not None:
+            torch.cuda.set_device(self._index)
         while True:
             job = self._jobs.get()
             if job is None:

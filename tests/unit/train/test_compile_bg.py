@@ -149,3 +149,32 @@ def test_a_run_steps_while_its_blocks_compile_and_then_runs_them_compiled(tmp_pa
     assert used and used[0].endswith(f"the blocks run compiled from step {compiled[0]}")
     assert "compile" not in heard.phases  # no step waited for the compiler
     assert all(x.get("eager_blocks") for x in rows[:compiled[0] - 1])
+
+
+def test_a_worker_that_cannot_start_leaves_the_compiling_to_the_run(tiny, monkeypatch):
+    """The worker's own failure (on the H100 once: a device it could not select) is not a run that stays uncompiled:
+    what it was given is handed back as failed, and the blocks compile in the run at their next call."""
+    torch._dynamo.reset()
+    folder = tiny("flux")
+    adapter = load_adapter("flux", folder, dtype=torch.float32)
+    batch = adapter.example_inputs(dict(load_component(folder / "transformer").config), 64, 8,
+                                   torch.Generator().manual_seed(0))
+
+    def broken(self):
+        time.sleep(0.2)  # the first step's calls are given to it first
+        raise ValueError("Expected a torch.device with a specified index")
+
+    monkeypatch.setattr(BackgroundCompile, "_jobs_loop", broken)
+    tr = _model(folder, adapter)
+    bg = BackgroundCompile(repeated_blocks(tr), {"backend": "aot_eager"}, "cpu")
+    try:
+        want = _step(tr, adapter, batch)
+        bg._thread.join()
+        failed = bg.advance()
+        assert failed and all("specified index" in r.failed for r in failed) and bg.pending == 0
+        got = _step(tr, adapter, batch)  # compiled in the run's thread now
+        assert bg.eager_calls == 0 and bg.own_graphs() > 0
+        torch.testing.assert_close(got[0], want[0])
+    finally:
+        bg.close()
+        torch._dynamo.reset()
