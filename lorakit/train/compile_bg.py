@@ -13,7 +13,15 @@ trainable weights are new parameters over the same storage, so the optimizer's i
 the worker's pass, and no weight memory is duplicated.
 
 Which calls run compiled changes only between optimizer steps (`advance`), never inside one: a block's forward and
-its recompute (gradient checkpointing) always run the same code.
+its recompute (gradient checkpointing) always run the same code. And it changes once, all together, when the worker
+has finished everything it was given: the run's thread never runs compiled code while the worker compiles (in
+torch 2.11 the FX tracing flag is global: a compiled call beside the worker's tracing was refused, measured on the
+H100). The worker then stops; a shape met later (a new bucket) compiles in the run, as without this.
+
+The cost: while the worker compiles, the run's thread gets the interpreter less often (the compiler holds it for
+long stretches), so the uncompiled steps are slower than plain eager steps (FLUX.1 on an H100: 0.55-3.3 s against
+0.62) and host-heavy work between them (a checkpoint's save) is much slower; the run ends after the compile in
+progress.
 
 A compile that fails in the worker (out of memory, say) leaves that description to the run: it compiles there at
 its next call, as it would without this (the step waits; the loop says so)."""
@@ -114,6 +122,7 @@ class BackgroundCompile:
         d = torch.device(device)
         self._index = (d.index if d.index is not None else torch.cuda.current_device()) if d.type == "cuda" else None
         self._dead: str | None = None  # why the worker itself stopped (the run then compiles what it meets)
+        self.sealed = False  # what the worker compiled is in use, and it has stopped
         self.active: set = set()  # descriptions the blocks run compiled (changed by `advance` only)
         self._seen: set = set()  # descriptions given to the worker
         self._done: list[Ready] = []  # finished by the worker, not yet active (under `_lock`)
@@ -137,7 +146,7 @@ class BackgroundCompile:
         what = describe(block, args, kwargs)
         if what in self.active:
             return compiled(*args, **kwargs)
-        if self._dead and what not in self._seen:  # no worker: compiled here, as without one (the step waits)
+        if (self._dead or self.sealed) and what not in self._seen:  # compiled here, as without a worker (waits)
             self.active.add(what)
             return compiled(*args, **kwargs)
         if what not in self._seen:
@@ -159,13 +168,20 @@ class BackgroundCompile:
                 if job is not None:
                     with self._lock:
                         self._done.append(Ready(job[0], 0.0, self._dead))
+        self.eager_calls = 0
         with self._lock:
+            if self.sealed or not self.pending or len(self._done) < self.pending:
+                return []  # all or nothing: the worker is still compiling (or has been given nothing yet)
             done, self._done = self._done, []
         for r in done:
             self.active.add(r.what)
-            self.pending -= 1
-        self.eager_calls = 0
+        self.pending, self.sealed = 0, True
+        self.close()  # idle: it stops (what the run meets from now on compiles in the run)
         return done
+
+    @property
+    def running(self) -> bool:
+        return self._thread.is_alive()
 
     def own_graphs(self) -> int:
         """Graphs compiled in the process so far that the worker did not compile (a step that made one waited)."""
@@ -177,7 +193,9 @@ class BackgroundCompile:
 
     def close(self) -> None:
         """Stop the worker: what it has not begun is dropped, the compile it is in finishes (a process that exits
-        while the compiler runs in a thread aborts)."""
+        while the compiler runs in a thread aborts). Called again, it returns at once."""
+        if not self._thread.is_alive():
+            return
         while True:
             try:
                 self._jobs.get_nowait()

@@ -130,6 +130,9 @@ def finish(r: Run) -> dict:
     import torch
 
     tr, cfg, d, out = r.trainer, r.resolved.cfg, r.dist, r.trainer.out
+    if tr.background and tr.background.running:  # its compile in progress ends first: the saves then run alone
+        with r.events.phase("background compile (the one in progress finishes)"):
+            tr.background.close()
     early = bool(tr.best and tr.best.stop)  # validation.patience: no new best in that many checks
     interrupted = tr.step < cfg.schedule.steps and not early  # a signal after the last step still gets the LoRA
     if r.initial is not None:  # stopped before any step: the step-0 grid all the same
