@@ -138,7 +138,7 @@ def lorakit_config(spec: dict, device: str):
     sets = [f"model.family={spec['family']}", f"data.resolution={spec['res']}", f"lora.rank={spec['rank']}",
             f"lora.targets={json.dumps(reference_targets(spec['family']))}", "lora.dropout=0", f"seed={spec['seed']}",
             f"schedule.steps={spec['warmup'] + spec['steps']}", "schedule.warmup_steps=0",
-            f"model.dtype={spec['dtype']}", "memory.compile_background=off",  # the steady step, compiled at once
+            f"model.dtype={spec['dtype']}", "memory.compile_background=false",  # the steady step, compiled at once
             *([f"memory.attention={spec['attention']}"] if spec.get("attention") else []), *spec["sets"]]
     return resolve(None, sets, profile=spec["profile"], paths=(), world=spec.get("gpus", 1),
                    cap_gib=spec.get("memory_cap")).cfg

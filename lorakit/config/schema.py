@@ -168,11 +168,13 @@ class MemoryConfig(_Section):
         "static", description="static: the compiled blocks specialise to the first bucket's sizes and become "
                               "symbolic at the second (torch's default); dynamic: symbolic from the start (measured "
                               "slower to compile: FLUX 1024² on an H100, 174 s for step 1 against ~52 s)")
-    compile_background: Literal["auto", "on", "off"] = Field(
+    compile_background: bool | Literal["auto"] = Field(
         "auto", description="with compile: the first steps run the blocks uncompiled while a worker thread "
-                            "compiles them (for each bucket shape), so no step waits for the compiler; auto: on "
-                            "where the memory plan leaves room for the worker's pass over one block (not with "
-                            "CUDA graphs, nor LoRA dropout); off: each new shape's step waits for its compile")
+                            "compiles them for the shapes they meet, so step 1 does not wait for the compiler "
+                            "(those steps are slower; a shape met after the compiled blocks came into use compiles "
+                            "as with off); auto: on where the memory plan saved nothing (no 8-bit base, recompute "
+                            "or swap: uncompiled blocks hold more) and the estimate leaves room for the worker's "
+                            "pass, not with CUDA graphs nor LoRA dropout; false: step 1 waits for the compile")
     cuda_graphs: bool = Field(False, description="with compile: replay each compiled block as a CUDA graph "
                                                  "(less host time per block; not while blocks recompute for "
                                                  "gradient checkpointing, nor with schedule.grad_accum > 1)")

@@ -46,15 +46,15 @@ def graphs_decision(cfg, device: str, compiled: bool, recomputed: int) -> tuple[
 
 
 def background_decision(cfg, compiled: bool, graphs: bool, est: dict | None, budget_gib: float | None
-                        ) -> tuple[str, str | None]:
-    """memory.compile_background as the run follows it ("on" or "off"), and, where it asked for "on" and cannot,
+                        ) -> tuple[bool, str | None]:
+    """memory.compile_background as the run follows it (true or false), and, where it asked for true and cannot,
     why. Until the worker is done the blocks run uncompiled, which holds more activations than compiled blocks
     (FLUX.1 1024² on an H100: 47.3 GiB against 42.0), and the worker runs one block forward and backward beside the
     run; so "auto" turns it on only where the plan saved no memory (the card has room to spare) and the estimate
     plus one block's working set leaves the plan's margin free."""
     asked = cfg.memory.compile_background
-    if asked == "off" or not compiled:
-        return "off", None
+    if asked is False or not compiled:
+        return False, None
     why = ("with CUDA graphs (memory.cuda_graphs)" if graphs
            else "with LoRA dropout (the worker would draw from the run's random numbers)"
            if cfg.method == "lora" and cfg.lora.dropout else None)
@@ -68,9 +68,9 @@ def background_decision(cfg, compiled: bool, graphs: bool, est: dict | None, bud
             why = (f"for lack of GPU memory (about {need:.1f} GiB with the worker's pass, of "
                    f"{budget_gib:.0f})")
     if why:
-        return "off", (f"memory.compile_background: the blocks compile while step 1 waits, {why}"
-                       if asked == "on" else None)
-    return "on", None
+        return False, (f"memory.compile_background: the blocks compile while step 1 waits, {why}"
+                       if asked is True else None)
+    return True, None
 
 
 def has_repeated_blocks(family: str) -> bool:

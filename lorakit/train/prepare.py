@@ -93,7 +93,7 @@ def prepare(cfg, adapter, transformer, device: str, dtype, dist) -> Prepared:
         adapter.before_compile(transformer)
         options = {"dynamic": compile_dynamic(cfg.memory.compile_shapes)} | (
             {"mode": "reduce-overhead"} if graphs else {})
-        if cfg.memory.compile_background == "on":  # compiled by a worker while the first steps run eager
+        if cfg.memory.compile_background is True:  # compiled by a worker while the first steps run eager
             background = BackgroundCompile(repeated_blocks(transformer), options, device)
         else:
             transformer.compile_repeated_blocks(**options)

@@ -67,3 +67,26 @@ def test_a_cached_fa4_choice_that_cannot_run_now_gives_way_to_the_next_fastest_w
     assert decide.attention_backend(cfg, "cuda", notes.append) == "fa4" and len(notes) == 1
     cfg, _ = assemble(None, ["model.family=flux", "memory.attention=flash"], profile="datacenter")
     assert decide.attention_backend(cfg, "cuda", notes.append) == "flash"  # an explicit setting is taken as it is
+
+
+def test_the_background_compile_is_on_only_where_the_card_has_room_to_spare():
+    """auto: on where the memory plan saved nothing and the estimate plus the worker's pass leaves the margin;
+    off where the plan saves memory (uncompiled blocks hold more), with CUDA graphs, with LoRA dropout; an explicit
+    true that cannot run is said."""
+    from lorakit.config import assemble
+    from lorakit.plan.decide import background_decision
+
+    def cfg(*sets):
+        return assemble(None, ["model.family=flux", "lora.dropout=0", *sets], "datacenter")[0]
+
+    room = {"gib": 48.9, "block_gib": 0.42}
+    assert background_decision(cfg(), True, False, room, 80.0) == (True, None)
+    assert background_decision(cfg(), False, False, room, 80.0) == (False, None)  # nothing compiles
+    assert background_decision(cfg(), True, False, {"gib": 78.5, "block_gib": 0.42}, 80.0) == (False, None)
+    assert background_decision(cfg("memory.base_quant=fp8"), True, False, room, 80.0) == (False, None)
+    assert background_decision(cfg("memory.gradient_checkpointing=true"), True, False, room, 80.0) == (False, None)
+    assert background_decision(cfg(), True, True, room, 80.0) == (False, None)  # CUDA graphs
+    assert background_decision(cfg("lora.dropout=0.1"), True, False, room, 80.0) == (False, None)
+    on, why = background_decision(cfg("memory.compile_background=true"), True, True, room, 80.0)
+    assert not on and "CUDA graphs" in why
+    assert background_decision(cfg("memory.compile_background=false"), True, False, room, 80.0) == (False, None)

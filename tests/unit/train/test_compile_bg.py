@@ -135,7 +135,7 @@ def test_a_run_steps_while_its_blocks_compile_and_then_runs_them_compiled(tmp_pa
     cfg = make_cfg(tmp_path, "flux", tiny("flux"), steps=400, lora={"dropout": 0.0},
                    sampling={"enabled": False}, output={"save_every": 0})
     resolved = resolve(cfg)
-    assert resolved.cfg.memory.compile and resolved.cfg.memory.compile_background == "on"
+    assert resolved.cfg.memory.compile and resolved.cfg.memory.compile_background is True
     heard = _Heard()
     try:
         r = run(resolved, events=heard)
