@@ -61,10 +61,12 @@ def train(
     quiet_libraries()  # before anything imports them (bitsandbytes speaks at import)
     events = Events() if rank else events_for(log_format, as_json, console, err_console)
     with events:
-        # the first run on a machine measures its attention backends here (once, cached): the log says so
+        # the first run on a machine measures its attention backends here, or while its model loads where the
+        # card has room (once, cached): the log says so
         with events.phase("check config and machine") as facts:
-            resolved = resolve_config(config, sets, profile, events=events)
-            facts.update(profile=resolved.cfg.profile, attention=resolved.cfg.memory.attention)
+            resolved = resolve_config(config, sets, profile, events=events, defer_attention=True)
+            facts.update(profile=resolved.cfg.profile, attention="measured while the model loads"
+                         if resolved.attention_deferred else resolved.cfg.memory.attention)
         result = run(resolved, resume=resume, events=events)
     if rank:
         from lorakit.errors import EXIT_INTERRUPTED_RESUMABLE

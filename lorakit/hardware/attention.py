@@ -78,6 +78,22 @@ def self_test_family(family: str, device: str = "cuda") -> AttentionReport:
                      models=(model_case(family),) if device.startswith("cuda") else ())
 
 
+def cached_family_report(family: str, device: str = "cuda") -> AttentionReport | None:
+    """What `self_test_family` would return without measuring: doctor's whole measurement or this family's, where
+    this machine has one cached; else None (the next run's self-test measures)."""
+    cuda = device.startswith("cuda")
+    keys = ((all_cases(), all_model_cases() if cuda else ()),
+            (tuple(family_adapter(family).attention_cases), (model_case(family),) if cuda else ()))
+    for cases, models in keys:
+        path = _cache_file(_key(device, cases, models))
+        if path.is_file():
+            try:
+                return AttentionReport.from_dict(json.loads(path.read_text()))
+            except (ValueError, KeyError, TypeError):
+                continue
+    return None
+
+
 def _cache_file(fp: dict) -> Path:
     key = hashlib.sha256(json.dumps(fp, sort_keys=True).encode()).hexdigest()[:16]
     return cache_root() / "attention" / f"{key}.json"

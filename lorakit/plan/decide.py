@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from lorakit.errors import NotAvailableError
 from lorakit.hardware import fa4
-from lorakit.hardware.attention import self_test_family
+from lorakit.hardware.attention import cached_family_report, self_test_family
 from lorakit.hardware.attention_choice import choose
 from lorakit.models.base import family_adapter
 from lorakit.plan.memory import PLAN_MARGIN_GIB
@@ -58,19 +58,46 @@ def background_decision(cfg, compiled: bool, graphs: bool, est: dict | None, bud
     why = ("with CUDA graphs (memory.cuda_graphs)" if graphs
            else "with LoRA dropout (the worker would draw from the run's random numbers)"
            if cfg.method == "lora" and cfg.lora.dropout else None)
-    m = cfg.memory
-    if why is None and asked == "auto" and (m.base_quant != "none" or m.gradient_checkpointing
-                                            or m.blocks_to_swap):
-        why = "where the memory plan saves memory (an 8-bit base, recomputed or swapped blocks)"
-    if why is None and asked == "auto" and est is not None and budget_gib:
-        need = est["gib"] + est.get("block_gib", 0.0)
-        if need > budget_gib - PLAN_MARGIN_GIB:
-            why = (f"for lack of GPU memory (about {need:.1f} GiB with the worker's pass, of "
-                   f"{budget_gib:.0f})")
+    if why is None and asked == "auto":
+        why = lacks_room(cfg, est, budget_gib)
     if why:
         return False, (f"memory.compile_background: the blocks compile while step 1 waits, {why}"
                        if asked is True else None)
     return True, None
+
+
+def lacks_room(cfg, est: dict | None, budget_gib: float | None) -> str | None:
+    """Why the card has no room to spare beside the run (None: it has): the memory plan saved memory (an 8-bit
+    base, recomputed or swapped blocks), or the estimate plus one block's working set leaves less than the plan's
+    margin. What runs beside the run (the background compile, the first run's attention self-test) needs room."""
+    m = cfg.memory
+    if m.base_quant != "none" or m.gradient_checkpointing or m.blocks_to_swap:
+        return "where the memory plan saves memory (an 8-bit base, recomputed or swapped blocks)"
+    if est is not None and budget_gib:
+        need = est["gib"] + est.get("block_gib", 0.0)
+        if need > budget_gib - PLAN_MARGIN_GIB:
+            return f"for lack of GPU memory (about {need:.1f} GiB with the worker's pass, of {budget_gib:.0f})"
+    return None
+
+
+def attention_can_wait(cfg, device: str, world: int, room: bool) -> bool:
+    """Can this run measure its attention backends while its model loads, instead of before anything (the first
+    run of the family on this machine)? Where memory.attention is auto, nothing is cached yet, the card has room
+    for the measuring child processes beside the loading, and the run is one process (ranks must agree)."""
+    return (device.startswith("cuda") and cfg.memory.attention == "auto" and room and world == 1
+            and cached_family_report(cfg.model.family, device) is None)
+
+
+def choice_from(report, cfg, device: str, note=None) -> str:
+    """The backend a run puts in force from a self-test report (see `attention_backend`)."""
+    choice = choose(report, cfg.model.family, resolution=cfg.data.resolution)  # fastest at this run's size
+    why = fa4.problem(device) if choice and "fa4" in choice.split("+") else None
+    if why:
+        was, choice = choice, choose(report, cfg.model.family, resolution=cfg.data.resolution, exclude={"fa4"})
+        if note:
+            note(f"attention: this machine's measurements chose {was} for {cfg.model.family}, but {why}; "
+                 f"this run uses {choice or 'PyTorch defaults'} (`lorakit doctor --retest` measures again)")
+    return choice or "auto"
 
 
 def has_repeated_blocks(family: str) -> bool:
@@ -100,12 +127,4 @@ def attention_backend(cfg, device: str, note=None) -> str:
         if why:
             raise NotAvailableError(why, "--set memory.attention=auto")
         return cfg.memory.attention
-    report = self_test_family(cfg.model.family, device)  # measured once per machine
-    choice = choose(report, cfg.model.family, resolution=cfg.data.resolution)  # fastest at this run's size
-    why = fa4.problem(device) if choice and "fa4" in choice.split("+") else None
-    if why:
-        was, choice = choice, choose(report, cfg.model.family, resolution=cfg.data.resolution, exclude={"fa4"})
-        if note:
-            note(f"attention: this machine's measurements chose {was} for {cfg.model.family}, but {why}; "
-                 f"this run uses {choice or 'PyTorch defaults'} (`lorakit doctor --retest` measures again)")
-    return choice or "auto"
+    return choice_from(self_test_family(cfg.model.family, device), cfg, device, note)  # measured once per machine

@@ -16,10 +16,12 @@ from lorakit.hardware.gpu import device_for
 from lorakit.models.sources import model_folder
 from lorakit.plan.decide import (
     attention_backend,
+    attention_can_wait,
     background_decision,
     compile_decision,
     graphs_decision,
     has_repeated_blocks,
+    lacks_room,
 )
 from lorakit.plan.memory import checkpointed, estimate, fit_to_gpu
 
@@ -37,16 +39,18 @@ class Resolved:
     estimate: dict | None = None  # the memory estimate the plan was checked with (GPU profiles)
     memory_note: str | None = None  # what the memory plan did (checkpointing turned on or off, and why)
     notes: list[str] = field(default_factory=list)  # settings the run cannot follow as asked, and why (warnings)
+    attention_deferred: bool = False  # the first run here: attention is measured while the model loads (train/setup)
 
     def to_dict(self) -> dict:
         return {"profile": self.profile, "config": self.cfg.to_dict(), "device": self.device, "world": self.world,
-                "memory_estimate": self.estimate, "memory_note": self.memory_note, "notes": list(self.notes)}
+                "memory_estimate": self.estimate, "memory_note": self.memory_note, "notes": list(self.notes),
+                "attention_deferred": self.attention_deferred}
 
 
 def resolve(source: Path | dict | Config | None = None, overrides: list[str] | None = None,
             profile: str | None = None, *, paths: tuple[str, ...] = PATHS, train: bool = True,
             world: int | None = None, cap_gib: float | None = None, facts=None,
-            events: Events | None = None) -> Resolved:
+            events: Events | None = None, defer_attention: bool = False) -> Resolved:
     """The run's config, complete.
 
     Args:
@@ -62,6 +66,9 @@ def resolve(source: Path | dict | Config | None = None, overrides: list[str] | N
         cap_gib: the GPU memory the run may use (default: LORAKIT_MEMORY_CAP_GIB, else the card's).
         facts: the hardware probe's facts for `auto` (probed when needed).
         events: where a long step of finding the model (a single file's one-time conversion) reports.
+        defer_attention: a training run that may measure its attention backends while its model loads (the first
+            run of the family on this machine, where the card has room; `train.setup` finishes the choice). A
+            dry run measures here.
 
     Raises:
         ConfigError: every config and path problem at once; InputError: a run that cannot fit (with what would).
@@ -78,10 +85,10 @@ def resolve(source: Path | dict | Config | None = None, overrides: list[str] | N
     world = world or int(os.environ.get("WORLD_SIZE", "1") or 1)
     device = device_for(cfg.profile)
     out = Resolved(cfg, prov, device, world, notes=found)
-    return plan_run(out, cap_gib) if train else out
+    return plan_run(out, cap_gib, defer_attention) if train else out
 
 
-def plan_run(r: Resolved, cap_gib: float | None = None) -> Resolved:
+def plan_run(r: Resolved, cap_gib: float | None = None, defer_attention: bool = False) -> Resolved:
     """Fill in a training run's machine decisions (see `resolve`)."""
     cfg, device, notes = r.cfg, r.device, r.notes
     m = cfg.memory
@@ -104,7 +111,9 @@ def plan_run(r: Resolved, cap_gib: float | None = None) -> Resolved:
     graphs, graphs_why = graphs_decision(cfg, device, compiled, recomputed)
     background, bg_why = background_decision(cfg, compiled, graphs, est, est and est.get("budget_gib"))
     notes += [n for n in (why, graphs_why, bg_why) if n]
-    attention = attention_backend(cfg, device, notes.append)
+    room = lacks_room(cfg, est, est and est.get("budget_gib")) is None
+    r.attention_deferred = defer_attention and attention_can_wait(cfg, device, r.world, room)
+    attention = "auto" if r.attention_deferred else attention_backend(cfg, device, notes.append)
     r.cfg = cfg.model_copy(update={"memory": m.model_copy(update={"compile": compiled, "cuda_graphs": graphs,
                                                                   "compile_background": background,
                                                                   "attention": attention})})

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,12 +16,14 @@ from lorakit.cache.store import Store
 from lorakit.config import dump_yaml
 from lorakit.dtypes import torch_dtype
 from lorakit.events import Events
+from lorakit.hardware.attention import self_test_family
 from lorakit.hardware.gpu import apply_cap, compile_cache, expandable_segments
 from lorakit.hardware.sdpa import apply as apply_attention
 from lorakit.io import atomic_path, clean_orphans
 from lorakit.io.lock import FolderLock
 from lorakit.io.modules import load_facts
 from lorakit.models.base import load_adapter
+from lorakit.plan.decide import choice_from
 from lorakit.plan.resolve import Resolved
 from lorakit.train import checkpoint, sampling
 from lorakit.train import resume as resume_mod
@@ -108,10 +111,12 @@ def setup(resolved: Resolved, resume: str | None, events: Events) -> Run:
             conds = sampling.conditions(cfg, adapter, data)
     if conds and cfg.memory.free_encoders_after_cache:
         adapter.unload(list(adapter.text_parts))
-    attention = cfg.memory.attention if device.startswith("cuda") and cfg.memory.attention != "auto" else None
-    apply_attention(attention, fallback=True)  # in force for the whole run: forward, backward, recompute
-    if d.main:
-        doctor_summary(out, cfg.profile, attention)
+    measuring = AttentionTest(cfg.model.family, device) if resolved.attention_deferred else None
+    if not measuring:
+        attention = cfg.memory.attention if device.startswith("cuda") and cfg.memory.attention != "auto" else None
+        apply_attention(attention, fallback=True)  # in force for the whole run: forward, backward, recompute
+        if d.main:
+            doctor_summary(out, cfg.profile, attention)
     with events.phase("load model") as facts:
         t0 = time.perf_counter()
         base = load_base(cfg, device, dtype)
@@ -123,6 +128,8 @@ def setup(resolved: Resolved, resume: str | None, events: Events) -> Run:
         tr = Trainer(cfg, adapter, base, data, out, device, dtype, dist=d)
         facts.update(trainable=sum(p.numel() for p in tr.params), compiled=tr.compiled, buckets=data.shapes)
     del base
+    if measuring:  # the first run here: the family's attention was measured while the model loaded
+        cfg = tr.cfg = choose_attention(resolved, measuring, out, events, note)
     mark("model_ready")
     resumed = tr.resume(ck) if ck else None
     if d.main:
@@ -141,6 +148,47 @@ def setup(resolved: Resolved, resume: str | None, events: Events) -> Run:
         else:  # the step-0 grid renders right after step 1 from these weights: it does not hold up the first step
             r.initial = checkpoint.snapshot(tr)
     return r
+
+
+class AttentionTest:
+    """The family's attention self-test (`hardware.attention.self_test_family`: child processes, cached per machine)
+    run in a thread while the model loads; `result` waits for it."""
+
+    def __init__(self, family: str, device: str):
+        self.started = time.perf_counter()
+        self._report, self._error = None, None
+        self._thread = threading.Thread(target=self._run, args=(family, device), name="lorakit-attention",
+                                        daemon=True)
+        self._thread.start()
+
+    def _run(self, family: str, device: str) -> None:
+        try:
+            self._report = self_test_family(family, device)
+        except Exception as e:  # noqa: BLE001 - raised where the run waits for it
+            self._error = e
+
+    def result(self):
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._report
+
+
+def choose_attention(resolved: Resolved, measuring: AttentionTest, out: Path, events: Events, note):
+    """The backend chosen from the measurement made while the model loaded, put in force for the whole run, and
+    written into config.resolved.yaml (the config a dry run shows). Returns the run's config."""
+    with events.phase("attention self-test (first run here; measured while the model loaded)") as facts:
+        choice = choice_from(measuring.result(), resolved.cfg, resolved.device, note)
+        facts.update(attention=choice, measured_s=round(time.perf_counter() - measuring.started, 1))
+    m = resolved.cfg.memory
+    resolved.cfg = resolved.cfg.model_copy(update={"memory": m.model_copy(update={"attention": choice})})
+    resolved.attention_deferred = False
+    apply_attention(None if choice == "auto" else choice, fallback=True)
+    if int(os.environ.get("RANK", "0") or 0) == 0:
+        with atomic_path(out / "config.resolved.yaml") as tmp:
+            tmp.write_text(dump_yaml(resolved.cfg))
+        doctor_summary(out, resolved.cfg.profile, None if choice == "auto" else choice)
+    return resolved.cfg
 
 
 def render_samples(r: Run, step: int, name: str | None = None):

@@ -165,7 +165,9 @@ def test_a_worker_that_cannot_start_leaves_the_compiling_to_the_run(tiny, monkey
                                    torch.Generator().manual_seed(0))
 
     def broken(self):
-        time.sleep(0.2)  # the first step's calls are given to it first
+        while self._jobs.empty():  # the first step's calls are given to it first
+            time.sleep(0.01)
+        time.sleep(0.2)
         raise ValueError("Expected a torch.device with a specified index")
 
     monkeypatch.setattr(BackgroundCompile, "_jobs_loop", broken)

@@ -5,6 +5,7 @@ import math
 
 import pytest
 import torch
+import yaml
 
 from lorakit.cache.builder import build, cache_dir_for
 from lorakit.cache.store import Store
@@ -242,3 +243,49 @@ def test_nf4_base_trains_and_its_lora_still_loads_in_stock_diffusers(tmp_path, t
     with pytest.raises(ConfigError, match="nf4 with memory.blocks_to_swap"):  # refused by config validation
         make_cfg(tmp_path / "s", "qwen-image", tiny("qwen-image"), steps=2,
                  memory={"base_quant": "nf4", "blocks_to_swap": 1})
+
+
+def test_the_first_run_here_measures_attention_while_its_model_loads(tmp_path, tiny, monkeypatch):
+    """Where the card has room and nothing is cached, `lorakit train` resolves without measuring (the dry run
+    measures), starts the family's self-test before the model loads, waits for it after, puts the choice in force
+    and writes it into config.resolved.yaml. (The CPU never measures: the GPU-only decisions are patched.)"""
+    import time
+
+    import lorakit.plan.resolve as resolve_mod
+    import lorakit.train.setup as setup_mod
+    from lorakit.events import Events
+    from lorakit.hardware.attention_cases import AttentionReport
+
+    heard = []
+
+    class Heard(Events):
+        def phase_start(self, name):
+            heard.append(("start", name))
+
+        def phase_end(self, name, seconds, facts):
+            heard.append(("end", name, dict(facts)))
+
+    def measure(family, device):
+        heard.append(("measuring", family))
+        time.sleep(0.5)
+        return AttentionReport(fingerprint={})
+
+    applied = []
+    monkeypatch.setattr(resolve_mod, "attention_can_wait", lambda cfg, device, world, room: room and world == 1)
+    monkeypatch.setattr(setup_mod, "self_test_family", measure)
+    monkeypatch.setattr(setup_mod, "choice_from", lambda report, cfg, device, note: "flash+efficient")
+    monkeypatch.setattr(setup_mod, "apply_attention", lambda a, fallback: applied.append(a))
+    cfg = make_cfg(tmp_path, "flux", tiny("flux"), steps=2, sampling={"enabled": False})
+    resolved = resolve(cfg, defer_attention=True)
+    assert resolved.attention_deferred and resolved.cfg.memory.attention == "auto"
+    assert not resolve(cfg).attention_deferred  # a dry run (no deferral asked) measures while it resolves
+    r = run(resolved, events=Heard())
+    assert r["steps"] == 2
+    order = [h[0] if h[0] == "measuring" else f"{h[0]} {h[1]}" for h in heard]
+    assert order.index("measuring") < order.index("start load model")
+    done = [h for h in heard if h[0] == "end" and h[1].startswith("attention self-test")]
+    assert done and done[0][2]["attention"] == "flash+efficient" and done[0][2]["measured_s"] >= 0.5
+    assert order.index(f"end {done[0][1]}") > order.index("end prepare model")
+    assert applied == ["flash+efficient"]  # in force for the run, once
+    written = yaml.safe_load(open(tmp_path / "out" / "config.resolved.yaml"))
+    assert written["memory"]["attention"] == "flash+efficient"
