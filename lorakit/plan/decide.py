@@ -59,22 +59,27 @@ def background_decision(cfg, compiled: bool, graphs: bool, est: dict | None, bud
            else "with LoRA dropout (the worker would draw from the run's random numbers)"
            if cfg.method == "lora" and cfg.lora.dropout else None)
     if why is None and asked == "auto":
-        why = lacks_room(cfg, est, budget_gib)
+        why = lacks_room(cfg, est, budget_gib, uncompiled=True)
     if why:
         return False, (f"memory.compile_background: the blocks compile while step 1 waits, {why}"
                        if asked is True else None)
     return True, None
 
 
-def lacks_room(cfg, est: dict | None, budget_gib: float | None) -> str | None:
+UNCOMPILED_EXTRA = 0.25  # activations uncompiled blocks hold beyond the estimate (FLUX.1 1024², H100: +5.3 GiB of ~22.6)
+
+
+def lacks_room(cfg, est: dict | None, budget_gib: float | None, uncompiled: bool = False) -> str | None:
     """Why the card has no room to spare beside the run (None: it has): the memory plan saved memory (an 8-bit
-    base, recomputed or swapped blocks), or the estimate plus one block's working set leaves less than the plan's
-    margin. What runs beside the run (the background compile, the first run's attention self-test) needs room."""
+    base, recomputed or swapped blocks), or the estimate plus one block's working set (and, `uncompiled`, what
+    uncompiled blocks hold beyond compiled ones) leaves less than the plan's margin. What runs beside the run (the
+    background compile, the first run's attention self-test) needs room."""
     m = cfg.memory
     if m.base_quant != "none" or m.gradient_checkpointing or m.blocks_to_swap:
         return "where the memory plan saves memory (an 8-bit base, recomputed or swapped blocks)"
     if est is not None and budget_gib:
-        need = est["gib"] + est.get("block_gib", 0.0)
+        extra = UNCOMPILED_EXTRA * est.get("parts", {}).get("activations", 0.0) if uncompiled else 0.0
+        need = est["gib"] + est.get("block_gib", 0.0) + extra
         if need > budget_gib - PLAN_MARGIN_GIB:
             return f"for lack of GPU memory (about {need:.1f} GiB with the worker's pass, of {budget_gib:.0f})"
     return None
