@@ -139,6 +139,7 @@ class BackgroundCompile:
                 s = shadow(b)
                 self._copies[kind] = (s, torch.compile(s._call_impl, **options))
             b._compiled_call_impl = _Route(self, b, torch.compile(b._call_impl, **options))
+        self._blocks = blocks
         self._thread = threading.Thread(target=self._work, name="lorakit-compile", daemon=True)
         self._thread.start()
 
@@ -177,6 +178,8 @@ class BackgroundCompile:
             self.active.add(r.what)
         self.pending, self.sealed = 0, True
         self.close()  # idle: it stops (what the run meets from now on compiles in the run)
+        for b in self._blocks:  # the blocks call their compiled code directly: no description per call from now on
+            b._compiled_call_impl = b._compiled_call_impl.compiled
         return done
 
     @property
