@@ -63,9 +63,25 @@ def _sizes(res: int) -> list:
     return SIZES.get(res) or [(res, res)]
 
 
-def _run(cmd: list[str], log: Path, env: dict, timeout: float) -> tuple[int, float, float, str]:
-    """(exit code, seconds, peak RSS GiB, stdout) of one command, its output to `log` (as under nohup)."""
+def private_gib(pid: int) -> float | None:
+    """A process's anonymous memory now (GiB): what it holds that only RAM or swap can back — unlike RSS, which
+    also counts the pages of the files it maps (model weights read through the page cache, given back under
+    pressure). None where the kernel does not say (not Linux, the process gone)."""
+    try:
+        text = Path(f"/proc/{pid}/smaps_rollup").read_text()
+    except OSError:
+        return None
+    for line in text.splitlines():
+        if line.startswith("Anonymous:"):
+            return int(line.split()[1]) / 2**20
+    return None
+
+
+def _run(cmd: list[str], log: Path, env: dict, timeout: float) -> tuple[int, float, float, str, float | None]:
+    """(exit code, seconds, peak RSS GiB, stdout, peak private GiB) of one command, its output to `log` (as under
+    nohup); private memory (`private_gib`) is sampled every half second."""
     t0 = time.perf_counter()
+    peak_private, sampled = None, 0.0
     with open(log, "w") as out, open(log.with_suffix(".err"), "w") as err:
         p = subprocess.Popen(cmd, stdout=out, stderr=err, env=env)
         deadline = time.monotonic() + timeout
@@ -77,9 +93,13 @@ def _run(cmd: list[str], log: Path, env: dict, timeout: float) -> tuple[int, flo
                 p.kill()
                 pid, status, usage = os.wait4(p.pid, 0)
                 break
+            if time.monotonic() - sampled >= 0.5:
+                sampled, now = time.monotonic(), private_gib(p.pid)
+                if now is not None:
+                    peak_private = max(peak_private or 0.0, now)
             time.sleep(0.05)
     p.returncode = os.waitstatus_to_exitcode(status)
-    return p.returncode, time.perf_counter() - t0, usage.ru_maxrss / 2**20, log.read_text()
+    return p.returncode, time.perf_counter() - t0, usage.ru_maxrss / 2**20, log.read_text(), peak_private
 
 
 def _json(text: str) -> dict:
@@ -209,8 +229,9 @@ def run_cell(cell: Cell, model: Path, data: Path, work: Path, steps: int, res: i
         if cold and stage == stages[0]:
             evicted = drop_cache(sorted(model.rglob("*.safetensors")))
         started = time.time()
-        rc, secs, rss, out = _run(cmd, work / f"{stage}.log", env, timeout=1800)
-        rec = {"s": round(secs, 1), "rss_gib": round(rss, 2), "rc": rc, **({"page_cache": evicted} if evicted else {})}
+        rc, secs, rss, out, private = _run(cmd, work / f"{stage}.log", env, timeout=1800)
+        rec = {"s": round(secs, 1), "rss_gib": round(rss, 2), "rc": rc, **({"page_cache": evicted} if evicted else {}),
+               **({"private_gib": round(private, 2)} if private is not None else {})}
         result = _json(out)
         if rc == 2 and stage.startswith("train"):
             cell.status, cell.note = "refused", f"{result.get('message', '')} ({result.get('hint', '')})"
@@ -314,17 +335,22 @@ def table(cells: list[Cell]) -> str:
         return "-" if x is None else (fmt.format(x) if isinstance(x, (int, float)) else str(x))
 
     head = ("| family | profile (cap) | result | cache s | train s | first step s (warm) | s/step median / p90 | "
-            "peak GPU GiB | peak RSS GiB | infer s | PSNR vs stock dB |\n|---|---|---|---|---|---|---|---|---|---|---|")
+            "peak GPU GiB | peak host RSS / private GiB (stage) | infer s | PSNR vs stock dB |\n"
+            "|---|---|---|---|---|---|---|---|---|---|---|")
     rows = []
     for c in cells:
         st = c.stages
         rss = max((s.get("rss_gib") or 0 for s in st.values()), default=None)
+        own = {k: s["private_gib"] for k, s in st.items() if s.get("private_gib") is not None and k != "stock"}
+        top = max(own, key=own.get) if own else None  # lorakit's stages (the stock pipeline is the reference)
+        memory = f"{f(rss)} / {f(own[top]) + f' ({top})' if top else '-'}"
+        uncompiled = " (uncompiled)" if "uncompiled" in c.note else ""
         result = c.status if c.status == "pass" else f"{c.status}: {c.note[:160]}"
         rows.append(f"| {c.family} | {c.profile}{f' ({c.cap_gib:g} GiB)' if c.cap_gib else ''} | {result} | "
                     f"{f(st.get('cache', {}).get('s'))} | {f(st.get('train', {}).get('s'))} | {f(c.first_step_s)}"
                     f"{f' ({c.first_step_warm_s:.1f})' if c.first_step_warm_s is not None else ''} | "
-                    f"{f(c.s_per_step_median, '{:.3f}')} / {f(c.s_per_step_p90, '{:.3f}')} | {f(c.peak_gpu_gib)} | "
-                    f"{f(rss)} | {f(st.get('infer', {}).get('s'))} | {f(c.psnr_vs_stock)} |")
+                    f"{f(c.s_per_step_median, '{:.3f}')} / {f(c.s_per_step_p90, '{:.3f}')}{uncompiled} | "
+                    f"{f(c.peak_gpu_gib)} | {memory} | {f(st.get('infer', {}).get('s'))} | {f(c.psnr_vs_stock)} |")
     text = head + "\n" + "\n".join(rows) + "\n"
     runs = [(c, stage, c.stages[stage]["phases"]) for c in cells for stage in ("train", "train-warm")
             if c.stages.get(stage, {}).get("phases")]
