@@ -1,7 +1,7 @@
 """The repeated blocks compiled while training runs (memory.compile_background): the first steps run the blocks
 as they are (eager) and a worker thread compiles them meanwhile, on a copy of one block of each kind that shares
-the run's weights, for each shape, grad mode and input the blocks meet. Between two steps, what the worker has
-compiled goes into use; from then on those calls run the compiled code.
+the run's weights, for each shape, grad mode and input the blocks meet. Between two steps, once the worker has
+compiled all of it, it goes into use; from then on the blocks run the compiled code.
 
 Why it works: torch.compile keeps what it compiles with the block's code, not with the block: a graph compiled for
 the copy is found (its guards pass) when the run's blocks of that kind call with the same input shapes, dtypes and
@@ -19,9 +19,9 @@ torch 2.11 the FX tracing flag is global: a compiled call beside the worker's tr
 H100). The worker then stops; a shape met later (a new bucket) compiles in the run, as without this.
 
 The cost: while the worker compiles, the run's thread gets the interpreter less often (the compiler holds it for
-long stretches), so the uncompiled steps are slower than plain eager steps (FLUX.1 on an H100: 0.55-3.3 s against
-0.62) and host-heavy work between them (a checkpoint's save) is much slower; the run ends after the compile in
-progress.
+long stretches), so the uncompiled steps are slower than plain eager steps (FLUX.1 1024² on an H100: 0.67-12.9 s
+against 0.62) and host-heavy work between them (a checkpoint's save: 67 s against 3) is much slower; the run's
+final saves wait for the compile in progress to end.
 
 A compile that fails in the worker (out of memory, say) leaves that description to the run: it compiles there at
 its next call, as it would without this (the step waits; the loop says so)."""
