@@ -10,7 +10,8 @@ A cell passes, or is refused by `lorakit train` before loading with an exit-2 me
 Recorded per cell: each stage's wall time and peak host RSS, seconds from `lorakit train` to its first finished
 optimizer step, median and p90 s/step (of the steps that did not wait for the compiler), each training run's
 phases, peak GPU memory, PSNR against stock. Results are written after every stage (`matrix.json`, `matrix.md`), so a run cut short still says what it measured; `limit_s`
-stops starting stages once the time is spent.
+stops starting stages once the time is spent. On a machine with several GPUs, `scripts/matrix_lanes.sh` runs one
+matrix per GPU at once. Each stage's peak private (anonymous) memory is sampled beside its RSS.
 """
 
 from __future__ import annotations
