@@ -72,17 +72,31 @@ def _click(browser, css: str) -> None:
 
 
 def _wait(cond, timeout=60, what="the page"):
+    from selenium.common.exceptions import StaleElementReferenceException
+
     deadline = time.time() + timeout
     while time.time() < deadline:
-        got = cond()
+        try:
+            got = cond()
+        except StaleElementReferenceException:  # the page replaced the element between finding and reading it
+            got = None
         if got:
             return got
         time.sleep(0.1)
     raise AssertionError(f"{what} did not change within {timeout} s")
 
 
+def _samples(browser) -> set:
+    """The sample grids the run page shows now, read in one go (the page may replace them at any moment)."""
+    return set(browser.execute_script(
+        "return [...document.querySelectorAll('#latest img')].map(i => i.getAttribute('data-sample'))")) - {None}
+
+
+def _points(browser) -> str:
+    return browser.execute_script("return document.getElementById('points').textContent")
+
+
 def test_a_training_run_updates_its_page_live(server, browser, tiny, tmp_path):
-    from selenium.webdriver.common.by import By
 
     from tests.unit.ui.conftest import run_yaml
 
@@ -96,24 +110,26 @@ def test_a_training_run_updates_its_page_live(server, browser, tiny, tmp_path):
         _wait(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 3, 120, "metrics.jsonl")
 
         browser.get(url + "/")
-        row = _wait(lambda: browser.find_elements(By.CSS_SELECTOR, 'tr[data-run="live"]'), what="the run list")[0]
-        assert "running" in row.text and "flux" in row.text
+        # the list refreshes while the run goes on: its row is read and clicked by selector, never held
+        row = _wait(lambda: browser.execute_script(
+            "const r = document.querySelector('tr[data-run=\"live\"]'); return r && r.textContent"), what="the run list")
+        assert "running" in row and "flux" in row
         _shot(browser, "run-list")
 
-        row.find_element(By.TAG_NAME, "a").click()
-        _wait(lambda: "steps" in browser.find_element(By.ID, "points").text, what="the chart")
-        first = int(browser.find_element(By.ID, "points").text.split()[0])
-        grids = {s.get_attribute("data-sample") for s in browser.find_elements(By.CSS_SELECTOR, "#latest img")}
+        _click(browser, 'tr[data-run="live"] a')
+        _wait(lambda: "steps" in _points(browser), what="the chart")
+        first = int(_points(browser).split()[0])
+        grids = _samples(browser)
         url_before = browser.current_url
         # new steps reach the chart and a new sample grid replaces the latest one, without a page load
-        _wait(lambda: int(browser.find_element(By.ID, "points").text.split()[0]) > first + 20, what="the chart")
-        _wait(lambda: {s.get_attribute("data-sample") for s in browser.find_elements(By.CSS_SELECTOR, "#latest img")}
-              - grids - {None}, 120, "the sample grid")
+        _wait(lambda: int(_points(browser).split()[0]) > first + 20, what="the chart")
+        _wait(lambda: _samples(browser) - grids, 120, "the sample grid")
         assert browser.current_url == url_before
         assert browser.execute_script("return performance.getEntriesByType('navigation').length") == 1
-        img = browser.find_element(By.CSS_SELECTOR, "#latest img")
-        assert browser.execute_script("return arguments[0].complete && arguments[0].naturalWidth", img) > 0
-        summary = browser.find_element(By.ID, "run-summary").text
+        assert _wait(lambda: browser.execute_script(  # the new grid loads (read by selector: the page replaces it)
+            "const i = document.querySelector('#latest img'); return i && i.complete && i.naturalWidth"),
+            what="the sample grid's image") > 0
+        summary = browser.execute_script("return document.getElementById('run-summary').textContent")
         assert "running" in summary and int(summary.split("step ")[1].split()[0]) > first  # the header follows
         _shot(browser, "run-page-live")
     finally:
