@@ -160,18 +160,15 @@ class BackgroundCompile:
     def advance(self) -> list[Ready]:
         """Between steps: what the worker finished goes into use (a failed one compiles at its next call, in the
         run). Returns what went into use now."""
-        if self._dead:  # given after the worker stopped: the run compiles them
-            while True:
-                try:
-                    job = self._jobs.get_nowait()
-                except queue.Empty:
-                    break
-                if job is not None:
-                    with self._lock:
-                        self._done.append(Ready(job[0], 0.0, self._dead))
         self.eager_calls = 0
+        if self.sealed:
+            return []
+        if self._dead:  # given after the worker stopped: the run compiles them
+            left = [Ready(job[0], 0.0, self._dead) for job in self._drain()]
+            with self._lock:
+                self._done += left
         with self._lock:
-            if self.sealed or not self.pending or len(self._done) < self.pending:
+            if not self.pending or len(self._done) < self.pending:
                 return []  # all or nothing: the worker is still compiling (or has been given nothing yet)
             done, self._done = self._done, []
         for r in done:
@@ -190,36 +187,36 @@ class BackgroundCompile:
         """Graphs compiled in the process so far that the worker did not compile (a step that made one waited)."""
         from torch._dynamo.utils import counters
 
-        with self._lock:
-            total = int(counters["stats"]["unique_graphs"])
-            return total - self._made - (total - self._started_at if self._started_at is not None else 0)
+        with self._lock:  # a job in progress: its graphs so far are the worker's too
+            now = int(counters["stats"]["unique_graphs"])
+            return (now if self._started_at is None else self._started_at) - self._made
 
     def close(self) -> None:
         """Stop the worker: what it has not begun is dropped, the compile it is in finishes (a process that exits
         while the compiler runs in a thread aborts). Called again, it returns at once."""
         if not self._thread.is_alive():
             return
-        while True:
-            try:
-                self._jobs.get_nowait()
-            except queue.Empty:
-                break
+        self._drain()
         self._jobs.put(None)
         self._thread.join()
+
+    def _drain(self) -> list:
+        """The jobs given and not begun, taken off the queue."""
+        jobs = []
+        while True:
+            try:
+                job = self._jobs.get_nowait()
+            except queue.Empty:
+                return jobs
+            if job is not None:
+                jobs.append(job)
 
     def _work(self) -> None:
         try:
             self._jobs_loop()
         except BaseException as e:  # noqa: BLE001 - the worker itself failed: what it was given compiles in the run
             self._dead = f"{type(e).__name__}: {e}"
-            left = []
-            while True:
-                try:
-                    job = self._jobs.get_nowait()
-                except queue.Empty:
-                    break
-                if job is not None:
-                    left.append(Ready(job[0], 0.0, self._dead))
+            left = [Ready(job[0], 0.0, self._dead) for job in self._drain()]
             with self._lock:
                 self._started_at = None
                 self._done += left
