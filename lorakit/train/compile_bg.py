@@ -12,6 +12,10 @@ weights (`torch.autograd.grad`: the run's gradients are untouched), which compil
 trainable weights are new parameters over the same storage, so the optimizer's in-place updates never invalidate
 the worker's pass, and no weight memory is duplicated.
 
+The worker begins after the first step (at the first `advance` with work given): that step's kernels, memory and
+host work run alone, as fast as an eager step can (on a second run, whose compiles come from the cache, a step 1
+beside the worker took 4.7 s on the H100).
+
 Which calls run compiled changes only between optimizer steps (`advance`), never inside one: a block's forward and
 its recompute (gradient checkpointing) always run the same code. And it changes once, all together, when the worker
 has finished everything it was given: the run's thread never runs compiled code while the worker compiles (in
@@ -29,10 +33,47 @@ its next call, as it would without this (the step waits; the loop says so)."""
 from __future__ import annotations
 
 import copy
+import functools
 import queue
 import threading
 import time
 from dataclasses import dataclass
+
+
+def thread_own_fx_patches() -> bool:
+    """Make torch.fx's tracer patch `torch.nn.Module.__call__` and `__getattr__` for its own thread only. While it
+    traces (AOTAutograd traces each graph through it), the tracer replaces both on the class, for the whole process:
+    a module called from another thread meanwhile went through the tracer (on the H100, torch 2.11: the run's eager
+    step failed with "module is not installed as a submodule"; a submodule read could come back as the tracer's
+    proxy). With this, each replacement calls the tracer's code in the thread that traces and what was there before
+    in every other thread. The other patches of a trace (wrapped functions) act only on its proxies. Returns False
+    where this torch has no such hook (the blocks then compile in the run). Idempotent."""
+    try:
+        import torch
+        from torch.fx._symbolic_trace import _Patcher
+    except ImportError:
+        return False
+    patch = getattr(_Patcher, "patch_method", None)
+    if patch is None:
+        return False
+    if getattr(patch, "lorakit_thread_own", False):
+        return True
+
+    @functools.wraps(patch)
+    def patch_method(self, cls, name, new_fn, *args, **kwargs):
+        if cls is torch.nn.Module and name in ("__call__", "__getattr__"):
+            before, tracer, owner = getattr(cls, name), new_fn, threading.get_ident()
+
+            @functools.wraps(tracer)
+            def own(mod, *a, **k):
+                return (tracer if threading.get_ident() == owner else before)(mod, *a, **k)
+
+            new_fn = own
+        return patch(self, cls, name, new_fn, *args, **kwargs)
+
+    patch_method.lorakit_thread_own = True
+    _Patcher.patch_method = patch_method
+    return True
 
 
 def describe(block, args, kwargs) -> tuple:
@@ -122,12 +163,15 @@ class BackgroundCompile:
         d = torch.device(device)
         self._index = (d.index if d.index is not None else torch.cuda.current_device()) if d.type == "cuda" else None
         self._dead: str | None = None  # why the worker itself stopped (the run then compiles what it meets)
+        if not thread_own_fx_patches():  # a trace in the worker would reach the run's modules: the run compiles
+            self._dead = "this torch's FX tracer cannot be kept to the worker's thread"
         self.sealed = False  # what the worker compiled is in use, and it has stopped
         self.active: set = set()  # descriptions the blocks run compiled (changed by `advance` only)
         self._seen: set = set()  # descriptions given to the worker
         self._done: list[Ready] = []  # finished by the worker, not yet active (under `_lock`)
         self._lock = threading.Lock()
         self._jobs: queue.Queue = queue.Queue()
+        self._go = threading.Event()  # set by the first `advance` with work given: step 1 runs alone
         self._made = 0  # graphs the worker compiled in the jobs it finished
         self._started_at: int | None = None  # the process's graph count when the worker's job in progress began
         self.eager_calls = 0  # block calls that ran eager since the last `advance`
@@ -163,6 +207,8 @@ class BackgroundCompile:
         self.eager_calls = 0
         if self.sealed:
             return []
+        if self.pending:  # the first step has run (its kernels, its memory, alone): the worker begins
+            self._go.set()
         if self._dead:  # given after the worker stopped: the run compiles them
             left = [Ready(job[0], 0.0, self._dead) for job in self._drain()]
             with self._lock:
@@ -198,6 +244,7 @@ class BackgroundCompile:
             return
         self._drain()
         self._jobs.put(None)
+        self._go.set()
         self._thread.join()
 
     def _drain(self) -> list:
@@ -227,6 +274,7 @@ class BackgroundCompile:
 
         if self._index is not None:
             torch.cuda.set_device(self._index)
+        self._go.wait()
         while True:
             job = self._jobs.get()
             if job is None:
@@ -270,10 +318,13 @@ class _Route:
 
 
 def summary(what: tuple) -> str:
-    """A description in words: the block kind and its first input's shape, grad mode."""
+    """A description in words: the block kind, its largest input's shape (the image tokens: what tells buckets
+    apart), grad mode."""
+    import math
+
     shapes = [m[1] for m in _flat(what[3]) + _flat(what[4]) if isinstance(m, tuple) and m and m[0] == "T"]
-    first = "x".join(str(n) for n in shapes[0]) if shapes else "-"
-    return f"{what[0]} {first}" + ("" if what[2] else " (no grad)")
+    big = "x".join(str(n) for n in max(shapes, key=math.prod)) if shapes else "-"
+    return f"{what[0]} {big}" + ("" if what[2] else " (no grad)")
 
 
 def _flat(m) -> list:

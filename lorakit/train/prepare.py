@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from lorakit.errors import NotAvailableError
 from lorakit.io.modules import load_component
-from lorakit.train.compile_bg import BackgroundCompile
+from lorakit.train.compile_bg import BackgroundCompile, thread_own_fx_patches
 from lorakit.train.lora import add_lora
 from lorakit.train.swap import BlockSwapper, repeated_blocks
 
@@ -93,8 +93,8 @@ def prepare(cfg, adapter, transformer, device: str, dtype, dist) -> Prepared:
         adapter.before_compile(transformer)
         options = {"dynamic": compile_dynamic(cfg.memory.compile_shapes)} | (
             {"mode": "reduce-overhead"} if graphs else {})
-        if cfg.memory.compile_background is True:  # compiled by a worker while the first steps run eager
-            background = BackgroundCompile(repeated_blocks(transformer), options, device)
+        if cfg.memory.compile_background is True and thread_own_fx_patches():  # compiled by a worker while the
+            background = BackgroundCompile(repeated_blocks(transformer), options, device)  # first steps run eager
         else:
             transformer.compile_repeated_blocks(**options)
         if graphs:

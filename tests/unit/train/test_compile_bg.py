@@ -56,8 +56,10 @@ def test_the_worker_compiles_every_call_the_blocks_make_and_the_run_never_compil
     tr.load_state_dict(ref.state_dict())
     bg = BackgroundCompile(repeated_blocks(tr), {"backend": "aot_eager"}, "cpu")
     try:
-        got = _step(tr, adapter, small)  # eager: the worker compiles meanwhile
+        got = _step(tr, adapter, small)  # eager: step 1 runs alone, the worker begins at the next `advance`
         assert bg.eager_calls > 0 and bg.pending > 0
+        time.sleep(0.5)
+        assert counters["stats"]["unique_graphs"] == 0 and not bg._done  # nothing compiled beside step 1
         torch.testing.assert_close(got[0], want_small[0])
         deadline = time.monotonic() + 120
         while True:  # steps run eager until the worker is done; then all it made goes into use, between steps
@@ -107,6 +109,9 @@ def test_a_description_names_what_a_compiled_graph_depends_on():
     with torch.no_grad():
         assert describe(block, (torch.zeros(2, 3, 4),), {}) != a
         assert summary(describe(block, (torch.zeros(2, 3, 4),), {})) == "Linear 2x3x4 (no grad)"
+        # the largest input names the call (a FLUX block's image tokens, not its 512 text tokens)
+        assert summary(describe(block, (), {"a": torch.zeros(1, 512, 4), "b": torch.zeros(1, 4096, 4)})) == \
+            "Linear 1x4096x4 (no grad)"
     block.eval()
     assert describe(block, (torch.zeros(2, 3, 4),), {}) != a
 
@@ -186,3 +191,54 @@ def test_a_worker_that_cannot_start_leaves_the_compiling_to_the_run(tiny, monkey
     finally:
         bg.close()
         torch._dynamo.reset()
+
+
+_RACE = """
+import sys, threading, torch
+from lorakit.train.compile_bg import thread_own_fx_patches
+if sys.argv[1] == "kept":
+    assert thread_own_fx_patches()
+inside, release, traced = threading.Event(), threading.Event(), {}
+
+class Waits(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inner = torch.nn.Linear(2, 2)
+
+    def forward(self, x):
+        inside.set()
+        release.wait(30)
+        return self.inner(x) + 1
+
+def trace():
+    traced["graph"] = torch.fx.symbolic_trace(Waits()).graph
+
+t = threading.Thread(target=trace)
+t.start()
+inside.wait(30)
+lin = torch.nn.Linear(2, 2)
+try:  # this thread's module, called while the other thread traces
+    print("ran", bool(torch.equal(lin(torch.ones(1, 2)), lin.weight.sum(1, keepdim=True).T + lin.bias)))
+except NameError as e:
+    print("failed", e)
+release.set()
+t.join()
+print("tracer saw", [n.target for n in traced["graph"].nodes if n.op == "call_module"])
+"""
+
+
+@pytest.mark.parametrize("kept", [False, True], ids=["torch-as-is", "kept-to-its-thread"])
+def test_a_module_called_while_another_thread_traces_runs_as_itself(kept):
+    """What the H100 run met (torch 2.11): AOTAutograd's trace in the worker replaced torch.nn.Module.__call__ for
+    the whole process, and the run's eager step failed ("module is not installed as a submodule"). torch as it is
+    fails so here too; with the tracer's patches kept to its thread, the run's call computes as itself and the trace
+    still records its own module calls."""
+    import subprocess
+    import sys
+
+    got = subprocess.run([sys.executable, "-c", _RACE, "kept" if kept else "as-is"], capture_output=True,
+                         text=True, timeout=120)
+    assert got.returncode == 0, got.stderr
+    lines = got.stdout.splitlines()
+    assert lines[0] == ("ran True" if kept else "failed module is not installed as a submodule"), lines
+    assert lines[1] == "tracer saw ['inner']"
