@@ -9,9 +9,13 @@ import logging
 import os
 import warnings
 
+from lorakit.pkgmap import use_cached_package_map
+
 
 def quiet_libraries() -> None:
-    """Silence diffusers/transformers/huggingface_hub/bitsandbytes below errors (idempotent)."""
+    """Silence diffusers/transformers/huggingface_hub/bitsandbytes below errors (idempotent). Called before
+    anything imports them: their import-time package scan is answered from lorakit's cache (`lorakit.pkgmap`)."""
+    use_cached_package_map()
     if os.environ.get("LORAKIT_DEBUG", "") not in ("", "0"):
         return
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")

@@ -18,8 +18,8 @@ from pathlib import Path
 
 # lowest first; a module belongs to the first layer one of whose prefixes names it or a package holding it
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("base", ("lorakit", "lorakit.errors", "lorakit.quiet", "lorakit.paths", "lorakit.dtypes", "lorakit.dist",
-              "lorakit.events")),
+    ("base", ("lorakit", "lorakit.errors", "lorakit.quiet", "lorakit.pkgmap", "lorakit.paths", "lorakit.dtypes",
+              "lorakit.dist", "lorakit.events")),
     ("io", ("lorakit.io",)),
     ("models", ("lorakit.models",)),
     ("hardware", ("lorakit.hardware",)),
