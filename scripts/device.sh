@@ -12,6 +12,7 @@ if [ "$(cat /tmp/site/.lorakit-wheels 2>/dev/null)" != "$have" ]; then  # instal
     && echo "$have" > /tmp/site/.lorakit-wheels || exit 1
 fi
 export PYTHONPATH=/tmp/site:$PWD PYTHONPYCACHEPREFIX=/tmp/pycache
+unset PYTHONDONTWRITEBYTECODE  # the image may set it: bytecode is then never kept (a user's Python keeps it)
 # The image's packages come without bytecode and Python may not write it beside them (each lorakit process compiled
 # ~2,400 sources at import: ~10 s). A user's pip compiles it at install; here it is compiled once per machine.
 if [ ! -f /tmp/pycache/.done ]; then
@@ -22,7 +23,13 @@ if [ ! -f /tmp/pycache/.done ]; then
            numpy PIL networkx jinja2 filelock fsspec triton regex tqdm packaging psutil mpmath markupsafe; do
     [ -d "$sp/$p" ] && dirs+=("$sp/$p")
   done
-  python3 -m compileall -q -j 16 "${dirs[@]}" > /dev/null 2>&1; touch /tmp/pycache/.done
+  python3 -m compileall -q -j 16 "${dirs[@]}" > /dev/null 2>&1
+  # and whatever else the stack imports where it is installed (sklearn, scipy, pandas through transformers on the
+  # lent image: ~1,800 sources compiled in each process otherwise): imported once, its bytecode written
+  python3 -c "import torch._dynamo, torch._inductor.compile_fx, diffusers, transformers, peft, accelerate, typer, rich
+from diffusers import FluxTransformer2DModel, AutoencoderKL
+import transformers.generation, transformers.models.auto.modeling_auto" > /dev/null 2>&1
+  touch /tmp/pycache/.done
 fi
 # FlashAttention 4's CuTe DSL packages, where tools/fa4_carry.sh put them (a --target install leaves .pth files unread)
 [ -d /tmp/site/nvidia_cutlass_dsl/dsl_packages ] && export PYTHONPATH=$PYTHONPATH:/tmp/site/nvidia_cutlass_dsl/dsl_packages
