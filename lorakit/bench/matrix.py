@@ -112,7 +112,8 @@ def _json(text: str) -> dict:
 
 def phases(log: str) -> list:
     """[(phase, seconds, at, step)] from a `--log-format json` log, in order (at: seconds since the command began;
-    step: the optimizer step a compile phase held up)."""
+    step: the optimizer step a compile phase held up), after what came before the first phase (the interpreter,
+    the imports: the first phase's start)."""
     got = []
     for line in log.splitlines():
         try:
@@ -121,7 +122,13 @@ def phases(log: str) -> list:
             continue
         if isinstance(rec, dict) and rec.get("event") == "phase":
             got.append([rec["name"], rec["seconds"], rec.get("t"), rec.get("step")])
+    if got and got[0][2] is not None:
+        start = round(max(got[0][2] - got[0][1], 0.0), 2)
+        got.insert(0, [BEFORE, start, start, None])
     return got
+
+
+BEFORE = "before the first phase (imports)"
 
 
 def psnr(a, b) -> float:

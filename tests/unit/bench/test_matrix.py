@@ -7,7 +7,7 @@ import math
 import pytest
 from typer.testing import CliRunner
 
-from lorakit.bench.matrix import psnr
+from lorakit.bench.matrix import BEFORE, phases, psnr
 from lorakit.cli.app import app
 
 
@@ -26,9 +26,10 @@ def test_the_matrix_runs_a_cell_through_every_stage(tmp_path):
     assert 0 < cell["s_per_step_median"] <= cell["s_per_step_p90"]
     for stage in ("train", "train-warm"):  # where the first minutes went, phase by phase
         names = [name for name, _, _, _ in cell["stages"][stage]["phases"]]
-        assert names[:5] == ["check config and machine", "cache", "load model", "prepare model", "step 1"], names
+        assert names[:6] == [BEFORE, "check config and machine", "cache", "load model", "prepare model",
+                             "step 1"], names
     md = (tmp_path / "matrix.md").read_text()
-    assert "- flux x cpu, train-warm: check config and machine " in md and "; load model " in md
+    assert "- flux x cpu, train-warm: before the first phase (imports) " in md and "; load model " in md
     assert math.isfinite(cell["psnr_vs_stock"])  # bf16 both; lorakit's LoRA and the stock one's: close, not equal
     assert "| flux | cpu | pass |" in md and " / " in md.split("| flux | cpu | pass |")[1]
 
@@ -55,3 +56,12 @@ def test_a_refusal_is_a_cell_result_not_a_crash(tmp_path):
                                  str(tmp_path)])
     assert r.exit_code == 2 and "unknown family or profile 'nope'" in r.output
     assert psnr([[1, 2]], [[1, 2]]) == float("inf")
+
+
+def test_the_phases_begin_with_what_came_before_the_first():
+    log = "\n".join(['import time: 5 | 5 | x', json.dumps({"t": 10.45, "event": "phase", "name": "check config and "
+                     "machine", "seconds": 5.34}), json.dumps({"t": 11.0, "event": "info", "message": "m"}),
+                     json.dumps({"t": 43.04, "event": "phase", "name": "step 1", "seconds": 1.64, "step": None})])
+    assert phases(log) == [[BEFORE, 5.11, 5.11, None], ["check config and machine", 5.34, 10.45, None],
+                           ["step 1", 1.64, 43.04, None]]
+    assert phases("no phases here") == []
