@@ -68,30 +68,36 @@ def self_test_family(family: str, device: str = "cuda") -> AttentionReport:
     """What a training run needs: doctor's measurement of every family where this machine has one, else the cases
     of this family alone (its bare shapes and its architecture's in-model case: a fraction of the whole test),
     measured once per machine and cached as well."""
-    full = _cache_file(_key(device, all_cases(), all_model_cases() if device.startswith("cuda") else ()))
-    if full.is_file():
-        try:
-            return AttentionReport.from_dict(json.loads(full.read_text()))
-        except (ValueError, KeyError, TypeError):
-            pass  # damaged: this family's cases are measured below
-    return self_test(device, cases=family_adapter(family).attention_cases,
-                     models=(model_case(family),) if device.startswith("cuda") else ())
+    everything, own = _family_measurements(family, device)
+    return _cached(_key(device, *everything)) or self_test(device, cases=own[0], models=own[1])
 
 
 def cached_family_report(family: str, device: str = "cuda") -> AttentionReport | None:
     """What `self_test_family` would return without measuring: doctor's whole measurement or this family's, where
     this machine has one cached; else None (the next run's self-test measures)."""
-    cuda = device.startswith("cuda")
-    keys = ((all_cases(), all_model_cases() if cuda else ()),
-            (tuple(family_adapter(family).attention_cases), (model_case(family),) if cuda else ()))
-    for cases, models in keys:
-        path = _cache_file(_key(device, cases, models))
-        if path.is_file():
-            try:
-                return AttentionReport.from_dict(json.loads(path.read_text()))
-            except (ValueError, KeyError, TypeError):
-                continue
+    for cases, models in _family_measurements(family, device):
+        report = _cached(_key(device, cases, models))
+        if report is not None:
+            return report
     return None
+
+
+def _family_measurements(family: str, device: str) -> tuple:
+    """(cases, models) of doctor's whole measurement, then of this family's alone."""
+    cuda = device.startswith("cuda")
+    return ((all_cases(), all_model_cases() if cuda else ()),
+            (tuple(family_adapter(family).attention_cases), (model_case(family),) if cuda else ()))
+
+
+def _cached(fp: dict) -> AttentionReport | None:
+    """The report cached under this key; None where there is none or it is damaged (it is then measured)."""
+    path = _cache_file(fp)
+    if not path.is_file():
+        return None
+    try:
+        return AttentionReport.from_dict(json.loads(path.read_text()))
+    except (ValueError, KeyError, TypeError):
+        return None
 
 
 def _cache_file(fp: dict) -> Path:
@@ -216,14 +222,10 @@ def self_test(device: str = "cuda", use_cache: bool = True, repeats: int = 5, ca
     cases = tuple(cases) if cases is not None else all_cases()
     models = (all_model_cases() if device.startswith("cuda") else ()) if models is None else tuple(models)
     fp = _key(device, cases, models, facts)
-    path = _cache_file(fp)
-    if use_cache and path.is_file():
-        try:
-            report = AttentionReport.from_dict(json.loads(path.read_text()))
-            close_children(children)
-            return report
-        except (ValueError, KeyError, TypeError):
-            pass  # a damaged cache is simply re-measured
+    cached = _cached(fp) if use_cache else None  # a damaged cache is simply re-measured
+    if cached is not None:
+        close_children(children)
+        return cached
     report = AttentionReport(fingerprint=fp)
     # two children per model case start now (or came started), so their imports (torch, diffusers) overlap
     # the bare shapes
@@ -245,6 +247,7 @@ def self_test(device: str = "cuda", use_cache: bool = True, repeats: int = 5, ca
             close(p)
     report.choice = {fam: choose(report, fam) for fam in family_names()}
     report.seconds = round(time.perf_counter() - t0, 1)
+    path = _cache_file(fp)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
