@@ -64,7 +64,8 @@ def train(
         # the first run on a machine measures its attention backends here, or while its model loads where the
         # card has room (once, cached): the log says so
         with events.phase("check config and machine") as facts:
-            resolved = resolve_config(config, sets, profile, events=events, defer_attention=True)
+            resolved = resolve_config(config, sets, profile, events=events, defer_attention=True,
+                                      read_ahead=True)
             facts.update(profile=resolved.cfg.profile, attention="measured while the model loads"
                          if resolved.attention_deferred else resolved.cfg.memory.attention)
         result = run(resolved, resume=resume, events=events)

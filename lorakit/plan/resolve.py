@@ -10,9 +10,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from lorakit.config import Config, assemble, check_paths
-from lorakit.errors import ConfigError
+from lorakit.errors import ConfigError, LorakitError
 from lorakit.events import Events
 from lorakit.hardware.gpu import device_for
+from lorakit.io import resolve_files
+from lorakit.io.prefetch import Prefetch
 from lorakit.models.sources import model_folder
 from lorakit.plan.decide import (
     attention_backend,
@@ -40,6 +42,7 @@ class Resolved:
     memory_note: str | None = None  # what the memory plan did (checkpointing turned on or off, and why)
     notes: list[str] = field(default_factory=list)  # settings the run cannot follow as asked, and why (warnings)
     attention_deferred: bool = False  # the first run here: attention is measured while the model loads (train/setup)
+    read_ahead: Prefetch | None = None  # the transformer's files being read into the page cache (train/setup stops it)
 
     def to_dict(self) -> dict:
         return {"profile": self.profile, "config": self.cfg.to_dict(), "device": self.device, "world": self.world,
@@ -50,7 +53,7 @@ class Resolved:
 def resolve(source: Path | dict | Config | None = None, overrides: list[str] | None = None,
             profile: str | None = None, *, paths: tuple[str, ...] = PATHS, train: bool = True,
             world: int | None = None, cap_gib: float | None = None, facts=None,
-            events: Events | None = None, defer_attention: bool = False) -> Resolved:
+            events: Events | None = None, defer_attention: bool = False, read_ahead: bool = False) -> Resolved:
     """The run's config, complete.
 
     Args:
@@ -69,6 +72,8 @@ def resolve(source: Path | dict | Config | None = None, overrides: list[str] | N
         defer_attention: a training run that may measure its attention backends while its model loads (the first
             run of the family on this machine, where the card has room; `train.setup` finishes the choice). A
             dry run measures here.
+        read_ahead: a training run: its transformer's files are read into the page cache from here on, beside the
+            checks, the attention self-test and the encoding (`lorakit.io.prefetch`; one process per machine).
 
     Raises:
         ConfigError: every config and path problem at once; InputError: a run that cannot fit (with what would).
@@ -85,7 +90,18 @@ def resolve(source: Path | dict | Config | None = None, overrides: list[str] | N
     world = world or int(os.environ.get("WORLD_SIZE", "1") or 1)
     device = device_for(cfg.profile)
     out = Resolved(cfg, prov, device, world, notes=found)
+    if read_ahead and cfg.model.path and int(os.environ.get("LOCAL_RANK", "0") or 0) == 0:
+        out.read_ahead = transformer_read_ahead(Path(cfg.model.path))
     return plan_run(out, cap_gib, defer_attention) if train else out
+
+
+def transformer_read_ahead(model: Path) -> Prefetch | None:
+    """The transformer's weight files read ahead (None where the folder has none: the load names the problem)."""
+    try:
+        files = resolve_files(model / "transformer")
+    except (OSError, LorakitError):  # the load reports them
+        return None
+    return Prefetch(files) if files else None
 
 
 def plan_run(r: Resolved, cap_gib: float | None = None, defer_attention: bool = False) -> Resolved:

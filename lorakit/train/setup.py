@@ -117,16 +117,23 @@ def setup(resolved: Resolved, resume: str | None, events: Events) -> Run:
         apply_attention(attention, fallback=True)  # in force for the whole run: forward, backward, recompute
         if d.main:
             doctor_summary(out, cfg.profile, attention)
+    ahead = resolved.read_ahead  # the transformer's files, read into the page cache since the config was checked
     with events.phase("load model") as facts:
         t0 = time.perf_counter()
         base = load_base(cfg, device, dtype)
         facts.update(load_facts([base], time.perf_counter() - t0))
-        if device.startswith("cuda") and next(base.parameters()).device.type == "cpu":
+        mapped = device.startswith("cuda") and next(base.parameters()).device.type == "cpu"
+        if mapped:
             del facts["gb_per_s"]  # 8-bit base or swapped blocks: mapped now, read while the model is prepared
             facts["mapped"] = "read while the model is prepared"
+        elif ahead:
+            facts.update(ahead.stop())
     with events.phase("prepare model") as facts:  # storage, LoRA, checkpointing, compiled blocks (compiled at step 1)
         tr = Trainer(cfg, adapter, base, data, out, device, dtype, dist=d)
         facts.update(trainable=sum(p.numel() for p in tr.params), compiled=tr.compiled, buckets=data.shapes)
+        if mapped and ahead:
+            facts.update(ahead.stop())
+    resolved.read_ahead = None
     del base
     if measuring:  # the first run here: the family's attention was measured while the model loaded
         cfg = tr.cfg = choose_attention(resolved, measuring, out, events, note)

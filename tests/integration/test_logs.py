@@ -43,7 +43,9 @@ def test_a_run_logging_to_a_file_names_each_phase_and_its_steps_while_running(tm
                   r"load encoders: \d+\.\d s \(\d+\.\d+ GiB, \d+\.\d+ GB/s\)",
                   r"cache: \d+\.\d s \(items 3, encoded 3, reused 0, skipped 0\)",
                   r"sample prompts: \d+\.\d s",
-                  r"load model: \d+\.\d s \(\d+\.\d+ GiB, \d+\.\d+ GB/s\)",
+                  # the transformer's files read into the page cache since the config was checked
+                  r"load model: \d+\.\d s \(\d+\.\d+ GiB, \d+\.\d+ GB/s, read ahead (\d+\.\d) of \1 MiB in "
+                  r"\d+\.\d s( \(\d+\.\d+ GB/s\))?\)",
                   r"prepare model: \d+\.\d s \(trainable \d+, buckets 3\)",
                   r"step 1: \d+\.\d s \(size \d+x\d+\)"):
         assert re.search(phase, text), (phase, text)
