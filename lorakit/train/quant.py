@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from lorakit.io.staging import staged
 from lorakit.models.native import in_block
 
 E4M3_MAX = 448.0
@@ -32,21 +33,23 @@ class Float8Linear(torch.nn.Linear):
     """A frozen Linear whose weight lives in float8_e4m3fn (1 byte/parameter) plus a float32 scale per row."""
 
     def __init__(self, linear: torch.nn.Linear, compute_dtype: torch.dtype, device=None, add=(),
-                 compute: str = "bf16", transposed: bool = False):
+                 compute: str = "bf16", transposed: bool = False, moved: tuple | None = None):
         """`add`: low-rank changes (B, A, coefficient) summed into the weight in float32 before it is rounded
         to 8 bits (inference with LoRAs: one pass over the weight). `compute`: "bf16" (dequantize, multiply in
         the compute dtype) or "fp8" (`torch._scaled_mm`, see the module notes); `transposed`: with fp8, keep the
-        transposed weight too so the input's gradient is an fp8 product as well."""
+        transposed weight too so the input's gradient is an fp8 product as well. `moved`: the layer's (weight,
+        bias) already copied to `device` (`io.staging`), used in place of the layer's own."""
         torch.nn.Module.__init__(self)
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        w = linear.weight.detach().to(device).float()  # device None: where the layer is
+        weight, bias = moved or (linear.weight, linear.bias)
+        w = weight.detach().to(device).float()  # device None: where the layer is
         for B, A, coef in add:
             w.addmm_(B.to(w), A.to(w), alpha=coef)
         scale = (w.abs().amax(dim=1).clamp(min=1e-12) / E4M3_MAX)
         self.weight = torch.nn.Parameter((w / scale[:, None]).to(torch.float8_e4m3fn), requires_grad=False)
         self.register_buffer("scale", scale)
-        self.bias = None if linear.bias is None else torch.nn.Parameter(
-            linear.bias.detach().to(device=device, dtype=compute_dtype), requires_grad=False)
+        self.bias = None if bias is None else torch.nn.Parameter(
+            bias.detach().to(device=device, dtype=compute_dtype), requires_grad=False)
         self.compute_dtype = compute_dtype
         self.compute = compute
         self.register_buffer("weight_t", self.weight.data.t().contiguous() if compute == "fp8" and transposed
@@ -179,19 +182,27 @@ def quantize_blocks(transformer, compute_dtype: torch.dtype, device=None, add: d
     (default: where the layer is). A base loaded to the CPU thus reaches the GPU already in 8 bits: a 12 B
     transformer never needs its 24 GB bf16 form on a 24 GB card. `add`: module name -> low-rank changes
     summed in first; `compute`, `transposed`: as `Float8Linear` (layers whose sides are not multiples
-    of 16 multiply in bf16). Returns how many layers."""
+    of 16 multiply in bf16). Layers on the CPU (a mapped checkpoint) reach a GPU through pinned memory, the next
+    layers copied there by a worker while this one is rounded (`io.staging`). Returns how many layers."""
     add = add or {}
     targets = block_linears(transformer)
     unknown = set(add) - set(targets)
     if unknown:
         raise ValueError(f"changes for layers that are not block Linears: {sorted(unknown)[:3]}")
-    for name in targets:
-        parent_name, _, child = name.rpartition(".")
-        parent = transformer.get_submodule(parent_name)
-        lin = getattr(parent, child)
-        fits = lin.in_features % 16 == 0 and lin.out_features % 16 == 0  # what the fp8 matrix units take
-        setattr(parent, child, Float8Linear(lin, compute_dtype, device, add.get(name, ()),
-                                            compute if fits else "bf16", transposed))
+    layers = [transformer.get_submodule(name) for name in targets]
+    moved = None
+    if device is not None and torch.device(device).type != "cpu":
+        moved = staged((t for lin in layers for t in (lin.weight, lin.bias)), device)
+    try:
+        for name, lin in zip(targets, layers, strict=True):
+            parent_name, _, child = name.rpartition(".")
+            fits = lin.in_features % 16 == 0 and lin.out_features % 16 == 0  # what the fp8 matrix units take
+            setattr(transformer.get_submodule(parent_name), child, Float8Linear(
+                lin, compute_dtype, device, add.get(name, ()), compute if fits else "bf16", transposed,
+                moved=(next(moved), next(moved)) if moved else None))
+    finally:
+        if moved:
+            moved.close()  # the worker's copies in hand finish and are dropped
     return len(targets)
 
 

@@ -34,9 +34,21 @@ def test_layers_are_quantized_one_by_one_onto_the_target_device():
     m.blocks = torch.nn.ModuleList([torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 8))])
     m.head = torch.nn.Linear(8, 2)
     assert quantize_blocks(m, torch.float32, device="meta") == 2
-    for lin in m.blocks[0]:
+    for lin, (o, i) in zip(m.blocks[0], [(16, 8), (8, 16)], strict=True):  # each layer got its own weight and bias
         assert isinstance(lin, Float8Linear) and lin.weight.is_meta and lin.weight.dtype == torch.float8_e4m3fn
+        assert lin.weight.shape == (o, i) and lin.bias.shape == (o,) and lin.scale.shape == (o,)
     assert type(m.head) is torch.nn.Linear and not m.head.weight.is_meta  # outside the blocks: untouched
+
+
+def test_a_layer_given_its_moved_weights_rounds_them_as_its_own():
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(32, 16)
+    own = Float8Linear(lin, torch.float32)
+    moved = Float8Linear(lin, torch.float32, moved=(lin.weight.detach().clone(), lin.bias.detach().clone()))
+    for a, b in ((own.weight, moved.weight), (own.scale, moved.scale), (own.bias, moved.bias)):
+        assert torch.equal(a.float(), b.float())
+    other = Float8Linear(lin, torch.float32, moved=(lin.weight.detach() * 2, None))  # the moved ones are used
+    assert other.bias is None and torch.equal(other.scale, own.scale * 2)
 
 
 def _rounded(t, dtype):
