@@ -6,7 +6,8 @@ machine can do (compile, CUDA graphs, how many blocks recompute) was decided whe
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 
 from lorakit.errors import NotAvailableError
 from lorakit.io.modules import load_component
@@ -26,6 +27,20 @@ class Prepared:
     compiled: bool  # the repeated blocks are compiled (memory.compile, as resolved)
     graphs: bool = False  # the compiled blocks replay as CUDA graphs (memory.cuda_graphs, as resolved)
     background: object | None = None  # train.compile_bg.BackgroundCompile: the blocks compile while steps run
+    took: dict = field(default_factory=dict)  # seconds of each part of the preparation (the prepare phase's facts)
+
+
+class Clock:
+    """Seconds of each part of a phase, in order: `lap(name)` ends the part running since the last lap."""
+
+    def __init__(self):
+        self.took: dict = {}
+        self._t = time.perf_counter()
+
+    def lap(self, name: str) -> None:
+        now = time.perf_counter()
+        self.took[name] = round(self.took.get(name, 0.0) + now - self._t, 1)
+        self._t = now
 
 
 def load_base(cfg, device: str, dtype):
@@ -46,6 +61,7 @@ def prepare(cfg, adapter, transformer, device: str, dtype, dist) -> Prepared:
 
     full = cfg.method == "full"
     quantized = 0
+    clock = Clock()
     if cfg.memory.compute == "fp8":  # 8-bit matmuls; over a bf16 base the weight is kept transposed as well
         from lorakit.train.quant import fp8_compute_problem, quantize_blocks
 
@@ -62,6 +78,8 @@ def prepare(cfg, adapter, transformer, device: str, dtype, dist) -> Prepared:
         from lorakit.train.quant import quantize_blocks_nf4
 
         quantized = quantize_blocks_nf4(transformer, dtype, device)
+    if quantized:
+        clock.lap(f"{'4' if cfg.memory.base_quant == 'nf4' else '8'}-bit base")
     sharded = full and dist.enabled
     swapper = None
     if cfg.memory.blocks_to_swap and not sharded:
@@ -69,11 +87,13 @@ def prepare(cfg, adapter, transformer, device: str, dtype, dist) -> Prepared:
         swapper.place_rest(transformer)
     elif not sharded:
         transformer.to(device)  # what was not quantized (loaded to the CPU for an 8-bit base)
+    clock.lap("the rest placed" if not swapper else "swapped blocks placed")
     if full:
         peft_config = None
         transformer.requires_grad_(True)
     else:
         peft_config = add_lora(transformer, adapter, cfg)
+        clock.lap("LoRA")
     recomputed = 0
     if cfg.memory.gradient_checkpointing or swapper:  # swapping needs the recompute
         n = cfg.memory.checkpoint_blocks
@@ -88,6 +108,7 @@ def prepare(cfg, adapter, transformer, device: str, dtype, dist) -> Prepared:
     if not full:
         for p in params:  # LoRA weights train in fp32 whatever the base dtype, on the GPU (peft puts
             p.data = p.data.to(device, torch.float32)  # those of swapped layers beside their host weights)
+    clock.lap("checkpointing, trained weights")
     background = None
     if compiled:  # regional: each repeated block once (seconds, not minutes), shapes per bucket
         adapter.before_compile(transformer)
@@ -99,7 +120,9 @@ def prepare(cfg, adapter, transformer, device: str, dtype, dist) -> Prepared:
             transformer.compile_repeated_blocks(**options)
         if graphs:
             transformer.register_forward_pre_hook(_new_graph_generation)
-    return Prepared(transformer, params, peft_config, quantized, swapper, sharded, compiled, graphs, background)
+        clock.lap("compile set-up")
+    return Prepared(transformer, params, peft_config, quantized, swapper, sharded, compiled, graphs, background,
+                    clock.took)
 
 
 def compile_dynamic(shapes_setting: str) -> bool | None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from pathlib import Path
 
 from lorakit.dist import Dist
@@ -45,7 +46,9 @@ class Trainer:
         self.transformer, self.params, self.peft_config = p.transformer, p.params, p.peft_config
         self.quantized, self.swapper, self.sharded, self.compiled = p.quantized, p.swapper, p.sharded, p.compiled
         self.graphs, self.background = p.graphs, p.background
+        t = time.perf_counter()
         opt = make_optimizer(self.params, cfg, device, full=self.full)
+        self.took = p.took | {"optimizer": round(time.perf_counter() - t, 1)}  # the prepare phase's parts
         # 8-bit (bitsandbytes) moments are saved per rank as they are, not gathered by parameter name
         self.per_rank_state = self.full and (getattr(opt, "local_shards", False)
                                              or type(opt).__module__.startswith("bitsandbytes"))

@@ -37,3 +37,17 @@ def test_only_the_first_n_blocks_recompute_and_the_gradients_are_the_same(tiny, 
         grads[n] = tr.x_embedder.weight.grad
     torch.testing.assert_close(grads[1], grads[None], rtol=1e-5, atol=1e-7)
     torch.testing.assert_close(grads[0], grads[None], rtol=1e-5, atol=1e-7)
+
+
+def test_the_preparation_says_what_each_part_took(tiny):
+    from lorakit.dist import Dist
+    from lorakit.plan.resolve import resolve
+    from lorakit.train.prepare import prepare
+
+    folder = tiny("flux")
+    cfg = resolve({"profile": "cpu", "model": {"family": "flux", "path": str(folder)},
+                   "memory": {"base_quant": "fp8", "gradient_checkpointing": True}}, paths=()).cfg
+    adapter = load_adapter("flux", folder, dtype=torch.float32)
+    p = prepare(cfg, adapter, load_component(folder / "transformer"), "cpu", torch.float32, Dist())
+    assert list(p.took) == ["8-bit base", "the rest placed", "LoRA", "checkpointing, trained weights"]
+    assert all(isinstance(v, float) and v >= 0 for v in p.took.values()) and p.quantized > 0
