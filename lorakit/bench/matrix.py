@@ -6,7 +6,9 @@ separate `lorakit` process as a user runs it, stdout to a file, the profile's ca
 LORAKIT_MEMORY_CAP_GIB: `lorakit cache`, `lorakit train` (20 steps), `lorakit infer` with the LoRA, and the stock
 diffusers pipeline with `load_lora_weights` (same seed, same size; uncapped: the reference), images compared (PSNR).
 
-A cell passes, or is refused by `lorakit train` before loading with an exit-2 message naming a setting that fits.
+A cell passes, or is refused by `lorakit train` before loading with an exit-2 message naming a setting that fits;
+where the hint names it as `--set key=value`, the cell runs on with it (train and the later stages), so the table
+shows whether the named setting does fit.
 Recorded per cell: each stage's wall time and peak host RSS, seconds from `lorakit train` to its first finished
 optimizer step, median and p90 s/step (of the steps that did not wait for the compiler), each training run's
 phases, peak GPU memory, PSNR against stock. Results are written after every stage (`matrix.json`, `matrix.md`), so a run cut short still says what it measured; `limit_s`
@@ -19,6 +21,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -58,6 +61,8 @@ class Cell:
     s_per_step_p90: float | None = None
     peak_gpu_gib: float | None = None
     psnr_vs_stock: float | None = None
+    refused: str = ""  # `lorakit train`'s refusal at the defaults, where its hint named settings (then run with them)
+    sets: list = field(default_factory=list)  # those settings ("memory.blocks_to_swap=5"): the later stages use them
 
 
 def _sizes(res: int) -> list:
@@ -213,13 +218,16 @@ def run_cell(cell: Cell, model: Path, data: Path, work: Path, steps: int, res: i
     lk = [sys.executable, "-m", "lorakit"]
     controls = [str(p) for p in sorted((data / "control").glob("*.png"))[:1]] if facts.max_controls else []
     infer_steps = 2 if tiny else 10
-    for stage in stages:
+    todo = list(stages)
+    while todo:
+        stage = todo.pop(0)
         if cell.status in ("refused", "failed"):
             break
         if stage == "cache":
             cmd = [*lk, "cache", str(work / "run.yaml"), "--profile", cell.profile, "--json"]
         elif stage in ("train", "train-warm"):  # phases as JSON lines on stderr, the result on stdout
-            cmd = [*lk, "train", str(work / "run.yaml"), "--profile", cell.profile, "--json", "--log-format", "json"]
+            cmd = [*lk, "train", str(work / "run.yaml"), "--profile", cell.profile, "--json", "--log-format", "json",
+                   *[x for kv in cell.sets for x in ("--set", kv)]]
         elif stage == "infer":
             lora = work / "run" / "lora.safetensors"
             cmd = [*lk, "infer", str(model), "-p", PROMPT, "--steps", str(infer_steps), "--width", str(res),
@@ -242,7 +250,15 @@ def run_cell(cell: Cell, model: Path, data: Path, work: Path, steps: int, res: i
                **({"private_gib": round(private, 2)} if private is not None else {})}
         result = _json(out)
         if rc == 2 and stage.startswith("train"):
-            cell.status, cell.note = "refused", f"{result.get('message', '')} ({result.get('hint', '')})"
+            said = f"{result.get('message', '')} ({result.get('hint', '')})"
+            named = re.findall(r"--set\s+(\S+=[^\s)]+)", result.get("hint") or "")
+            if named and not cell.sets:  # the refusal names what fits: the cell shows whether it does
+                cell.refused, cell.sets = said, named
+                cell.stages[f"{stage} (refused at the defaults)"] = rec
+                todo.insert(0, stage)
+                save()
+                continue
+            cell.status, cell.note = "refused", said
         elif rc != 0:
             err = result.get("message") or (work / f"{stage}.err").read_text()[-400:]
             cell.status, cell.note = "failed", f"{stage}: exit {rc}: {err}"
@@ -354,6 +370,11 @@ def table(cells: list[Cell]) -> str:
         memory = f"{f(rss)} / {f(own[top]) + f' ({top})' if top else '-'}"
         uncompiled = " (uncompiled)" if "uncompiled" in c.note else ""
         result = c.status if c.status == "pass" else f"{c.status}: {c.note[:160]}"
+        if c.sets:  # refused at the defaults, then run with the settings the refusal named
+            named = "--set " + " --set ".join(c.sets)
+            result = (f"refused also with {named}: {c.note[:160]}" if c.status == "refused" else
+                      f"{c.status} with {named} (refused at the defaults: {c.refused[:120]})"
+                      + (f"; {c.note[:120]}" if c.note and c.status != "pass" else ""))
         rows.append(f"| {c.family} | {c.profile}{f' ({c.cap_gib:g} GiB)' if c.cap_gib else ''} | {result} | "
                     f"{f(st.get('cache', {}).get('s'))} | {f(st.get('train', {}).get('s'))} | {f(c.first_step_s)}"
                     f"{f' ({c.first_step_warm_s:.1f})' if c.first_step_warm_s is not None else ''} | "

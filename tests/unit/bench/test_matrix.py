@@ -65,3 +65,55 @@ def test_the_phases_begin_with_what_came_before_the_first():
     assert phases(log) == [[BEFORE, 5.11, 5.11, None], ["check config and machine", 5.34, 10.45, None],
                            ["step 1", 1.64, 43.04, None]]
     assert phases("no phases here") == []
+
+
+def test_a_refusal_naming_a_setting_is_followed_and_the_cell_runs_with_it(tmp_path, monkeypatch):
+    # `lorakit train` refuses at the defaults with the hint a memory refusal gives; the matrix runs it again with
+    # the named setting, and the cell says both (the train process is stood in for: its output is what is read)
+    from lorakit.bench import matrix
+    from lorakit.bench.matrix import Cell, run_cell, table
+
+    calls = []
+
+    def fake(cmd, log, env, timeout):
+        calls.append(cmd)
+        log.with_suffix(".err").write_text("")
+        if "--set" not in cmd:
+            return 2, 1.0, 0.5, json.dumps({"error": "InputError", "message": "this run needs about 25.6 GiB of GPU "
+                                            "memory and the rtx4090 profile has 24", "hint": "try --set "
+                                            "memory.blocks_to_swap=5 (slower: those blocks' weights cross PCIe twice "
+                                            "a step)"}), 0.4
+        run = tmp_path / "cell" / "run"
+        run.mkdir(parents=True, exist_ok=True)
+        (run / "metrics.jsonl").write_text("".join(json.dumps({"step": i, "time": 1e12, "s_per_step": 0.5 + i / 100})
+                                                   + "\n" for i in range(1, 5)))
+        return 0, 9.0, 3.0, json.dumps({"peak_gpu_gib": 21.0}), 1.5
+
+    monkeypatch.setattr(matrix, "_run", fake)
+    cell = run_cell(Cell("qwen-image-edit", "rtx4090", 24.0), tmp_path / "model", tmp_path / "data",
+                    tmp_path / "cell", steps=4, res=64, frames=1, tiny=False, stages=("train",))
+    assert len(calls) == 2 and calls[1][-2:] == ["--set", "memory.blocks_to_swap=5"]
+    assert cell.status == "pass" and cell.sets == ["memory.blocks_to_swap=5"] and "25.6 GiB" in cell.refused
+    assert cell.stages["train (refused at the defaults)"]["rc"] == 2 and cell.stages["train"]["rc"] == 0
+    row = table([cell]).splitlines()[2]
+    assert "| pass with --set memory.blocks_to_swap=5 (refused at the defaults: this run needs about 25.6 GiB" in row
+
+
+def test_a_second_refusal_ends_the_cell_refused(tmp_path, monkeypatch):
+    from lorakit.bench import matrix
+    from lorakit.bench.matrix import Cell, run_cell, table
+
+    calls = []
+
+    def fake(cmd, log, env, timeout):
+        calls.append(cmd)
+        log.with_suffix(".err").write_text("")
+        return 2, 1.0, 0.5, json.dumps({"message": "needs 30 GiB", "hint": "try --set memory.blocks_to_swap=9"}), 0.4
+
+    monkeypatch.setattr(matrix, "_run", fake)
+    cell = run_cell(Cell("qwen-image-edit", "rtx4090", 24.0), tmp_path / "model", tmp_path / "data",
+                    tmp_path / "cell", steps=4, res=64, frames=1, tiny=False, stages=("train", "infer"))
+    assert len(calls) == 2 and cell.status == "refused" and cell.sets == ["memory.blocks_to_swap=9"]
+    assert "infer" not in cell.stages  # nothing after a refusal the named setting did not lift
+    row = table([cell]).splitlines()[2]
+    assert "| refused also with --set memory.blocks_to_swap=9: needs 30 GiB (try --set" in row
