@@ -279,6 +279,7 @@ def run_cell(cell: Cell, model: Path, data: Path, work: Path, steps: int, res: i
                     r["s_per_step"] for r in rows)
                 cell.note = (cell.note + "; " if cell.note else "") + "s/step of uncompiled steps"
             rec["eager_steps"] = sum(1 for r in rows if r.get("eager_blocks"))
+            rec["gc_s"] = {r["step"]: r["gc_s"] for r in rows if r.get("gc_s")}  # full collections, per step
             cell.s_per_step_median = round(statistics.median(steady), 3)
             cell.s_per_step_p90 = round(steady[min(len(steady) - 1, int(0.9 * len(steady)))], 3)
             cell.peak_gpu_gib = result.get("peak_gpu_gib")

@@ -11,6 +11,7 @@ from lorakit.events import Events
 from lorakit.plan.resolve import Resolved
 from lorakit.train import checkpoint
 from lorakit.train.compile_bg import summary
+from lorakit.train.gcpause import Collector
 from lorakit.train.report import loss_curve, peak_rss_gib
 from lorakit.train.setup import Run, hold_output, render_samples, setup
 
@@ -44,9 +45,7 @@ def run(resolved: Resolved, resume: str | None = None, stop_at: int | None = Non
 
 def steps(r: Run, end: int) -> None:
     """Optimizer steps until `end`, a stop request (signal), or early stopping."""
-    import torch
-
-    tr, cfg, d = r.trainer, r.resolved.cfg, r.dist
+    tr = r.trainer
     cuda = tr.device.startswith("cuda")
     first = tr.step + 1
     bg = tr.background  # the blocks compile in a worker thread while the first steps run them eager
@@ -55,6 +54,18 @@ def steps(r: Run, end: int) -> None:
                                  " (compiling the blocks)" if tr.compiled else "")
     if tr.step < end:  # the first step waits for the compiler (compiled blocks) and the first kernels
         r.events.phase_start(opening)
+    collector = Collector()  # full collections timed per step; what the run keeps, frozen (train/gcpause.py)
+    try:
+        _steps(r, end, first, opening, bg, heard, collector, cuda)
+    finally:
+        collector.close()
+
+
+def _steps(r: Run, end: int, first: int, opening: str, bg, heard: list, collector: Collector, cuda: bool) -> None:
+    import torch
+
+    tr, cfg, d = r.trainer, r.resolved.cfg, r.dist
+    bg_settled = False
     while tr.step < end and not r.stop.requested:
         if bg:
             heard = background_news(r, bg, heard + bg.advance(), tr.step + 1)
@@ -65,10 +76,20 @@ def steps(r: Run, end: int) -> None:
                    time=round(time.time(), 3))
         if bg and bg.eager_calls:  # not yet compiled: a step of its own kind (benchmarks leave it out)
             rec["eager_blocks"] = bg.eager_calls
+        pause = collector.take()
+        if pause >= 0.001:
+            rec["gc_s"] = round(pause, 3)
+        settle = False
         if tr.step == first:  # how long the first step took (compiling, the first kernels' warm-up)
             r.events.phase_end(opening, rec["s_per_step"], {"size": tr.last_size})
+            settle = True
         elif tr.compiled and own_graphs(bg) > graphs:  # this step waited for the compiler (a new shape)
             r.events.phase_end("compile", rec["s_per_step"], {"step": tr.step, "size": tr.last_size})
+            settle = True
+        if bg and not bg_settled and not bg.pending and not bg.eager_calls and tr.step > first:
+            settle = bg_settled = True  # the background compile's graphs are in use
+        if settle:  # what exists now stays for the run: out of the collector's way
+            collector.settle()
         r.mark("first_step")
         if cuda:
             rec["gpu_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
