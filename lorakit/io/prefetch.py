@@ -48,6 +48,7 @@ class Prefetch:
         self.files = [Path(f) for f in files]
         self.budget = available_bytes() if budget is None else budget
         self.done = 0  # bytes the disk has delivered
+        self._asked = 0  # bytes asked of the kernel (delivered or in flight)
         self.total = sum(_size(f) for f in self.files)
         self.limited = False  # stopped at the budget with files left
         self.error: str | None = None
@@ -80,9 +81,10 @@ class Prefetch:
                 if self._stop.is_set():
                     return False
                 n = min(WINDOW, size - off)
-                if self.budget is not None and self.done + sum(w[1] for w in pending) + n > self.budget:
+                if self.budget is not None and self._asked + n > self.budget:
                     self.limited = True
                     break
+                self._asked += n
                 if advise:
                     advise(fd, off, n, os.POSIX_FADV_WILLNEED)
                     pending.append((off, n))

@@ -18,7 +18,7 @@ import time
 
 class Collector:
     """`take()`: seconds of full collections since the last take; `settle()`: collect once and freeze what is
-    left; `close()`: stop timing and unfreeze."""
+    left; `close()` (or the end of a `with` block): stop timing and unfreeze."""
 
     def __init__(self):
         self.pause = 0.0
@@ -54,3 +54,9 @@ class Collector:
         if self.frozen:
             gc.unfreeze()
             self.frozen = False
+
+    def __enter__(self) -> Collector:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -45,77 +45,69 @@ def run(resolved: Resolved, resume: str | None = None, stop_at: int | None = Non
 
 def steps(r: Run, end: int) -> None:
     """Optimizer steps until `end`, a stop request (signal), or early stopping."""
-    tr = r.trainer
+    import torch
+
+    tr, cfg, d = r.trainer, r.resolved.cfg, r.dist
     cuda = tr.device.startswith("cuda")
     first = tr.step + 1
     bg = tr.background  # the blocks compile in a worker thread while the first steps run them eager
+    bg_settled = False
     heard = []  # what the worker finished, said when nothing is left to it
     opening = f"step {first}" + (" (the blocks compile in the background)" if bg else
                                  " (compiling the blocks)" if tr.compiled else "")
     if tr.step < end:  # the first step waits for the compiler (compiled blocks) and the first kernels
         r.events.phase_start(opening)
-    collector = Collector()  # full collections timed per step; what the run keeps, frozen (train/gcpause.py)
-    try:
-        _steps(r, end, first, opening, bg, heard, collector, cuda)
-    finally:
-        collector.close()
-
-
-def _steps(r: Run, end: int, first: int, opening: str, bg, heard: list, collector: Collector, cuda: bool) -> None:
-    import torch
-
-    tr, cfg, d = r.trainer, r.resolved.cfg, r.dist
-    bg_settled = False
-    while tr.step < end and not r.stop.requested:
-        if bg:
-            heard = background_news(r, bg, heard + bg.advance(), tr.step + 1)
-        t0 = time.perf_counter()
-        graphs = own_graphs(bg) if tr.compiled else 0
-        rec = {"step": None, "loss": tr.train_step()}
-        rec.update(step=tr.step, lr=tr.sched.get_last_lr()[0], s_per_step=round(time.perf_counter() - t0, 4),
-                   time=round(time.time(), 3))
-        if bg and bg.eager_calls:  # not yet compiled: a step of its own kind (benchmarks leave it out)
-            rec["eager_blocks"] = bg.eager_calls
-        pause = collector.take()
-        if pause >= 0.001:
-            rec["gc_s"] = round(pause, 3)
-        settle = False
-        if tr.step == first:  # how long the first step took (compiling, the first kernels' warm-up)
-            r.events.phase_end(opening, rec["s_per_step"], {"size": tr.last_size})
-            settle = True
-        elif tr.compiled and own_graphs(bg) > graphs:  # this step waited for the compiler (a new shape)
-            r.events.phase_end("compile", rec["s_per_step"], {"step": tr.step, "size": tr.last_size})
-            settle = True
-        if bg and not bg_settled and not bg.pending and not bg.eager_calls and tr.step > first:
-            settle = bg_settled = True  # the background compile's graphs are in use
-        if settle:  # what exists now stays for the run: out of the collector's way
-            collector.settle()
-        r.mark("first_step")
-        if cuda:
-            rec["gpu_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
-        every = cfg.validation.every
-        if r.data.validation and ((every and tr.step % every == 0) or tr.step == cfg.schedule.steps):
-            rec["val_loss"] = tr.eval_loss([it["key"] for it in r.data.validation])
-            if tr.best and tr.best.offer(tr.step, rec["val_loss"]):
-                rec["best"] = True
-                with r.events.phase(f"best checkpoint (step {tr.step})"):
-                    tr.save(name="best")
-        if r.initial is not None:  # the step-0 grid, from the weights before step 1 (logged before step 1's record:
-            with checkpoint.weights_in(tr, r.initial):  # W&B takes steps in order)
-                render_samples(r, 0)
-            r.initial = None
-        r.log.write(rec)
-        if d.main:
-            r.events.step(tr.step, cfg.schedule.steps, rec)
-        if r.sampler and cfg.sampling.every and tr.step % cfg.sampling.every == 0:
-            render_samples(r, tr.step)
-        checkpoint.poll(tr)  # a background checkpoint whose shards are written counts from now
-        if cfg.output.save_every and tr.step % cfg.output.save_every == 0:
-            with r.events.phase(f"checkpoint (step {tr.step})"):
-                tr.save(background=True)
-        r.stop.requested = d.total(float(r.stop.requested)) > 0  # a signal to any rank stops them all
-        if tr.best and tr.best.stop:
-            break
+    with Collector() as collector:  # full collections timed per step; what the run keeps, frozen (train/gcpause.py)
+        while tr.step < end and not r.stop.requested:
+            if bg:
+                heard = background_news(r, bg, heard + bg.advance(), tr.step + 1)
+            t0 = time.perf_counter()
+            graphs = own_graphs(bg) if tr.compiled else 0
+            rec = {"step": None, "loss": tr.train_step()}
+            rec.update(step=tr.step, lr=tr.sched.get_last_lr()[0], s_per_step=round(time.perf_counter() - t0, 4),
+                       time=round(time.time(), 3))
+            if bg and bg.eager_calls:  # not yet compiled: a step of its own kind (benchmarks leave it out)
+                rec["eager_blocks"] = bg.eager_calls
+            pause = collector.take()
+            if pause >= 0.001:
+                rec["gc_s"] = round(pause, 3)
+            settle = False
+            if tr.step == first:  # how long the first step took (compiling, the first kernels' warm-up)
+                r.events.phase_end(opening, rec["s_per_step"], {"size": tr.last_size})
+                settle = True
+            elif tr.compiled and own_graphs(bg) > graphs:  # this step waited for the compiler (a new shape)
+                r.events.phase_end("compile", rec["s_per_step"], {"step": tr.step, "size": tr.last_size})
+                settle = True
+            if bg and not bg_settled and not bg.pending and not bg.eager_calls and tr.step > first:
+                settle = bg_settled = True  # the background compile's graphs are in use
+            if settle:  # what exists now stays for the run: out of the collector's way
+                collector.settle()
+            r.mark("first_step")
+            if cuda:
+                rec["gpu_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+            every = cfg.validation.every
+            if r.data.validation and ((every and tr.step % every == 0) or tr.step == cfg.schedule.steps):
+                rec["val_loss"] = tr.eval_loss([it["key"] for it in r.data.validation])
+                if tr.best and tr.best.offer(tr.step, rec["val_loss"]):
+                    rec["best"] = True
+                    with r.events.phase(f"best checkpoint (step {tr.step})"):
+                        tr.save(name="best")
+            if r.initial is not None:  # the step-0 grid, from the weights before step 1 (logged before step 1's record:
+                with checkpoint.weights_in(tr, r.initial):  # W&B takes steps in order)
+                    render_samples(r, 0)
+                r.initial = None
+            r.log.write(rec)
+            if d.main:
+                r.events.step(tr.step, cfg.schedule.steps, rec)
+            if r.sampler and cfg.sampling.every and tr.step % cfg.sampling.every == 0:
+                render_samples(r, tr.step)
+            checkpoint.poll(tr)  # a background checkpoint whose shards are written counts from now
+            if cfg.output.save_every and tr.step % cfg.output.save_every == 0:
+                with r.events.phase(f"checkpoint (step {tr.step})"):
+                    tr.save(background=True)
+            r.stop.requested = d.total(float(r.stop.requested)) > 0  # a signal to any rank stops them all
+            if tr.best and tr.best.stop:
+                break
 
 
 def compiled_graphs() -> int:

@@ -39,7 +39,7 @@ class Clock:
 
     def lap(self, name: str) -> None:
         now = time.perf_counter()
-        self.took[name] = round(self.took.get(name, 0.0) + now - self._t, 1)
+        self.took[name] = round(now - self._t, 1)
         self._t = now
 
 
