@@ -5,13 +5,14 @@ machine (on a first run, the attention self-test), loading the text encoders and
 transformer from a cold disk then takes 17-41 s on its own (H100 machine: 1.39 GB/s). `Prefetch` reads the files
 in a background thread from the moment the run knows them, so the load later finds them in the page cache.
 
-How: the kernel is asked to read each window (`posix_fadvise(WILLNEED)`: readahead without copying the bytes to
-Python), a few windows ahead, and a one-byte read at each window's end waits for it, so the thread knows how far
-the disk has got (where posix_fadvise is missing, the windows are read into one reused buffer). Nothing is held by
-the process: the pages are the kernel's cache, dropped under memory pressure like any other. So that they are not
-dropped before the load uses them, the thread reads at most what the machine's available memory leaves beside a
-reserve for the run's own memory (`budget`), in load order (the files as given, each from its start). Reads fail
-quietly: the load reads the file itself and names any error there.
+How: a few threads read the files window by window into buffers of their own (`os.preadv`, which waits for the
+disk; the bytes are dropped), in load order, a window per thread in flight so the disk's queue stays full. Asking
+the kernel instead (`posix_fadvise(WILLNEED)`, `readahead(2)`) reads at most its readahead limit per call (8 MiB on
+the CI machine, often 128 KiB: the rest of a 64 MiB window was never read) and says nothing of when the pages
+arrive. Nothing is held by the process: the pages are the kernel's cache, dropped under memory pressure like any
+other. So that they are not dropped before the load uses them, the threads read at most what the machine's
+available memory leaves beside a reserve for the run's own memory (`budget`). Reads fail quietly: the load reads
+the file itself and names any error there.
 """
 
 from __future__ import annotations
@@ -19,11 +20,10 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections import deque
 from pathlib import Path
 
-WINDOW = 64 * 2**20  # bytes asked of the kernel at once
-AHEAD = 4  # windows in flight: the disk's queue stays full
+WINDOW = 16 * 2**20  # bytes one read asks for
+THREADS = 4  # reads in flight: the disk's queue stays full
 RESERVE_FRACTION, RESERVE_MIN = 0.25, 8 * 2**30  # memory left to the run itself (a 32 GB desktop: 8 GiB)
 
 
@@ -48,61 +48,71 @@ class Prefetch:
         self.files = [Path(f) for f in files]
         self.budget = available_bytes() if budget is None else budget
         self.done = 0  # bytes the disk has delivered
-        self._asked = 0  # bytes asked of the kernel (delivered or in flight)
+        self._asked = 0  # bytes handed to the reading threads (read or in flight)
         self.total = sum(_size(f) for f in self.files)
         self.limited = False  # stopped at the budget with files left
         self.error: str | None = None
         self._stop = threading.Event()
+        self._lock = threading.Lock()
         self._started = time.perf_counter()
         self._seconds: float | None = None
         self._thread = threading.Thread(target=self._run, name="lorakit-prefetch", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
+        fds: list[int] = []
         try:
-            for f in self.files:
-                if not self._file(f):
-                    break
-        except OSError as e:  # the load reads the file itself and says what is wrong
-            self.error = f"{e.filename or ''}: {e.strerror or e}"
+            windows = self._windows(fds)
+            readers = [threading.Thread(target=self._read, args=(windows,), name=f"lorakit-prefetch-{i}",
+                                        daemon=True) for i in range(THREADS)]
+            for t in readers:
+                t.start()
+            for t in readers:
+                t.join()
         finally:
+            for fd in fds:
+                os.close(fd)
             self._seconds = time.perf_counter() - self._started
 
-    def _file(self, path: Path) -> bool:
-        """Read one file's windows; False once stopped or at the budget."""
-        size = _size(path)
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            advise = getattr(os, "posix_fadvise", None)
-            buf = None if advise else bytearray(WINDOW)
-            pending: deque = deque()
-            off = 0
+    def _windows(self, fds: list[int]):
+        """(path, fd, offset, length) of every window, in load order, until stopped, at the budget or at a file that
+        cannot be opened (taken by the readers under the lock)."""
+        for path in self.files:
+            try:
+                fd = os.open(path, os.O_RDONLY)
+            except OSError as e:  # the load reads the file itself and says what is wrong
+                self.error = f"{e.filename or path}: {e.strerror or e}"
+                return
+            fds.append(fd)
+            size, off = _size(path), 0
             while off < size:
-                if self._stop.is_set():
-                    return False
                 n = min(WINDOW, size - off)
+                if self._stop.is_set():
+                    return
                 if self.budget is not None and self._asked + n > self.budget:
                     self.limited = True
-                    break
+                    return
                 self._asked += n
-                if advise:
-                    advise(fd, off, n, os.POSIX_FADV_WILLNEED)
-                    pending.append((off, n))
-                    if len(pending) > AHEAD:
-                        self._arrived(fd, *pending.popleft())
-                else:
-                    os.preadv(fd, [memoryview(buf)[:n]], off)
-                    self.done += n
+                yield path, fd, off, n
                 off += n
-            while pending:
-                self._arrived(fd, *pending.popleft())
-            return not self.limited
-        finally:
-            os.close(fd)
 
-    def _arrived(self, fd: int, off: int, n: int) -> None:
-        os.pread(fd, 1, off + n - 1)  # waits for the window's last page
-        self.done += n
+    def _read(self, windows) -> None:
+        buf = bytearray(WINDOW)
+        while True:
+            with self._lock:
+                item = next(windows, None)
+            if item is None:
+                return
+            path, fd, off, n = item
+            try:
+                got = os.preadv(fd, [memoryview(buf)[:n]], off)  # the GIL is released while the disk reads
+            except OSError as e:
+                with self._lock:
+                    self.error = self.error or f"{path}: {e.strerror or e}"
+                self._stop.set()
+                return
+            with self._lock:
+                self.done += got
 
     @property
     def running(self) -> bool:
