@@ -11,6 +11,7 @@ and the caller's copy to the GPU is then an asynchronous DMA from pinned memory.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -30,11 +31,12 @@ def _pinned(t: torch.Tensor | None, pin: bool) -> torch.Tensor | None:
 
 
 def staged(tensors: Iterable[torch.Tensor | None], device, ahead: int = AHEAD,
-           pin: bool | None = None) -> Iterator[torch.Tensor | None]:
+           pin: bool | None = None, stats: dict | None = None) -> Iterator[torch.Tensor | None]:
     """Yield each of `tensors` on `device`, in order (None stays None; a tensor already off the CPU is yielded as
     it is). For a CUDA device the worker copies up to `ahead` tensors into pinned memory before the caller asks
     for them (the caching host allocator reuses a pinned block only once its copy to the GPU has finished);
-    `pin`: override (False: plain host buffers, for a machine without CUDA)."""
+    `pin`: override (False: plain host buffers, for a machine without CUDA). `stats`: gets "waited_s", the
+    seconds the caller waited for the worker's copies (the host side's share of the time)."""
     dev = torch.device(device)
     if pin is None:
         pin = dev.type == "cuda"
@@ -42,7 +44,10 @@ def staged(tensors: Iterable[torch.Tensor | None], device, ahead: int = AHEAD,
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="lorakit-staging") as ex:
         pending: deque = deque(ex.submit(_pinned, t, pin) for t in islice(items, max(ahead, 1)))
         while pending:
+            t = time.perf_counter()
             ready = pending.popleft().result()
+            if stats is not None:
+                stats["waited_s"] = stats.get("waited_s", 0.0) + time.perf_counter() - t
             for t in items:  # the next one starts before this one goes to the GPU
                 pending.append(ex.submit(_pinned, t, pin))
                 break

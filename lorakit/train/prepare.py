@@ -62,24 +62,28 @@ def prepare(cfg, adapter, transformer, device: str, dtype, dist) -> Prepared:
     full = cfg.method == "full"
     quantized = 0
     clock = Clock()
+    staging: dict = {}  # the 8-bit base's wait for host memory (the mapped file's pages, the pinned copies)
     if cfg.memory.compute == "fp8":  # 8-bit matmuls; over a bf16 base the weight is kept transposed as well
-        from lorakit.train.quant import fp8_compute_problem, quantize_blocks
+        from lorakit.hardware.fp8 import fp8_compute_problem
+        from lorakit.train.quant import quantize_blocks
 
         problem = fp8_compute_problem(device)
         if problem:
             raise NotAvailableError(problem, "--set memory.compute=bf16")
         quantized = quantize_blocks(transformer, dtype, device, compute="fp8",
-                                    transposed=cfg.memory.base_quant == "none")
+                                    transposed=cfg.memory.base_quant == "none", stats=staging)
     elif cfg.memory.base_quant in ("fp8", "qfloat8"):
         from lorakit.train.quant import quantize_blocks
 
-        quantized = quantize_blocks(transformer, dtype, device)
+        quantized = quantize_blocks(transformer, dtype, device, stats=staging)
     elif cfg.memory.base_quant == "nf4":
         from lorakit.train.quant import quantize_blocks_nf4
 
         quantized = quantize_blocks_nf4(transformer, dtype, device)
     if quantized:
         clock.lap(f"{'4' if cfg.memory.base_quant == 'nf4' else '8'}-bit base")
+        if "waited_s" in staging:
+            clock.took["of it waiting for host memory"] = round(staging["waited_s"], 1)
     sharded = full and dist.enabled
     swapper = None
     if cfg.memory.blocks_to_swap and not sharded:

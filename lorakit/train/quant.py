@@ -42,11 +42,13 @@ class Float8Linear(torch.nn.Linear):
         torch.nn.Module.__init__(self)
         self.in_features, self.out_features = linear.in_features, linear.out_features
         weight, bias = moved or (linear.weight, linear.bias)
-        w = weight.detach().to(device).float()  # device None: where the layer is
-        for B, A, coef in add:
-            w.addmm_(B.to(w), A.to(w), alpha=coef)
-        scale = (w.abs().amax(dim=1).clamp(min=1e-12) / E4M3_MAX)
-        self.weight = torch.nn.Parameter((w / scale[:, None]).to(torch.float8_e4m3fn), requires_grad=False)
+        w = weight.detach().to(device)  # device None: where the layer is
+        if add:
+            w = w.float()
+            for B, A, coef in add:
+                w.addmm_(B.to(w), A.to(w), alpha=coef)
+        w8, scale = rounded_rows(w)
+        self.weight = torch.nn.Parameter(w8, requires_grad=False)
         self.register_buffer("scale", scale)
         self.bias = None if bias is None else torch.nn.Parameter(
             bias.detach().to(device=device, dtype=compute_dtype), requires_grad=False)
@@ -64,6 +66,25 @@ class Float8Linear(torch.nn.Linear):
         else:
             y = _DequantMatmul.apply(x.to(self.compute_dtype), self.weight, self.scale)
         return y if self.bias is None else y + self.bias
+
+
+ROUND_VALUES = 1 << 24  # values rounded at a time (64 MiB of float32 temporaries)
+
+
+def rounded_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w (out, in) as float8 e4m3 with a float32 scale per row (its absmax at e4m3's largest value), rounded
+    ROUND_VALUES at a time: the float32 temporaries are the same few sizes whatever the layer, so a GPU's
+    allocator reuses them layer after layer instead of asking for the weight's size in float32 three times
+    over (12 bytes per parameter on a card the 8-bit base is filling). Each row as `(w.float() / scale)`."""
+    rows = max(1, ROUND_VALUES // max(w.shape[1], 1))
+    out = torch.empty(w.shape, dtype=torch.float8_e4m3fn, device=w.device)
+    scale = torch.empty(w.shape[0], dtype=torch.float32, device=w.device)
+    for i in range(0, w.shape[0], rows):
+        part = w[i:i + rows].float()
+        s = part.abs().amax(dim=1).clamp_(min=1e-12).div_(E4M3_MAX)
+        scale[i:i + rows] = s
+        out[i:i + rows] = part / s[:, None]  # not in place: part may be w itself (float32 rows)
+    return out, scale
 
 
 class _DequantMatmul(torch.autograd.Function):
@@ -134,56 +155,20 @@ class _Fp8Matmul(torch.autograd.Function):
         return gx.reshape(*grad.shape[:-1], w8.shape[1]), None, None, None
 
 
-def fp8_compute_problem(device: str) -> str | None:
-    """Why this device cannot multiply in fp8 (None: it can). CPUs run `torch._scaled_mm` as a reference (slow).
-
-    A GPU with fp8 units is also asked to run the two products `_Fp8Matmul` runs, on 16x32 operands: some
-    PyTorch builds have no per-row-scaled fp8 product for some GPUs (cuBLAS answered NOT_SUPPORTED for
-    Blackwell's sm_120 in PyTorch 2.10, pytorch/pytorch#192707) — said here, before the model loads, rather
-    than as a CUDA error in the first step."""
-    if not device.startswith("cuda"):
-        return None
-    dev = torch.device(device)
-    cap, name = torch.cuda.get_device_capability(dev), torch.cuda.get_device_name(dev)
-    if cap < (8, 9):
-        return (f"memory.compute=fp8 needs fp8 matrix units (compute capability 8.9+: Ada, Hopper, Blackwell); "
-                f"{name} is {cap[0]}.{cap[1]}")
-    try:
-        got = _products_of_ones(dev)
-    except RuntimeError as e:
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
-        return (f"memory.compute=fp8: PyTorch {torch.__version__} cannot multiply fp8 with per-row scales on "
-                f"{name} (compute capability {cap[0]}.{cap[1]}): {first}")
-    if got != [32.0, 16.0]:
-        return (f"memory.compute=fp8: PyTorch {torch.__version__}'s fp8 product gives wrong values on {name} "
-                f"(all-ones 16x32 operands: {got}, not [32.0, 16.0])")
-    return None
-
-
-def _products_of_ones(device) -> list[float]:
-    """`_Fp8Matmul`'s forward and input-gradient products on all-ones operands (x 16x32, W 16x32, gradient
-    16x16): the entries they give (32 and 16 when right)."""
-    w8 = torch.ones(16, 32, device=device).to(torch.float8_e4m3fn)
-    x = torch.ones(16, 32, device=device, dtype=torch.bfloat16, requires_grad=True)
-    with torch.enable_grad():
-        y = _Fp8Matmul.apply(x, w8, torch.ones(16, device=device), w8.t().contiguous())
-        y.backward(torch.ones_like(y))
-    return [float(y.detach().float().mean()), float(x.grad.float().mean())]
-
-
 def block_linears(transformer) -> list[str]:
     """The Linear layers `quantize_blocks` stores in 8 bits: those inside the transformer blocks."""
     return [n for n, m in transformer.named_modules() if type(m) is torch.nn.Linear and in_block(n)]
 
 
 def quantize_blocks(transformer, compute_dtype: torch.dtype, device=None, add: dict | None = None,
-                    compute: str = "bf16", transposed: bool = False) -> int:
+                    compute: str = "bf16", transposed: bool = False, stats: dict | None = None) -> int:
     """Replace every Linear inside the transformer blocks by a Float8Linear, one layer at a time on `device`
     (default: where the layer is). A base loaded to the CPU thus reaches the GPU already in 8 bits: a 12 B
     transformer never needs its 24 GB bf16 form on a 24 GB card. `add`: module name -> low-rank changes
     summed in first; `compute`, `transposed`: as `Float8Linear` (layers whose sides are not multiples
     of 16 multiply in bf16). Layers on the CPU (a mapped checkpoint) reach a GPU through pinned memory, the next
-    layers copied there by a worker while this one is rounded (`io.staging`). Returns how many layers."""
+    layers copied there by a worker while this one is rounded (`io.staging`; `stats` gets its "waited_s").
+    Returns how many layers."""
     add = add or {}
     targets = block_linears(transformer)
     unknown = set(add) - set(targets)
@@ -192,7 +177,7 @@ def quantize_blocks(transformer, compute_dtype: torch.dtype, device=None, add: d
     layers = [transformer.get_submodule(name) for name in targets]
     moved = None
     if device is not None and torch.device(device).type != "cpu":
-        moved = staged((t for lin in layers for t in (lin.weight, lin.bias)), device)
+        moved = staged((t for lin in layers for t in (lin.weight, lin.bias)), device, stats=stats)
     try:
         for name, lin in zip(targets, layers, strict=True):
             parent_name, _, child = name.rpartition(".")

@@ -48,3 +48,18 @@ def test_a_caller_that_stops_early_leaves_no_worker_behind():
 def test_a_tensor_already_on_the_device_is_yielded_as_it_is():
     t = torch.zeros(3, device="meta")
     assert next(staged([t], "meta", pin=False)) is t
+
+
+def test_the_callers_wait_for_the_worker_is_counted(monkeypatch):
+    import time
+
+    real = staging._pinned
+
+    def slow(t, pin):
+        time.sleep(0.05)
+        return real(t, pin)
+
+    monkeypatch.setattr(staging, "_pinned", slow)
+    stats = {}
+    assert len(list(staged((torch.zeros(10) for _ in range(4)), "cpu", ahead=1, pin=False, stats=stats))) == 4
+    assert 0.15 <= stats["waited_s"] < 2  # one worker: each copy waited for in turn

@@ -33,7 +33,9 @@ def test_layers_are_quantized_one_by_one_onto_the_target_device():
     m = torch.nn.Module()
     m.blocks = torch.nn.ModuleList([torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 8))])
     m.head = torch.nn.Linear(8, 2)
-    assert quantize_blocks(m, torch.float32, device="meta") == 2
+    stats = {}
+    assert quantize_blocks(m, torch.float32, device="meta", stats=stats) == 2
+    assert stats["waited_s"] >= 0  # through the staging worker, whose wait the prepare phase reports
     for lin, (o, i) in zip(m.blocks[0], [(16, 8), (8, 16)], strict=True):  # each layer got its own weight and bias
         assert isinstance(lin, Float8Linear) and lin.weight.is_meta and lin.weight.dtype == torch.float8_e4m3fn
         assert lin.weight.shape == (o, i) and lin.bias.shape == (o,) and lin.scale.shape == (o,)
@@ -49,6 +51,22 @@ def test_a_layer_given_its_moved_weights_rounds_them_as_its_own():
         assert torch.equal(a.float(), b.float())
     other = Float8Linear(lin, torch.float32, moved=(lin.weight.detach() * 2, None))  # the moved ones are used
     assert other.bias is None and torch.equal(other.scale, own.scale * 2)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_rounding_a_few_rows_at_a_time_equals_rounding_the_whole_weight(monkeypatch, dtype):
+    from lorakit.train import quant
+
+    torch.manual_seed(0)
+    w = (torch.randn(37, 24) * torch.logspace(-6, 3, 37)[:, None]).to(dtype)
+    w[5] = 0  # a row of zeros keeps its floor scale
+    before = w.clone()
+    whole = (w.float().abs().amax(dim=1).clamp(min=1e-12) / quant.E4M3_MAX)
+    monkeypatch.setattr(quant, "ROUND_VALUES", 24 * 4)  # 4 rows at a time: 10 parts, the last one short
+    w8, scale = quant.rounded_rows(w)
+    assert w8.dtype == torch.float8_e4m3fn and torch.equal(scale, whole)
+    assert torch.equal(w8.view(torch.uint8), (w.float() / whole[:, None]).to(torch.float8_e4m3fn).view(torch.uint8))
+    assert torch.equal(w, before)  # a float32 weight is rounded from, not in place
 
 
 def _rounded(t, dtype):
@@ -111,40 +129,6 @@ def test_fp8_compute_trains_a_lora_whose_file_loads_in_stock_diffusers(tmp_path,
     assert len(curve) == 6 and all(map(torch.isfinite, map(torch.tensor, curve)))
     assert res["consumer_check"]["diffusers"] == "equal"
     assert calls and all(calls)  # every block Linear multiplied in fp8, the transposed weight kept (bf16 base)
-
-
-def test_fp8_compute_is_refused_where_it_cannot_run(monkeypatch):
-    from lorakit.train import quant
-
-    assert quant.fp8_compute_problem("cpu") is None  # the reference implementation (slow)
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda _d=None: (8, 6))
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda _d=None: "NVIDIA GeForce RTX 3090")
-    assert "RTX 3090 is 8.6" in quant.fp8_compute_problem("cuda:0")
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda _d=None: (9, 0))
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda _d=None: "NVIDIA H100 80GB HBM3")
-    monkeypatch.setattr(quant, "_products_of_ones", lambda _d: [32.0, 16.0])
-    assert quant.fp8_compute_problem("cuda:0") is None
-
-
-def test_fp8_compute_is_refused_where_this_pytorch_cannot_run_its_products(monkeypatch):
-    """A GPU with fp8 units whose PyTorch build has no per-row-scaled product (cuBLAS NOT_SUPPORTED on sm_120 in
-    PyTorch 2.10) is refused before the model loads, with the error's first line; wrong values are refused too."""
-    from lorakit.train import quant
-
-    assert quant._products_of_ones(torch.device("cpu")) == [32.0, 16.0]  # the real products, as _Fp8Matmul calls them
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda _d=None: (12, 0))
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda _d=None: "NVIDIA GeForce RTX 5090")
-
-    def unsupported(_d):
-        raise RuntimeError("CUDA error: CUBLAS_STATUS_NOT_SUPPORTED when calling `cublasLtMatmulAlgoGetHeuristic(...)`\n"
-                           "more lines")
-
-    monkeypatch.setattr(quant, "_products_of_ones", unsupported)
-    why = quant.fp8_compute_problem("cuda:0")
-    assert "RTX 5090 (compute capability 12.0)" in why and "CUBLAS_STATUS_NOT_SUPPORTED" in why
-    assert "more lines" not in why and torch.__version__ in why
-    monkeypatch.setattr(quant, "_products_of_ones", lambda _d: [32.0, 0.0])
-    assert "wrong values" in quant.fp8_compute_problem("cuda:0")
 
 
 def test_fp8_compute_is_refused_with_a_full_fine_tune_or_a_4_bit_base(tmp_path, tiny):
@@ -218,7 +202,8 @@ def test_fp8_products_on_the_gpu_keep_their_error_with_fast_accumulation():
     """On fp8 hardware at a FLUX shape (4608 tokens, 3072 -> 12288): the forward product and the input gradient
     are as close to float32 as their 8-bit rounding allows (tools/fp8_gemm_probe.py measured 2.5% / 5.2% on the
     H100), and fast accumulation adds little of its own against the same product accumulated in full precision."""
-    from lorakit.train.quant import _per_row, fp8_compute_problem
+    from lorakit.hardware.fp8 import fp8_compute_problem
+    from lorakit.train.quant import _per_row
 
     if not torch.cuda.is_available() or fp8_compute_problem("cuda"):
         pytest.skip("needs a GPU with fp8 matrix units")
