@@ -178,9 +178,11 @@ class MemoryConfig(_Section):
     cuda_graphs: bool = Field(False, description="with compile: replay each compiled block as a CUDA graph "
                                                  "(less host time per block; not while blocks recompute for "
                                                  "gradient checkpointing, nor with schedule.grad_accum > 1)")
-    compute: Literal["bf16", "fp8"] = Field(
-        "bf16", description="matmuls of the frozen base's block Linears: bf16, or fp8 (opt-in; e4m3 inputs and "
-                            "weights scaled per token / per row, GPUs of compute capability 8.9+; LoRA stays bf16)")
+    compute: Literal["bf16", "fp8", "auto"] = Field(
+        "bf16", description="matmuls of the frozen base's block Linears: bf16; fp8 (e4m3 inputs and weights "
+                            "scaled per token / per row, GPUs of compute capability 8.9+; LoRA stays bf16); auto "
+                            "(the 24/32 GB profiles): fp8 over an 8-bit base where this GPU runs the fp8 products, "
+                            "else bf16")
     attention: Literal["auto", "flash", "efficient", "cudnn", "math", "flash+efficient", "fa4",
                        "fa4+efficient"] = Field(
         "auto", description="SDPA backend (auto: doctor's self-test; flash+efficient: flash for unmasked "

@@ -24,6 +24,24 @@ def compile_decision(cfg, device: str, sharded: bool, swapper, has_blocks: bool)
     return why is None, why and f"memory.compile: the blocks are not compiled {why}"
 
 
+def compute_decision(cfg, device: str) -> tuple[str, str | None]:
+    """memory.compute as the run follows it (bf16 or fp8), and, where `auto` settles on bf16 on a GPU that has
+    fp8 units, why. `auto` (the 24/32 GB profiles) multiplies in fp8 where the base is stored in 8 bits — its
+    weights are e4m3 already, so the fp8 product adds only the per-token rounding of each block Linear's input
+    (FLUX.1-dev rtx4090 under 24 GiB, H100: 0.582 -> 0.508 s/step, same peak memory; docs/benchmarks.md) — in a
+    LoRA run, on a GPU whose PyTorch runs the fp8 products (`hardware.fp8`); bf16 otherwise. An explicit fp8 is
+    kept (the run refuses it where it cannot run)."""
+    m = cfg.memory
+    if m.compute != "auto":
+        return m.compute, None
+    if not device.startswith("cuda") or cfg.method == "full" or m.base_quant not in ("fp8", "qfloat8"):
+        return "bf16", None
+    from lorakit.hardware.fp8 import fp8_compute_problem  # torch: imported where a GPU run decides
+
+    why = fp8_compute_problem(device)
+    return ("bf16", f"memory.compute auto: bf16 products, {why}") if why else ("fp8", None)
+
+
 def graphs_decision(cfg, device: str, compiled: bool, recomputed: int) -> tuple[bool, str | None]:
     """Whether the compiled blocks replay as CUDA graphs (torch.compile's reduce-overhead mode: one launch per
     block instead of one per kernel, which is what a host-bound step needs: fp8 compute's forward), and, where

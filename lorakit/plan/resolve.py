@@ -21,6 +21,7 @@ from lorakit.plan.decide import (
     attention_can_wait,
     background_decision,
     compile_decision,
+    compute_decision,
     graphs_decision,
     has_repeated_blocks,
     lacks_room,
@@ -126,12 +127,13 @@ def plan_run(r: Resolved, cap_gib: float | None = None, defer_attention: bool = 
     recomputed = blocks if m.blocks_to_swap else checkpointed(cfg, blocks)
     graphs, graphs_why = graphs_decision(cfg, device, compiled, recomputed)
     background, bg_why = background_decision(cfg, compiled, graphs, est, est and est.get("budget_gib"))
-    notes += [n for n in (why, graphs_why, bg_why) if n]
+    compute, compute_why = compute_decision(cfg, device)
+    notes += [n for n in (why, graphs_why, bg_why, compute_why) if n]
     room = lacks_room(cfg, est, est and est.get("budget_gib")) is None
     r.attention_deferred = defer_attention and attention_can_wait(cfg, device, r.world, room)
     attention = "auto" if r.attention_deferred else attention_backend(cfg, device, notes.append)
     r.cfg = cfg.model_copy(update={"memory": m.model_copy(update={"compile": compiled, "cuda_graphs": graphs,
                                                                   "compile_background": background,
-                                                                  "attention": attention})})
+                                                                  "attention": attention, "compute": compute})})
     r.estimate = est
     return r

@@ -90,3 +90,30 @@ def test_the_background_compile_is_on_only_where_the_card_has_room_to_spare():
     on, why = background_decision(cfg("memory.compile_background=true"), True, True, room, 80.0)
     assert not on and "CUDA graphs" in why
     assert background_decision(cfg("memory.compile_background=false"), True, False, room, 80.0) == (False, None)
+
+
+def test_compute_auto_multiplies_in_fp8_over_an_8_bit_base_where_the_gpu_can(monkeypatch):
+    """The 24/32 GB profiles ask for `auto`: fp8 products over their 8-bit base on a GPU that runs them; bf16 on
+    one that cannot (said, with the reason), on the CPU, over a bf16 base and for a full fine-tune (silently:
+    nothing was asked of those); an explicit value is kept."""
+    from lorakit.config import assemble
+    from lorakit.hardware import fp8
+    from lorakit.plan.decide import compute_decision
+
+    monkeypatch.setattr(fp8, "fp8_compute_problem", lambda _d: None)
+    for profile in ("rtx4090", "rtx5090"):
+        cfg, _ = assemble(None, ["model.family=flux"], profile=profile)
+        assert cfg.memory.compute == "auto"
+        assert compute_decision(cfg, "cuda:0") == ("fp8", None)
+        assert compute_decision(cfg, "cpu") == ("bf16", None)
+    for sets in (["memory.base_quant=none"], ["memory.base_quant=nf4"], ["method=full", "memory.base_quant=none"]):
+        cfg, _ = assemble(None, ["model.family=flux", *sets], profile="rtx4090")
+        assert compute_decision(cfg, "cuda:0") == ("bf16", None)
+    cfg, _ = assemble(None, ["model.family=flux"], profile="datacenter")
+    assert cfg.memory.compute == "bf16" and compute_decision(cfg, "cuda:0") == ("bf16", None)
+    monkeypatch.setattr(fp8, "fp8_compute_problem", lambda _d: "memory.compute=fp8 needs fp8 matrix units (...)")
+    cfg, _ = assemble(None, ["model.family=flux"], profile="rtx4090")
+    got, why = compute_decision(cfg, "cuda:0")
+    assert got == "bf16" and why.startswith("memory.compute auto: bf16 products") and "fp8 matrix units" in why
+    cfg, _ = assemble(None, ["model.family=flux", "memory.compute=bf16"], profile="rtx4090")
+    assert compute_decision(cfg, "cuda:0") == ("bf16", None)
