@@ -152,11 +152,13 @@ def check(cfg, budget_gib: float, world: int = 1) -> dict:
     if est["gib"] <= budget_gib:
         return est
     tips = []
+    fits = budget_gib - PLAN_MARGIN_GIB  # a suggested setting keeps the plan's margin (with none, a run the
+    # estimate put at the cap ran out of memory: Qwen-Image-Edit under 24 GiB, 5 blocks swapped, H100)
     if not cfg.memory.gradient_checkpointing:
         tips.append("--set memory.gradient_checkpointing=true")
     for res in (cfg.data.resolution * 3 // 4 // 16 * 16, cfg.data.resolution // 2 // 16 * 16):
         if res >= 256 and estimate(cfg.model_copy(update={"data": cfg.data.model_copy(update={"resolution": res})}), world)[
-                "gib"] <= budget_gib:
+                "gib"] <= fits:
             tips.append(f"--set data.resolution={res}")
             break
     if cfg.method == "full":
@@ -164,7 +166,7 @@ def check(cfg, budget_gib: float, world: int = 1) -> dict:
     elif cfg.memory.base_quant == "none":
         tips.append("--set memory.base_quant=fp8")
     swap = next((n for n in range(1, est["blocks"] + 1) if estimate(cfg.model_copy(update={
-        "memory": cfg.memory.model_copy(update={"blocks_to_swap": n})}), world)["gib"] <= budget_gib), None)
+        "memory": cfg.memory.model_copy(update={"blocks_to_swap": n})}), world)["gib"] <= fits), None)
     if swap and cfg.method == "lora" and not cfg.memory.blocks_to_swap:
         tips.append(f"--set memory.blocks_to_swap={swap} (slower: those blocks' weights cross PCIe twice a step)")
     if not tips:

@@ -127,3 +127,23 @@ def test_checkpoint_blocks_is_all_auto_or_a_count(tmp_path):
         cfg_for(flux, "flux", "rtx4090", 1024, checkpoint_blocks=-1)
     with pytest.raises(ConfigError, match="checkpoint_blocks"):
         cfg_for(flux, "flux", "rtx4090", 1024, checkpoint_blocks="some")
+
+
+def test_a_suggested_swap_keeps_the_plans_margin(tmp_path):
+    """Qwen-Image-Edit at 1024² under 24 GiB was told `blocks_to_swap=5`, which the estimate put at 24.0 GiB,
+    and ran out of memory at step 1 (H100, session 22): the count suggested now leaves the plan's margin."""
+    import re
+
+    from lorakit.hardware.profiles import load_profile
+    from lorakit.plan.memory import PLAN_MARGIN_GIB
+
+    cfg = cfg_for(fake_model(tmp_path, QWEN, int(20.4e9 * 2)), "qwen-image-edit", "rtx4090", 1024)
+    with pytest.raises(InputError) as ei:
+        run(resolve(cfg))
+    n = int(re.search(r"memory\.blocks_to_swap=(\d+)", ei.value.hint).group(1))
+
+    def swapped(k):
+        return estimate(cfg.model_copy(update={"memory": cfg.memory.model_copy(update={"blocks_to_swap": k})}))["gib"]
+
+    budget = load_profile("rtx4090").hardware["memory_gib"]  # no GPU here: the profile's card (23.6 GiB)
+    assert swapped(n) <= budget - PLAN_MARGIN_GIB < swapped(n - 1) and n > 5
