@@ -12,6 +12,7 @@ Exit codes (the CLI's one error handler, `cli/app.py`):
 from __future__ import annotations
 
 import errno
+import os
 import re
 
 EXIT_INTERRUPTED_RESUMABLE = 75  # EX_TEMPFAIL: "temporary failure, the user is invited to retry"
@@ -101,6 +102,22 @@ def short(text: object, limit: int = 200) -> str:
     return (cut if len(cut) > limit // 2 else line[:limit]).rstrip(" ,;:") + "…"
 
 
+_OOM_FIGURES = (("asked for {}", r"Tried to allocate ([\d.]+ [KMGT]?i?B)"),
+                ("{} allocated by PyTorch", r"([\d.]+ [KMGT]?i?B) is allocated by PyTorch"),
+                ("{} reserved but unallocated", r"([\d.]+ [KMGT]?i?B) is reserved by PyTorch but unallocated"))
+
+
+def gpu_oom_summary(text: str) -> str:
+    """PyTorch's out-of-memory message in a line: what was asked, what this process held, and the emulated card's
+    size where LORAKIT_MEMORY_CAP_GIB holds the process to it (torch's own figures are the whole GPU's, so under a
+    cap "53.8 GiB free" misleads). Torch's first line where its figures are not found."""
+    got = [fmt.format(m.group(1)) for fmt, rx in _OOM_FIGURES if (m := re.search(rx, text))]
+    if not got:
+        return short(text, 160)
+    cap = os.environ.get("LORAKIT_MEMORY_CAP_GIB", "").strip()
+    return ", ".join(got) + (f" (this process held to {cap} GiB by LORAKIT_MEMORY_CAP_GIB)" if cap else "")
+
+
 def free_bytes(path) -> int | None:
     """Free bytes on the disk holding a path (its nearest existing parent); None when unknown."""
     import shutil
@@ -158,7 +175,7 @@ def environment_fault(e: BaseException, path=None) -> EnvironmentFault | None:
                                 "close other programs, lower data.resolution or schedule.batch_size, or set "
                                 "memory.cache_in_memory=false")
     if type(e).__name__ == "OutOfMemoryError" or "CUDA out of memory" in str(e):
-        return EnvironmentFault(f"out of GPU memory: {short(e, 160)}",
+        return EnvironmentFault(f"out of GPU memory: {gpu_oom_summary(str(e))}",
                                 "is another process using the GPU (nvidia-smi)? For training: lower data.resolution "
                                 "or schedule.batch_size, or --set memory.blocks_to_swap=N (`lorakit train CONFIG "
                                 "--dry-run` shows the estimate); for infer: --offload model | fp8 | group")

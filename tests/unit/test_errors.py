@@ -17,3 +17,22 @@ def test_unknown_name_suggests_closest():
     e = UnknownNameError("profile", "rtx4909", ["rtx4090", "rtx5090", "cpu"])
     assert "rtx4909" in e.message
     assert e.hint.startswith("did you mean 'rtx4090'?")
+
+
+def test_out_of_gpu_memory_says_what_was_asked_held_and_capped(monkeypatch):
+    """torch's figures are the whole GPU's: under an emulated cap its "53.79 GiB is free" misled (H100, session
+    22); the message keeps what was asked and held, and names the cap."""
+    from lorakit.errors import environment_fault
+
+    text = ("CUDA out of memory. Tried to allocate 384.00 MiB. GPU 0 has a total capacity of 79.18 GiB of which "
+            "53.79 GiB is free. Process 958 has 612.00 MiB memory in use. Including non-PyTorch memory, this process "
+            "has 24.00 GiB memory in use. Of the allocated memory 22.91 GiB is allocated by PyTorch, and 612.35 MiB "
+            "is reserved by PyTorch but unallocated. If reserved but unallocated memory is large try setting ...")
+    monkeypatch.setenv("LORAKIT_MEMORY_CAP_GIB", "24")
+    f = environment_fault(RuntimeError(text))
+    assert f.message == ("out of GPU memory: asked for 384.00 MiB, 22.91 GiB allocated by PyTorch, 612.35 MiB "
+                         "reserved but unallocated (this process held to 24 GiB by LORAKIT_MEMORY_CAP_GIB)")
+    monkeypatch.delenv("LORAKIT_MEMORY_CAP_GIB")
+    assert environment_fault(RuntimeError(text)).message.endswith("reserved but unallocated")
+    assert environment_fault(RuntimeError("CUDA out of memory (odd build)")).message == \
+        "out of GPU memory: CUDA out of memory (odd build)"
