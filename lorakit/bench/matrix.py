@@ -198,6 +198,11 @@ def _image(files: list[str]):
     return read_window(first, Window(0.0, (info.frames // 2,)))[0]
 
 
+def spread(steady: list[float]) -> tuple[float, float]:
+    """(median, p90) of sorted step times, rounded to the millisecond."""
+    return round(statistics.median(steady), 3), round(steady[min(len(steady) - 1, int(0.9 * len(steady)))], 3)
+
+
 def run_cell(cell: Cell, model: Path, data: Path, work: Path, steps: int, res: int, frames: int, tiny: bool,
              stages=STAGES, save=lambda: None, cold: bool = False) -> Cell:
     """One family x profile through the stages; `save` is called after each stage. `cold`: the model's files are
@@ -280,8 +285,12 @@ def run_cell(cell: Cell, model: Path, data: Path, work: Path, steps: int, res: i
                 cell.note = (cell.note + "; " if cell.note else "") + "s/step of uncompiled steps"
             rec["eager_steps"] = sum(1 for r in rows if r.get("eager_blocks"))
             rec["gc_s"] = {r["step"]: r["gc_s"] for r in rows if r.get("gc_s")}  # full collections, per step
-            cell.s_per_step_median = round(statistics.median(steady), 3)
-            cell.s_per_step_p90 = round(steady[min(len(steady) - 1, int(0.9 * len(steady)))], 3)
+            cell.s_per_step_median, cell.s_per_step_p90 = spread(steady)
+            by_size: dict = {}  # the same per bucket: a spread that is the buckets' shapes, or unsteady steps
+            for r in rows:
+                if r["step"] not in waited and not r.get("eager_blocks") and r.get("size"):
+                    by_size.setdefault(r["size"], []).append(r["s_per_step"])
+            rec["by_size"] = {k: [*spread(sorted(v)), len(v)] for k, v in sorted(by_size.items())}
             cell.peak_gpu_gib = result.get("peak_gpu_gib")
             rec["timeline"] = result.get("timeline")
         elif stage in ("cache", "infer"):

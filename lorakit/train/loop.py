@@ -65,7 +65,7 @@ def steps(r: Run, end: int) -> None:
             graphs = own_graphs(bg) if tr.compiled else 0
             rec = {"step": None, "loss": tr.train_step()}
             rec.update(step=tr.step, lr=tr.sched.get_last_lr()[0], s_per_step=round(time.perf_counter() - t0, 4),
-                       time=round(time.time(), 3))
+                       time=round(time.time(), 3), size=tr.last_size)  # size: the step's bucket, WxH
             if bg and bg.eager_calls:  # not yet compiled: a step of its own kind (benchmarks leave it out)
                 rec["eager_blocks"] = bg.eager_calls
             pause = collector.take()

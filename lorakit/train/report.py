@@ -136,14 +136,14 @@ class MetricsLog:
         if self.tb is not None:
             try:
                 for k, v in rec.items():
-                    if k != "step":
+                    if k != "step" and not isinstance(v, str):  # scalars (the bucket's "WxH" stays in the jsonl)
                         self.tb.add_scalar(f"train/{k}", v, rec["step"])
             except Exception as e:  # noqa: BLE001 - any writer fault only turns TensorBoard off
                 self._tb_failed(e)
         if self.wandb is not None:
             try:
-                self.wandb.log({f"train/{k}": v for k, v in rec.items() if k not in ("step", "time")},
-                               step=rec["step"])
+                self.wandb.log({f"train/{k}": v for k, v in rec.items()
+                                if k not in ("step", "time") and not isinstance(v, str)}, step=rec["step"])
             except Exception as e:  # noqa: BLE001 - a logging service fault does not stop training
                 self._wandb_failed(e)
 

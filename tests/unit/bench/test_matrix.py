@@ -24,6 +24,8 @@ def test_the_matrix_runs_a_cell_through_every_stage(tmp_path):
     assert all(0 < s["private_gib"] <= s["rss_gib"] + 0.05 for s in cell["stages"].values())
     assert cell["first_step_s"] > 0 and cell["first_step_warm_s"] > 0
     assert 0 < cell["s_per_step_median"] <= cell["s_per_step_p90"]
+    by_size = cell["stages"]["train"]["by_size"]  # the same spread per bucket
+    assert by_size and all("x" in k and 0 < m <= p and n >= 1 for k, (m, p, n) in by_size.items())
     for stage in ("train", "train-warm"):  # where the first minutes went, phase by phase
         names = [name for name, _, _, _ in cell["stages"][stage]["phases"]]
         assert names[:6] == [BEFORE, "check config and machine", "cache", "load model", "prepare model",

@@ -148,6 +148,7 @@ def test_held_out_items_get_a_validation_loss_and_are_never_trained_on(tmp_path,
     res = run(resolve(cfg))
     rows = [json.loads(line) for line in open(res["metrics"])]
     assert [r["step"] for r in rows if "val_loss" in r] == [3, 6]
+    assert all(isinstance(r["size"], str) and r["size"].count("x") == 1 for r in rows)  # each step's bucket, WxH
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     ev = EventAccumulator(str(tmp_path / "out" / "tensorboard"))
