@@ -44,10 +44,10 @@ def staged(tensors: Iterable[torch.Tensor | None], device, ahead: int = AHEAD,
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="lorakit-staging") as ex:
         pending: deque = deque(ex.submit(_pinned, t, pin) for t in islice(items, max(ahead, 1)))
         while pending:
-            t = time.perf_counter()
+            t0 = time.perf_counter()
             ready = pending.popleft().result()
             if stats is not None:
-                stats["waited_s"] = stats.get("waited_s", 0.0) + time.perf_counter() - t
+                stats["waited_s"] = stats.get("waited_s", 0.0) + time.perf_counter() - t0
             for t in items:  # the next one starts before this one goes to the GPU
                 pending.append(ex.submit(_pinned, t, pin))
                 break
