@@ -13,7 +13,9 @@ Recorded per cell: each stage's wall time and peak host RSS, seconds from `lorak
 optimizer step, median and p90 s/step (of the steps that did not wait for the compiler), each training run's
 phases, peak GPU memory, PSNR against stock. Results are written after every stage (`matrix.json`, `matrix.md`), so a run cut short still says what it measured; `limit_s`
 stops starting stages once the time is spent. On a machine with several GPUs, `scripts/matrix_lanes.sh` runs one
-matrix per GPU at once. Each stage's peak private (anonymous) memory is sampled beside its RSS.
+matrix per GPU at once. Each stage's peak private (anonymous) memory is sampled beside its RSS. dgx-spark cells run
+under a 110 GiB cap (an H200 has room; a smaller GPU runs them at its own size, said) and must also fit the Spark's
+128 GB that CPU and GPU share: a stage's GPU peak plus its private host memory (`shared_check`).
 """
 
 from __future__ import annotations
@@ -40,7 +42,8 @@ from lorakit.models.base import family_adapter
 from lorakit.models.registry import family_names
 
 PROFILES = ("datacenter", "rtx5090", "rtx4090", "dgx-spark")
-CAPS = {"rtx5090": 32.0, "rtx4090": 24.0}  # GiB the profile's card has (emulated on a larger GPU)
+CAPS = {"rtx5090": 32.0, "rtx4090": 24.0, "dgx-spark": 110.0}  # GiB the profile's GPU has (emulated on a larger one)
+SHARED_GIB = {"dgx-spark": 128e9 / 2**30}  # memory the CPU and the GPU share: a stage's GPU peak + private host memory
 STAGES = ("cache", "train", "train-warm", "infer", "stock")  # train-warm: the same training again (compile cache warm)
 PROMPT = "a red circle in the center on a blue background"
 SIZES = {1024: [(1024, 1024), (1216, 832), (832, 1216)], 512: [(512, 512), (640, 384), (384, 640)],
@@ -63,6 +66,7 @@ class Cell:
     psnr_vs_stock: float | None = None
     refused: str = ""  # `lorakit train`'s refusal at the defaults, where its hint named settings (then run with them)
     sets: list = field(default_factory=list)  # those settings ("memory.blocks_to_swap=5"): the later stages use them
+    shared_gib: float | None = None  # shared-memory profiles: the largest GPU peak + private host memory of a stage
 
 
 def _sizes(res: int) -> list:
@@ -307,8 +311,29 @@ def run_cell(cell: Cell, model: Path, data: Path, work: Path, steps: int, res: i
         save()
     if cell.status == "pending":
         cell.status = "pass"
+    if cell.profile in SHARED_GIB and cell.status == "pass":
+        shared_check(cell)
     save()
     return cell
+
+
+def shared_check(cell: Cell) -> None:
+    """Where the CPU and the GPU share one memory (DGX Spark: 128 GB), a stage needs its GPU peak and its private
+    host memory at once: the largest sum of lorakit's stages (the stock pipeline is the reference) must fit, else
+    the cell fails, saying which stage needs how much."""
+    sums = {}
+    for name, st in cell.stages.items():
+        gpu = cell.peak_gpu_gib if name == "train" else st.get("peak_gpu_gib")
+        if name != "stock" and gpu is not None and st.get("private_gib") is not None:
+            sums[name] = round(gpu + st["private_gib"], 1)
+    if not sums:
+        return
+    top = max(sums, key=sums.get)
+    cell.shared_gib, limit = sums[top], SHARED_GIB[cell.profile]
+    if sums[top] > limit:
+        cell.status = "failed"
+        cell.note = (f"{top} needs {sums[top]} GiB of GPU and private host memory at once, more than the "
+                     f"{limit:.1f} GiB the {cell.profile}'s CPU and GPU share")
 
 
 def run_matrix(families, profiles, out: Path, models: Path | None = None, steps: int = 20, tiny: bool = False,
@@ -325,6 +350,11 @@ def run_matrix(families, profiles, out: Path, models: Path | None = None, steps:
     models = Path(models or out / "models")
     t0 = time.monotonic()
     cells = [Cell(f, p, None if tiny else CAPS.get(p)) for f in families for p in profiles]
+    gpu_gib = None if tiny else _gpu_gib()
+    for c in cells:  # a card larger than this GPU (dgx-spark on an 80 GB H100): emulated at the GPU's size, said
+        if c.cap_gib and gpu_gib and c.cap_gib > gpu_gib:
+            c.note = f"this GPU has {gpu_gib:.0f} GiB, less than the {c.profile}'s {c.cap_gib:g}: run at the GPU's size"
+            c.cap_gib = None
     synth: dict = {}
 
     def save():
@@ -363,6 +393,15 @@ def run_matrix(families, profiles, out: Path, models: Path | None = None, steps:
     return cells
 
 
+def _gpu_gib() -> float | None:
+    """This machine's first GPU's memory in GiB (None without one)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    return torch.cuda.get_device_properties(0).total_memory / 2**30
+
+
 def table(cells: list[Cell]) -> str:
     """The matrix as a Markdown table."""
     def f(x, fmt="{:.1f}"):
@@ -380,6 +419,10 @@ def table(cells: list[Cell]) -> str:
         memory = f"{f(rss)} / {f(own[top]) + f' ({top})' if top else '-'}"
         uncompiled = " (uncompiled)" if "uncompiled" in c.note else ""
         result = c.status if c.status == "pass" else f"{c.status}: {c.note[:160]}"
+        if c.shared_gib is not None and c.status == "pass":
+            result += f" ({c.shared_gib:g} of the {SHARED_GIB[c.profile]:.1f} GiB shared memory)"
+        if c.note.startswith("this GPU has") and c.status == "pass":
+            result += f" ({c.note})"
         if c.sets:  # refused at the defaults, then run with the settings the refusal named
             named = "--set " + " --set ".join(c.sets)
             result = (f"refused also with {named}: {c.note[:160]}" if c.status == "refused" else

@@ -119,3 +119,35 @@ def test_a_second_refusal_ends_the_cell_refused(tmp_path, monkeypatch):
     assert "infer" not in cell.stages  # nothing after a refusal the named setting did not lift
     row = table([cell]).splitlines()[2]
     assert "| refused also with --set memory.blocks_to_swap=9: needs 30 GiB (try --set" in row
+
+
+def test_a_shared_memory_cell_must_fit_gpu_and_host_together():
+    """dgx-spark: the CPU and GPU share 128 GB, so a stage's GPU peak and its private host memory count together
+    (lorakit's stages; the stock pipeline is the reference); the table says how much of it the cell used."""
+    from lorakit.bench.matrix import Cell, shared_check, table
+
+    def cell(train_private):
+        c = Cell("qwen-image", "dgx-spark", 110.0, status="pass", peak_gpu_gib=73.0)
+        c.stages = {"cache": {"peak_gpu_gib": 17.8, "private_gib": 1.3, "rss_gib": 16.0},
+                    "train": {"private_gib": train_private, "rss_gib": 40.0},
+                    "stock": {"peak_gpu_gib": 80.0, "private_gib": 60.0, "rss_gib": 70.0}}
+        shared_check(c)
+        return c
+
+    ok = cell(2.0)
+    assert ok.status == "pass" and ok.shared_gib == 75.0
+    assert "pass (75 of the 119.2 GiB shared memory)" in table([ok])
+    big = cell(50.0)
+    assert big.status == "failed" and big.shared_gib == 123.0
+    assert big.note.startswith("train needs 123.0 GiB of GPU and private host memory at once") and "119.2" in big.note
+
+
+def test_a_card_larger_than_this_gpu_runs_at_the_gpus_size_and_says_so(tmp_path, monkeypatch):
+    from lorakit.bench import matrix
+
+    monkeypatch.setattr(matrix, "_gpu_gib", lambda: 79.2)
+    monkeypatch.setattr(matrix, "write_model", lambda *a, **k: pytest.fail("nothing is written past the limit"))
+    cells = matrix.run_matrix(["flux"], ["dgx-spark", "rtx4090"], tmp_path, limit_s=-1)
+    spark, small = cells
+    assert spark.cap_gib is None and spark.note.startswith("this GPU has 79 GiB, less than the dgx-spark's 110")
+    assert small.cap_gib == 24.0 and small.note == ""
