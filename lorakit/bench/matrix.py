@@ -24,15 +24,15 @@ import json
 import math
 import os
 import re
-import statistics
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 
 import yaml
 
+from lorakit.bench.cells import CAPS, PROFILES, SHARED_GIB, Cell, shared_check, spread, table
 from lorakit.bench.hub import write_model
 from lorakit.bench.load import drop_cache
 from lorakit.data.demo import demo_layout_for, make_demo_dataset
@@ -41,32 +41,10 @@ from lorakit.errors import InputError
 from lorakit.models.base import family_adapter
 from lorakit.models.registry import family_names
 
-PROFILES = ("datacenter", "rtx5090", "rtx4090", "dgx-spark")
-CAPS = {"rtx5090": 32.0, "rtx4090": 24.0, "dgx-spark": 110.0}  # GiB the profile's GPU has (emulated on a larger one)
-SHARED_GIB = {"dgx-spark": 128e9 / 2**30}  # memory the CPU and the GPU share: a stage's GPU peak + private host memory
 STAGES = ("cache", "train", "train-warm", "infer", "stock")  # train-warm: the same training again (compile cache warm)
 PROMPT = "a red circle in the center on a blue background"
 SIZES = {1024: [(1024, 1024), (1216, 832), (832, 1216)], 512: [(512, 512), (640, 384), (384, 640)],
          64: [(64, 64), (80, 48), (48, 80)]}
-
-
-@dataclass
-class Cell:
-    family: str
-    profile: str
-    cap_gib: float | None
-    status: str = "pending"  # pass | refused | failed | skipped (time) | pending
-    note: str = ""
-    stages: dict = field(default_factory=dict)  # stage -> {"s", "rss_gib", "rc", ...}
-    first_step_s: float | None = None  # `lorakit train` started -> its first optimizer step finished
-    first_step_warm_s: float | None = None  # the same, run again on this machine (train-warm)
-    s_per_step_median: float | None = None
-    s_per_step_p90: float | None = None
-    peak_gpu_gib: float | None = None
-    psnr_vs_stock: float | None = None
-    refused: str = ""  # `lorakit train`'s refusal at the defaults, where its hint named settings (then run with them)
-    sets: list = field(default_factory=list)  # those settings ("memory.blocks_to_swap=5"): the later stages use them
-    shared_gib: float | None = None  # shared-memory profiles: the largest GPU peak + private host memory of a stage
 
 
 def _sizes(res: int) -> list:
@@ -202,11 +180,6 @@ def _image(files: list[str]):
     return read_window(first, Window(0.0, (info.frames // 2,)))[0]
 
 
-def spread(steady: list[float]) -> tuple[float, float]:
-    """(median, p90) of sorted step times, rounded to the millisecond."""
-    return round(statistics.median(steady), 3), round(steady[min(len(steady) - 1, int(0.9 * len(steady)))], 3)
-
-
 def run_cell(cell: Cell, model: Path, data: Path, work: Path, steps: int, res: int, frames: int, tiny: bool,
              stages=STAGES, save=lambda: None, cold: bool = False) -> Cell:
     """One family x profile through the stages; `save` is called after each stage. `cold`: the model's files are
@@ -317,25 +290,6 @@ def run_cell(cell: Cell, model: Path, data: Path, work: Path, steps: int, res: i
     return cell
 
 
-def shared_check(cell: Cell) -> None:
-    """Where the CPU and the GPU share one memory (DGX Spark: 128 GB), a stage needs its GPU peak and its private
-    host memory at once: the largest sum of lorakit's stages (the stock pipeline is the reference) must fit, else
-    the cell fails, saying which stage needs how much."""
-    sums = {}
-    for name, st in cell.stages.items():
-        gpu = cell.peak_gpu_gib if name == "train" else st.get("peak_gpu_gib")
-        if name != "stock" and gpu is not None and st.get("private_gib") is not None:
-            sums[name] = round(gpu + st["private_gib"], 1)
-    if not sums:
-        return
-    top = max(sums, key=sums.get)
-    cell.shared_gib, limit = sums[top], SHARED_GIB[cell.profile]
-    if sums[top] > limit:
-        cell.status = "failed"
-        cell.note = (f"{top} needs {sums[top]} GiB of GPU and private host memory at once, more than the "
-                     f"{limit:.1f} GiB the {cell.profile}'s CPU and GPU share")
-
-
 def run_matrix(families, profiles, out: Path, models: Path | None = None, steps: int = 20, tiny: bool = False,
                stages=STAGES, limit_s: float | None = None, keep_models: bool = False, progress=None,
                cold: bool = False) -> list[Cell]:
@@ -400,45 +354,3 @@ def _gpu_gib() -> float | None:
     if not torch.cuda.is_available():
         return None
     return torch.cuda.get_device_properties(0).total_memory / 2**30
-
-
-def table(cells: list[Cell]) -> str:
-    """The matrix as a Markdown table."""
-    def f(x, fmt="{:.1f}"):
-        return "-" if x is None else (fmt.format(x) if isinstance(x, (int, float)) else str(x))
-
-    head = ("| family | profile (cap) | result | cache s | train s | first step s (warm) | s/step median / p90 | "
-            "peak GPU GiB | peak host RSS / private GiB (stage) | infer s | PSNR vs stock dB |\n"
-            "|---|---|---|---|---|---|---|---|---|---|---|")
-    rows = []
-    for c in cells:
-        st = c.stages
-        rss = max((s.get("rss_gib") or 0 for s in st.values()), default=None)
-        own = {k: s["private_gib"] for k, s in st.items() if s.get("private_gib") is not None and k != "stock"}
-        top = max(own, key=own.get) if own else None  # lorakit's stages (the stock pipeline is the reference)
-        memory = f"{f(rss)} / {f(own[top]) + f' ({top})' if top else '-'}"
-        uncompiled = " (uncompiled)" if "uncompiled" in c.note else ""
-        result = c.status if c.status == "pass" else f"{c.status}: {c.note[:160]}"
-        if c.shared_gib is not None and c.status == "pass":
-            result += f" ({c.shared_gib:g} of the {SHARED_GIB[c.profile]:.1f} GiB shared memory)"
-        if c.note.startswith("this GPU has") and c.status == "pass":
-            result += f" ({c.note})"
-        if c.sets:  # refused at the defaults, then run with the settings the refusal named
-            named = "--set " + " --set ".join(c.sets)
-            result = (f"refused also with {named}: {c.note[:160]}" if c.status == "refused" else
-                      f"{c.status} with {named} (refused at the defaults: {c.refused[:120]})"
-                      + (f"; {c.note[:120]}" if c.note and c.status != "pass" else ""))
-        rows.append(f"| {c.family} | {c.profile}{f' ({c.cap_gib:g} GiB)' if c.cap_gib else ''} | {result} | "
-                    f"{f(st.get('cache', {}).get('s'))} | {f(st.get('train', {}).get('s'))} | {f(c.first_step_s)}"
-                    f"{f' ({c.first_step_warm_s:.1f})' if c.first_step_warm_s is not None else ''} | "
-                    f"{f(c.s_per_step_median, '{:.3f}')} / {f(c.s_per_step_p90, '{:.3f}')}{uncompiled} | "
-                    f"{f(c.peak_gpu_gib)} | {memory} | {f(st.get('infer', {}).get('s'))} | {f(c.psnr_vs_stock)} |")
-    text = head + "\n" + "\n".join(rows) + "\n"
-    runs = [(c, stage, c.stages[stage]["phases"]) for c in cells for stage in ("train", "train-warm")
-            if c.stages.get(stage, {}).get("phases")]
-    if runs:  # where each training run's first minutes went
-        text += "\nPhases of `lorakit train` (seconds; at: seconds since the command began):\n\n"
-        for c, stage, ph in runs:
-            text += f"- {c.family} x {c.profile}, {stage}: " + "; ".join(
-                f"{name} {secs:.1f} (at {at:.0f})" for name, secs, at, _ in ph) + "\n"
-    return text

@@ -41,7 +41,8 @@ def test_a_video_cell_compares_the_clips_frame_for_frame(tmp_path, tiny):
     # the matrix's infer and stock stages on the tiny Kandinsky 5 T2V with a LoRA: the stock pipeline's clip goes
     # through the same H.264 writer as `lorakit infer`'s, so equal frames give equal files (compared with a PNG of
     # the raw frame, the codec alone once read as a 24 dB difference)
-    from lorakit.bench.matrix import Cell, run_cell
+    from lorakit.bench.cells import Cell
+    from lorakit.bench.matrix import run_cell
     from tests.loras import trained_like
 
     work = tmp_path / "cell"
@@ -73,7 +74,8 @@ def test_a_refusal_naming_a_setting_is_followed_and_the_cell_runs_with_it(tmp_pa
     # `lorakit train` refuses at the defaults with the hint a memory refusal gives; the matrix runs it again with
     # the named setting, and the cell says both (the train process is stood in for: its output is what is read)
     from lorakit.bench import matrix
-    from lorakit.bench.matrix import Cell, run_cell, table
+    from lorakit.bench.cells import Cell, table
+    from lorakit.bench.matrix import run_cell
 
     calls = []
 
@@ -103,7 +105,8 @@ def test_a_refusal_naming_a_setting_is_followed_and_the_cell_runs_with_it(tmp_pa
 
 def test_a_second_refusal_ends_the_cell_refused(tmp_path, monkeypatch):
     from lorakit.bench import matrix
-    from lorakit.bench.matrix import Cell, run_cell, table
+    from lorakit.bench.cells import Cell, table
+    from lorakit.bench.matrix import run_cell
 
     calls = []
 
@@ -119,27 +122,6 @@ def test_a_second_refusal_ends_the_cell_refused(tmp_path, monkeypatch):
     assert "infer" not in cell.stages  # nothing after a refusal the named setting did not lift
     row = table([cell]).splitlines()[2]
     assert "| refused also with --set memory.blocks_to_swap=9: needs 30 GiB (try --set" in row
-
-
-def test_a_shared_memory_cell_must_fit_gpu_and_host_together():
-    """dgx-spark: the CPU and GPU share 128 GB, so a stage's GPU peak and its private host memory count together
-    (lorakit's stages; the stock pipeline is the reference); the table says how much of it the cell used."""
-    from lorakit.bench.matrix import Cell, shared_check, table
-
-    def cell(train_private):
-        c = Cell("qwen-image", "dgx-spark", 110.0, status="pass", peak_gpu_gib=73.0)
-        c.stages = {"cache": {"peak_gpu_gib": 17.8, "private_gib": 1.3, "rss_gib": 16.0},
-                    "train": {"private_gib": train_private, "rss_gib": 40.0},
-                    "stock": {"peak_gpu_gib": 80.0, "private_gib": 60.0, "rss_gib": 70.0}}
-        shared_check(c)
-        return c
-
-    ok = cell(2.0)
-    assert ok.status == "pass" and ok.shared_gib == 75.0
-    assert "pass (75 of the 119.2 GiB shared memory)" in table([ok])
-    big = cell(50.0)
-    assert big.status == "failed" and big.shared_gib == 123.0
-    assert big.note.startswith("train needs 123.0 GiB of GPU and private host memory at once") and "119.2" in big.note
 
 
 def test_a_card_larger_than_this_gpu_runs_at_the_gpus_size_and_says_so(tmp_path, monkeypatch):
