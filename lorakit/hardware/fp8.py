@@ -22,6 +22,8 @@ def fp8_compute_problem(device: str) -> str | None:
                 f"{name} is {cap[0]}.{cap[1]}")
     try:
         got = products_of_ones(dev)
+        torch.cuda.empty_cache()  # nothing of the probe's stays cached: a run sets its allocator (expandable
+        # segments, the cap) after this check, and the segments it then makes follow those settings
     except RuntimeError as e:
         first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
         return (f"memory.compute=fp8: PyTorch {torch.__version__} cannot multiply fp8 with per-row scales on "
