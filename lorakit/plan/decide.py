@@ -29,16 +29,23 @@ def compute_decision(cfg, device: str) -> tuple[str, str | None]:
     fp8 units, why. `auto` (the 24/32 GB profiles) multiplies in fp8 where the base is stored in 8 bits — its
     weights are e4m3 already, so the fp8 product adds only the per-token rounding of each block Linear's input
     (FLUX.1-dev rtx4090 under 24 GiB, H100: 0.582 -> 0.508 s/step, same peak memory; docs/benchmarks.md) — in a
-    LoRA run, on a GPU whose PyTorch runs the fp8 products (`hardware.fp8`); bf16 otherwise. An explicit fp8 is
-    kept (the run refuses it where it cannot run)."""
-    m = cfg.memory
-    if m.compute != "auto":
-        return m.compute, None
-    if not device.startswith("cuda") or cfg.method == "full" or m.base_quant not in ("fp8", "qfloat8"):
-        return "bf16", None
-    from lorakit.hardware.fp8 import fp8_compute_problem  # torch: imported where a GPU run decides
+    LoRA run, on a GPU whose PyTorch runs the fp8 products (`hardware.fp8`); bf16 otherwise.
 
-    why = fp8_compute_problem(device)
+    Raises:
+        NotAvailableError: an explicit fp8 this GPU (or this PyTorch) cannot run, before any weight loads."""
+    m = cfg.memory
+    if m.compute == "bf16" or (m.compute == "auto" and (cfg.method == "full" or
+                                                         m.base_quant not in ("fp8", "qfloat8"))):
+        return "bf16", None
+    from lorakit.hardware.fp8 import fp8_compute_problem  # torch: imported where a run asks for fp8
+
+    why = fp8_compute_problem(device)  # the CPU: None (its products are the reference)
+    if m.compute == "fp8":
+        if why:
+            raise NotAvailableError(why, "--set memory.compute=bf16")
+        return "fp8", None
+    if not device.startswith("cuda"):
+        return "bf16", None
     return ("bf16", f"memory.compute auto: bf16 products, {why}") if why else ("fp8", None)
 
 

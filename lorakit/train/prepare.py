@@ -9,7 +9,6 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from lorakit.errors import NotAvailableError
 from lorakit.io.modules import load_component
 from lorakit.train.compile_bg import BackgroundCompile, thread_own_fx_patches
 from lorakit.train.lora import add_lora
@@ -63,13 +62,9 @@ def prepare(cfg, adapter, transformer, device: str, dtype, dist) -> Prepared:
     quantized = 0
     clock = Clock()
     staging: dict = {}  # the 8-bit base's wait for host memory (the mapped file's pages, the pinned copies)
-    if cfg.memory.compute == "fp8":  # 8-bit matmuls; over a bf16 base the weight is kept transposed as well
-        from lorakit.hardware.fp8 import fp8_compute_problem
-        from lorakit.train.quant import quantize_blocks
+    if cfg.memory.compute == "fp8":  # 8-bit matmuls (this GPU runs them: plan.decide); over a bf16 base the
+        from lorakit.train.quant import quantize_blocks  # weight is kept transposed as well
 
-        problem = fp8_compute_problem(device)
-        if problem:
-            raise NotAvailableError(problem, "--set memory.compute=bf16")
         quantized = quantize_blocks(transformer, dtype, device, compute="fp8",
                                     transposed=cfg.memory.base_quant == "none", stats=staging)
     elif cfg.memory.base_quant in ("fp8", "qfloat8"):

@@ -65,13 +65,10 @@ def test_several_readers_read_each_window_once(tmp_path, monkeypatch):
 def test_the_files_are_in_the_page_cache_afterwards(tmp_path):
     # the kernel's own readahead (posix_fadvise WILLNEED) reads at most its limit per call: 8 MiB of a 64 MiB
     # window here, so a read-ahead that only asked the kernel left most of a model on the disk
+    from lorakit.bench.load import drop_cache
+
     f = _files(tmp_path, [48 * 2**20])[0]
-    fd = os.open(f, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
+    drop_cache([f])
     if _resident(f) > 0.05:
         pytest.skip("this file system keeps the file in memory (tmpfs): nothing to read ahead")
     Prefetch([f], budget=None).stop(finish=True)

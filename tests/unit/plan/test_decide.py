@@ -1,6 +1,11 @@
 """What a run decides on this machine beyond the memory plan: compile, CUDA graphs (the attention backend's
 decision is tested with the self-test, tests/unit/hardware/test_attention.py)."""
 
+import pytest
+
+from lorakit.errors import NotAvailableError
+
+
 def test_a_compile_the_run_cannot_do_is_said_not_dropped():
     """The rtx4090/rtx5090 profiles compile by default; with block swapping (or FSDP) the blocks are not compiled,
     and the run says so."""
@@ -117,3 +122,9 @@ def test_compute_auto_multiplies_in_fp8_over_an_8_bit_base_where_the_gpu_can(mon
     assert got == "bf16" and why.startswith("memory.compute auto: bf16 products") and "fp8 matrix units" in why
     cfg, _ = assemble(None, ["model.family=flux", "memory.compute=bf16"], profile="rtx4090")
     assert compute_decision(cfg, "cuda:0") == ("bf16", None)
+    cfg, _ = assemble(None, ["model.family=flux", "memory.compute=fp8"], profile="datacenter")
+    with pytest.raises(NotAvailableError, match="fp8 matrix units") as ei:  # asked for: refused before loading
+        compute_decision(cfg, "cuda:0")
+    assert ei.value.hint == "--set memory.compute=bf16"
+    monkeypatch.setattr(fp8, "fp8_compute_problem", lambda _d: None)
+    assert compute_decision(cfg, "cuda:0") == ("fp8", None) and compute_decision(cfg, "cpu") == ("fp8", None)
