@@ -262,6 +262,8 @@ def run_cell(cell: Cell, model: Path, data: Path, work: Path, steps: int, res: i
                 cell.note = (cell.note + "; " if cell.note else "") + "s/step of uncompiled steps"
             rec["eager_steps"] = sum(1 for r in rows if r.get("eager_blocks"))
             rec["gc_s"] = {r["step"]: r["gc_s"] for r in rows if r.get("gc_s")}  # full collections, per step
+            rec["alloc"] = {r["step"]: [r.get("alloc_retries", 0), r.get("cuda_mallocs", 0)] for r in rows
+                            if r.get("alloc_retries") or r.get("cuda_mallocs")}  # the allocator's retries, mallocs
             cell.s_per_step_median, cell.s_per_step_p90 = spread(steady)
             by_size: dict = {}  # the same per bucket: a spread that is the buckets' shapes, or unsteady steps
             for r in rows:

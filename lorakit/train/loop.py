@@ -10,6 +10,7 @@ import time
 from lorakit.events import Events
 from lorakit.plan.resolve import Resolved
 from lorakit.train import checkpoint
+from lorakit.train.allocwatch import AllocWatch
 from lorakit.train.compile_bg import summary
 from lorakit.train.gcpause import Collector
 from lorakit.train.report import loss_curve, peak_rss_gib
@@ -57,10 +58,12 @@ def steps(r: Run, end: int) -> None:
                                  " (compiling the blocks)" if tr.compiled else "")
     if tr.step < end:  # the first step waits for the compiler (compiled blocks) and the first kernels
         r.events.phase_start(opening)
+    alloc = AllocWatch(cuda)  # what the allocator asked of the driver, per step (train/allocwatch.py)
     with Collector() as collector:  # full collections timed per step; what the run keeps, frozen (train/gcpause.py)
         while tr.step < end and not r.stop.requested:
             if bg:
                 heard = background_news(r, bg, heard + bg.advance(), tr.step + 1)
+            alloc.take()  # what samples, checkpoints or validation asked between steps is not the step's
             t0 = time.perf_counter()
             graphs = own_graphs(bg) if tr.compiled else 0
             rec = {"step": None, "loss": tr.train_step()}
@@ -71,6 +74,7 @@ def steps(r: Run, end: int) -> None:
             pause = collector.take()
             if pause >= 0.001:
                 rec["gc_s"] = round(pause, 3)
+            rec.update(alloc.take())
             settle = False
             if tr.step == first:  # how long the first step took (compiling, the first kernels' warm-up)
                 r.events.phase_end(opening, rec["s_per_step"], {"size": tr.last_size})

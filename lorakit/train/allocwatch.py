@@ -1,0 +1,39 @@
+"""What the CUDA caching allocator had to do during each step, for the step's metrics record.
+
+A steady step reuses the blocks the allocator already holds: it asks the driver for nothing. Two counts say when
+that is not so: `alloc_retries` (a request the cache could not meet until it gave its free blocks back to the
+driver, which waits for the whole device: the sign of a run at its card's edge, and a step that takes longer) and
+`cuda_mallocs` (new device memory asked for, as the run grows or after a retry freed the cache). Each is the
+step's own count and is recorded only where it is not zero.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+COUNTS = {"alloc_retries": "num_alloc_retries", "cuda_mallocs": "num_device_alloc"}
+
+
+class AllocWatch:
+    """`take()` after each step: the counts since the last take (an empty dict where nothing happened or there is
+    no CUDA device). `stats` is torch.cuda.memory_stats (injected by tests)."""
+
+    def __init__(self, cuda: bool, stats: Callable[[], dict] | None = None):
+        if stats is None and cuda:
+            import torch
+
+            stats = torch.cuda.memory_stats
+        self.stats = stats if cuda else None
+        self.last = self._now()
+
+    def _now(self) -> dict:
+        if self.stats is None:
+            return {}
+        s = self.stats()
+        return {k: int(s.get(name, 0)) for k, name in COUNTS.items()}
+
+    def take(self) -> dict:
+        now = self._now()
+        out = {k: v - self.last.get(k, 0) for k, v in now.items() if v - self.last.get(k, 0)}
+        self.last = now
+        return out
