@@ -108,9 +108,13 @@ def gpu_used_mib() -> int:
 
 
 def median_step(times: list[float], skip: int = 10) -> dict:
+    """Median and p90 of the step intervals after the first `skip`."""
     gaps = [b - a for a, b in zip(times, times[1:], strict=False)]
     steady = sorted(gaps[skip:] or gaps)
-    return {"steps_timed": len(times), "median_s_per_step": round(steady[len(steady) // 2], 4) if steady else None,
+    if not steady:
+        return {"steps_timed": len(times), "median_s_per_step": None, "steady_intervals": 0}
+    return {"steps_timed": len(times), "median_s_per_step": round(steady[len(steady) // 2], 4),
+            "p90_s_per_step": round(steady[min(len(steady) - 1, int(0.9 * len(steady)))], 4),
             "steady_intervals": len(steady)}
 
 

@@ -9,6 +9,7 @@ FSDP-sharded parameters are DTensors; the optimizers here work on each rank's lo
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -70,13 +71,55 @@ class AdamWBf16(torch.optim.Optimizer):
                     w.copy_(new)
 
 
+def on_default_streams(params) -> bool:
+    """Is every CUDA parameter's device working on its default stream (where bitsandbytes' kernels run)?"""
+    devices = {p.device for p in params if p.device.type == "cuda"}
+    return all(torch.cuda.current_stream(d) == torch.cuda.default_stream(d) for d in devices)
+
+
+@functools.cache
+def adamw8bit_class():
+    """bitsandbytes' AdamW8bit without its wait for the whole device after each parameter (a class built on first
+    use: bitsandbytes imports lazily).
+
+    bitsandbytes (0.50) calls torch.cuda.synchronize() after every parameter's update, so the host cannot queue
+    the next one before the GPU has finished the last: Qwen-Image's 840 LoRA modules (1,680 tensors) left the GPU
+    idle for a quarter of each step under the rtx4090 profile, more on a slower host. Its kernels run on the
+    default stream, in order with the gradients that the backward pass made there, so nothing needs the wait;
+    the same kernels run with the same arguments in the same order (the same bits). Paged state, or a run on
+    another stream, takes bitsandbytes' own step."""
+    import bitsandbytes as bnb
+
+    class AdamW8bit(bnb.optim.AdamW8bit):
+        @torch.no_grad()
+        def step(self, closure=None):
+            if self.is_paged or not on_default_streams(p for g in self.param_groups for p in g["params"]):
+                return super().step(closure)
+            loss = None
+            if closure is not None:
+                with torch.enable_grad():
+                    loss = closure()
+            if not self.initialized:  # as bitsandbytes' step does once
+                self.check_overrides()
+                self.to_gpu()
+                self.initialized = True
+            for gi, group in enumerate(self.param_groups):
+                for pi, p in enumerate(group["params"]):
+                    if p.grad is None:
+                        continue
+                    if not self.state[p]:
+                        self.init_state(group, p, gi, pi)
+                    self.update_step(group, p, gi, pi)
+            return loss
+
+    return AdamW8bit
+
+
 def ShardedAdamW8bit(params, **kw):  # noqa: N802 - a class built on first use (bitsandbytes imports lazily)
     """bitsandbytes AdamW8bit over FSDP-sharded weights: its kernels run on each rank's local shard (plain
     parameters sharing the shards' storage), so every rank keeps 8-bit moments of its own part only. The state
     is per rank: a checkpoint holds one file per rank and resumes on the same number of GPUs."""
-    import bitsandbytes as bnb
-
-    class _Opt(bnb.optim.AdamW8bit):
+    class _Opt(adamw8bit_class()):  # its step without per-parameter waits
         local_shards = True
 
         def __init__(self):
@@ -112,9 +155,7 @@ def make_optimizer(params, cfg, device: str, full: bool = False):
     if eight_bit and any(hasattr(p, "to_local") for p in params):
         return ShardedAdamW8bit(params, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
     if eight_bit:
-        import bitsandbytes as bnb
-
-        return bnb.optim.AdamW8bit(params, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
+        return adamw8bit_class()(params, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
     if o.name == "adafactor":
         from transformers.optimization import Adafactor
 
