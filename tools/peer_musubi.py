@@ -20,7 +20,7 @@ What runs, one process at a time on the same GPU:
 Each process goes through the same launcher (`launch`): under a 24 GiB cap torch's allocator is held to 24 GiB
 (`set_per_process_memory_fraction`) for both; the time of each optimizer step is taken where the trainer
 counts it (musubi: its "steps" progress bar's update; lorakit: metrics.jsonl), torch's peak memory at exit,
-and nvidia-smi's used memory polled every 0.2 s. s/step = the median step interval after the first 10 steps.
+and the GPU's used memory polled every 0.5 s (NVML). s/step = the median (and p90) step interval after the first 20 steps.
 """
 
 from __future__ import annotations
@@ -98,7 +98,15 @@ def launch(a) -> None:
 # ---- the driver ----
 
 def gpu_used_mib() -> int:
-    """nvidia-smi's used memory of GPU 0 (0 where it cannot say)."""
+    """GPU 0's used memory in MiB, through NVML in this process (nvidia-ml-py; a spawned nvidia-smi every 0.2 s
+    took the host from the trainer being measured), else nvidia-smi; 0 where neither can say."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        return int(pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(0)).used // 2**20)
+    except Exception:  # noqa: BLE001 - no NVML here: ask nvidia-smi
+        pass
     try:
         out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits", "-i", "0"],
                              capture_output=True, text=True, timeout=5).stdout
@@ -107,8 +115,9 @@ def gpu_used_mib() -> int:
         return 0
 
 
-def median_step(times: list[float], skip: int = 10) -> dict:
-    """Median and p90 of the step intervals after the first `skip`."""
+def median_step(times: list[float], skip: int = 20) -> dict:
+    """Median and p90 of the step intervals after the first `skip` (with 20 items: the second epoch on, where a
+    compiling trainer meets no new caption length)."""
     gaps = [b - a for a, b in zip(times, times[1:], strict=False)]
     steady = sorted(gaps[skip:] or gaps)
     if not steady:
@@ -124,7 +133,7 @@ def measured(label: str, module_args: list[str], out: Path, cap: float | None, e
     cmd = [sys.executable, __file__, "launch", "--stats", str(stats), *(["--cap", str(cap)] if cap else []),
            *module_args]
     t0 = time.time()
-    with Peak(gpu_used_mib, 0.2) as poll, open(out / f"{label}.out", "w") as so, open(out / f"{label}.log", "w") as log:
+    with Peak(gpu_used_mib, 0.5) as poll, open(out / f"{label}.out", "w") as so, open(out / f"{label}.log", "w") as log:
         try:
             rc = subprocess.run(cmd, stdout=so, stderr=log, env={**os.environ, **env},
                                 timeout=max(10, limit)).returncode
