@@ -117,10 +117,10 @@ def load(source, device: str = "cpu", dtype=None, backend: str = "auto", keys=No
         out = _load_fastsafetensors(headers, wanted, device)
     elif device == "cpu" and not copy:
         out = _load_mapped(headers, wanted)
-    elif device == "cpu" or unified_memory:
+    elif device == "cpu":
         out = _load_cpu(headers, wanted, threads)
-        if device != "cpu":
-            out = {k: v.to(device) for k, v in out.items()}
+    elif unified_memory:
+        out = _load_unified(headers, wanted, device, threads)
     else:
         t, chunk = gpu_tuning()
         out = _load_gpu(headers, wanted, device, threads or t, chunk)
@@ -271,6 +271,29 @@ def _load_cpu(headers, wanted, threads) -> dict:
         for fd in fds.values():
             os.close(fd)
     return {name: _typed(buf, info) for name, (buf, info) in bufs.items()}
+
+
+UNIFIED_BATCH = 2 << 30  # bytes read into host memory at a time before they move to the GPU (unified memory)
+
+
+def _load_unified(headers, wanted, device, threads, batch: int = UNIFIED_BATCH) -> dict:
+    """Unified memory (DGX Spark): the GPU's tensors take the same memory as the host's, so the whole checkpoint
+    read to the host before moving would be held twice at once (a 38 GiB transformer: 77 GiB of the Spark's 128
+    GB). Tensors are read about `batch` bytes at a time (and a larger tensor alone), each batch moved before the
+    next is read."""
+    out = {}
+    for h in headers:
+        names, size = [], 0
+        for name in [*wanted[h.path], None]:
+            if name is not None:
+                names.append(name)
+                size += h.tensors[name].nbytes
+            if names and (name is None or size >= batch):
+                part = _load_cpu([h], {h.path: names}, threads)
+                for k in names:
+                    out[k] = part.pop(k).to(device)
+                names, size = [], 0
+    return out
 
 
 class _Staging:

@@ -125,3 +125,36 @@ def test_a_renamed_component_for_the_gpu_is_read_on_the_host_and_placed_once(tin
         pytest.skip("this transformers saves the tiny encoder under its own names (no renaming to exercise)")
     load_component(folder, "cuda:0", torch.bfloat16)
     assert seen == {"devices": {"cpu"}, "device_map": {"": torch.device("cuda", 0)}, "dtype": torch.bfloat16}
+
+
+def test_unified_memory_moves_each_batch_before_reading_the_next(tmp_path, monkeypatch):
+    """DGX Spark: the GPU's tensors take the host's memory, so the host copy of what was read is dropped batch by
+    batch (a 38 GiB transformer read whole, then moved, held 77 GiB of the 128 GB: the matrix's dgx-spark cell)."""
+    import weakref
+
+    from safetensors.torch import save_file
+
+    from lorakit.io import reader
+
+    names = [f"w{i}" for i in range(5)]
+    save_file({n: torch.full((256, 1024), float(i), dtype=torch.bfloat16) for i, n in enumerate(names)},
+              str(tmp_path / "a.safetensors"))  # 512 KiB each
+    save_file({"big": torch.ones(1024, 1024, dtype=torch.bfloat16)}, str(tmp_path / "b.safetensors"))  # 2 MiB
+    real, batches, alive = reader._load_cpu, [], []
+
+    def spy(headers, wanted, threads):
+        assert not [r for r in alive if r() is not None]  # every earlier batch's host tensors are gone
+        got = real(headers, wanted, threads)
+        batches.append(sorted(n for v in wanted.values() for n in v))
+        alive.extend(weakref.ref(t) for t in got.values())
+        return got
+
+    monkeypatch.setattr(reader, "_load_cpu", spy)
+    out = reader.load(tmp_path, device="meta", unified_memory=True)
+    assert batches == [sorted(names), ["big"]]
+    batches.clear()
+    headers = [reader.read_header(tmp_path / f) for f in ("a.safetensors", "b.safetensors")]
+    out = reader._load_unified(headers, {h.path: list(h.tensors) for h in headers}, "meta", None, batch=1 << 20)
+    assert batches == [["w0", "w1"], ["w2", "w3"], ["w4"], ["big"]]  # about 1 MiB at a time; a larger tensor alone
+    assert {k: (v.device.type, tuple(v.shape), v.dtype) for k, v in out.items()} == {
+        **{n: ("meta", (256, 1024), torch.bfloat16) for n in names}, "big": ("meta", (1024, 1024), torch.bfloat16)}
