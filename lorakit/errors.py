@@ -118,6 +118,18 @@ def gpu_oom_summary(text: str) -> str:
     return ", ".join(got) + (f" (this process held to {cap} GiB by LORAKIT_MEMORY_CAP_GIB)" if cap else "")
 
 
+def fragmented(text: str) -> str:
+    """The hint's first words where PyTorch held a GiB or more that it could not hand out (its cached blocks
+    were the wrong sizes) and expandable segments are off: Qwen-Image with 840 modules under 24 GiB ran out of memory
+    with 2.37 GiB so held, and trains at 22.2 GiB with them on (H100, 2026-11-26)."""
+    m = re.search(r"([\d.]+) ([KMGT]?)i?B is reserved by PyTorch but unallocated", text)
+    if not m or "expandable_segments:True" in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""):
+        return ""
+    gib = float(m.group(1)) * {"": 2**-30, "K": 2**-20, "M": 2**-10, "G": 1, "T": 2**10}[m.group(2)]
+    return (f"{m.group(1)} {m.group(2)}iB were held in pieces too small to use: --set "
+            "memory.expandable_segments=true lets PyTorch use them. ") if gib >= 1 else ""
+
+
 def free_bytes(path) -> int | None:
     """Free bytes on the disk holding a path (its nearest existing parent); None when unknown."""
     import shutil
@@ -176,9 +188,10 @@ def environment_fault(e: BaseException, path=None) -> EnvironmentFault | None:
                                 "memory.cache_in_memory=false")
     if type(e).__name__ == "OutOfMemoryError" or "CUDA out of memory" in str(e):
         return EnvironmentFault(f"out of GPU memory: {gpu_oom_summary(str(e))}",
-                                "is another process using the GPU (nvidia-smi)? For training: lower data.resolution "
-                                "or schedule.batch_size, or --set memory.blocks_to_swap=N (`lorakit train CONFIG "
-                                "--dry-run` shows the estimate); for infer: --offload model | fp8 | group")
+                                fragmented(str(e)) + "is another process using the GPU (nvidia-smi)? For training: "
+                                "lower data.resolution or schedule.batch_size, or --set memory.blocks_to_swap=N "
+                                "(`lorakit train CONFIG --dry-run` shows the estimate); for infer: --offload model | "
+                                "fp8 | group")
     if isinstance(e, RuntimeError) and any(s in str(e) for s in _PEER_LOST):
         return EnvironmentFault(f"another process of this run stopped or cannot be reached: {short(e, 160)}",
                                 "its own log says why; torchrun --max-restarts N restarts the group, which continues "

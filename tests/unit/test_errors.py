@@ -36,3 +36,20 @@ def test_out_of_gpu_memory_says_what_was_asked_held_and_capped(monkeypatch):
     assert environment_fault(RuntimeError(text)).message.endswith("reserved but unallocated")
     assert environment_fault(RuntimeError("CUDA out of memory (odd build)")).message == \
         "out of GPU memory: CUDA out of memory (odd build)"
+
+
+def test_out_of_gpu_memory_held_in_pieces_names_expandable_segments(monkeypatch):
+    """Qwen-Image, 840 modules, 24 GiB, expandable segments off: out of memory with 2.37 GiB reserved but unallocated
+    (H100, 2026-11-26); with them on it trains at 22.2 GiB. The hint says so where they are off."""
+    from lorakit.errors import environment_fault
+
+    text = ("CUDA out of memory. Tried to allocate 96.00 MiB. ... Of the allocated memory 21.54 GiB is allocated by "
+            "PyTorch, and 2.37 GiB is reserved by PyTorch but unallocated. If reserved but unallocated ...")
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    hint = environment_fault(RuntimeError(text)).hint
+    assert hint.startswith("2.37 GiB were held in pieces too small to use: --set memory.expandable_segments=true")
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    assert environment_fault(RuntimeError(text)).hint.startswith("is another process using the GPU")
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF")
+    small = text.replace("2.37 GiB is reserved", "612.35 MiB is reserved")
+    assert environment_fault(RuntimeError(small)).hint.startswith("is another process using the GPU")
