@@ -36,7 +36,7 @@ def test_small_updates_accumulate_in_bf16_weights():
 
 def test_8bit_adamw_makes_bitsandbytes_bits_without_a_wait_per_parameter(monkeypatch):
     """lorakit's AdamW8bit runs bitsandbytes' kernels in its order (8-bit moments, a small tensor's 32-bit ones,
-    a step without a gradient) and never calls its per-parameter device wait (a quarter of a Qwen-Image step)."""
+    a step without a gradient) and never calls its per-parameter device wait (1,680 per Qwen-Image step)."""
     bnb = pytest.importorskip("bitsandbytes")
     from bitsandbytes.optim import optimizer as bnb_optimizer
 
