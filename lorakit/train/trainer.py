@@ -50,8 +50,8 @@ class Trainer:
         opt = make_optimizer(self.params, cfg, device, full=self.full)
         self.took = p.took | {"optimizer": round(time.perf_counter() - t, 1)}  # the prepare phase's parts
         # 8-bit (bitsandbytes) moments are saved per rank as they are, not gathered by parameter name
-        self.per_rank_state = self.full and (getattr(opt, "local_shards", False)
-                                             or type(opt).__module__.startswith("bitsandbytes"))
+        self.per_rank_state = self.full and (getattr(opt, "local_shards", False) or any(
+            c.__module__.startswith("bitsandbytes") for c in type(opt).__mro__))  # lorakit's subclasses too
         ema = EMA(self.params, cfg.ema.decay, cfg.ema.start_step, ema_device(cfg, device)) if cfg.ema.enabled \
             else None  # an average of the trained weights (train/ema.py)
         keeps_best = data is not None and getattr(data, "validation", None) and (cfg.validation.best
