@@ -27,11 +27,73 @@ def _tokenizer_for(name: str, pipe):
     return getattr(pipe, name.replace("text_encoder", "tokenizer"), None)
 
 
+def _build(adapter, name: str, part, pipe, device: str):
+    """The published-size module of a pipeline component, on `device` ("meta": its shapes alone), in bf16."""
+    import torch
+
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device(device):
+            if name == "transformer":
+                return getattr(__import__("diffusers"), adapter.info.transformer_class)(**adapter.full_config)
+            return full_component(name, part, _tokenizer_for(name, pipe))
+    finally:
+        torch.set_default_dtype(prev)
+
+
+def _identity(module, seed: int, dtype) -> str:
+    """What a component's weight files follow from: its class, its tensors' names, shapes and stored dtype, and the
+    seed they are drawn from. Two components with the same identity are written byte for byte alike."""
+    import hashlib
+
+    tensors = [(k, list(v.shape), str(dtype if dtype is not None and v.is_floating_point() else v.dtype))
+               for k, v in module.state_dict().items()]
+    text = json.dumps({"class": type(module).__name__, "seed": seed, "tensors": tensors})
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _link_weights(src: Path, folder: Path) -> None:
+    """The weight files and their index of `src` in `folder`, hard-linked (copied where the disk cannot link)."""
+    import os
+    import shutil
+
+    for f in sorted(src.glob("*.safetensors")) + sorted(src.glob("*.safetensors.index.json")):
+        try:
+            os.link(f, folder / f.name)
+        except OSError:
+            shutil.copy2(f, folder / f.name)
+
+
+def reusable(family: str, like, seed: int = 0, scale: str = "full", dtype=None) -> tuple[list[str], int]:
+    """Which components of `family` the folder `like` (written by write_model) already holds, and the bytes the
+    others would take: what writing `family` beside `like` costs the disk."""
+    import torch
+
+    like = Path(like)
+    report = json.loads((like / "lorakit_synthetic.json").read_text()) if (
+        like / "lorakit_synthetic.json").is_file() else {"components": {}}
+    adapter = family_adapter(family)
+    pipe = adapter.build_tiny(seed)
+    same, need = [], 0
+    for name, part in pipe.components.items():
+        if not isinstance(part, torch.nn.Module):
+            continue
+        module = _build(adapter, name, part, pipe, "meta") if scale == "full" else part
+        if report["components"].get(name, {}).get("identity") == _identity(module, seed + len(name), dtype):
+            same.append(name)
+        else:
+            need += sum(v.numel() * (2 if scale == "full" else v.element_size()) for v in module.state_dict().values())
+    return same, need
+
+
 def write_model(family: str, out, device: str = "cuda", seed: int = 0, scale: str = "full",
-                progress=None, dtype=None) -> dict:
+                progress=None, dtype=None, like=None) -> dict:
     """Write the family's model folder at `out` (replaced if present). Returns what was written: per component
     its parameters, bytes and seconds, and the totals. `dtype`: the floating-point dtype the weights are stored
-    in (the full scale is bf16, as the hub stores these models; the tiny scale keeps float32 unless asked)."""
+    in (the full scale is bf16, as the hub stores these models; the tiny scale keeps float32 unless asked).
+    `like`: a folder written before (another family of the same weights: Qwen-Image beside its Edit models); each
+    component whose identity it holds is hard-linked from it instead of drawn and written again."""
     import shutil
 
     import torch
@@ -46,32 +108,35 @@ def write_model(family: str, out, device: str = "cuda", seed: int = 0, scale: st
         shutil.rmtree(out)
     pipe.save_pretrained(out, safe_serialization=True)
     report = {"family": family, "scale": scale, "components": {}}
+    theirs = {}
+    if like is not None and (Path(like) / "lorakit_synthetic.json").is_file():
+        theirs = json.loads((Path(like) / "lorakit_synthetic.json").read_text())["components"]
     t_all = time.perf_counter()
     for name, part in pipe.components.items():
         if not isinstance(part, torch.nn.Module):
             continue
         t0 = time.perf_counter()
-        torch.manual_seed(seed + len(name))
-        if scale == "full":
-            prev = torch.get_default_dtype()
-            torch.set_default_dtype(torch.bfloat16)
-            try:
-                with torch.device(device):
-                    module = (getattr(__import__("diffusers"), adapter.info.transformer_class)(**adapter.full_config)
-                              if name == "transformer" else full_component(name, part, _tokenizer_for(name, pipe)))
-            finally:
-                torch.set_default_dtype(prev)
-        else:
-            module = part
+        shape = _build(adapter, name, part, pipe, "meta") if scale == "full" else part
+        ident = _identity(shape, seed + len(name), dtype)
         folder = out / name
-        kind = "diffusers" if type(module).__module__.startswith("diffusers") else "transformers"
+        kind = "diffusers" if type(shape).__module__.startswith("diffusers") else "transformers"
         for old in list(folder.glob("*.safetensors")) + list(folder.glob("*.safetensors.index.json")):
             old.unlink()
         if kind == "diffusers":
-            module.save_config(folder)
+            shape.save_config(folder)
         else:  # a model built from its config has no `architectures` yet; save_pretrained would set it
-            module.config.architectures = [type(module).__name__]
-            module.config.save_pretrained(folder)
+            shape.config.architectures = [type(shape).__name__]
+            shape.config.save_pretrained(folder)
+        if theirs.get(name, {}).get("identity") == ident:
+            _link_weights(Path(like) / name, folder)
+            report["components"][name] = {**{k: theirs[name][k] for k in ("class", "params", "bytes")},
+                                          "identity": ident, "linked_from": str(like),
+                                          "seconds": round(time.perf_counter() - t0, 1)}
+            if progress:
+                progress(name, report["components"][name])
+            continue
+        torch.manual_seed(seed + len(name))
+        module = _build(adapter, name, part, pipe, device) if scale == "full" else part
         tensors = hub_names(type(module).__name__, _unique_tensors(module))
         if dtype is not None:
             tensors = {k: v.to(dtype) if v.is_floating_point() else v for k, v in tensors.items()}
@@ -80,7 +145,7 @@ def write_model(family: str, out, device: str = "cuda", seed: int = 0, scale: st
         n = sum(t.numel() for t in tensors.values())
         size = sum(t.numel() * t.element_size() for t in tensors.values())
         report["components"][name] = {"class": type(module).__name__, "params": n, "bytes": size,
-                                      "seconds": round(time.perf_counter() - t0, 1)}
+                                      "identity": ident, "seconds": round(time.perf_counter() - t0, 1)}
         if progress:
             progress(name, report["components"][name])
         del module, tensors

@@ -1,7 +1,8 @@
 """The user-path matrix: every family x profile the way a new user walks it, at full size on a GPU machine.
 
-Per family, once: a random-weight model folder in the hub's layout (`bench.hub.write_model`) and a small dataset in
-three aspect ratios (edit families: with controls; video: clips). Per family and profile (a cell), each stage a
+Per family, once: a random-weight model folder in the hub's layout (`bench.hub.write_model`; the components a family
+shares with the one before, Qwen-Image's with its Edit models, hard-linked from its folder instead of written again)
+and a small dataset in three aspect ratios (edit families: with controls; video: clips). Per family and profile (a cell), each stage a
 separate `lorakit` process as a user runs it, stdout to a file, the profile's card emulated with
 LORAKIT_MEMORY_CAP_GIB: `lorakit cache`, `lorakit train` (20 steps), `lorakit infer` with the LoRA, and the stock
 diffusers pipeline with `load_lora_weights` (same seed, same size; uncapped: the reference), images compared (PSNR).
@@ -24,6 +25,7 @@ import json
 import math
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -33,7 +35,7 @@ from pathlib import Path
 import yaml
 
 from lorakit.bench.cells import CAPS, PROFILES, SHARED_GIB, Cell, shared_check, spread, table
-from lorakit.bench.hub import write_model
+from lorakit.bench.hub import reusable, write_model
 from lorakit.bench.load import drop_cache
 from lorakit.data.demo import demo_layout_for, make_demo_dataset
 from lorakit.data.video import Window, probe, read_window
@@ -318,21 +320,31 @@ def run_matrix(families, profiles, out: Path, models: Path | None = None, steps:
                                                     indent=2))
         (out / "matrix.md").write_text(table(cells))
 
+    prev = None  # the last family's folder: kept until the next is written, whose equal components it links
     for family in families:
         video = family_adapter(family).layout == "video"
         res, frames = (64, 5) if tiny else ((512, 17) if video else (1024, 17))
         model = models / family
         if limit_s and time.monotonic() - t0 > limit_s:
             break
+        like = _like(family, prev, models, tiny, keep_models)
+        if prev is not None and like is None and not keep_models and not tiny:
+            shutil.rmtree(prev, ignore_errors=True)  # the next family's folder needs the disk
         if not (model / "lorakit_synthetic.json").is_file():
             if progress:
-                progress(f"{family}: writing the model folder")
+                progress(f"{family}: writing the model folder" + (f" (linking {like.name}'s equal weights)"
+                                                                  if like else ""))
             import torch
 
             t = time.perf_counter()
             rep = write_model(family, model, device="cpu" if tiny else "cuda", scale="tiny" if tiny else "full",
-                              dtype=torch.bfloat16)
-            synth[family] = {"s": round(time.perf_counter() - t, 1), "gib": round(rep["bytes"] / 2**30, 1)}
+                              dtype=torch.bfloat16, like=like)
+            synth[family] = {"s": round(time.perf_counter() - t, 1), "gib": round(rep["bytes"] / 2**30, 1),
+                             **({"linked": sorted(n for n, c in rep["components"].items() if "linked_from" in c)}
+                                if like else {})}
+        if like is not None and not keep_models:
+            shutil.rmtree(prev, ignore_errors=True)
+        prev = model
         data = _dataset(family, out / "data" / family, res, frames)
         for cell in (c for c in cells if c.family == family):
             if limit_s and time.monotonic() - t0 > limit_s:
@@ -341,12 +353,21 @@ def run_matrix(families, profiles, out: Path, models: Path | None = None, steps:
             if progress:
                 progress(f"{family} x {cell.profile}")
             run_cell(cell, model, data, out / f"{family}-{cell.profile}", steps, res, frames, tiny, stages, save, cold)
-        if not keep_models and not tiny:
-            import shutil
-
-            shutil.rmtree(model, ignore_errors=True)  # the next family's folder needs the disk
+    if prev is not None and not keep_models and not tiny:
+        shutil.rmtree(prev, ignore_errors=True)
     save()
     return cells
+
+
+def _like(family: str, prev: Path | None, models: Path, tiny: bool, keep_models: bool) -> Path | None:
+    """The previous family's folder where the next one can link some of its weights and the rest fits the disk
+    beside it (Qwen-Image, then its Edit models: nothing more is written); None where it cannot."""
+    if prev is None or tiny or not (prev / "lorakit_synthetic.json").is_file() or prev == models / family:
+        return None
+    import torch
+
+    same, need = reusable(family, prev, dtype=torch.bfloat16)
+    return prev if same and (keep_models or need < shutil.disk_usage(models).free - 2**30) else None
 
 
 def _gpu_gib() -> float | None:

@@ -76,3 +76,35 @@ def test_written_folder_is_sharded_as_the_hub_and_loads_in_diffusers_and_lorakit
         assert type(adapter.parts[name]).__name__ == rec["class"]
         ours, stock = hub._unique_tensors(adapter.parts[name]), hub._unique_tensors(getattr(pipe, name))
         assert sorted(ours) == sorted(stock) and all(torch.equal(ours[k], stock[k]) for k in ours)
+
+
+def test_a_family_of_the_same_weights_links_them_instead_of_writing(tmp_path):
+    """Qwen-Image-Edit beside Qwen-Image (the same transformer, text encoder and VAE): the matrix writes the second
+    folder by hard-linking each component the first holds (a 54 GB write each otherwise); a family of other weights
+    links nothing and `reusable` says what it would write."""
+    import os
+
+    from lorakit.io import load
+
+    first = tmp_path / "qwen-image"
+    hub.write_model("qwen-image", first, device="cpu", scale="tiny")
+    same, need = hub.reusable("qwen-image-edit", first, scale="tiny")
+    assert sorted(same) == ["text_encoder", "transformer", "vae"] and need == 0
+    report = hub.write_model("qwen-image-edit", tmp_path / "qwen-image-edit", device="cpu", scale="tiny", like=first)
+    for name in same:
+        assert report["components"][name]["linked_from"] == str(first)
+        for f in (first / name).glob("*.safetensors"):
+            assert os.stat(f).st_ino == os.stat(tmp_path / "qwen-image-edit" / name / f.name).st_ino
+    assert (tmp_path / "qwen-image-edit" / "processor").is_dir()  # the family's own files are its own
+    from lorakit.models.base import load_adapter
+
+    adapter = load_adapter("qwen-image-edit", tmp_path / "qwen-image-edit")
+    adapter.load(["transformer"])
+    stored = load(first / "transformer")
+    ours = hub._unique_tensors(adapter.parts["transformer"])
+    assert sorted(stored) == sorted(ours) and all(torch.equal(stored[k], ours[k]) for k in stored)
+
+    same, need = hub.reusable("flux", first, scale="tiny")
+    assert same == [] and need > 0
+    other = hub.write_model("flux", tmp_path / "flux", device="cpu", scale="tiny", like=first)
+    assert not any("linked_from" in c for c in other["components"].values())

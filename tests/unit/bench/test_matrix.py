@@ -133,3 +133,26 @@ def test_a_card_larger_than_this_gpu_runs_at_the_gpus_size_and_says_so(tmp_path,
     spark, small = cells
     assert spark.cap_gib is None and spark.note.startswith("this GPU has 79 GiB, less than the dgx-spark's 110")
     assert small.cap_gib == 24.0 and small.note == ""
+
+
+def test_the_next_family_links_the_folder_before_it_where_it_holds_the_same_weights(tmp_path):
+    """Full size: Qwen-Image-Edit-2511 after Qwen-Image links all three components (nothing written), FLUX after it
+    links nothing (and the folder before is removed first, for the disk); the tiny scale writes as before."""
+    import torch
+
+    from lorakit.bench import hub, matrix
+    from lorakit.models.base import family_adapter
+
+    prev = tmp_path / "qwen-image"
+    prev.mkdir()
+    adapter = family_adapter("qwen-image")
+    pipe = adapter.build_tiny(0)
+    comps = {name: {"identity": hub._identity(hub._build(adapter, name, part, pipe, "meta"), len(name),
+                                              torch.bfloat16)}
+             for name, part in pipe.components.items() if isinstance(part, torch.nn.Module)}
+    (prev / "lorakit_synthetic.json").write_text(json.dumps({"components": comps}))
+    assert matrix._like("qwen-image-edit-2511", prev, tmp_path, tiny=False, keep_models=False) == prev
+    same, need = hub.reusable("qwen-image-edit-2511", prev, dtype=torch.bfloat16)
+    assert sorted(same) == sorted(comps) and need == 0
+    assert matrix._like("flux", prev, tmp_path, tiny=False, keep_models=False) is None
+    assert matrix._like("qwen-image-edit", prev, tmp_path, tiny=True, keep_models=False) is None
