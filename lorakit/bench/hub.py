@@ -65,14 +65,19 @@ def _link_weights(src: Path, folder: Path) -> None:
             shutil.copy2(f, folder / f.name)
 
 
+def _written(folder) -> dict:
+    """The components write_model recorded in a folder (name -> class, params, bytes, identity); {} if none."""
+    rec = Path(folder) / "lorakit_synthetic.json"
+    comps = json.loads(rec.read_text()).get("components") if rec.is_file() else None
+    return comps if isinstance(comps, dict) else {}  # tools/e2e.py's linked folders list their names only
+
+
 def reusable(family: str, like, seed: int = 0, scale: str = "full", dtype=None) -> tuple[list[str], int]:
     """Which components of `family` the folder `like` (written by write_model) already holds, and the bytes the
     others would take: what writing `family` beside `like` costs the disk."""
     import torch
 
-    like = Path(like)
-    report = json.loads((like / "lorakit_synthetic.json").read_text()) if (
-        like / "lorakit_synthetic.json").is_file() else {"components": {}}
+    theirs = _written(like)
     adapter = family_adapter(family)
     pipe = adapter.build_tiny(seed)
     same, need = [], 0
@@ -80,7 +85,7 @@ def reusable(family: str, like, seed: int = 0, scale: str = "full", dtype=None) 
         if not isinstance(part, torch.nn.Module):
             continue
         module = _build(adapter, name, part, pipe, "meta") if scale == "full" else part
-        if report["components"].get(name, {}).get("identity") == _identity(module, seed + len(name), dtype):
+        if theirs.get(name, {}).get("identity") == _identity(module, seed + len(name), dtype):
             same.append(name)
         else:
             need += sum(v.numel() * (2 if scale == "full" else v.element_size()) for v in module.state_dict().values())
@@ -108,9 +113,7 @@ def write_model(family: str, out, device: str = "cuda", seed: int = 0, scale: st
         shutil.rmtree(out)
     pipe.save_pretrained(out, safe_serialization=True)
     report = {"family": family, "scale": scale, "components": {}}
-    theirs = {}
-    if like is not None and (Path(like) / "lorakit_synthetic.json").is_file():
-        theirs = json.loads((Path(like) / "lorakit_synthetic.json").read_text())["components"]
+    theirs = _written(like) if like is not None else {}
     t_all = time.perf_counter()
     for name, part in pipe.components.items():
         if not isinstance(part, torch.nn.Module):
