@@ -139,7 +139,15 @@ from lorakit.models.base import family_adapter
 a = json.loads(sys.argv[1])
 dev = "cuda" if torch.cuda.is_available() else "cpu"
 dt = torch.bfloat16  # as `lorakit infer` runs (on the CPU the matrix asks it for bf16 too)
-pipe = DiffusionPipeline.from_pretrained(a["model"], torch_dtype=dt).to(dev)
+from pathlib import Path
+size = sum(f.stat().st_size for f in Path(a["model"]).rglob("*.safetensors"))
+# a model larger than the GPU (FLUX.2 [dev]: 112 GB) runs as diffusers' users run it: one component at a time
+big = dev == "cuda" and size > 0.85 * torch.cuda.get_device_properties(0).total_memory
+pipe = DiffusionPipeline.from_pretrained(a["model"], torch_dtype=dt)
+if big:
+    pipe.enable_model_cpu_offload()
+else:
+    pipe = pipe.to(dev)
 pipe.set_progress_bar_config(disable=True)
 pipe.load_lora_weights(a["lora"])
 ad = family_adapter(a["family"])
@@ -160,7 +168,8 @@ if ad.layout == "video":  # written as `lorakit infer` writes a clip (the same H
     write_clip(a["out"].replace(".png", ".mp4"), frames, fps=24.0)
 else:  # Kandinsky 5 T2I's output names it `image`
     (out.images if hasattr(out, "images") else out.image)[0].save(a["out"])
-print(json.dumps({"peak_gpu_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if dev == "cuda" else None}))
+print(json.dumps({"peak_gpu_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if dev == "cuda" else None,
+                  "offload": "model" if big else "none"}))
 """
 
 
@@ -283,7 +292,7 @@ def run_cell(cell: Cell, model: Path, data: Path, work: Path, steps: int, res: i
 
             stock = [str(work / ("stock.mp4" if facts.layout == "video" else "stock.png"))]
             cell.psnr_vs_stock = round(psnr(ours, _image(stock)), 1)
-            rec["peak_gpu_gib"] = result.get("peak_gpu_gib")
+            rec.update(peak_gpu_gib=result.get("peak_gpu_gib"), offload=result.get("offload"))
         cell.stages[stage] = rec
         save()
     if cell.status == "pending":
