@@ -26,6 +26,7 @@ and the GPU's used memory polled every 0.5 s (NVML). s/step = the median (and p9
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import shlex
@@ -97,14 +98,22 @@ def launch(a) -> None:
 
 # ---- the driver ----
 
+@functools.cache
+def _nvml_gpu0():
+    """NVML started once per process, and GPU 0's handle."""
+    import pynvml
+
+    pynvml.nvmlInit()
+    return pynvml.nvmlDeviceGetHandleByIndex(0)
+
+
 def gpu_used_mib() -> int:
     """GPU 0's used memory in MiB, through NVML in this process (nvidia-ml-py; a spawned nvidia-smi every 0.2 s
     took the host from the trainer being measured), else nvidia-smi; 0 where neither can say."""
     try:
         import pynvml
 
-        pynvml.nvmlInit()
-        return int(pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(0)).used // 2**20)
+        return int(pynvml.nvmlDeviceGetMemoryInfo(_nvml_gpu0()).used // 2**20)
     except Exception:  # noqa: BLE001 - no NVML here: ask nvidia-smi
         pass
     try:

@@ -16,13 +16,14 @@ COUNTS = {"alloc_retries": "num_alloc_retries", "cuda_mallocs": "num_device_allo
 
 class AllocWatch:
     """`take()` after each step: the counts since the last take (an empty dict where nothing happened or there is
-    no CUDA device). `stats` is torch.cuda.memory_stats (injected by tests)."""
+    no CUDA device). `stats`: the allocator's counters by name (torch's nested form, whose counts are at its top:
+    read as they are, not flattened and sorted as torch.cuda.memory_stats does twice a step; tests inject it)."""
 
     def __init__(self, cuda: bool, stats: Callable[[], dict] | None = None):
         if stats is None and cuda:
             import torch
 
-            stats = torch.cuda.memory_stats
+            stats = torch.cuda.memory_stats_as_nested_dict
         self.stats = stats if cuda else None
         self.last = self._now()
 
