@@ -14,22 +14,63 @@ adapter's published figures; its tokens (controls, video frames) from the adapte
 
 from __future__ import annotations
 
+import functools
 import json
+import math
+import re
 from pathlib import Path
 
 from lorakit.data.plan import control_dirs_for
 from lorakit.errors import InputError
 from lorakit.hardware.gpu import env_cap_gib
 from lorakit.hardware.profiles import load_profile
+from lorakit.io.header import DTYPES, read_header
+from lorakit.io.reader import resolve_files
 from lorakit.models.base import family_adapter
 
 GIB = 2**30
 OVERHEAD_GIB = 2.0
 BYTES_PER_PARAM = {"none": None, "fp8": 1.0, "qfloat8": 1.0, "nf4": 0.55}
+FLOATS = ("BF16", "F16", "F32", "F64")
+_BLOCK = re.compile(r"^(.*?(?:blocks|layers|refiner)\.\d+)\.")  # a repeated block's prefix: transformer_blocks.3
+
+
+def weight_split(tensors, quant: str, dtype_bytes: int) -> tuple[float, list[float]]:
+    """(bytes outside the repeated blocks, each block's bytes) as training stores them: floats at the run's dtype;
+    over an 8-bit or 4-bit base the blocks' Linear weights at that storage (8-bit: plus a float32 scale per row,
+    as `train.quant` makes them), the rest unquantized. `tensors`: (name, safetensors dtype, shape) triples."""
+    per = BYTES_PER_PARAM[quant]
+    rest, blocks = 0.0, {}
+    for name, dtype, shape in tensors:
+        n = math.prod(shape)
+        block = _BLOCK.match(name)
+        if dtype not in FLOATS:  # integers, float8: loaded as stored
+            size = n * DTYPES[dtype][1]
+        elif per and block and name.endswith(".weight") and len(shape) == 2:
+            size = n * per + (4 * shape[0] if per == 1.0 else 0)
+        else:
+            size = n * dtype_bytes
+        if block:
+            blocks[block.group(1)] = blocks.get(block.group(1), 0.0) + size
+        else:
+            rest += size
+    return rest, list(blocks.values())
+
+
+@functools.lru_cache(maxsize=8)
+def folder_split(folder: str, quant: str, dtype_bytes: int) -> tuple[float, tuple[float, ...]] | None:
+    """`weight_split` of a transformer folder's weights, from its safetensors headers (None where it has none).
+    Cached: the plan estimates the same run once per candidate setting."""
+    if not any(Path(folder).glob("*.safetensors")):
+        return None
+    tensors = [(k, v.dtype, v.shape) for f in resolve_files(Path(folder)) for k, v in read_header(f).tensors.items()]
+    rest, blocks = weight_split(tensors, quant, dtype_bytes)
+    return rest, tuple(blocks)
 
 
 def _transformer_facts(cfg) -> tuple[int, int, float, str]:
-    """(hidden, blocks, parameters, source) from the model folder, else the family's published sizes."""
+    """(hidden, blocks, parameters, source) from the model folder, else the family's published sizes (the
+    weights' sizes block by block: `folder_split`)."""
     adapter = family_adapter(cfg.model.family)
     pub = adapter.published
     hidden, blocks, params = pub.hidden, pub.blocks, pub.params
@@ -66,9 +107,17 @@ def _transformer_facts(cfg) -> tuple[int, int, float, str]:
 def estimate(cfg, world: int = 1) -> dict:
     """Peak GPU memory in GiB, by part (per GPU; `world` GPUs share a full fine-tune's states under FSDP)."""
     hidden, blocks, params, source = _transformer_facts(cfg)
-    bpp = BYTES_PER_PARAM[cfg.memory.base_quant] or {"bf16": 2, "fp16": 2, "fp32": 4}[cfg.model.dtype]
+    dtype_bytes = {"bf16": 2, "fp16": 2, "fp32": 4}[cfg.model.dtype]
+    bpp = BYTES_PER_PARAM[cfg.memory.base_quant] or dtype_bytes
     swapped = min(cfg.memory.blocks_to_swap, blocks)
     base = params * bpp * (1 - swapped / blocks)
+    split = folder_split(str(Path(cfg.model.path) / "transformer"), cfg.memory.base_quant, dtype_bytes) \
+        if cfg.model.path and (Path(cfg.model.path) / "transformer").is_dir() else None
+    if split and split[1]:  # the folder's own sizes: what stays unquantized, and blocks of unequal size
+        rest, sizes = split[0], sorted(split[1])  # (FLUX.2's double blocks hold twice a single block's weights)
+        away = sizes[:swapped]  # counted as the smallest that could go (the swapper sends the last: the small ones)
+        base = rest + sum(sizes) - sum(away) + 2 * (away[-1] if away else 0)  # two visit at a time: one computes,
+        # the next is copied
     adam = 2 if (cfg.memory.optimizer_8bit or cfg.optim.name == "adamw8bit") else 8
     lora = params * 0.004 * cfg.lora.rank / 16 * (4 + 4 + adam)  # ~0.4% of the base at r16: fp32 weight, grad, Adam
     if cfg.method == "full":  # every weight trains: weight + grad + moments (bf16 AdamWBf16: 8 bytes in all)
