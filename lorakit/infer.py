@@ -17,7 +17,7 @@ from lorakit.data.images import open_image
 from lorakit.data.video import write_clip
 from lorakit.dtypes import torch_dtype
 from lorakit.errors import InputError
-from lorakit.hardware.gpu import apply_cap
+from lorakit.hardware.gpu import apply_cap, budget_gib
 from lorakit.io import atomic_path
 from lorakit.io.digest import file_hash
 from lorakit.models.base import family_adapter, load_adapter
@@ -303,7 +303,7 @@ def _placement(model_dir, device: str, dtype, mode: str):
     nbytes = torch.empty((), dtype=dtype).element_size()
     sizes = placement.component_gib(model_dir, names, nbytes)
     fp8 = placement.fp8_gib(Path(model_dir) / "transformer", nbytes) if "transformer" in sizes else None
-    return placement.choose(sizes, placement.budget_gib(device), mode, fp8_transformer_gib=fp8)
+    return placement.choose(sizes, budget_gib(device), mode, fp8_transformer_gib=fp8)
 
 
 def contact_sheet(images, columns: int = 4):

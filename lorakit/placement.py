@@ -22,9 +22,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from lorakit.errors import InputError
-from lorakit.hardware.gpu import env_cap_gib
-from lorakit.io.header import read_header
+from lorakit.io.header import FLOATS, read_header
 from lorakit.io.reader import resolve_files
+from lorakit.io.stream import folder_gib, stream
 from lorakit.models.native import in_block
 
 MODES = ("auto", "none", "model", "fp8", "group")
@@ -34,29 +34,20 @@ HEADROOM_GIB = 5.0
 # the transformer alone: one denoising forward at 1024² without gradients (< 1 GiB for FLUX and Qwen-Image)
 # plus the allocator's slack
 DENOISE_GIB = 3.0
-FLOATS = ("BF16", "F16", "F32", "F64")
 
 
 @dataclass
 class Plan:
-    mode: str  # none | model | group
+    mode: str  # none | model | fp8 | group
     why: str
     sizes_gib: dict
+    streamed: tuple = ()  # model / fp8: text encoders too large to visit whole, their blocks streamed instead
 
 
 def component_gib(model_dir: Path, names, dtype_bytes: int) -> dict[str, float]:
     """Each weight component's size in GiB at `dtype_bytes` per floating-point element (from its headers)."""
-    out = {}
-    for name in names:
-        folder = Path(model_dir) / name
-        if not folder.is_dir() or not any(folder.glob("*.safetensors*")):
-            continue
-        total = 0
-        for f in resolve_files(folder):
-            for info in read_header(f).tensors.values():  # floats load at the run's dtype, the rest as stored
-                total += math.prod(info.shape) * dtype_bytes if info.dtype in FLOATS else info.nbytes
-        out[name] = round(total / 2**30, 2)
-    return out
+    sizes = {name: folder_gib(Path(model_dir) / name, dtype_bytes) for name in names}
+    return {k: v for k, v in sizes.items() if v is not None}
 
 
 def fp8_bytes(folder: Path, dtype_bytes: int) -> int:
@@ -100,29 +91,23 @@ def choose(sizes: dict[str, float], budget_gib: float, mode: str = "auto",
         return Plan(mode, f"--offload {mode}", sizes)
     if total + headroom_gib <= budget_gib:
         return Plan("none", f"all weights ({total:.1f} GiB) fit in {budget_gib:.1f} GiB", sizes)
-    if _fits_alone(sizes, budget_gib):
+    # a text encoder larger than the card (FLUX.2 [dev]'s 24 B Mistral on a 32 GiB one) runs once per image:
+    # its blocks stream while the rest is placed as if it were not there
+    streamed = tuple(n for n, gib in sizes.items() if n.startswith("text_encoder") and gib + headroom_gib > budget_gib)
+    rest = {n: gib for n, gib in sizes.items() if n not in streamed}
+    also = f"; {', '.join(streamed)} streamed block by block" if streamed else ""
+    if _fits_alone(rest, budget_gib):
         return Plan("model", f"weights {total:.1f} GiB + {headroom_gib:.1f} GiB to work in > {budget_gib:.1f} GiB: "
-                             f"each component on the GPU while it runs (largest {largest:.1f} GiB)", sizes)
+                             f"each component on the GPU while it runs (largest {largest:.1f} GiB){also}", sizes,
+                    streamed)
     tr = sizes.get("transformer")
-    if fp8_transformer_gib is not None and tr is not None and _fits_alone(sizes, budget_gib, fp8_transformer_gib):
+    if fp8_transformer_gib is not None and tr is not None and _fits_alone(rest, budget_gib, fp8_transformer_gib):
         return Plan("fp8", f"the transformer ({tr:.1f} GiB) does not fit {budget_gib:.1f} GiB: its block weights "
                            f"in fp8 ({fp8_transformer_gib:.1f} GiB, as the small-card profiles train), each "
                            f"component on the GPU while it runs; images close to bf16's, not equal "
-                           f"(--offload group keeps bf16, slower)", sizes)
+                           f"(--offload group keeps bf16, slower){also}", sizes, streamed)
     return Plan("group", f"the largest component ({largest:.1f} GiB) does not fit {budget_gib:.1f} GiB with "
                          f"room to work in: its blocks stream from CPU memory", sizes)
-
-
-def budget_gib(device: str) -> float:
-    """The memory this process may use on `device`: LORAKIT_MEMORY_CAP_GIB, else the card's total."""
-    cap = env_cap_gib()
-    if cap:
-        return float(cap)
-    import torch
-
-    dev = torch.device(device)
-    index = dev.index if dev.index is not None else torch.cuda.current_device()
-    return torch.cuda.get_device_properties(index).total_memory / 2**30
 
 
 class Swap:
@@ -202,11 +187,15 @@ def apply(pipe, plan: Plan, device: str, dtype=None, add: dict | None = None):
         torch.cuda.empty_cache()
     if plan.mode in ("model", "fp8"):
         swap = Swap(device)
-        for part in pipe.components.values():
-            if isinstance(part, torch.nn.Module):
+        for name, part in pipe.components.items():
+            if isinstance(part, torch.nn.Module) and name in plan.streamed:
+                stream(part, device)
+            elif isinstance(part, torch.nn.Module):
                 swap.add(part)
         return swap
-    # every component's blocks stream from pinned CPU memory, the next group prefetched on a side stream
-    pipe.enable_group_offload(onload_device=torch.device(device), offload_device=torch.device("cpu"),
-                              offload_type="block_level", num_blocks_per_group=1, use_stream=True)
+    # every component's blocks stream from CPU memory, the next block copied on a side stream (`io.stream`:
+    # the blocks wherever they sit, a text encoder's layers included)
+    for part in pipe.components.values():
+        if isinstance(part, torch.nn.Module):
+            stream(part, device)
     return None

@@ -72,3 +72,15 @@ def compile_cache() -> str:
     folder = os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_root() / "compile"))
     os.makedirs(folder, exist_ok=True)
     return folder
+
+
+def budget_gib(device: str) -> float:
+    """The memory this process may use on `device`: LORAKIT_MEMORY_CAP_GIB, else the card's total."""
+    cap = env_cap_gib()
+    if cap:
+        return float(cap)
+    import torch
+
+    dev = torch.device(device)
+    index = dev.index if dev.index is not None else torch.cuda.current_device()
+    return torch.cuda.get_device_properties(index).total_memory / 2**30

@@ -26,6 +26,7 @@ DTYPES: dict[str, tuple[str, int]] = {
     "F8_E4M3": ("float8_e4m3fn", 1), "F8_E5M2": ("float8_e5m2", 1),
 }
 TORCH_TO_ST = {v[0]: k for k, v in DTYPES.items()}
+FLOATS = ("BF16", "F16", "F32", "F64")  # loaded at a run's dtype (the others as stored)
 
 
 @dataclass(frozen=True)

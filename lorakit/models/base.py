@@ -24,6 +24,7 @@ from pathlib import Path
 
 from lorakit.errors import InputError
 from lorakit.io.modules import load_component
+from lorakit.io.stream import stream
 from lorakit.models.facts import AttentionCase, LoraPresets, NativeName, Published
 from lorakit.models.pixels import to_pixels
 from lorakit.models.registry import arch_names, family_info, family_names, family_of_arch
@@ -87,6 +88,7 @@ class Adapter(abc.ABC):
         self._dtype = dtype
         self.backend = backend
         self.parts: dict = {}
+        self.streamed: dict = {}  # component -> None (to stream when loaded) or what `io.stream.stream` did
         self._pipe = None
         if model_dir is None:  # conventions only: facts, predict, example inputs, tiny builder
             self.model_dir, self.index = None, {}
@@ -236,7 +238,10 @@ class Adapter(abc.ABC):
                 self.parts[name] = None
                 continue
             folder = self.model_dir / name
-            if (folder / "config.json").is_file() and any(folder.glob("*.safetensors*")):
+            if name in self.streamed and str(self.device).startswith("cuda"):  # larger than the GPU: its blocks
+                self.parts[name] = load_component(folder, "cpu", self.dtype, self.backend)  # visit one at a time
+                self.streamed[name] = stream(self.parts[name], self.device)
+            elif (folder / "config.json").is_file() and any(folder.glob("*.safetensors*")):
                 self.parts[name] = load_component(folder, self.device, self.dtype, self.backend)
             else:
                 import importlib

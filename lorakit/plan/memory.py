@@ -24,14 +24,13 @@ from lorakit.data.plan import control_dirs_for
 from lorakit.errors import InputError
 from lorakit.hardware.gpu import env_cap_gib
 from lorakit.hardware.profiles import load_profile
-from lorakit.io.header import DTYPES, read_header
+from lorakit.io.header import DTYPES, FLOATS, read_header
 from lorakit.io.reader import resolve_files
 from lorakit.models.base import family_adapter
 
 GIB = 2**30
 OVERHEAD_GIB = 2.0
 BYTES_PER_PARAM = {"none": None, "fp8": 1.0, "qfloat8": 1.0, "nf4": 0.55}
-FLOATS = ("BF16", "F16", "F32", "F64")
 _BLOCK = re.compile(r"^(.*?(?:blocks|layers|refiner)\.\d+)\.")  # a repeated block's prefix: transformer_blocks.3
 
 

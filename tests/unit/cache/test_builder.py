@@ -150,3 +150,39 @@ def test_build_needs_a_model_path(tmp_path):
     cfg = validate({"model": {"family": "flux"}, "data": {"dirs": [str(data)]}})
     with pytest.raises(ConfigError, match="model.path"):  # the `cache` command resolves the config first
         build(resolve(cfg, train=False).cfg)
+
+
+def test_a_text_encoder_larger_than_the_card_is_marked_to_stream(tiny, monkeypatch):
+    """FLUX.2 [dev]'s 45 GiB encoder on a 32 GiB card ran the cache out of memory: one that does not fit with room
+    to run is streamed block by block instead (the tiny one under a cap smaller than that room)."""
+    from lorakit.cache.builder import stream_large_encoders
+    from lorakit.models.base import load_adapter
+
+    folder = tiny("flux2-dev")
+    monkeypatch.setenv("LORAKIT_MEMORY_CAP_GIB", "4")
+    on_card = load_adapter("flux2-dev", folder, device="cuda")
+    stream_large_encoders(on_card, "bf16")
+    assert list(on_card.streamed) == ["text_encoder"]  # the VAE is no text encoder; the tokenizer has no weights
+    on_cpu = load_adapter("flux2-dev", folder, device="cpu")
+    stream_large_encoders(on_cpu, "bf16")
+    assert not on_cpu.streamed
+    monkeypatch.setenv("LORAKIT_MEMORY_CAP_GIB", "80")
+    roomy = load_adapter("flux2-dev", folder, device="cuda")
+    stream_large_encoders(roomy, "bf16")
+    assert not roomy.streamed
+
+
+@pytest.mark.gpu
+def test_a_streamed_text_encoder_caches_what_a_resident_one_does(tmp_path, tiny, monkeypatch):
+    folder = tiny("flux2-dev")
+    data = make_demo_dataset(tmp_path / "data", "flat", count=2, size=[(64, 64)])
+    cfg = validate({"profile": "datacenter", "model": {"family": "flux2-dev", "path": str(folder)},
+                    "data": {"dirs": [str(data)], "resolution": 64, "bucket_min_side": 32, "bucket_max_side": 128},
+                    "output": {"dir": str(tmp_path / "a")}})
+    resident = build(cfg, "cuda")
+    monkeypatch.setenv("LORAKIT_MEMORY_CAP_GIB", "4")
+    streamed_cfg = validate({**cfg.to_dict(), "output": {"dir": str(tmp_path / "b")}})
+    streamed = build(streamed_cfg, "cuda")
+    assert resident.encoded == streamed.encoded == 2
+    (_, a), (_, b) = entries(cfg), entries(streamed_cfg)
+    assert all(torch.equal(a[k]["prompt_embeds"], b[k]["prompt_embeds"]) for k in a)

@@ -2,7 +2,7 @@
 
 import pytest
 
-from lorakit.hardware.gpu import apply_cap, device_for, env_cap_gib
+from lorakit.hardware.gpu import apply_cap, budget_gib, device_for, env_cap_gib
 
 
 def test_memory_cap_from_the_environment(monkeypatch):
@@ -30,3 +30,8 @@ def test_compiled_blocks_are_kept_in_lorakits_cache_unless_the_user_chose_a_fold
     assert compile_cache() == str(tmp_path / "lk" / "compile") and (tmp_path / "lk" / "compile").is_dir()
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))
     assert compile_cache() == str(tmp_path / "mine")
+
+
+def test_the_cap_is_the_budget(monkeypatch):
+    monkeypatch.setenv("LORAKIT_MEMORY_CAP_GIB", "24")
+    assert budget_gib("cuda") == 24.0

@@ -1,0 +1,62 @@
+"""A text encoder larger than the card runs with its blocks streamed: each decoder layer visits alone, wherever the
+layers sit in the module, and the outputs are the same as the resident encoder's."""
+
+import pytest
+import torch
+
+from lorakit.io.stream import block_paths, folder_gib, stream
+from lorakit.models import tiny
+
+
+@pytest.fixture
+def encoder():
+    proc = tiny.mistral3_processor()
+    return tiny.mistral3(proc, seed=3, layers=4).eval(), proc
+
+
+def _group_of(module):
+    registry = getattr(module, "_diffusers_hook", None)
+    hook = registry.get_hook("group_offloading") if registry is not None else None
+    return hook.group if hook is not None else None
+
+
+def test_the_layers_are_found_where_a_transformers_encoder_keeps_them(encoder):
+    te, _ = encoder
+    paths = block_paths(te)
+    assert {"model", "language_model"} <= set(paths)  # model.language_model.layers
+    assert "layers" not in paths  # the list itself is what gets grouped
+
+
+def test_each_layer_visits_alone_and_the_outputs_are_the_same(encoder):
+    te, proc = encoder
+    ids = proc.tokenizer(["a red cube on a table"], return_tensors="pt")
+    with torch.no_grad():
+        before = te(**ids, output_hidden_states=True).hidden_states
+    facts = stream(te, "cpu", pinned=False)
+    layers = te.model.language_model.layers
+    groups = [_group_of(layer) for layer in layers]
+    assert all(g is not None and g.modules == [layer] for g, layer in zip(groups, layers, strict=True))  # one layer a group
+    with torch.no_grad():
+        after = te(**ids, output_hidden_states=True).hidden_states
+    assert len(before) == len(after) and all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
+    assert facts["pinned"] is False and facts["streamed_gib"] >= 0
+
+
+def test_the_pipelines_own_group_offload_moves_the_language_model_whole(encoder):
+    """Why `io.stream` names the paths: diffusers' block-level offload looks at the top module's children only, and
+    a transformers encoder's one child there (`model`) is moved as one group — 45 GiB at once for FLUX.2 [dev]'s."""
+    from diffusers.hooks import apply_group_offloading
+
+    te, _ = encoder
+    apply_group_offloading(te, onload_device=torch.device("cpu"), offload_type="block_level", num_blocks_per_group=1)
+    assert all(_group_of(layer) is None for layer in te.model.language_model.layers)
+    assert te.model in _group_of(te).modules
+
+
+def test_folder_gib_counts_floats_at_the_runs_dtype(tmp_path):
+    from lorakit.io import save_sharded
+
+    save_sharded({"w": torch.zeros(256, 1024, dtype=torch.float32), "i": torch.zeros(1024, dtype=torch.int64)},
+                 tmp_path, base="model")
+    assert folder_gib(tmp_path, 2) == round((256 * 1024 * 2 + 1024 * 8) / 2**30, 2)
+    assert folder_gib(tmp_path / "none", 2) is None
