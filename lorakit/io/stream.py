@@ -1,6 +1,6 @@
 """A module larger than the GPU, run on the GPU all the same: its weights stay in host memory and its repeated
-blocks visit the GPU one at a time, the next one copied on a side stream while the current one computes
-(diffusers' group offloading, pointed at the blocks wherever they sit). A transformers text encoder keeps its
+blocks visit the GPU one at a time (diffusers' group offloading, pointed at the blocks wherever they sit; the next
+one copied on a side stream while the current one computes where they sit at the top). A transformers text encoder keeps its
 layers two or three levels down (`model.language_model.layers`), where a pipeline's `enable_group_offload` sees
 one child and moves the whole language model at once — FLUX.2 [dev]'s 24 B Mistral encoder (45 GiB in bf16)
 then runs out of memory on a 32 GiB card. Nothing is rounded: bf16 weights stay bf16, outputs are the same.
@@ -34,17 +34,18 @@ def folder_gib(folder, dtype_bytes: int) -> float | None:
     return round(total / GIB, 2)
 
 
-def block_paths(module) -> list[str]:
-    """The names of the modules on the way from `module` to its lists of repeated blocks (the lists' own names
-    not included): where group offloading must look inside instead of moving a child whole."""
+def block_paths(module, share: float = 0.1) -> list[str]:
+    """The names of the modules on the way from `module` to its lists of repeated blocks — lists holding at least
+    `share` of its weights, not inside another such list (an attention's `to_out` list is no list of blocks) — the
+    lists' own names not included: where group offloading must look inside instead of moving a child whole."""
     import torch
 
-    names: set[str] = set()
-    for name, m in module.named_modules():
-        if name and isinstance(m, (torch.nn.ModuleList, torch.nn.Sequential)) and len(m) > 1 \
-                and any(True for _ in m.parameters()):
-            names.update(name.split(".")[:-1])
-    return sorted(names)
+    total = module_bytes(module) or 1
+    lists = [name for name, m in module.named_modules()
+             if name and isinstance(m, (torch.nn.ModuleList, torch.nn.Sequential)) and len(m) > 1
+             and module_bytes(m) >= share * total]
+    outer = [n for n in lists if not any(n.startswith(o + ".") for o in lists)]
+    return sorted({part for n in outer for part in n.split(".")[:-1]})
 
 
 def module_bytes(module) -> int:
@@ -62,8 +63,12 @@ def stream(module, device, pinned: bool | None = None) -> dict:
     if pinned is None:
         pinned = psutil.virtual_memory().available > size + 8 * GIB
     dev = torch.device(device)
-    cuda = dev.type == "cuda"
+    paths = block_paths(module)
+    # the next block copied on a side stream while one computes: only where the blocks sit at the top (diffusers'
+    # prefetch hooks of nested levels collide: "layer_execution_tracker already exists"); an encoder's pass is
+    # bound by the copies either way (512 tokens compute in a fraction of a block's transfer)
+    ahead = dev.type == "cuda" and not paths
     apply_group_offloading(module, onload_device=dev, offload_device=torch.device("cpu"),
-                           offload_type="block_level", num_blocks_per_group=1, use_stream=cuda,
-                           non_blocking=cuda, low_cpu_mem_usage=not pinned, block_modules=block_paths(module) or None)
-    return {"streamed_gib": round(size / GIB, 2), "pinned": pinned}
+                           offload_type="block_level", num_blocks_per_group=1, use_stream=ahead,
+                           non_blocking=ahead, low_cpu_mem_usage=not pinned, block_modules=paths or None)
+    return {"streamed_gib": round(size / GIB, 2), "pinned": pinned, "overlapped": ahead}

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from lorakit.io.modules import load_component
 from lorakit.train.compile_bg import BackgroundCompile, thread_own_fx_patches
 from lorakit.train.lora import add_lora
-from lorakit.train.swap import BlockSwapper, repeated_blocks
+from lorakit.train.swap import BlockSwapper, repeated_blocks, swapped_names
 
 
 @dataclass
@@ -62,15 +62,18 @@ def prepare(cfg, adapter, transformer, device: str, dtype, dist) -> Prepared:
     quantized = 0
     clock = Clock()
     staging: dict = {}  # the 8-bit base's wait for host memory (the mapped file's pages, the pinned copies)
+    sharded = full and dist.enabled
+    swapping = cfg.memory.blocks_to_swap and not sharded
+    away = swapped_names(transformer, cfg.memory.blocks_to_swap) if swapping else ()  # rounded, then sent home
     if cfg.memory.compute == "fp8":  # 8-bit matmuls (this GPU runs them: plan.decide); over a bf16 base the
         from lorakit.train.quant import quantize_blocks  # weight is kept transposed as well
 
         quantized = quantize_blocks(transformer, dtype, device, compute="fp8",
-                                    transposed=cfg.memory.base_quant == "none", stats=staging)
+                                    transposed=cfg.memory.base_quant == "none", stats=staging, host=away)
     elif cfg.memory.base_quant in ("fp8", "qfloat8"):
         from lorakit.train.quant import quantize_blocks
 
-        quantized = quantize_blocks(transformer, dtype, device, stats=staging)
+        quantized = quantize_blocks(transformer, dtype, device, stats=staging, host=away)
     elif cfg.memory.base_quant == "nf4":
         from lorakit.train.quant import quantize_blocks_nf4
 
@@ -79,9 +82,8 @@ def prepare(cfg, adapter, transformer, device: str, dtype, dist) -> Prepared:
         clock.lap(f"{'4' if cfg.memory.base_quant == 'nf4' else '8'}-bit base")
         if "waited_s" in staging:
             clock.took["of it waiting for host memory"] = round(staging["waited_s"], 1)
-    sharded = full and dist.enabled
     swapper = None
-    if cfg.memory.blocks_to_swap and not sharded:
+    if swapping:
         swapper = BlockSwapper(transformer, cfg.memory.blocks_to_swap, device, pin=cfg.memory.pin_memory)
         swapper.place_rest(transformer)
     elif not sharded:

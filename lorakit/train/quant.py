@@ -161,7 +161,8 @@ def block_linears(transformer) -> list[str]:
 
 
 def quantize_blocks(transformer, compute_dtype: torch.dtype, device=None, add: dict | None = None,
-                    compute: str = "bf16", transposed: bool = False, stats: dict | None = None) -> int:
+                    compute: str = "bf16", transposed: bool = False, stats: dict | None = None,
+                    host: tuple[str, ...] = ()) -> int:
     """Replace every Linear inside the transformer blocks by a Float8Linear, one layer at a time on `device`
     (default: where the layer is). A base loaded to the CPU thus reaches the GPU already in 8 bits: a 12 B
     transformer never needs its 24 GB bf16 form on a 24 GB card. `add`: module name -> low-rank changes
@@ -174,6 +175,7 @@ def quantize_blocks(transformer, compute_dtype: torch.dtype, device=None, add: d
     unknown = set(add) - set(targets)
     if unknown:
         raise ValueError(f"changes for layers that are not block Linears: {sorted(unknown)[:3]}")
+    host = tuple(h + "." for h in host)
     layers = [transformer.get_submodule(name) for name in targets]
     moved = None
     if device is not None and torch.device(device).type != "cpu":
@@ -182,9 +184,11 @@ def quantize_blocks(transformer, compute_dtype: torch.dtype, device=None, add: d
         for name, lin in zip(targets, layers, strict=True):
             parent_name, _, child = name.rpartition(".")
             fits = lin.in_features % 16 == 0 and lin.out_features % 16 == 0  # what the fp8 matrix units take
-            setattr(transformer.get_submodule(parent_name), child, Float8Linear(
-                lin, compute_dtype, device, add.get(name, ()), compute if fits else "bf16", transposed,
-                moved=(next(moved), next(moved)) if moved else None))
+            q = Float8Linear(lin, compute_dtype, device, add.get(name, ()), compute if fits else "bf16", transposed,
+                             moved=(next(moved), next(moved)) if moved else None)
+            if host and name.startswith(host):
+                q = q.to("cpu")
+            setattr(transformer.get_submodule(parent_name), child, q)
     finally:
         if moved:
             moved.close()  # the worker's copies in hand finish and are dropped

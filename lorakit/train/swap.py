@@ -21,6 +21,12 @@ def repeated_blocks(transformer) -> list:
     return [m for m in transformer.modules() if type(m).__name__ in names]
 
 
+def swapped_names(transformer, n: int) -> tuple[str, ...]:
+    """The module names of the blocks `BlockSwapper(transformer, n)` swaps: the last n."""
+    ids = {id(b) for b in repeated_blocks(transformer)[-n:]} if n > 0 else set()
+    return tuple(name for name, m in transformer.named_modules() if id(m) in ids)
+
+
 class BlockSwapper:
     def __init__(self, transformer, n: int, device: str, pin: bool = True):
         import torch

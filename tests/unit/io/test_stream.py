@@ -25,6 +25,16 @@ def test_the_layers_are_found_where_a_transformers_encoder_keeps_them(encoder):
     paths = block_paths(te)
     assert {"model", "language_model"} <= set(paths)  # model.language_model.layers
     assert "layers" not in paths  # the list itself is what gets grouped
+    assert "vision_tower" not in paths  # a small share of the weights: it visits whole
+
+
+def test_a_transformer_keeps_its_blocks_at_the_top(tiny):
+    """FLUX's blocks are the transformer's own children: nothing to look inside (an attention's `to_out` list,
+    inside every block, is no list of blocks)."""
+    from lorakit.io.modules import load_component
+
+    transformer = load_component(tiny("flux") / "transformer")
+    assert block_paths(transformer) == []
 
 
 def test_each_layer_visits_alone_and_the_outputs_are_the_same(encoder):

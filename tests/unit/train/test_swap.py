@@ -95,3 +95,22 @@ def test_swapping_on_the_gpu_keeps_the_losses_and_the_weights_at_rest(tmp_path, 
     sw = swapped.swapper
     assert all(getattr(m, n).device.type == "cpu" for es in sw.host.values() for m, _, n, _ in es)
     assert all(p.is_cuda for p in swapped.params)
+
+
+@pytest.mark.gpu
+def test_an_8bit_base_never_holds_the_swapped_blocks_on_the_gpu(tmp_path, tiny):
+    """Each swapped block's layers go home as soon as they are rounded to 8 bits: all blocks in 8 bits at once would
+    not fit the card that swaps (FLUX.2 [dev], 30 GiB in 8 bits, on a 24 GiB card: out of memory in preparing)."""
+    peaks = {}
+    for n in (0, 2):
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        tr = _trainer(tmp_path / str(n), tiny, "flux", "cuda", base_quant="fp8", gradient_checkpointing=True,
+                      blocks_to_swap=n)
+        peaks[n] = torch.cuda.max_memory_allocated() - base
+        if n:
+            swapped = repeated_blocks(tr.transformer)[-n:]
+            assert all(not p.is_cuda for b in swapped for p in b.parameters() if not p.requires_grad)
+        del tr
+    assert peaks[2] < peaks[0]
