@@ -1,12 +1,13 @@
-"""A module larger than the GPU, run on the GPU all the same: its weights stay in host memory and its repeated
-blocks visit the GPU one at a time (diffusers' group offloading, pointed at the blocks wherever they sit; the next
-one copied on a side stream while the current one computes where they sit at the top). A transformers text encoder keeps its
+"""A module larger than the GPU, run on the GPU all the same: its repeated blocks stay in host memory and visit
+the GPU one at a time, each while it runs (diffusers' group offloading, applied to each block); what is not in a
+block (embeddings, norms, an LM head: a few GiB at most) stays on the GPU. A transformers text encoder keeps its
 layers two or three levels down (`model.language_model.layers`), where a pipeline's `enable_group_offload` sees
 one child and moves the whole language model at once — FLUX.2 [dev]'s 24 B Mistral encoder (45 GiB in bf16)
-then runs out of memory on a 32 GiB card. Nothing is rounded: bf16 weights stay bf16, outputs are the same.
+then ran out of memory on a 32 GiB card. Nothing is rounded: bf16 weights stay bf16, outputs are the same.
 
-The host copies are page-locked (the copies run asynchronously) where the host has the memory for them beside
-what it holds; elsewhere each block is locked on its way (slower, and nothing more is held than the mapped file).
+The host copies are page-locked (fast copies) where the host has the memory for them beside what it holds;
+elsewhere each block is locked on its way (slower, and nothing more is held than the mapped file). A pass is bound
+by the copies (an encoder's 512 tokens compute in a fraction of a block's transfer).
 """
 
 from __future__ import annotations
@@ -34,18 +35,16 @@ def folder_gib(folder, dtype_bytes: int) -> float | None:
     return round(total / GIB, 2)
 
 
-def block_paths(module, share: float = 0.1) -> list[str]:
-    """The names of the modules on the way from `module` to its lists of repeated blocks — lists holding at least
-    `share` of its weights, not inside another such list (an attention's `to_out` list is no list of blocks) — the
-    lists' own names not included: where group offloading must look inside instead of moving a child whole."""
+def block_lists(module, share: float = 0.1) -> list:
+    """The module's lists of repeated blocks: lists holding at least `share` of its weights, not inside another
+    such list (an attention's `to_out` list is no list of blocks)."""
     import torch
 
     total = module_bytes(module) or 1
-    lists = [name for name, m in module.named_modules()
-             if name and isinstance(m, (torch.nn.ModuleList, torch.nn.Sequential)) and len(m) > 1
+    lists = [(name, m) for name, m in module.named_modules()
+             if name and isinstance(m, (torch.nn.ModuleList, torch.nn.Sequential)) and len(m)
              and module_bytes(m) >= share * total]
-    outer = [n for n in lists if not any(n.startswith(o + ".") for o in lists)]
-    return sorted({part for n in outer for part in n.split(".")[:-1]})
+    return [m for name, m in lists if not any(name.startswith(o + ".") for o, _ in lists)]
 
 
 def module_bytes(module) -> int:
@@ -53,8 +52,9 @@ def module_bytes(module) -> int:
 
 
 def stream(module, device, pinned: bool | None = None) -> dict:
-    """Run `module` (its weights on the CPU) on `device` with its blocks streamed. `pinned`: page-locked host
-    copies (None: where the host's available memory holds them with 8 GiB to spare). Returns what was done."""
+    """Run `module` (its weights on the CPU) on `device`: each block visits while it runs, the rest moves there.
+    `pinned`: page-locked host copies (None: where the host's available memory holds them with 8 GiB to spare).
+    Returns what was done."""
     import psutil
     import torch
     from diffusers.hooks import apply_group_offloading
@@ -63,12 +63,19 @@ def stream(module, device, pinned: bool | None = None) -> dict:
     if pinned is None:
         pinned = psutil.virtual_memory().available > size + 8 * GIB
     dev = torch.device(device)
-    paths = block_paths(module)
-    # the next block copied on a side stream while one computes: only where the blocks sit at the top (diffusers'
-    # prefetch hooks of nested levels collide: "layer_execution_tracker already exists"); an encoder's pass is
-    # bound by the copies either way (512 tokens compute in a fraction of a block's transfer)
-    ahead = dev.type == "cuda" and not paths
-    apply_group_offloading(module, onload_device=dev, offload_device=torch.device("cpu"),
-                           offload_type="block_level", num_blocks_per_group=1, use_stream=ahead,
-                           non_blocking=ahead, low_cpu_mem_usage=not pinned, block_modules=paths or None)
-    return {"streamed_gib": round(size / GIB, 2), "pinned": pinned, "overlapped": ahead}
+    blocks = [b for lst in block_lists(module) for b in lst]
+    for b in blocks:  # a block's children are one group: on the device while the block runs, then home
+        apply_group_offloading(b, onload_device=dev, offload_device=torch.device("cpu"), offload_type="block_level",
+                               num_blocks_per_group=1, low_cpu_mem_usage=not pinned)
+    inside = {id(t) for b in blocks for t in (*b.parameters(), *b.buffers())}
+    for m in module.modules():
+        for p in m.parameters(recurse=False):
+            if id(p) not in inside:
+                p.data = p.data.to(dev)
+        for name, buf in m.named_buffers(recurse=False):
+            if buf is not None and id(buf) not in inside:
+                m._buffers[name] = buf.to(dev)
+    resident = sum(t.numel() * t.element_size() for m in module.modules()
+                   for t in (*m.parameters(recurse=False), *m.buffers(recurse=False)) if id(t) not in inside)
+    return {"streamed_gib": round((size - resident) / GIB, 2), "resident_gib": round(resident / GIB, 2),
+            "blocks": len(blocks), "pinned": pinned}

@@ -103,3 +103,22 @@ def test_a_text_encoder_larger_than_the_card_streams_while_the_rest_is_placed():
     assert placement.choose(sizes, 24, fp8_transformer_gib=30.8).mode == "group"  # the transformer cannot either
     small = placement.choose({"text_encoder": 15.4, "transformer": 38.1, "vae": 0.2}, 24, fp8_transformer_gib=19.1)
     assert small.mode == "fp8" and small.streamed == ()  # Qwen-Image on 24 GiB: as before
+
+
+def test_group_streams_every_components_blocks_and_the_images_are_the_same(tiny):
+    """`group` on a CPU stand-in, FLUX.2 [dev]'s tiny pipeline: the Mistral encoder's layers and the transformer's
+    blocks each visit alone, the rest stays, and the image is the resident pipeline's."""
+    import numpy as np
+    import torch
+
+    from lorakit.infer import assemble
+
+    pipe, _ = assemble(tiny("flux2-dev"), "cpu", torch.float32)
+    pipe.set_progress_bar_config(disable=True)
+    kw = dict(prompt="a red circle", num_inference_steps=2, width=64, height=64)
+    ref = np.asarray(pipe(**kw, generator=torch.Generator().manual_seed(1)).images[0])
+    placement.apply(pipe, placement.Plan("group", "test", {}), "cpu")
+    layers = pipe.text_encoder.model.language_model.layers
+    assert all(getattr(m, "_diffusers_hook", None) is not None for m in (*layers, *pipe.transformer.transformer_blocks))
+    out = np.asarray(pipe(**kw, generator=torch.Generator().manual_seed(1)).images[0])
+    assert np.array_equal(out, ref)

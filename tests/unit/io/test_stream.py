@@ -4,7 +4,7 @@ layers sit in the module, and the outputs are the same as the resident encoder's
 import pytest
 import torch
 
-from lorakit.io.stream import block_paths, folder_gib, stream
+from lorakit.io.stream import block_lists, folder_gib, stream
 from lorakit.models import tiny
 
 
@@ -22,10 +22,7 @@ def _group_of(module):
 
 def test_the_layers_are_found_where_a_transformers_encoder_keeps_them(encoder):
     te, _ = encoder
-    paths = block_paths(te)
-    assert {"model", "language_model"} <= set(paths)  # model.language_model.layers
-    assert "layers" not in paths  # the list itself is what gets grouped
-    assert "vision_tower" not in paths  # a small share of the weights: it visits whole
+    assert block_lists(te) == [te.model.language_model.layers]  # the vision tower's: a small share, it stays
 
 
 def test_a_transformer_keeps_its_blocks_at_the_top(tiny):
@@ -34,7 +31,7 @@ def test_a_transformer_keeps_its_blocks_at_the_top(tiny):
     from lorakit.io.modules import load_component
 
     transformer = load_component(tiny("flux") / "transformer")
-    assert block_paths(transformer) == []
+    assert block_lists(transformer) == [transformer.transformer_blocks, transformer.single_transformer_blocks]
 
 
 def test_each_layer_visits_alone_and_the_outputs_are_the_same(encoder):
@@ -45,11 +42,12 @@ def test_each_layer_visits_alone_and_the_outputs_are_the_same(encoder):
     facts = stream(te, "cpu", pinned=False)
     layers = te.model.language_model.layers
     groups = [_group_of(layer) for layer in layers]
-    assert all(g is not None and g.modules == [layer] for g, layer in zip(groups, layers, strict=True))  # one layer a group
+    assert all(g is not None and g.onload_leader is layer for g, layer in zip(groups, layers, strict=True))
+    assert len({id(g) for g in groups}) == len(layers)  # each layer its own visit
     with torch.no_grad():
         after = te(**ids, output_hidden_states=True).hidden_states
     assert len(before) == len(after) and all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
-    assert facts["pinned"] is False and facts["streamed_gib"] >= 0
+    assert facts["pinned"] is False and facts["blocks"] == len(layers)
 
 
 def test_the_pipelines_own_group_offload_moves_the_language_model_whole(encoder):
