@@ -6,8 +6,10 @@
 - `fp8`: as `model`, with the transformer's block weights stored in float8 e4m3 plus a scale per row (the
   rtx4090/rtx5090 profiles' training base, `train.quant.Float8Linear`), when that transformer fits; LoRAs are
   added into the weights before they are stored in 8 bits (as ComfyUI applies a LoRA to an fp8 model);
-- `group`: every block streamed from pinned CPU memory one at a time, overlapped with compute (diffusers'
-  group offload): bf16 on any card, but PCIe-bound.
+- `group`: every component's blocks streamed from CPU memory one at a time, the rest on the GPU (`io.stream`):
+  bf16 on any card, but PCIe-bound.
+In `model` and `fp8`, a text encoder too large to visit whole (FLUX.2 [dev]'s 45 GiB one on a 24/32 GiB card)
+streams its blocks the same way while the rest is placed as the mode says.
 
 The choice comes from the weight sizes in the safetensors headers and the card's memory (or
 LORAKIT_MEMORY_CAP_GIB), before anything is loaded; `--offload` forces one. Outputs are the same in every mode

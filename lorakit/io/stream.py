@@ -1,13 +1,15 @@
 """A module larger than the GPU, run on the GPU all the same: its repeated blocks stay in host memory and visit
-the GPU one at a time, each while it runs (diffusers' group offloading, applied to each block); what is not in a
-block (embeddings, norms, an LM head: a few GiB at most) stays on the GPU. A transformers text encoder keeps its
-layers two or three levels down (`model.language_model.layers`), where a pipeline's `enable_group_offload` sees
-one child and moves the whole language model at once — FLUX.2 [dev]'s 24 B Mistral encoder (45 GiB in bf16)
-then ran out of memory on a 32 GiB card. Nothing is rounded: bf16 weights stay bf16, outputs are the same.
+the GPU one at a time, each while it runs; what is not in a block (embeddings, norms, an LM head: a few GiB at
+most) stays on the GPU. A visit copies the block's host tensors to the GPU and its end drops the copies — nothing
+is copied back (the weights are frozen), as `placement.Swap` does for whole components. A transformers text
+encoder keeps its layers two or three levels down (`model.language_model.layers`), where a pipeline's
+`enable_group_offload` sees one child and moves the whole language model at once: FLUX.2 [dev]'s 24 B Mistral
+encoder (45 GiB in bf16) then ran out of memory on a 32 GiB card; and diffusers' group offload without a side
+stream copies each block back to new host memory after it runs (35 s per encoder pass on an H200 host, measured).
+Nothing is rounded: bf16 weights stay bf16, outputs are the same.
 
-The host copies are page-locked (fast copies) where the host has the memory for them beside what it holds;
-elsewhere each block is locked on its way (slower, and nothing more is held than the mapped file). A pass is bound
-by the copies (an encoder's 512 tokens compute in a fraction of a block's transfer).
+The host copies are page-locked (fast, asynchronous copies) where the host has the memory for them beside what it
+holds; elsewhere the mapped or loaded tensors are copied from as they are (slower).
 """
 
 from __future__ import annotations
@@ -57,25 +59,51 @@ def stream(module, device, pinned: bool | None = None) -> dict:
     Returns what was done."""
     import psutil
     import torch
-    from diffusers.hooks import apply_group_offloading
 
     size = module_bytes(module)
     if pinned is None:
         pinned = psutil.virtual_memory().available > size + 8 * GIB
     dev = torch.device(device)
     blocks = [b for lst in block_lists(module) for b in lst]
-    for b in blocks:  # a block's children are one group: on the device while the block runs, then home
-        apply_group_offloading(b, onload_device=dev, offload_device=torch.device("cpu"), offload_type="block_level",
-                               num_blocks_per_group=1, low_cpu_mem_usage=not pinned)
-    inside = {id(t) for b in blocks for t in (*b.parameters(), *b.buffers())}
-    for m in module.modules():
+    inside: set[int] = set()
+    streamed = 0
+    for b in blocks:
+        entries, seen = [], set()
+        for mod in b.modules():
+            for kind, named in (("param", mod.named_parameters(recurse=False)),
+                                ("buffer", mod.named_buffers(recurse=False))):
+                for name, t in named:
+                    if t is None or id(t) in seen:
+                        continue
+                    seen.add(id(t))
+                    host = t.data if t.device.type == "cpu" else t.data.to("cpu")
+                    entries.append((mod, kind, name, host.pin_memory() if pinned and dev.type == "cuda" else host))
+        inside |= seen
+        streamed += sum(e[3].numel() * e[3].element_size() for e in entries)
+        _point(entries, [e[3] for e in entries])
+        b.register_forward_pre_hook(_bring(entries, dev))
+        b.register_forward_hook(lambda m, a, o, entries=entries: _point(entries, [e[3] for e in entries]))
+    for m in module.modules():  # the rest: on the device for good
         for p in m.parameters(recurse=False):
             if id(p) not in inside:
                 p.data = p.data.to(dev)
         for name, buf in m.named_buffers(recurse=False):
             if buf is not None and id(buf) not in inside:
                 m._buffers[name] = buf.to(dev)
-    resident = sum(t.numel() * t.element_size() for m in module.modules()
-                   for t in (*m.parameters(recurse=False), *m.buffers(recurse=False)) if id(t) not in inside)
-    return {"streamed_gib": round((size - resident) / GIB, 2), "resident_gib": round(resident / GIB, 2),
+    return {"streamed_gib": round(streamed / GIB, 2), "resident_gib": round((size - streamed) / GIB, 2),
             "blocks": len(blocks), "pinned": pinned}
+
+
+def _point(entries, tensors) -> None:
+    """Each of a block's parameters and buffers to the given tensor (its host copy, or its copy on the device)."""
+    for (mod, kind, name, _), t in zip(entries, tensors, strict=True):
+        if kind == "param":
+            getattr(mod, name).data = t
+        else:
+            mod._buffers[name] = t
+
+
+def _bring(entries, dev):
+    def hook(module, args):  # copied on the compute stream: ordered before the block's kernels and its end
+        _point(entries, [e[3].to(dev, non_blocking=True) for e in entries])
+    return hook

@@ -117,8 +117,9 @@ def test_group_streams_every_components_blocks_and_the_images_are_the_same(tiny)
     pipe.set_progress_bar_config(disable=True)
     kw = dict(prompt="a red circle", num_inference_steps=2, width=64, height=64)
     ref = np.asarray(pipe(**kw, generator=torch.Generator().manual_seed(1)).images[0])
+    blocks = [*pipe.text_encoder.model.language_model.layers, *pipe.transformer.transformer_blocks]
+    before = [len(m._forward_pre_hooks) for m in blocks]
     placement.apply(pipe, placement.Plan("group", "test", {}), "cpu")
-    layers = pipe.text_encoder.model.language_model.layers
-    assert all(getattr(m, "_diffusers_hook", None) is not None for m in (*layers, *pipe.transformer.transformer_blocks))
+    assert [len(m._forward_pre_hooks) for m in blocks] == [n + 1 for n in before]  # each visits when it runs
     out = np.asarray(pipe(**kw, generator=torch.Generator().manual_seed(1)).images[0])
     assert np.array_equal(out, ref)

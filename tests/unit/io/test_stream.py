@@ -39,15 +39,38 @@ def test_each_layer_visits_alone_and_the_outputs_are_the_same(encoder):
     ids = proc.tokenizer(["a red cube on a table"], return_tensors="pt")
     with torch.no_grad():
         before = te(**ids, output_hidden_states=True).hidden_states
-    facts = stream(te, "cpu", pinned=False)
     layers = te.model.language_model.layers
-    groups = [_group_of(layer) for layer in layers]
-    assert all(g is not None and g.onload_leader is layer for g, layer in zip(groups, layers, strict=True))
-    assert len({id(g) for g in groups}) == len(layers)  # each layer its own visit
+    hooks = [(len(m._forward_pre_hooks), len(m._forward_hooks)) for m in layers]
+    facts = stream(te, "cpu", pinned=False)
+    assert [(len(m._forward_pre_hooks), len(m._forward_hooks)) for m in layers] == [(a + 1, b + 1) for a, b in hooks]
+    assert not te.model.language_model.embed_tokens._forward_pre_hooks  # the rest stays where it was put
     with torch.no_grad():
         after = te(**ids, output_hidden_states=True).hidden_states
     assert len(before) == len(after) and all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
     assert facts["pinned"] is False and facts["blocks"] == len(layers)
+    held = sum(p.numel() * p.element_size() for layer in layers for p in layer.parameters())
+    assert facts["streamed_gib"] == round(held / 2**30, 2)
+
+
+def test_a_visit_copies_in_and_its_end_drops_the_copies(encoder, monkeypatch):
+    """What a visit does, on a CPU stand-in for the device: each of the block's host tensors is sent when it runs,
+    and afterwards the block rests on the very same host tensors (nothing copied back)."""
+    te, proc = encoder
+    stream(te, "cpu", pinned=False)
+    layer = te.model.language_model.layers[0]
+    host = {id(p): p.data.data_ptr() for p in layer.parameters()}
+    sent, real = [], torch.Tensor.to
+
+    def to(t, *a, **k):  # a CPU "device" copies nothing: record what a visit sends
+        sent.append(t.data_ptr())
+        return real(t, *a, **k)
+
+    monkeypatch.setattr(torch.Tensor, "to", to)
+    with torch.no_grad():
+        te(**proc.tokenizer(["a cube"], return_tensors="pt"))
+    monkeypatch.setattr(torch.Tensor, "to", real)
+    assert set(host.values()) <= set(sent)
+    assert all(p.data.data_ptr() == host[id(p)] for p in layer.parameters())
 
 
 def test_the_pipelines_own_group_offload_moves_the_language_model_whole(encoder):
