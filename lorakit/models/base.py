@@ -259,8 +259,7 @@ class Adapter(abc.ABC):
             import gc  # hold them) go now, not whenever the collector next runs: tens of GiB, often pinned
 
             gc.collect()
-            for n in names:
-                self.streamed.pop(n, None)
+            self.streamed.update({n: None for n in names if n in self.streamed})  # streamed again if reloaded
 
     def pipeline(self):
         """The stock pipeline object over the loaded components (those not loaded are None)."""
