@@ -5,7 +5,8 @@ is copied back (the weights are frozen), as `placement.Swap` does for whole comp
 encoder keeps its layers two or three levels down (`model.language_model.layers`), where a pipeline's
 `enable_group_offload` sees one child and moves the whole language model at once: FLUX.2 [dev]'s 24 B Mistral
 encoder (45 GiB in bf16) then ran out of memory on a 32 GiB card; and diffusers' group offload without a side
-stream copies each block back to new host memory after it runs (35 s per encoder pass on an H200 host, measured).
+stream copies each block back to new host memory after it runs (`_offload_to_memory`: the FLUX.2 [dev] cache took
+312 s for six items under a 32 GiB cap on an H200 host that way).
 Nothing is rounded: bf16 weights stay bf16, outputs are the same.
 
 The host copies are page-locked (fast, asynchronous copies) where the host has the memory for them beside what it
