@@ -42,6 +42,7 @@ def run(resolved: Resolved, resume: str | None = None, stop_at: int | None = Non
         finally:  # a compile still running in the worker thread ends first (a process leaving it aborts)
             if r.trainer.background:
                 r.trainer.background.close()
+            r.dist.close()
 
 
 def steps(r: Run, end: int) -> None:
