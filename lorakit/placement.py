@@ -19,15 +19,12 @@ but `fp8` (its weights are rounded to 8 bits: close to bf16's image, not equal).
 from __future__ import annotations
 
 import functools
-import math
 from dataclasses import dataclass
 from pathlib import Path
 
 from lorakit.errors import InputError
-from lorakit.io.header import FLOATS, read_header
-from lorakit.io.reader import resolve_files
 from lorakit.io.stream import folder_gib, stream
-from lorakit.models.native import in_block
+from lorakit.plan.memory import folder_split
 
 MODES = ("auto", "none", "model", "fp8", "group")
 # everything resident: the activations of one 1024² generation plus the VAE decode (FLUX ~3, Qwen-Image ~4 GiB
@@ -54,17 +51,10 @@ def component_gib(model_dir: Path, names, dtype_bytes: int) -> dict[str, float]:
 
 def fp8_bytes(folder: Path, dtype_bytes: int) -> int:
     """A transformer's size with its block Linear weights in float8 plus a float32 scale per row (what
-    `train.quant.quantize_blocks` makes), the rest at `dtype_bytes` (from its headers)."""
-    total = 0
-    for f in resolve_files(Path(folder)):
-        for name, info in read_header(f).tensors.items():
-            if info.dtype not in FLOATS:
-                total += info.nbytes
-            elif in_block(name) and name.endswith(".weight") and len(info.shape) == 2:
-                total += math.prod(info.shape) + 4 * info.shape[0]
-            else:
-                total += math.prod(info.shape) * dtype_bytes
-    return total
+    `train.quant.quantize_blocks` makes), the rest at `dtype_bytes` (from its headers: `plan.memory.folder_split`,
+    the training estimate's count)."""
+    rest, blocks = folder_split(str(folder), "fp8", dtype_bytes) or (0, ())
+    return int(rest + sum(blocks))
 
 
 def fp8_gib(folder: Path, dtype_bytes: int) -> float:
@@ -195,8 +185,8 @@ def apply(pipe, plan: Plan, device: str, dtype=None, add: dict | None = None):
             elif isinstance(part, torch.nn.Module):
                 swap.add(part)
         return swap
-    # every component's blocks stream from CPU memory, the next block copied on a side stream (`io.stream`:
-    # the blocks wherever they sit, a text encoder's layers included)
+    # every component's blocks visit from CPU memory one at a time, the rest on the GPU (`io.stream`: the blocks
+    # wherever they sit, a text encoder's layers included)
     for part in pipe.components.values():
         if isinstance(part, torch.nn.Module):
             stream(part, device)

@@ -34,6 +34,12 @@ def in_block(name: str) -> bool:
     return bool(_IN_BLOCK.search(name))
 
 
+def block_of(name: str) -> str | None:
+    """The name of the repeated block a module or weight name is inside (`transformer_blocks.3`), None outside."""
+    m = _IN_BLOCK.search(name)
+    return name[:m.end() - 1] if m else None
+
+
 def native_table(arch: str, blocks: int, flat_names: bool = False) -> dict:
     """native name (kohya: '_' for '.') -> its `NativeName` record, for blocks 0 .. blocks-1."""
     table = arch_adapter(arch).native_table(max(blocks, 1))

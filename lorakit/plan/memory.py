@@ -17,7 +17,6 @@ from __future__ import annotations
 import functools
 import json
 import math
-import re
 from pathlib import Path
 
 from lorakit.data.plan import control_dirs_for
@@ -27,11 +26,11 @@ from lorakit.hardware.profiles import load_profile
 from lorakit.io.header import DTYPES, FLOATS, read_header
 from lorakit.io.reader import resolve_files
 from lorakit.models.base import family_adapter
+from lorakit.models.native import block_of
 
 GIB = 2**30
 OVERHEAD_GIB = 2.0
 BYTES_PER_PARAM = {"none": None, "fp8": 1.0, "qfloat8": 1.0, "nf4": 0.55}
-_BLOCK = re.compile(r"^(.*?(?:blocks|layers|refiner)\.\d+)\.")  # a repeated block's prefix: transformer_blocks.3
 
 
 def weight_split(tensors, quant: str, dtype_bytes: int) -> tuple[float, list[float]]:
@@ -42,7 +41,7 @@ def weight_split(tensors, quant: str, dtype_bytes: int) -> tuple[float, list[flo
     rest, blocks = 0.0, {}
     for name, dtype, shape in tensors:
         n = math.prod(shape)
-        block = _BLOCK.match(name)
+        block = block_of(name)
         if dtype not in FLOATS:  # integers, float8: loaded as stored
             size = n * DTYPES[dtype][1]
         elif per and block and name.endswith(".weight") and len(shape) == 2:
@@ -50,7 +49,7 @@ def weight_split(tensors, quant: str, dtype_bytes: int) -> tuple[float, list[flo
         else:
             size = n * dtype_bytes
         if block:
-            blocks[block.group(1)] = blocks.get(block.group(1), 0.0) + size
+            blocks[block] = blocks.get(block, 0.0) + size
         else:
             rest += size
     return rest, list(blocks.values())
