@@ -76,8 +76,9 @@ def print_resolved(r) -> None:
     console.print(f"[bold]runs on:[/] {r.device}" + (f" x {r.world} processes" if r.world > 1 else ""))
     if r.estimate:
         parts = ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in r.estimate["parts"].items())
-        console.print(f"[bold]memory estimate:[/] {r.estimate['gib']} GiB ({parts}; {r.estimate['tokens']} tokens, "
-                      f"from {r.estimate['source']})", soft_wrap=True)
+        console.print(f"[bold]memory estimate:[/] {r.estimate['gib']} GiB ({parts}; {r.estimate['tokens']} tokens"
+                      f"{', blocks uncompiled' if r.estimate.get('uncompiled') else ''}, from {r.estimate['source']})",
+                      soft_wrap=True)
     if r.memory_note:
         console.print(f"[bold]memory plan:[/] {r.memory_note}", soft_wrap=True)
     for n in r.notes:

@@ -33,6 +33,17 @@ class Published:
     text_tokens: int  # text length the estimate counts (the pipeline's usual maximum)
     source: str  # where the figures come from
     working_set: float = 16.0  # bf16 values per token x hidden unit one block keeps for backward (calibrated)
+    working_set_uncompiled: float | None = None  # the same where the blocks run uncompiled (None: the compiled
+    # figure x UNCOMPILED; measured where a family keeps more)
+
+    @property
+    def uncompiled(self) -> float:
+        """What one block keeps for backward where the blocks run uncompiled (memory.compile off, block swapping,
+        FSDP): eager PyTorch keeps intermediates that the compiled blocks fuse away."""
+        return self.working_set_uncompiled or self.working_set * UNCOMPILED
+
+
+UNCOMPILED = 1.25  # uncompiled over compiled blocks' working set: FLUX.1-dev 1024² on an H100, 47.3 GiB against 42.0
 
 
 @dataclass(frozen=True)

@@ -140,6 +140,7 @@ class Flux2Adapter(Adapter):
             return Published(hidden=3072, blocks=25, params=3.9e9, text_tokens=512, working_set=18.0,
                              source="FLUX.2-klein-base-4B transformer/config.json (5 double + 20 single blocks)")
         return Published(hidden=6144, blocks=56, params=32.2e9, text_tokens=512, working_set=WORKING_SET,
+                         working_set_uncompiled=WORKING_SET,  # measured uncompiled (above)
                          source="FLUX.2-dev transformer/config.json (8 double + 48 single blocks)")
 
     @property

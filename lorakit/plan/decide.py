@@ -91,9 +91,6 @@ def background_decision(cfg, compiled: bool, graphs: bool, est: dict | None, bud
     return True, None
 
 
-UNCOMPILED_EXTRA = 0.25  # activations uncompiled blocks hold beyond the estimate (FLUX.1 1024², H100: +5.3 GiB of ~22.6)
-
-
 def lacks_room(cfg, est: dict | None, budget_gib: float | None, uncompiled: bool = False) -> str | None:
     """Why the card has no room to spare beside the run (None: it has): the memory plan saved memory (an 8-bit
     base, recomputed or swapped blocks), or the estimate plus one block's working set (and, `uncompiled`, what
@@ -103,8 +100,8 @@ def lacks_room(cfg, est: dict | None, budget_gib: float | None, uncompiled: bool
     if m.base_quant != "none" or m.gradient_checkpointing or m.blocks_to_swap:
         return "where the memory plan saves memory (an 8-bit base, recomputed or swapped blocks)"
     if est is not None and budget_gib:
-        extra = UNCOMPILED_EXTRA * est.get("parts", {}).get("activations", 0.0) if uncompiled else 0.0
-        need = est["gib"] + est.get("block_gib", 0.0) + extra
+        need = est.get("uncompiled_gib", est["gib"]) if uncompiled else est["gib"]
+        need += est.get("block_gib", 0.0)
         if need > budget_gib - PLAN_MARGIN_GIB:
             return f"for lack of GPU memory (about {need:.1f} GiB with the worker's pass, of {budget_gib:.0f})"
     return None

@@ -8,6 +8,8 @@ peak ~= base weights (at the profile's storage) on the GPU (minus swapped blocks
 The working-set factor (bf16 values per token and hidden unit per block: 16 by default, the family's own where
 measured otherwise) is calibrated on the measured FLUX.1-dev step on an H100 (1024², no checkpointing: 46.8 GiB
 peak; docs/benchmarks-history.md); Kandinsky 5's blocks keep more (26: the H100's 40.8 GiB uncompiled at 1024²).
+Uncompiled blocks (memory.compile off, swapping, FSDP) keep more than compiled ones: the family's
+`Published.uncompiled` (1.25x by default; the Qwen-Image Edit models 25).
 The model's size comes from its folder (config.json, the shard index's total_size), else from the family
 adapter's published figures; its tokens (controls, video frames) from the adapter too.
 """
@@ -129,12 +131,29 @@ def estimate(cfg, world: int = 1) -> dict:
     per_item = adapter.image_tokens(cfg.data.resolution, frames, controls_in_use(cfg, adapter),
                                     cfg.data.control_resolution)
     tokens = (per_item + adapter.published.text_tokens) * cfg.schedule.batch_size
-    per_block = tokens * hidden * 2 * adapter.published.working_set
     ckpt = checkpointed(cfg, blocks)  # a recomputed block keeps its input, the others their working set
-    acts = ckpt * tokens * hidden * 2 + (blocks - ckpt) * per_block + (per_block if ckpt else 0)
+
+    def activations(values: float) -> tuple[float, float]:
+        per_block = tokens * hidden * 2 * values
+        return ckpt * tokens * hidden * 2 + (blocks - ckpt) * per_block + (per_block if ckpt else 0), per_block
+
+    eager = uncompiled(cfg, world)
+    acts, per_block = activations(adapter.published.uncompiled if eager else adapter.published.working_set)
     parts = {"base": base / GIB, "lora_and_optimizer": lora / GIB, "activations": acts / GIB, "overhead": OVERHEAD_GIB}
-    return {"gib": round(sum(parts.values()), 1), "parts": {k: round(v, 2) for k, v in parts.items()},
-            "tokens": tokens, "blocks": blocks, "block_gib": round(per_block / GIB, 2), "source": source}
+    gib = sum(parts.values())
+    return {"gib": round(gib, 1), "parts": {k: round(v, 2) for k, v in parts.items()},
+            "tokens": tokens, "blocks": blocks, "block_gib": round(per_block / GIB, 2), "source": source,
+            "uncompiled": eager,  # and what the same run needs while its blocks run uncompiled (a background compile)
+            "uncompiled_gib": round(gib if eager else gib + (activations(adapter.published.uncompiled)[0] - acts)
+                                    / GIB, 1)}
+
+
+def uncompiled(cfg, world: int = 1) -> bool:
+    """Do the run's blocks run uncompiled (eager PyTorch keeps more for backward than compiled blocks)? Where
+    memory.compile is off (the dgx-spark and cpu profiles), with block swapping and under FSDP (neither compiles:
+    `plan.decide.compile_decision`)."""
+    m = cfg.memory
+    return not m.compile or bool(m.blocks_to_swap) or (cfg.method == "full" and world > 1)
 
 
 def controls_in_use(cfg, adapter) -> int:

@@ -214,3 +214,29 @@ def test_flux2_dev_estimate_covers_its_measured_peaks():
         est = estimate(validate(raw))
         allocated = est["gib"] - est["parts"]["overhead"]  # the measured peak is PyTorch's allocation
         assert measured <= allocated <= measured + 8, (n, est)  # covered, without wasting a card's worth
+
+
+def test_the_edit_models_uncompiled_estimate_covers_their_measured_peaks(tmp_path):
+    """Qwen-Image-Edit-2511 at 1024² with two controls under the dgx-spark profile (no compile; H200, 2026-11-26):
+    46.1 GiB at its peak with every block recomputed, 62.6 / 80.9 / 99.2 with 50 / 40 / 30 of 60 recomputed. The
+    compiled working set (16) put the plan at 4 recomputed, and all three Edit models ran out of memory at step 1."""
+    data = tmp_path / "data"
+    for d in ("control", "control_2"):
+        (data / d).mkdir(parents=True)
+    model = fake_model(tmp_path, {**QWEN, "zero_cond_t": True}, int(20.43e9 * 2))
+
+    def cfg(**mem):
+        from lorakit.config import deep_merge
+        from lorakit.hardware.profiles import load_profile
+
+        return validate(deep_merge(load_profile("dgx-spark").defaults, {
+            "profile": "dgx-spark", "model": {"family": "qwen-image-edit-2511", "path": str(model)},
+            "data": {"dirs": [str(data)], "resolution": 1024}, "memory": mem}))
+
+    for n, measured in (("all", 46.1), (50, 62.6), (40, 80.9), (30, 99.2)):
+        est = estimate(cfg(gradient_checkpointing=True, checkpoint_blocks=n))
+        assert est["uncompiled"] and est["tokens"] == 4096 * 3 + 512
+        assert measured <= est["gib"] <= measured + 5, (n, est)  # covered (the context's allowance included)
+    compiled = estimate(cfg(gradient_checkpointing=True, checkpoint_blocks=30, compile=True))
+    assert not compiled["uncompiled"] and compiled["gib"] < est["gib"] - 15  # the compiled blocks keep less
+    assert compiled["uncompiled_gib"] == est["gib"]
