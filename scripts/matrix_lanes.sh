@@ -11,7 +11,8 @@
 # write twice (FLUX.2 [dev], 112 GB, on the 128 GiB disk), each lane another profile of it:
 #   SHARED=1 bash scripts/matrix_lanes.sh OUT "--family flux2-dev --profile rtx5090" "--family flux2-dev --profile rtx4090"
 # ONE_GPU=1 (with SHARED=1): every lane on GPU 0 at once — cells under the small cards' caps (24, 32 GiB) fit a 141 GB
-# card three or four times. The lanes then share the GPU's time: their s/step is not a lone run's (say so).
+# card three or four times; the stock pipeline (uncapped) then runs one component at a time. The lanes share the
+# GPU's time: their s/step is not a lone run's (say so).
 set -uo pipefail
 out=$1; shift
 mkdir -p "$out"
@@ -35,7 +36,7 @@ if [ "${SHARED:-}" = 1 ]; then
   for spec in "$@"; do
     # shellcheck disable=SC2086  # a lane's arguments are words
     gpu=$i; [ "${ONE_GPU:-}" = 1 ] && gpu=0
-    (CUDA_VISIBLE_DEVICES=$gpu LORAKIT_CACHE=/tmp/lorakit-cache-$i bash scripts/device.sh lorakit bench matrix $spec \
+    (CUDA_VISIBLE_DEVICES=$gpu LORAKIT_BENCH_SHARED_GPU=${ONE_GPU:-} LORAKIT_CACHE=/tmp/lorakit-cache-$i bash scripts/device.sh lorakit bench matrix $spec \
        --models /tmp/models --keep-models --out "$out/lane$i") > "$out/lane$i.log" 2>&1 &
     i=$((i + 1))
   done

@@ -14,7 +14,8 @@ Recorded per cell: each stage's wall time and peak host RSS, seconds from `lorak
 optimizer step, median and p90 s/step (of the steps that did not wait for the compiler), each training run's
 phases, peak GPU memory, PSNR against stock. Results are written after every stage (`matrix.json`, `matrix.md`), so a run cut short still says what it measured; `limit_s`
 stops starting stages once the time is spent. On a machine with several GPUs, `scripts/matrix_lanes.sh` runs one
-matrix per GPU at once. Each stage's peak private (anonymous) memory is sampled beside its RSS. dgx-spark cells run
+matrix per GPU at once (ONE_GPU=1: several on one GPU; LORAKIT_BENCH_SHARED_GPU=1 then runs the uncapped stock
+pipeline one component at a time, so that it fits beside the other lanes). Each stage's peak private (anonymous) memory is sampled beside its RSS. dgx-spark cells run
 under a 110 GiB cap (an H200 has room; a smaller GPU runs them at its own size, said) and must also fit the Spark's
 128 GB that CPU and GPU share: a stage's GPU peak plus its private host memory (`shared_check`).
 """
@@ -141,8 +142,10 @@ dev = "cuda" if torch.cuda.is_available() else "cpu"
 dt = torch.bfloat16  # as `lorakit infer` runs (on the CPU the matrix asks it for bf16 too)
 from pathlib import Path
 size = sum(f.stat().st_size for f in Path(a["model"]).rglob("*.safetensors"))
-# a model larger than the GPU (FLUX.2 [dev]: 112 GB) runs as diffusers' users run it: one component at a time
-big = dev == "cuda" and size > 0.85 * torch.cuda.get_device_properties(0).total_memory
+# a model larger than the GPU (FLUX.2 [dev]: 112 GB) runs as diffusers' users run it: one component at a time;
+# so does every model where matrix lanes share the GPU (the same kernels on the same GPU: the same image)
+big = dev == "cuda" and (size > 0.85 * torch.cuda.get_device_properties(0).total_memory
+                         or a["offload"])
 pipe = DiffusionPipeline.from_pretrained(a["model"], torch_dtype=dt)
 if big:
     pipe.enable_model_cpu_offload()
@@ -231,7 +234,8 @@ def run_cell(cell: Cell, model: Path, data: Path, work: Path, steps: int, res: i
         else:
             spec = {"model": str(model), "lora": str(work / "run" / "lora.safetensors"), "family": cell.family,
                     "prompt": PROMPT, "steps": infer_steps, "seed": 0, "width": res, "height": res, "frames": frames,
-                    "image": controls, "out": str(work / "stock.png")}
+                    "image": controls, "out": str(work / "stock.png"),
+                    "offload": os.environ.get("LORAKIT_BENCH_SHARED_GPU") == "1"}
             cmd = [sys.executable, "-c", STOCK, json.dumps(spec)]
             env = {k: v for k, v in env.items() if k != "LORAKIT_MEMORY_CAP_GIB"}  # the reference: uncapped
         evicted = None
