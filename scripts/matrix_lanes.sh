@@ -27,7 +27,7 @@ t = time.perf_counter(); r = write_model(sys.argv[1], Path(sys.argv[2]), device=
 print(f'{sys.argv[1]}: {r[\"bytes\"] / 2**30:.1f} GiB written in {time.perf_counter() - t:.1f} s')" "$@"
 }
 if [ "${SHARED:-}" = 1 ]; then
-  prev=()
+  prev=(${LIKE:+"$LIKE"})  # LIKE=FOLDER: a folder written before (in an earlier call) to link equal weights from
   for f in $(echo "$@" | grep -o -- '--family [^ ]*' | cut -d' ' -f2 | sort -u); do
     CUDA_VISIBLE_DEVICES=0 write "$f" "/tmp/models/$f" "${prev[@]}" >> "$out/write.log" 2>&1
     prev=("/tmp/models/$f")
