@@ -53,8 +53,9 @@ DEV = dict(patch_size=1, in_channels=128, num_layers=8, num_single_layers=48, at
 KLEIN_4B = dict(DEV, num_layers=5, num_single_layers=20, num_attention_heads=24, joint_attention_dim=7680,
                 guidance_embeds=False)
 # bf16 values per token and hidden unit a block keeps for backward: FLUX.2 [dev] at 1024² on an H200 peaked 76.6
-# GiB with 13 of 56 blocks keeping theirs and 105.2 with 36 (uncompiled, cuDNN attention): 1.24 GiB more per block
-# kept, 24.6 values (FLUX.1's 16 ran it 11 GiB out of memory under the dgx-spark profile). klein-base-4B keeps
+# GiB with 13 of 56 blocks keeping theirs (compiled) and 105.2 with 36 (uncompiled: the dgx-spark profile), cuDNN
+# attention: 1.24 GiB more per block kept, 24.6 values, one figure for both ways, covering each point by 6-7 GiB
+# (FLUX.1's 16 ran it 11 GiB out of memory under the dgx-spark profile). klein-base-4B keeps
 # less (18: 16.2 GiB at its peak with no block recomputed under the rtx4090 profile, H100)
 WORKING_SET = 25.0
 TEXT_LAYERS = {"dev": (10, 20, 30), "klein": (9, 18, 27)}  # the pipelines' text_encoder_out_layers
@@ -140,7 +141,7 @@ class Flux2Adapter(Adapter):
             return Published(hidden=3072, blocks=25, params=3.9e9, text_tokens=512, working_set=18.0,
                              source="FLUX.2-klein-base-4B transformer/config.json (5 double + 20 single blocks)")
         return Published(hidden=6144, blocks=56, params=32.2e9, text_tokens=512, working_set=WORKING_SET,
-                         working_set_uncompiled=WORKING_SET,  # measured uncompiled (above)
+                         working_set_uncompiled=WORKING_SET,  # one figure for both (above)
                          source="FLUX.2-dev transformer/config.json (8 double + 48 single blocks)")
 
     @property

@@ -50,11 +50,13 @@ class QwenImageAdapter(Adapter):
     def published(self) -> Published:
         # the Edit models' blocks, uncompiled, keep 25 values per token and unit: Edit-2511 with two controls at
         # 1024² (12,800 tokens counted) under the dgx-spark profile (no compile), H200: 46.1 GiB with every block
-        # recomputed, 62.6 / 80.9 / 99.2 with 10 / 20 / 30 keeping theirs, 1.83 GiB each (the default 20 ran all
-        # three Edit models out of memory at step 1 there); Qwen-Image itself kept ~19 (70.6 GiB, none recomputed)
+        # recomputed, 62.6 / 80.9 / 99.2 with 10 / 20 / 30 keeping theirs, 1.83 GiB each (the compiled figure, 16,
+        # ran all three Edit models out of memory at step 1 there); Qwen-Image itself kept ~19 there (70.6 GiB, none
+        # recomputed: the default 1.25 x 16 covers it)
         return Published(hidden=3072, blocks=60, params=20.4e9, text_tokens=512,
                          source="Qwen-Image transformer/config.json (60 dual-stream blocks)",
                          working_set_uncompiled=25.0 if self.info.variant else None)
+
     attention_cases = (AttentionCase("512px+mask", 1536, True), AttentionCase("1024px+mask", 4608, True))
     native_names = QWEN_NATIVE
     lora_marks = (r"\.(img|txt)_(mlp|mod)\.", r"^img_in$", r"^txt_norm")
