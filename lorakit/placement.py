@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from lorakit.errors import InputError
-from lorakit.io.stream import folder_gib, stream
+from lorakit.io.stream import folder_gib, stream, too_large
 from lorakit.plan.memory import folder_split
 
 MODES = ("auto", "none", "model", "fp8", "group")
@@ -85,7 +85,7 @@ def choose(sizes: dict[str, float], budget_gib: float, mode: str = "auto",
         return Plan("none", f"all weights ({total:.1f} GiB) fit in {budget_gib:.1f} GiB", sizes)
     # a text encoder larger than the card (FLUX.2 [dev]'s 24 B Mistral on a 32 GiB one) runs once per image:
     # its blocks stream while the rest is placed as if it were not there
-    streamed = tuple(n for n, gib in sizes.items() if n.startswith("text_encoder") and gib + headroom_gib > budget_gib)
+    streamed = tuple(n for n, gib in sizes.items() if n.startswith("text_encoder") and too_large(gib, budget_gib))
     rest = {n: gib for n, gib in sizes.items() if n not in streamed}
     also = f"; {', '.join(streamed)} streamed block by block" if streamed else ""
     if _fits_alone(rest, budget_gib):

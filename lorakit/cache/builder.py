@@ -25,7 +25,7 @@ from lorakit.hardware.gpu import apply_cap, budget_gib, device_for
 from lorakit.io import atomic_path, clean_orphans
 from lorakit.io.lock import FolderLock
 from lorakit.io.modules import load_facts
-from lorakit.io.stream import ROOM_GIB, folder_gib
+from lorakit.io.stream import folder_gib, too_large
 from lorakit.models.base import load_adapter
 from lorakit.models.pixels import to_pixels
 
@@ -196,7 +196,7 @@ def stream_large_encoders(adapter, dtype: str) -> None:
     budget = budget_gib(adapter.device)
     for name in adapter.text_parts:
         gib = folder_gib(adapter.model_dir / name, {"fp32": 4}.get(dtype, 2))
-        if gib is not None and gib + ROOM_GIB > budget and name not in adapter.parts:
+        if gib is not None and too_large(gib, budget) and name not in adapter.parts:
             adapter.streamed.setdefault(name, None)
 
 

@@ -54,6 +54,12 @@ def module_bytes(module) -> int:
     return sum(t.numel() * t.element_size() for t in (*module.parameters(), *module.buffers()))
 
 
+def too_large(gib: float, budget_gib: float) -> bool:
+    """Does a component of `gib` not fit a GPU of `budget_gib` with room to run (so it streams)? The cache and
+    `infer`'s placement ask the same question of a text encoder."""
+    return gib + ROOM_GIB > budget_gib
+
+
 def stream(module, device, pinned: bool | None = None) -> dict:
     """Run `module` (its weights on the CPU) on `device`: each block visits while it runs, the rest moves there.
     `pinned`: page-locked host copies (None: where the host's available memory holds them with 8 GiB to spare).
@@ -65,38 +71,43 @@ def stream(module, device, pinned: bool | None = None) -> dict:
     if pinned is None:
         pinned = psutil.virtual_memory().available > size + 8 * GIB
     dev = torch.device(device)
+    pin = pinned and dev.type == "cuda"
+
+    def to_host(t):
+        t = t if t.device.type == "cpu" else t.to("cpu")
+        return t.pin_memory() if pin else t
+
     blocks = [b for lst in block_lists(module) for b in lst]
-    inside: set[int] = set()
-    streamed = 0
+    every: list = []
     for b in blocks:
-        entries, seen = [], set()
-        for mod in b.modules():
-            for kind, named in (("param", mod.named_parameters(recurse=False)),
-                                ("buffer", mod.named_buffers(recurse=False))):
-                for name, t in named:
-                    if t is None or id(t) in seen:
-                        continue
-                    seen.add(id(t))
-                    host = t.data if t.device.type == "cpu" else t.data.to("cpu")
-                    entries.append((mod, kind, name, host.pin_memory() if pinned and dev.type == "cuda" else host))
-        inside |= seen
-        streamed += sum(e[3].numel() * e[3].element_size() for e in entries)
-        _point(entries, [e[3] for e in entries])
-        b.register_forward_pre_hook(_bring(entries, dev))
-        b.register_forward_hook(lambda m, a, o, entries=entries: _point(entries, [e[3] for e in entries]))
-    for m in module.modules():  # the rest: on the device for good
-        for p in m.parameters(recurse=False):
-            if id(p) not in inside:
-                p.data = p.data.to(dev)
-        for name, buf in m.named_buffers(recurse=False):
-            if buf is not None and id(buf) not in inside:
-                m._buffers[name] = buf.to(dev)
+        entries = block_entries(b, to_host)
+        hosts = [e[3] for e in entries]
+        point(entries, hosts)
+        b.register_forward_pre_hook(_bring(entries, hosts, dev))
+        b.register_forward_hook(lambda m, a, o, entries=entries, hosts=hosts: point(entries, hosts))
+        every += entries
+    place_rest(module, every, dev)  # the rest: on the device for good
+    streamed = sum(e[3].numel() * e[3].element_size() for e in every)
     return {"streamed_gib": round(streamed / GIB, 2), "resident_gib": round((size - streamed) / GIB, 2),
             "blocks": len(blocks), "pinned": pinned}
 
 
-def _point(entries, tensors) -> None:
-    """Each of a block's parameters and buffers to the given tensor (its host copy, or its copy on the device)."""
+def block_entries(block, to_host) -> list:
+    """(owner module, "param" | "buffer", name, host tensor) for every parameter and buffer of `block`, its host
+    tensor `to_host(tensor)`: what a visit points at copies on the GPU and its end back at the host (`point`).
+    `stream` and `train.swap.BlockSwapper` (training's swapped blocks) visit blocks this way."""
+    entries = []
+    for mod in block.modules():
+        for name, p in mod.named_parameters(recurse=False):
+            entries.append((mod, "param", name, to_host(p.data)))
+        for name, buf in mod.named_buffers(recurse=False):
+            if buf is not None:
+                entries.append((mod, "buffer", name, to_host(buf)))
+    return entries
+
+
+def point(entries, tensors) -> None:
+    """Each entry's parameter or buffer to the given tensor (its host copy, or its copy on the device)."""
     for (mod, kind, name, _), t in zip(entries, tensors, strict=True):
         if kind == "param":
             getattr(mod, name).data = t
@@ -104,7 +115,19 @@ def _point(entries, tensors) -> None:
             mod._buffers[name] = t
 
 
-def _bring(entries, dev):
+def place_rest(module, entries, device) -> None:
+    """Every parameter and buffer of `module` that none of `entries` owns to `device`, for good."""
+    owned = {(id(m), k, n) for m, k, n, _ in entries}
+    for mod in module.modules():
+        for name, p in mod.named_parameters(recurse=False):
+            if (id(mod), "param", name) not in owned:
+                p.data = p.data.to(device)
+        for name, buf in mod.named_buffers(recurse=False):
+            if buf is not None and (id(mod), "buffer", name) not in owned:
+                mod._buffers[name] = buf.to(device)
+
+
+def _bring(entries, hosts, dev):
     def hook(module, args):  # copied on the compute stream: ordered before the block's kernels and its end
-        _point(entries, [e[3].to(dev, non_blocking=True) for e in entries])
+        point(entries, [t.to(dev, non_blocking=True) for t in hosts])
     return hook

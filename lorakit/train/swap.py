@@ -13,6 +13,7 @@ never move.
 from __future__ import annotations
 
 from lorakit.errors import InputError
+from lorakit.io.stream import block_entries, place_rest, point
 
 
 def repeated_blocks(transformer) -> list:
@@ -46,15 +47,8 @@ class BlockSwapper:
         self.visiting: set[int] = set()  # blocks whose weights point at GPU copies now
         self.last = -1  # the block visited last: forward runs up the list, the recompute in backward down it
         for i, b in enumerate(self.blocks):
-            entries = []
-            for mod in b.modules():
-                for name, p in mod.named_parameters(recurse=False):  # the base, before any LoRA exists
-                    entries.append((mod, "param", name, self._host(p.data, pin)))
-                for name, buf in mod.named_buffers(recurse=False):
-                    if buf is not None:
-                        entries.append((mod, "buffer", name, self._host(buf, pin)))
-            self.host[i] = entries
-            self._point(i, [e[3] for e in entries])  # rest on the host
+            self.host[i] = block_entries(b, lambda t: self._host(t, pin))  # the base, before any LoRA exists
+            self._point(i, [e[3] for e in self.host[i]])  # rest on the host
             b.register_forward_pre_hook(self._make_in(i))
             b.register_forward_hook(self._make_out(i))
 
@@ -64,21 +58,10 @@ class BlockSwapper:
 
     def place_rest(self, transformer) -> None:
         """Move every tensor that is not swapped to the GPU (instead of `transformer.to(device)`)."""
-        keep = {(id(m), k, n) for i in self.host for (m, k, n, _) in self.host[i]}
-        for mod in transformer.modules():
-            for name, p in mod.named_parameters(recurse=False):
-                if (id(mod), "param", name) not in keep:
-                    p.data = p.data.to(self.device)
-            for name, buf in mod.named_buffers(recurse=False):
-                if buf is not None and (id(mod), "buffer", name) not in keep:
-                    mod._buffers[name] = buf.to(self.device)
+        place_rest(transformer, [e for entries in self.host.values() for e in entries], self.device)
 
     def _point(self, i: int, tensors) -> None:
-        for (mod, kind, name, _), t in zip(self.host[i], tensors, strict=True):
-            if kind == "param":
-                getattr(mod, name).data = t
-            else:
-                mod._buffers[name] = t
+        point(self.host[i], tensors)
 
     def _fetch(self, i: int) -> None:
         """Start copying block i's weights to the GPU (side stream on CUDA)."""
