@@ -309,8 +309,9 @@ def run_cell(cell: Cell, model: Path, data: Path, work: Path, steps: int, res: i
 
 def run_matrix(families, profiles, out: Path, models: Path | None = None, steps: int = 20, tiny: bool = False,
                stages=STAGES, limit_s: float | None = None, keep_models: bool = False, progress=None,
-               cold: bool = False) -> list[Cell]:
-    """Every family x profile (see the module docstring). Returns the cells, also in out/matrix.json and .md."""
+               cold: bool = False, gpu_gib: float | None = None) -> list[Cell]:
+    """Every family x profile (see the module docstring); `gpu_gib`: emulate a smaller GPU (`_size_cells`).
+    Returns the cells, also in out/matrix.json and .md."""
     unknown = [f for f in families if f not in family_names()] + [p for p in profiles
                                                                     if p not in PROFILES + ("cpu",)]
     if unknown:
@@ -321,11 +322,7 @@ def run_matrix(families, profiles, out: Path, models: Path | None = None, steps:
     models = Path(models or out / "models")
     t0 = time.monotonic()
     cells = [Cell(f, p, None if tiny else CAPS.get(p)) for f in families for p in profiles]
-    gpu_gib = None if tiny else _gpu_gib()
-    for c in cells:  # a card larger than this GPU (dgx-spark on an 80 GB H100): emulated at the GPU's size, said
-        if c.cap_gib and gpu_gib and c.cap_gib > gpu_gib:
-            c.note = f"this GPU has {gpu_gib:.0f} GiB, less than the {c.profile}'s {c.cap_gib:g}: run at the GPU's size"
-            c.cap_gib = None
+    _size_cells(cells, None if tiny else _gpu_gib(), None if tiny else gpu_gib)
     synth: dict = {}
 
     def save():
@@ -370,6 +367,22 @@ def run_matrix(families, profiles, out: Path, models: Path | None = None, steps:
         shutil.rmtree(prev, ignore_errors=True)
     save()
     return cells
+
+
+def _size_cells(cells: list[Cell], real: float | None, emulated: float | None) -> None:
+    """Each cell's cap on this GPU (`real` GiB): a card larger than it (dgx-spark on an 80 GB H100) runs at the
+    GPU's size, said; `emulated` (GiB, smaller than this GPU): the GPU a user has, e.g. the H100's 80 on an H200 —
+    the uncapped profiles (datacenter) are held to it and a larger card runs at it, said too."""
+    emulated = emulated if emulated and real and emulated < real else None
+    size = emulated or real
+    for c in cells:
+        if c.cap_gib and size and c.cap_gib > size:
+            c.note = (f"this GPU has {size:.0f} GiB{' (emulated)' if emulated else ''}, less than the {c.profile}'s "
+                      f"{c.cap_gib:g}: run at the GPU's size")
+            c.cap_gib = emulated
+        elif c.cap_gib is None and emulated:
+            c.cap_gib = emulated
+            c.note = f"held to {emulated:g} GiB: a smaller GPU emulated on this {real:.0f} GiB one"
 
 
 def _like(family: str, prev: Path | None, models: Path, tiny: bool, keep_models: bool) -> Path | None:

@@ -106,6 +106,9 @@ def matrix(family: list[str] = typer.Option([], "--family", help="families (repe
            cold: bool = typer.Option(False, "--cold", help="evict the model's files from the page cache before "
                                      "each cell's first stage (theirs alone: posix_fadvise)"),
            tiny: bool = typer.Option(False, "--tiny", help="the tiny models on the CPU (checks the plumbing)"),
+           gpu_gib: float | None = typer.Option(None, "--gpu-gib", min=1, help="emulate a smaller GPU: datacenter "
+                                                "cells held to this many GiB, larger cards run at it (the H100's "
+                                                "80 on an H200)"),
            as_json: bool = JsonOpt) -> None:
     use_json(as_json)
     from dataclasses import asdict
@@ -122,7 +125,7 @@ def matrix(family: list[str] = typer.Option([], "--family", help="families (repe
     profiles = profile or (["cpu"] if tiny else list(PROFILES))
     cells = run_matrix(family or names(), profiles, out, models, steps, tiny, chosen, limit, keep_models,
                        progress=None if as_json else lambda s: console.print(f"bench matrix: {s}", soft_wrap=True),
-                       cold=cold)
+                       cold=cold, gpu_gib=gpu_gib)
     emit(as_json, [asdict(c) for c in cells], lambda: console.print((out / "matrix.md").read_text(), markup=False,
                                                                     soft_wrap=True))
 

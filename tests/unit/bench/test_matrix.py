@@ -136,6 +136,22 @@ def test_a_card_larger_than_this_gpu_runs_at_the_gpus_size_and_says_so(tmp_path,
     assert small.cap_gib == 24.0 and small.note == ""
 
 
+def test_a_smaller_gpu_is_emulated_on_a_larger_one(tmp_path, monkeypatch):
+    """--gpu-gib 80 on an H200: datacenter held to the H100's 80 GiB, dgx-spark run at it, the small cards as ever;
+    a size at or above this GPU's emulates nothing."""
+    from lorakit.bench import matrix
+
+    monkeypatch.setattr(matrix, "_gpu_gib", lambda: 139.8)
+    monkeypatch.setattr(matrix, "write_model", lambda *a, **k: pytest.fail("nothing is written past the limit"))
+    dc, spark, small = matrix.run_matrix(["flux"], ["datacenter", "dgx-spark", "rtx5090"], tmp_path, limit_s=-1,
+                                         gpu_gib=80)
+    assert dc.cap_gib == 80 and dc.note == "held to 80 GiB: a smaller GPU emulated on this 140 GiB one"
+    assert spark.cap_gib == 80 and spark.note.startswith("this GPU has 80 GiB (emulated), less than the dgx-spark's")
+    assert small.cap_gib == 32.0 and small.note == ""
+    dc, spark = matrix.run_matrix(["flux"], ["datacenter", "dgx-spark"], tmp_path, limit_s=-1, gpu_gib=200)
+    assert dc.cap_gib is None and spark.cap_gib == 110.0 and dc.note == spark.note == ""
+
+
 def test_the_next_family_links_the_folder_before_it_where_it_holds_the_same_weights(tmp_path):
     """Full size: Qwen-Image-Edit-2511 after Qwen-Image links all three components (nothing written), FLUX after it
     links nothing (and the folder before is removed first, for the disk); the tiny scale writes as before."""
