@@ -201,7 +201,8 @@ def generate(model_dir: Path, req: Request, loras: list[tuple[Path, float]], out
 
     say(f"placing: {plan.mode} ({plan.why})")
     t = time.perf_counter()
-    apply(pipe, plan, device, dtype, add=pending)
+    streamed: dict = {}
+    apply(pipe, plan, device, dtype, add=pending, streamed=streamed)
     phases["placement_s"] = round(time.perf_counter() - t, 2)
     t_gen = time.perf_counter()
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -270,7 +271,7 @@ def generate(model_dir: Path, req: Request, loras: list[tuple[Path, float]], out
               "generation_s": [round(t, 3) for t in gen_times],
               "wall_per_image_s": round((time.perf_counter() - t_gen) / max(k, 1), 3),
               "load_s": round(t_gen - t_load, 2), **{f"load_{k}": v for k, v in phases.items()},
-              "offload": plan.mode, "offload_why": plan.why}
+              "offload": plan.mode, "offload_why": plan.why, **({"streamed": streamed} if streamed else {})}
     if device.startswith("cuda"):
         timing["peak_gpu_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
     return {"files": files, **({"gifs": gifs} if gifs else {}), **timing,

@@ -158,12 +158,14 @@ def _hook_class():
     return OnDeviceWhileRunning
 
 
-def apply(pipe, plan: Plan, device: str, dtype=None, add: dict | None = None):
+def apply(pipe, plan: Plan, device: str, dtype=None, add: dict | None = None, streamed: dict | None = None):
     """Put the pipeline (loaded on the CPU unless plan.mode is none) where the plan says; returns the `Swap`
     for `model` and `fp8`. For `fp8`: LoRAs are already in the weights, or in `add` (block Linear ->
-    low-rank changes summed as each layer is rounded); `dtype`: the compute dtype."""
+    low-rank changes summed as each layer is rounded); `dtype`: the compute dtype. `streamed`: filled with what
+    `io.stream.stream` did per component it streamed (how much, page-locked or not)."""
     import torch
 
+    said = streamed if streamed is not None else {}
     if plan.mode == "none":
         return None
     if plan.mode == "fp8":
@@ -181,13 +183,13 @@ def apply(pipe, plan: Plan, device: str, dtype=None, add: dict | None = None):
         swap = Swap(device)
         for name, part in pipe.components.items():
             if isinstance(part, torch.nn.Module) and name in plan.streamed:
-                stream(part, device)
+                said[name] = stream(part, device)
             elif isinstance(part, torch.nn.Module):
                 swap.add(part)
         return swap
     # every component's blocks visit from CPU memory one at a time, the rest on the GPU (`io.stream`: the blocks
     # wherever they sit, a text encoder's layers included)
-    for part in pipe.components.values():
+    for name, part in pipe.components.items():
         if isinstance(part, torch.nn.Module):
-            stream(part, device)
+            said[name] = stream(part, device)
     return None

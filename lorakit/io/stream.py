@@ -9,8 +9,9 @@ stream copies each block back to new host memory after it runs (`_offload_to_mem
 312 s for six items under a 32 GiB cap on an H200 host that way).
 Nothing is rounded: bf16 weights stay bf16, outputs are the same.
 
-The host copies are page-locked (fast, asynchronous copies) where the host has the memory for them beside what it
-holds; elsewhere the mapped or loaded tensors are copied from as they are (slower).
+The host copies are page-locked (fast, asynchronous copies), packed (`io.pinned`: nothing rounded up), where the
+host has the memory for them beside what it holds; elsewhere the mapped or loaded tensors are copied from as they
+are (slower).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import math
 from pathlib import Path
 
 from lorakit.io.header import FLOATS, read_header
+from lorakit.io.pinned import HostArena, room_for
 from lorakit.io.reader import resolve_files
 
 GIB = 2**30
@@ -62,22 +64,23 @@ def too_large(gib: float, budget_gib: float) -> bool:
 
 def stream(module, device, pinned: bool | None = None) -> dict:
     """Run `module` (its weights on the CPU) on `device`: each block visits while it runs, the rest moves there.
-    `pinned`: page-locked host copies (None: where the host's available memory holds them with 8 GiB to spare).
-    Returns what was done."""
-    import psutil
+    `pinned`: page-locked host copies, packed (`io.pinned`; None: where the host's available memory holds them,
+    `io.pinned.room_for`). Returns what was done."""
     import torch
 
     size = module_bytes(module)
-    if pinned is None:
-        pinned = psutil.virtual_memory().available > size + 8 * GIB
+    blocks = [b for lst in block_lists(module) for b in lst]
+    block_bytes = sum(module_bytes(b) for b in blocks)
     dev = torch.device(device)
+    if pinned is None:
+        pinned = dev.type == "cuda" and room_for(block_bytes)
     pin = pinned and dev.type == "cuda"
+    arena = HostArena(pin, expect=block_bytes)
 
     def to_host(t):
         t = t if t.device.type == "cpu" else t.to("cpu")
-        return t.pin_memory() if pin else t
+        return arena.copy(t) if pin else t
 
-    blocks = [b for lst in block_lists(module) for b in lst]
     every: list = []
     for b in blocks:
         entries = block_entries(b, to_host)
@@ -89,7 +92,7 @@ def stream(module, device, pinned: bool | None = None) -> dict:
     place_rest(module, every, dev)  # the rest: on the device for good
     streamed = sum(e[3].numel() * e[3].element_size() for e in every)
     return {"streamed_gib": round(streamed / GIB, 2), "resident_gib": round((size - streamed) / GIB, 2),
-            "blocks": len(blocks), "pinned": pinned}
+            "blocks": len(blocks), "pinned": pin, "pinned_gib": round(arena.reserved / GIB, 2)}
 
 
 def block_entries(block, to_host) -> list:

@@ -132,6 +132,8 @@ def setup(resolved: Resolved, resume: str | None, events: Events) -> Run:
         tr = Trainer(cfg, adapter, base, data, out, device, dtype, dist=d)
         facts.update(trainable=sum(p.numel() for p in tr.params), compiled=tr.compiled, buckets=data.shapes,
                      of_which=", ".join(f"{k} {v:.1f} s" for k, v in tr.took.items() if v >= 0.1) or None)
+        if tr.swapper:
+            facts["swapped"] = tr.swapper.said()
         if mapped and ahead:
             facts.update(ahead.stop())
     resolved.read_ahead = None

@@ -4,16 +4,17 @@ required: without it autograd would keep every visiting block's weights alive un
 stops as soon as it has what backward needs, before the block's forward hook runs, so a visitor also goes
 home when the next block arrives, and every one after backward (`settle`).
 
-Host copies are made once (page-locked when `memory.pin_memory`, so the copies run asynchronously); a visit
-is one host-to-device copy on a side stream, started while the previous block computes, and leaving drops
-the GPU copy (the weights are frozen: nothing is copied back). LoRA weights, gradients and optimizer states
-never move.
+Host copies are made once (page-locked, packed as `io.pinned` packs them, when `memory.pin_memory` and the host
+has the room, so the copies run asynchronously); a visit is one host-to-device copy on a side stream, started
+while the previous block computes, and leaving drops the GPU copy (the weights are frozen: nothing is copied
+back). LoRA weights, gradients and optimizer states never move.
 """
 
 from __future__ import annotations
 
 from lorakit.errors import InputError
-from lorakit.io.stream import block_entries, place_rest, point
+from lorakit.io.pinned import HostArena, room_for
+from lorakit.io.stream import block_entries, module_bytes, place_rest, point
 
 
 def repeated_blocks(transformer) -> list:
@@ -46,15 +47,25 @@ class BlockSwapper:
         self.ready: dict[int, object] = {}  # block index -> (tensors on the GPU, copy-done event)
         self.visiting: set[int] = set()  # blocks whose weights point at GPU copies now
         self.last = -1  # the block visited last: forward runs up the list, the recompute in backward down it
+        size = sum(module_bytes(b) for b in self.blocks)
+        self.pinned = bool(pin and self.cuda and room_for(size))  # else the copies wait in pageable memory (slower)
+        self.arena = HostArena(self.pinned, expect=size)
         for i, b in enumerate(self.blocks):
-            self.host[i] = block_entries(b, lambda t: self._host(t, pin))  # the base, before any LoRA exists
+            self.host[i] = block_entries(b, self._host)  # the base, before any LoRA exists
             self._point(i, [e[3] for e in self.host[i]])  # rest on the host
             b.register_forward_pre_hook(self._make_in(i))
             b.register_forward_hook(self._make_out(i))
 
-    def _host(self, t, pin: bool):
+    def said(self) -> str:
+        """Where the swapped blocks' weights wait, in words (the prepare phase's facts)."""
+        where = (f"page-locked host memory ({self.arena.reserved / 2**30:.1f} GiB)" if self.pinned else
+                 "pageable host memory (no room to page-lock them, or memory.pin_memory off: slower visits)"
+                 if self.cuda else "host memory")
+        return f"{len(self.blocks)} blocks in {where}"
+
+    def _host(self, t):
         t = t.detach().to("cpu")
-        return t.pin_memory() if pin and self.cuda else t
+        return self.arena.copy(t) if self.pinned else t
 
     def place_rest(self, transformer) -> None:
         """Move every tensor that is not swapped to the GPU (instead of `transformer.to(device)`)."""

@@ -65,6 +65,7 @@ def test_swapper_moves_weights_only_for_the_visit():
         assert seen[i][0] != resting[i][0] and seen[i][1] != resting[i][1]  # computed with the visiting copies
         assert (m.blocks[i].lin.weight.data_ptr(), m.blocks[i].scale.data_ptr()) == resting[i]  # back at rest
     assert not sw.ready  # nothing left in flight
+    assert sw.said() == "2 blocks in host memory" and not sw.pinned and sw.arena.reserved == 0
     with pytest.raises(Exception, match="at most 3"):
         BlockSwapper(Model(), 4, "cpu")
 
@@ -94,6 +95,8 @@ def test_swapping_on_the_gpu_keeps_the_losses_and_the_weights_at_rest(tmp_path, 
     assert a == pytest.approx(b, rel=1e-5)
     sw = swapped.swapper
     assert all(getattr(m, n).device.type == "cpu" for es in sw.host.values() for m, _, n, _ in es)
+    assert sw.pinned and all(getattr(m, n).is_pinned() for es in sw.host.values() for m, _, n, _ in es)
+    assert sw.arena.reserved < sw.arena.copied + sw.arena.chunk  # packed: only the last chunk's tail unused
     assert all(p.is_cuda for p in swapped.params)
 
 

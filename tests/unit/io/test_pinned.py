@@ -1,0 +1,69 @@
+"""Host copies packed into chunks (`io.pinned`): the same values, each copy aligned, nothing rounded up but the last
+chunk's tail; page-locked on a GPU machine."""
+
+import pytest
+import torch
+
+from lorakit.io import pinned
+from lorakit.io.pinned import ALIGN, HostArena, room_for
+
+
+def _tensors():
+    g = torch.Generator().manual_seed(0)
+    return [torch.randn(33, 17, generator=g).to(torch.bfloat16), torch.randn(5, 3, generator=g).to(torch.float8_e4m3fn),
+            torch.rand(7, generator=g) > 0.5, torch.arange(11), torch.tensor(2.5), torch.empty(0, 4),
+            torch.randn(8, 6, generator=g).t(),  # not contiguous
+            torch.randn(64, 64, generator=g)]
+
+
+def test_each_copy_holds_the_same_values_dtype_and_shape_at_an_aligned_place():
+    arena = HostArena(pin=False)
+    src = _tensors()
+    out = [arena.copy(t) for t in src]
+    for a, b in zip(src, out, strict=True):
+        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.float(), b.float())
+        assert b.numel() == 0 or (b.data_ptr() - arena.chunks[0].data_ptr()) % ALIGN == 0
+    assert len(arena.chunks) == 1 and arena.copied == sum(t.numel() * t.element_size() for t in src)
+    src[0].zero_()
+    assert out[0].abs().sum() > 0  # copies, not views of the originals
+
+
+def test_the_chunk_is_the_next_power_of_two_of_what_is_expected_and_only_its_tail_is_unused():
+    src = [torch.ones(1000, dtype=torch.bfloat16) for _ in range(10)]  # 2,000 bytes each, 2,048 aligned
+    arena = HostArena(pin=False, expect=sum(t.numel() * t.element_size() for t in src))
+    for t in src:
+        arena.copy(t)
+    assert arena.chunk == 32768 and arena.reserved == 32768  # 20,480 bytes packed; one tensor each: 10 x 2,048
+    few = HostArena(pin=False, expect=10)  # less expected than comes: each larger copy its own chunk, still right
+    out = [few.copy(t) for t in src]
+    assert few.chunk == ALIGN and len(few.chunks) == 10 and all(torch.equal(a, b) for a, b in zip(src, out, strict=True))
+
+
+def test_a_tensor_larger_than_a_chunk_takes_its_own_and_the_open_chunk_goes_on_filling(monkeypatch):
+    monkeypatch.setattr(pinned, "CHUNK", 4096)
+    arena = HostArena(pin=False)
+    small, big, after = torch.ones(100), torch.full((2000,), 2.0), torch.full((100,), 3.0)
+    a, b, c = arena.copy(small), arena.copy(big), arena.copy(after)
+    assert len(arena.chunks) == 2 and b.data_ptr() == arena.chunks[1].data_ptr()
+    assert c.data_ptr() - a.data_ptr() == 512  # beside the first, in the open chunk (not inside the large one)
+    assert torch.equal(b, big) and torch.equal(c, after) and torch.equal(a, small)
+
+
+def test_room_is_what_the_host_has_available_beyond_its_share_for_everything_else(monkeypatch):
+    class VM:
+        total, available = 128 * 2**30, 100 * 2**30
+
+    monkeypatch.setattr("psutil.virtual_memory", lambda: VM)
+    assert room_for(87 * 2**30)  # 100 available - 12.8 (a tenth of 128, more than 8)
+    assert not room_for(88 * 2**30)
+
+
+@pytest.mark.gpu
+def test_the_copies_are_page_locked_and_reach_the_gpu_asynchronously():
+    arena = HostArena(pin=True)
+    src = _tensors()
+    out = [arena.copy(t) for t in src]
+    assert all(t.is_pinned() for t in out)
+    back = [t.to("cuda", non_blocking=True) for t in out]
+    torch.cuda.synchronize()
+    assert all(torch.equal(a.float(), b.cpu().float()) for a, b in zip(src, back, strict=True))
