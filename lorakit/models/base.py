@@ -258,7 +258,11 @@ class Adapter(abc.ABC):
         if any(self.streamed.get(n) for n in names):  # a streamed encoder's host copies (its blocks' visit hooks
             import gc  # hold them) go now, not whenever the collector next runs: tens of GiB, often pinned
 
+            import torch
+
             gc.collect()
+            if torch.cuda.is_initialized() and hasattr(torch._C, "_host_emptyCache"):
+                torch._C._host_emptyCache()  # torch keeps freed page-locked memory for reuse: back to the host
             self.streamed.update({n: None for n in names if n in self.streamed})  # streamed again if reloaded
 
     def pipeline(self):
