@@ -55,16 +55,24 @@ def _sizes(res: int) -> list:
 
 
 def private_gib(pid: int) -> float | None:
-    """A process's anonymous memory now (GiB): what it holds that only RAM or swap can back — unlike RSS, which
-    also counts the pages of the files it maps (model weights read through the page cache, given back under
-    pressure). None where the kernel does not say (not Linux, the process gone)."""
+    """A process's memory that only RAM or swap can back, now (GiB): its anonymous memory and its shared anonymous
+    memory (page-locked host memory, as CUDA's cudaHostAlloc maps it: session 26's FLUX.2 [dev] `lorakit infer`
+    held 166 GiB so while its anonymous memory was 1.6) — unlike RSS, which also counts the pages of the files it
+    maps (model weights read through the page cache, given back under pressure). None where the kernel does not
+    say (not Linux, the process gone)."""
     try:
-        text = Path(f"/proc/{pid}/smaps_rollup").read_text()
+        rollup = Path(f"/proc/{pid}/smaps_rollup").read_text()
+        status = Path(f"/proc/{pid}/status").read_text()
     except OSError:
         return None
+    anon = _kib(rollup, "Anonymous:")
+    return None if anon is None else (anon + (_kib(status, "RssShmem:") or 0)) / 2**20
+
+
+def _kib(text: str, key: str) -> int | None:
     for line in text.splitlines():
-        if line.startswith("Anonymous:"):
-            return int(line.split()[1]) / 2**20
+        if line.startswith(key):
+            return int(line.split()[1])
     return None
 
 
