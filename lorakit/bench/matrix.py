@@ -101,6 +101,15 @@ def _run(cmd: list[str], log: Path, env: dict, timeout: float) -> tuple[int, flo
     return p.returncode, time.perf_counter() - t0, usage.ru_maxrss / 2**20, log.read_text(), peak_private
 
 
+def named_settings(hint: str) -> list[str]:
+    """The settings a refusal's hint names for the cell to run on with: of its alternatives ("try A or B"), the
+    first that changes only memory settings (the cell keeps its data: the defaults' images at the defaults' size),
+    else the first that names any."""
+    ways = [re.findall(r"--set\s+(\S+=[^\s)]+)", w) for w in re.split(r"\bor\s+(?=--set)", hint)]
+    ways = [w for w in ways if w]
+    return next((w for w in ways if all(kv.startswith("memory.") for kv in w)), ways[0] if ways else [])
+
+
 def _json(text: str) -> dict:
     try:
         return json.loads(text[text.index("{"):]) if "{" in text else {}
@@ -256,7 +265,7 @@ def run_cell(cell: Cell, model: Path, data: Path, work: Path, steps: int, res: i
         result = _json(out)
         if rc == 2 and stage.startswith("train"):
             said = f"{result.get('message', '')} ({result.get('hint', '')})"
-            named = re.findall(r"--set\s+(\S+=[^\s)]+)", result.get("hint") or "")
+            named = named_settings(result.get("hint") or "")
             if named and not cell.sets:  # the refusal names what fits: the cell shows whether it does
                 cell.refused, cell.sets = said, named
                 cell.stages[f"{stage} (refused at the defaults)"] = rec

@@ -231,10 +231,11 @@ def check(cfg, budget_gib: float, world: int = 1) -> dict:
         tips.append("more GPUs (--gpus N: FSDP shards weights, gradients and optimizer states)")
     elif cfg.memory.base_quant == "none":
         tips.append("--set memory.base_quant=fp8")
-    swap = next((n for n in range(1, est["blocks"] + 1) if estimate(cfg.model_copy(update={
-        "memory": cfg.memory.model_copy(update={"blocks_to_swap": n})}), world)["gib"] <= fits), None)
-    if swap and cfg.method == "lora" and not cfg.memory.blocks_to_swap:
+    can_swap = cfg.method == "lora" and not cfg.memory.blocks_to_swap
+    swap = _swap_for(cfg, est["blocks"], fits, world) if can_swap else None
+    if swap:
         tips.append(f"--set memory.blocks_to_swap={swap} (slower: those blocks' weights cross PCIe twice a step)")
+    tips += _smaller_controls(cfg, fits, world, swap if can_swap else None)
     if not tips:
         tips.append("a GPU with more memory")
     p = est["parts"]
@@ -243,6 +244,28 @@ def check(cfg, budget_gib: float, world: int = 1) -> dict:
         f"(base{' + gradients + optimizer' if cfg.method == 'full' else ''} {p['base']}, LoRA+optimizer {p['lora_and_optimizer']}, activations {p['activations']} at "
         f"{est['tokens']} tokens, overhead {p['overhead']}; from {est['source']})",
         "try " + " or ".join(tips) if not tips[-1].startswith("a GPU") else tips[-1])
+
+
+def _swap_for(cfg, blocks: int, fits: float, world: int) -> int | None:
+    """The fewest swapped blocks that bring the estimate within `fits` GiB (None: no count does)."""
+    return next((n for n in range(1, blocks + 1) if estimate(cfg.model_copy(update={
+        "memory": cfg.memory.model_copy(update={"blocks_to_swap": n})}), world)["gib"] <= fits), None)
+
+
+def _smaller_controls(cfg, fits: float, world: int, swap: int | None) -> list[str]:
+    """An edit family's other way to fit: its control images at half the resolution (fewer tokens), alone where
+    that fits, else with the fewer swapped blocks it then needs than `swap` (FLUX.2 [dev] Edit under 24 GiB: 52 of
+    56 blocks swapped at the defaults, session 26's refusal)."""
+    half = cfg.data.resolution // 2 // 16 * 16
+    if half < 256 or not controls_in_use(cfg, family_adapter(cfg.model.family)) or (
+            cfg.data.control_resolution and cfg.data.control_resolution <= half):
+        return []
+    small = cfg.model_copy(update={"data": cfg.data.model_copy(update={"control_resolution": half})})
+    if estimate(small, world)["gib"] <= fits:
+        return [f"--set data.control_resolution={half} (the control images at {half}² pixels)"]
+    fewer = _swap_for(small, estimate(small, world)["blocks"], fits, world) if swap else None
+    return [f"--set data.control_resolution={half} --set memory.blocks_to_swap={fewer} (the control images at "
+            f"{half}² pixels, fewer blocks swapped)"] if fewer and fewer < swap else []
 
 
 def fit_to_gpu(cfg, cap_gib: float | None = None, world: int = 1):

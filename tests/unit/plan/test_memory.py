@@ -240,3 +240,31 @@ def test_the_edit_models_uncompiled_estimate_covers_their_measured_peaks(tmp_pat
     compiled = estimate(cfg(gradient_checkpointing=True, checkpoint_blocks=30, compile=True))
     assert not compiled["uncompiled"] and compiled["gib"] < est["gib"] - 15  # the compiled blocks keep less
     assert compiled["uncompiled_gib"] == est["gib"]
+
+
+def test_an_edit_model_is_also_offered_smaller_control_images(tmp_path):
+    """FLUX.2 [dev] Edit under 24 GiB was told to swap 52 of 56 blocks (session 26): half-size control images cut
+    its tokens, so the refusal also names them, with the fewer blocks they need swapped (which fit, with the
+    margin, and need fewer than the plain count); the matrix keeps to the memory-only way."""
+    import re
+
+    from lorakit.bench.matrix import named_settings
+    from lorakit.hardware.profiles import load_profile
+    from lorakit.plan.memory import PLAN_MARGIN_GIB
+
+    cfg = cfg_for(fake_model(tmp_path, QWEN, int(20.4e9 * 2)), "qwen-image-edit", "rtx4090", 1024)
+    with pytest.raises(InputError) as ei:
+        run(resolve(cfg))
+    hint = ei.value.hint
+    plain = int(re.search(r"memory\.blocks_to_swap=(\d+)", hint).group(1))
+    got = re.search(r"--set data\.control_resolution=512 --set memory\.blocks_to_swap=(\d+)", hint)
+    assert got, hint
+    fewer = int(got.group(1))
+    small = cfg.model_copy(update={"data": cfg.data.model_copy(update={"control_resolution": 512}),
+                                   "memory": cfg.memory.model_copy(update={"blocks_to_swap": fewer})})
+    assert fewer < plain and estimate(small)["gib"] <= load_profile("rtx4090").hardware["memory_gib"] - PLAN_MARGIN_GIB
+    assert named_settings(hint) == [f"memory.blocks_to_swap={plain}"]
+    text2image = cfg_for(fake_model(tmp_path / "t", QWEN, int(20.4e9 * 2)), "qwen-image", "rtx4090", 2048)
+    with pytest.raises(InputError) as ei:
+        run(resolve(text2image))
+    assert "control_resolution" not in ei.value.hint  # no control images, nothing to offer
