@@ -1,6 +1,6 @@
 """The consumer check a training run makes at every save (the LoRA read back as diffusers and ComfyUI read it),
 timed at a family's full size on the CPU: the transformer built on the meta device for its shapes, a rank-16 LoRA
-on the preset's modules (session 26: is the check what the swapping runs' 29-37 s final checkpoint spent? No: 2.5-2.9
+on the preset's modules (session 26: is the check what the swapping runs' 29-37 s final checkpoint spent? No: 2.5-3.9
 s for FLUX.2 [dev] on 2 cores).
 
     python tools/consumer_check_probe.py flux2-dev [attention|attention_mlp|all_linear]
