@@ -261,9 +261,10 @@ def _smaller_controls(cfg, fits: float, world: int, swap: int | None) -> list[st
             cfg.data.control_resolution and cfg.data.control_resolution <= half):
         return []
     small = cfg.model_copy(update={"data": cfg.data.model_copy(update={"control_resolution": half})})
-    if estimate(small, world)["gib"] <= fits:
+    est = estimate(small, world)
+    if est["gib"] <= fits:
         return [f"--set data.control_resolution={half} (the control images at {half}² pixels)"]
-    fewer = _swap_for(small, estimate(small, world)["blocks"], fits, world) if swap else None
+    fewer = _swap_for(small, est["blocks"], fits, world) if swap else None
     return [f"--set data.control_resolution={half} --set memory.blocks_to_swap={fewer} (the control images at "
             f"{half}² pixels, fewer blocks swapped)"] if fewer and fewer < swap else []
 
