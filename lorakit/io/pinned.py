@@ -56,6 +56,13 @@ class HostArena:
         self.chunks.append(buf)
         return buf
 
+    def host(self, t):
+        """Where `t` waits on the host: its copy in the arena where it pins, else `t` itself (moved to the CPU if it
+        is not there)."""
+        t = t.detach()
+        t = t if t.device.type == "cpu" else t.to("cpu")
+        return self.copy(t) if self.pin else t
+
     def copy(self, t):
         """`t`'s values in the arena (a tensor of its dtype and shape)."""
         import torch

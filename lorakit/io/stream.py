@@ -62,28 +62,27 @@ def too_large(gib: float, budget_gib: float) -> bool:
     return gib + ROOM_GIB > budget_gib
 
 
-def stream(module, device, pinned: bool | None = None) -> dict:
+def host_arena(blocks, device, pin: bool = True) -> HostArena:
+    """Where the host copies of `blocks` wait (`io.pinned`): page-locked, packed, where `device` is a GPU, `pin`
+    asks for it and the host's available memory holds them (`io.pinned.room_for`); pageable otherwise."""
+    import torch
+
+    size = sum(module_bytes(b) for b in blocks)
+    return HostArena(bool(pin) and torch.device(device).type == "cuda" and room_for(size), expect=size)
+
+
+def stream(module, device, pinned: bool = True) -> dict:
     """Run `module` (its weights on the CPU) on `device`: each block visits while it runs, the rest moves there.
-    `pinned`: page-locked host copies, packed (`io.pinned`; None: where the host's available memory holds them,
-    `io.pinned.room_for`). Returns what was done."""
+    `pinned`: page-locked host copies where the host has room (`host_arena`). Returns what was done."""
     import torch
 
     size = module_bytes(module)
     blocks = [b for lst in block_lists(module) for b in lst]
-    block_bytes = sum(module_bytes(b) for b in blocks)
     dev = torch.device(device)
-    if pinned is None:
-        pinned = dev.type == "cuda" and room_for(block_bytes)
-    pin = pinned and dev.type == "cuda"
-    arena = HostArena(pin, expect=block_bytes)
-
-    def to_host(t):
-        t = t if t.device.type == "cpu" else t.to("cpu")
-        return arena.copy(t) if pin else t
-
+    arena = host_arena(blocks, dev, pinned)
     every: list = []
     for b in blocks:
-        entries = block_entries(b, to_host)
+        entries = block_entries(b, arena.host)
         hosts = [e[3] for e in entries]
         point(entries, hosts)
         b.register_forward_pre_hook(_bring(entries, hosts, dev))
@@ -92,7 +91,7 @@ def stream(module, device, pinned: bool | None = None) -> dict:
     place_rest(module, every, dev)  # the rest: on the device for good
     streamed = sum(e[3].numel() * e[3].element_size() for e in every)
     return {"streamed_gib": round(streamed / GIB, 2), "resident_gib": round((size - streamed) / GIB, 2),
-            "blocks": len(blocks), "pinned": pin, "pinned_gib": round(arena.reserved / GIB, 2)}
+            "blocks": len(blocks), "pinned": arena.pin, "pinned_gib": round(arena.reserved / GIB, 2)}
 
 
 def block_entries(block, to_host) -> list:

@@ -235,7 +235,7 @@ def check(cfg, budget_gib: float, world: int = 1) -> dict:
     swap = _swap_for(cfg, est["blocks"], fits, world) if can_swap else None
     if swap:
         tips.append(f"--set memory.blocks_to_swap={swap} (slower: those blocks' weights cross PCIe twice a step)")
-    tips += _smaller_controls(cfg, fits, world, swap if can_swap else None)
+    tips += _smaller_controls(cfg, fits, world, swap)
     if not tips:
         tips.append("a GPU with more memory")
     p = est["parts"]

@@ -13,8 +13,7 @@ back). LoRA weights, gradients and optimizer states never move.
 from __future__ import annotations
 
 from lorakit.errors import InputError
-from lorakit.io.pinned import HostArena, room_for
-from lorakit.io.stream import block_entries, module_bytes, place_rest, point
+from lorakit.io.stream import block_entries, host_arena, place_rest, point
 
 
 def repeated_blocks(transformer) -> list:
@@ -47,11 +46,10 @@ class BlockSwapper:
         self.ready: dict[int, object] = {}  # block index -> (tensors on the GPU, copy-done event)
         self.visiting: set[int] = set()  # blocks whose weights point at GPU copies now
         self.last = -1  # the block visited last: forward runs up the list, the recompute in backward down it
-        size = sum(module_bytes(b) for b in self.blocks)
-        self.pinned = bool(pin and self.cuda and room_for(size))  # else the copies wait in pageable memory (slower)
-        self.arena = HostArena(self.pinned, expect=size)
+        self.arena = host_arena(self.blocks, self.device, pin)  # pageable where it cannot pin (slower visits)
+        self.pinned = self.arena.pin
         for i, b in enumerate(self.blocks):
-            self.host[i] = block_entries(b, self._host)  # the base, before any LoRA exists
+            self.host[i] = block_entries(b, self.arena.host)  # the base, before any LoRA exists
             self._point(i, [e[3] for e in self.host[i]])  # rest on the host
             b.register_forward_pre_hook(self._make_in(i))
             b.register_forward_hook(self._make_out(i))
@@ -62,10 +60,6 @@ class BlockSwapper:
                  "pageable host memory (no room to page-lock them, or memory.pin_memory off: slower visits)"
                  if self.cuda else "host memory")
         return f"{len(self.blocks)} blocks in {where}"
-
-    def _host(self, t):
-        t = t.detach().to("cpu")
-        return self.arena.copy(t) if self.pinned else t
 
     def place_rest(self, transformer) -> None:
         """Move every tensor that is not swapped to the GPU (instead of `transformer.to(device)`)."""
