@@ -66,13 +66,18 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--gib", type=float, default=16.0)
     ap.add_argument("--way", choices=list(WAYS))
+    ap.add_argument("--timeout", type=float, default=120.0, help="seconds for each way")
     a = ap.parse_args()
     if a.way:
         print(json.dumps(one(a.way, a.gib)))
         return
     for way, env in WAYS.items():
-        r = subprocess.run([sys.executable, __file__, "--gib", str(a.gib), "--way", way], capture_output=True,
-                           text=True, env={**os.environ, **env})
+        try:
+            r = subprocess.run([sys.executable, __file__, "--gib", str(a.gib), "--way", way], capture_output=True,
+                               text=True, env={**os.environ, **env}, timeout=a.timeout)
+        except subprocess.TimeoutExpired:  # session 27, H100: arena+reg had not finished 12 GiB in 280 s
+            print(json.dumps({"way": way, "error": f"not done in {a.timeout:.0f} s"}), flush=True)
+            continue
         print(r.stdout.strip() or json.dumps({"way": way, "error": r.stderr[-300:]}), flush=True)
 
 

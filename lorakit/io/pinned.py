@@ -5,8 +5,9 @@ torch's caching host allocator rounds every page-locked allocation up to a power
 Mistral Small's MLP matrices) takes 512 MB. Pinned one by one, FLUX.2 [dev]'s 105 GiB of streamed weights took
 about 1.6 times that in host memory (session 26: two `lorakit infer` processes on one host, each 24 or 32 GiB card's
 plan streaming every block, reached 126 and 166 GiB of host memory before their first step, and the host's 251 GiB
-ran out). Packed into chunks whose size is itself a power of two, nothing is rounded: the waste is the last
-chunk's unused tail.
+ran out). Packed into chunks whose size is itself a power of two, nothing is rounded; each copy goes to the first
+chunk with room for it (session 27: filling only the newest chunk left every chunk's tail unused when the weights
+are a sizeable part of a chunk — 18.0 GiB held for 12.6 GiB of FLUX.2-shaped matrices, no better than one by one).
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ class HostArena:
         self.pin = pin
         self.chunk = CHUNK if not expect else min(CHUNK, 1 << max(_align(expect) - 1, 1).bit_length())
         self.chunks: list = []
-        self.open, self.used = None, 0  # the chunk being filled, and how far
+        self.used: list[int] = []  # bytes taken at the start of each chunk (a tensor larger than a chunk: all of its)
         self.copied = 0  # bytes of the tensors copied in
 
     @property
@@ -54,7 +55,17 @@ class HostArena:
 
         buf = torch.empty(n, dtype=torch.uint8, pin_memory=self.pin)
         self.chunks.append(buf)
-        return buf
+        self.used.append(0)
+        return len(self.chunks) - 1
+
+    def _place(self, n: int) -> tuple[int, int]:
+        """(chunk, offset) for `n` bytes: the first chunk whose free tail holds them, else a new chunk (its own one
+        where `n` is larger than a chunk, rounded by the allocator)."""
+        if n <= self.chunk:
+            for i, (buf, used) in enumerate(zip(self.chunks, self.used, strict=True)):
+                if used + n <= buf.numel():
+                    return i, used
+        return self._new(max(self.chunk, _align(n))), 0
 
     def host(self, t):
         """Where `t` waits on the host: its copy in the arena where it pins, else `t` itself (moved to the CPU if it
@@ -72,14 +83,9 @@ class HostArena:
             t = t.to("cpu")
             return t.pin_memory() if self.pin else t
         n = t.numel() * t.element_size()
-        if n > self.chunk:  # larger than a chunk (no block's weight is): its own, rounded by the allocator
-            buf, off = self._new(_align(n)), 0
-        else:
-            if self.open is None or self.used + n > self.chunk:
-                self.open, self.used = self._new(self.chunk), 0
-            buf, off = self.open, self.used
-            self.used = _align(off + n)
-        out = buf[off:off + n].view(t.dtype).view(t.shape)
+        i, off = self._place(n)
+        self.used[i] = _align(off + n)
+        out = self.chunks[i][off:off + n].view(t.dtype).view(t.shape)
         out.copy_(t)
         self.copied += n
         return out
