@@ -102,32 +102,56 @@ def short(text: object, limit: int = 200) -> str:
     return (cut if len(cut) > limit // 2 else line[:limit]).rstrip(" ,;:") + "…"
 
 
-_OOM_FIGURES = (("asked for {}", r"Tried to allocate ([\d.]+ [KMGT]?i?B)"),
-                ("{} allocated by PyTorch", r"([\d.]+ [KMGT]?i?B) is allocated by PyTorch"),
-                ("{} reserved but unallocated", r"([\d.]+ [KMGT]?i?B) is reserved by PyTorch but unallocated"))
+_SIZE = r"([\d.]+ (?:[KMGT]?i?B|bytes))"  # a size in PyTorch's out-of-memory message: "612.35 MiB", "0 bytes"
+
+
+def _gib(figure: str) -> float:
+    n, unit = figure.split()
+    return float(n) * {"B": 2**-30, "bytes": 2**-30, "KiB": 2**-20, "MiB": 2**-10, "GiB": 1, "TiB": 2**10}.get(unit, 1)
+
+
+_OOM_FIGURES = (("asked for {}", rf"Tried to allocate {_SIZE}"),
+                ("{} allocated by PyTorch", rf"{_SIZE} is allocated by PyTorch"),
+                ("{} reserved but unallocated", rf"{_SIZE} is reserved by PyTorch but unallocated"))
 
 
 def gpu_oom_summary(text: str) -> str:
     """PyTorch's out-of-memory message in a line: what was asked, what this process held, and the emulated card's
     size where LORAKIT_MEMORY_CAP_GIB holds the process to it (torch's own figures are the whole GPU's, so under a
-    cap "53.8 GiB free" misleads). Torch's first line where its figures are not found."""
+    cap "53.8 GiB free" misleads), and what other processes held where the GPU itself was full (`others_gib`).
+    Torch's first line where its figures are not found."""
     got = [fmt.format(m.group(1)) for fmt, rx in _OOM_FIGURES if (m := re.search(rx, text))]
     if not got:
         return short(text, 160)
     cap = os.environ.get("LORAKIT_MEMORY_CAP_GIB", "").strip()
-    return ", ".join(got) + (f" (this process held to {cap} GiB by LORAKIT_MEMORY_CAP_GIB)" if cap else "")
+    others = others_gib(text)
+    return ", ".join(got) + (f" (this process held to {cap} GiB by LORAKIT_MEMORY_CAP_GIB)" if cap else "") + (
+        f"; the GPU itself was full: other processes held {others:.1f} GiB of it" if others else "")
+
+
+def others_gib(text: str) -> float | None:
+    """GiB of the GPU that other processes held when PyTorch ran out, where the GPU itself had less free than was
+    asked (not this process's cap) and they held a GiB or more — session 27: a 24 GiB cell beside three others on one
+    H100 ran out with 17.8 GiB allocated. None otherwise, or where torch's message does not say."""
+    m = re.search(rf"total capacity of {_SIZE} of which {_SIZE} is free", text)
+    mine = re.search(rf"this process has {_SIZE} memory in use", text)
+    asked = re.search(rf"Tried to allocate {_SIZE}", text)
+    if not (m and mine and asked):
+        return None
+    total, free = _gib(m.group(1)), _gib(m.group(2))
+    others = total - free - _gib(mine.group(1))
+    return others if free < _gib(asked.group(1)) and others >= 1 else None
 
 
 def fragmented(text: str) -> str:
     """The hint's first words where PyTorch held a GiB or more that it could not hand out (its cached blocks
     were the wrong sizes) and expandable segments are off: Qwen-Image with 840 modules under 24 GiB ran out of memory
     with 2.37 GiB so held, and trains at 22.2 GiB with them on (H100, 2026-11-26)."""
-    m = re.search(r"([\d.]+) ([KMGT]?)i?B is reserved by PyTorch but unallocated", text)
+    m = re.search(rf"{_SIZE} is reserved by PyTorch but unallocated", text)
     if not m or "expandable_segments:True" in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""):
         return ""
-    gib = float(m.group(1)) * {"": 2**-30, "K": 2**-20, "M": 2**-10, "G": 1, "T": 2**10}[m.group(2)]
-    return (f"{m.group(1)} {m.group(2)}iB were held in pieces too small to use: --set "
-            "memory.expandable_segments=true lets PyTorch use them. ") if gib >= 1 else ""
+    return (f"{m.group(1)} were held in pieces too small to use: --set "
+            "memory.expandable_segments=true lets PyTorch use them. ") if _gib(m.group(1)) >= 1 else ""
 
 
 def free_bytes(path) -> int | None:
@@ -187,8 +211,12 @@ def environment_fault(e: BaseException, path=None) -> EnvironmentFault | None:
                                 "close other programs, lower data.resolution or schedule.batch_size, or set "
                                 "memory.cache_in_memory=false")
     if type(e).__name__ == "OutOfMemoryError" or "CUDA out of memory" in str(e):
+        others = others_gib(str(e))
         return EnvironmentFault(f"out of GPU memory: {gpu_oom_summary(str(e))}",
-                                fragmented(str(e)) + "is another process using the GPU (nvidia-smi)? For training: "
+                                fragmented(str(e)) + (
+                                    f"other processes hold {others:.1f} GiB of this GPU (nvidia-smi lists them): stop "
+                                    "them or choose another GPU (CUDA_VISIBLE_DEVICES). " if others else
+                                    "is another process using the GPU (nvidia-smi)? ") + "For training: "
                                 "lower data.resolution or schedule.batch_size, or --set memory.blocks_to_swap=N "
                                 "(`lorakit train CONFIG --dry-run` shows the estimate); for infer: --offload model | "
                                 "fp8 | group")

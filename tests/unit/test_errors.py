@@ -53,3 +53,25 @@ def test_out_of_gpu_memory_held_in_pieces_names_expandable_segments(monkeypatch)
     monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF")
     small = text.replace("2.37 GiB is reserved", "612.35 MiB is reserved")
     assert environment_fault(RuntimeError(small)).hint.startswith("is another process using the GPU")
+
+
+def test_out_of_gpu_memory_on_a_gpu_other_processes_filled_says_how_much_they_hold(monkeypatch):
+    """Session 27, one H100, four cells at once: the 24 GiB cell ran out with 17.76 GiB allocated — below its cap,
+    because the GPU itself was full. Torch's message says how much is free and how much this process holds; the
+    rest is other processes'. Under a cap with room on the GPU (free above what was asked) nothing is said of them."""
+    from lorakit.errors import environment_fault, others_gib
+
+    text = ("CUDA out of memory. Tried to allocate 676.00 MiB. GPU 0 has a total capacity of 79.19 GiB of which 0 bytes "
+            "is free. Process 4711 has 50.10 GiB memory in use. Including non-PyTorch memory, this process has 18.31 "
+            "GiB memory in use. Of the allocated memory 17.76 GiB is allocated by PyTorch, and 54.46 MiB is reserved "
+            "by PyTorch but unallocated.")
+    monkeypatch.setenv("LORAKIT_MEMORY_CAP_GIB", "24")
+    f = environment_fault(RuntimeError(text))
+    assert f.message == ("out of GPU memory: asked for 676.00 MiB, 17.76 GiB allocated by PyTorch, 54.46 MiB reserved "
+                         "but unallocated (this process held to 24 GiB by LORAKIT_MEMORY_CAP_GIB); the GPU itself was "
+                         "full: other processes held 60.9 GiB of it")
+    assert f.hint.startswith("other processes hold 60.9 GiB of this GPU (nvidia-smi lists them): stop them or choose "
+                             "another GPU (CUDA_VISIBLE_DEVICES). For training: ")
+    capped = text.replace("of which 0 bytes is free", "of which 55.20 GiB is free")  # the cap, not the GPU
+    assert others_gib(capped) is None and environment_fault(RuntimeError(capped)).hint.startswith("is another process")
+    assert others_gib(text.replace("79.19 GiB of which", "18.80 GiB of which")) is None  # this process alone
