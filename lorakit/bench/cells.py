@@ -90,6 +90,10 @@ def table(cells: list[Cell]) -> str:
     if runs:  # where each training run's first minutes went
         text += "\nPhases of `lorakit train` (seconds; at: seconds since the command began):\n\n"
         for c, stage, ph in runs:
-            text += f"- {c.family} x {c.profile}, {stage}: " + "; ".join(
-                f"{name} {secs:.1f} (at {at:.0f})" for name, secs, at, _ in ph) + "\n"
+            text += f"- {c.family} x {c.profile}, {stage}: " + "; ".join(_phase(*p) for p in ph) + "\n"
     return text
+
+
+def _phase(name: str, secs: float, at: float, step=None, of_which: str | None = None) -> str:
+    """One phase of a run in the table's words (`matrix.phases`; results before session 27 lack `of_which`)."""
+    return f"{name} {secs:.1f} (at {at:.0f}{f'; {of_which}' if of_which else ''})"

@@ -118,9 +118,10 @@ def _json(text: str) -> dict:
 
 
 def phases(log: str) -> list:
-    """[(phase, seconds, at, step)] from a `--log-format json` log, in order (at: seconds since the command began;
-    step: the optimizer step a compile phase held up), after what came before the first phase (the interpreter,
-    the imports: the first phase's start)."""
+    """[(phase, seconds, at, step, of_which)] from a `--log-format json` log, in order (at: seconds since the
+    command began; step: the optimizer step a compile phase held up; of_which: the parts the phase names, as the
+    preparation's and the checkpoint's), after what came before the first phase (the interpreter, the imports: the
+    first phase's start)."""
     got = []
     for line in log.splitlines():
         try:
@@ -128,10 +129,10 @@ def phases(log: str) -> list:
         except ValueError:
             continue
         if isinstance(rec, dict) and rec.get("event") == "phase":
-            got.append([rec["name"], rec["seconds"], rec.get("t"), rec.get("step")])
+            got.append([rec["name"], rec["seconds"], rec.get("t"), rec.get("step"), rec.get("of_which")])
     if got and got[0][2] is not None:
         start = round(max(got[0][2] - got[0][1], 0.0), 2)
-        got.insert(0, [BEFORE, start, start, None])
+        got.insert(0, [BEFORE, start, start, None, None])
     return got
 
 

@@ -27,6 +27,7 @@ from lorakit.io import atomic_path, load, read_header, resolve_files, save_shard
 from lorakit.io.pt import NotPlainData, load_pt
 from lorakit.train import shards
 from lorakit.train.lora import load_lora_into, lora_state_dict, save_lora
+from lorakit.train.prepare import Clock
 from lorakit.train.resume import check_lora_shapes, check_schedule, schedule_facts
 
 
@@ -39,7 +40,8 @@ def save(tr, final: bool = False, name: str | None = None, background: bool = Fa
 
     name = name or ("final" if final else f"step-{tr.step:06d}")
     ck = tr.out / "checkpoints" / name
-    consumer_check = None
+    consumer_check, clock = None, Clock()
+    tr.save_took = clock.took  # the parts of this save, in seconds (the checkpoint phase's facts)
     if tr.full and tr.cfg.output.checkpoint_format == "sharded":
         return _save_sharded(tr, ck, name, background and tr.cfg.output.async_save), None
     if tr.full:
@@ -52,17 +54,20 @@ def save(tr, final: bool = False, name: str | None = None, background: bool = Fa
         ck.mkdir(parents=True, exist_ok=True)
         if tr.full:
             _save_transformer(tr.transformer, weights, ck / "transformer")
+            clock.lap("transformer written")
         else:
             with tr.averaged():  # the LoRA file holds the EMA weights when EMA is on
                 consumer_check = save_lora(tr.transformer, ck / "lora.safetensors", tr.cfg.model.family,
                                            {"lorakit_step": tr.step, **({"lorakit_ema_decay": tr.ema.decay}
-                                                                        if tr.ema else {})})
+                                                                        if tr.ema else {})}, clock=clock)
             opt_state = tr.opt.state_dict()
         state = _state(tr, optimizer=opt_state)
         if not tr.full:  # the trainable tensors bit for bit (the file has alpha folded into B)
             state["lora"] = {k: v.cpu() for k, v in lora_state_dict(tr.transformer).items()}
+        clock.lap("training state gathered")
         with atomic_path(ck / "state.pt") as tmp:
             torch.save(state, tmp)
+        clock.lap("state.pt written")
         if not final and name.startswith("step-"):
             _prune(tr)
     tr.dist.barrier()

@@ -157,8 +157,9 @@ def finish(r: Run) -> dict:
         render_samples(r, 0)
     if r.sampler and not interrupted and not (cfg.sampling.every and tr.step % cfg.sampling.every == 0):
         render_samples(r, tr.step)
-    with r.events.phase(f"{'checkpoint' if interrupted else 'final checkpoint'} (step {tr.step})"):
+    with r.events.phase(f"{'checkpoint' if interrupted else 'final checkpoint'} (step {tr.step})") as facts:
         ck = tr.save(final=not interrupted)
+        facts["of_which"] = ", ".join(f"{k} {v:.1f} s" for k, v in tr.save_took.items()) or None  # every part
     result = {"steps": tr.step, "interrupted": interrupted, "checkpoint": str(ck), "metrics": str(r.log.path),
               "seconds": round(time.perf_counter() - r.started, 2), "cache": r.cache.to_dict(),
               "profile": r.resolved.profile, "memory_estimate": r.resolved.estimate,

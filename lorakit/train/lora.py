@@ -75,10 +75,12 @@ def lora_state_dict(transformer) -> dict:
     return {f"transformer.{k}": v.detach().contiguous() for k, v in get_peft_model_state_dict(transformer).items()}
 
 
-def save_lora(transformer, path: Path, family: str, extra: dict | None = None, check: bool = True) -> dict | None:
+def save_lora(transformer, path: Path, family: str, extra: dict | None = None, check: bool = True,
+              clock=None) -> dict | None:
     """Write the LoRA the way every consumer reads alike (`convert.lora.write`, diffusers layout: alpha folded
     into B; DoRA with ComfyUI's dora_scale beside peft's magnitude), then read it back as diffusers and as
-    ComfyUI would and compare with the trained modules (`convert.verify`). Returns that comparison.
+    ComfyUI would and compare with the trained modules (`convert.verify`). Returns that comparison. `clock`: a
+    `train.prepare.Clock` told when the file is written and when it is checked.
 
     Raises:
         RuntimeError: a consumer would apply something else than what was trained (a bug: nothing is hidden).
@@ -88,9 +90,13 @@ def save_lora(transformer, path: Path, family: str, extra: dict | None = None, c
     base = V.base_weights(transformer, t.weights) if dora else None
     meta = {k: str(v) for k, v in (extra or {}).items()}
     L.write(t, path, "diffusers", family_info(family).arch, extra_metadata=meta, base=base)
+    if clock:
+        clock.lap("LoRA file")
     if not check:
         return None
     result = V.check_file(path, family, t, base, shapes=V.module_shapes(transformer))
+    if clock:
+        clock.lap("read back as diffusers and ComfyUI read it")
     bad = {k: v for k, v in result.items() if v != "equal" and not v.startswith("not compared")}
     if bad:
         raise RuntimeError(f"{path}: read back as a consumer would, it differs from what was trained: {bad}")

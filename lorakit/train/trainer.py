@@ -61,6 +61,7 @@ class Trainer:
         self.sched_cfg = scheduler_config(cfg.model.path)
         self.ahead = Ahead(self)  # the next micro-step's inputs, drawn while the GPU works (train/inputs.py)
         self.last_check = None  # the last saved LoRA as each consumer reads it (`save`)
+        self.save_took: dict = {}  # seconds of each part of the last save (`checkpoint.save`)
         self.last_size = None  # "WxH" (xF frames) of the last batch: what a compile for a new shape was for
         self.pending = None  # a sharded checkpoint being written in the background (checkpoint.py)
 

@@ -41,11 +41,14 @@ def test_the_matrix_runs_a_cell_through_every_stage(tmp_path):
     by_size = cell["stages"]["train"]["by_size"]  # the same spread per bucket
     assert by_size and all("x" in k and 0 < m <= p and n >= 1 for k, (m, p, n) in by_size.items())
     for stage in ("train", "train-warm"):  # where the first minutes went, phase by phase
-        names = [name for name, _, _, _ in cell["stages"][stage]["phases"]]
+        names = [name for name, *_ in cell["stages"][stage]["phases"]]
         assert names[:6] == [BEFORE, "check config and machine", "cache", "load model", "prepare model",
                              "step 1"], names
+        (final,) = [ph for ph in cell["stages"][stage]["phases"] if ph[0] == "final checkpoint (step 4)"]
+        assert final[4].startswith("LoRA file ") and "read back as diffusers and ComfyUI read it" in final[4]
     md = (tmp_path / "matrix.md").read_text()
     assert "- flux x cpu, train-warm: before the first phase (imports) " in md and "; load model " in md
+    assert "; final checkpoint (step 4) " in md
     assert math.isfinite(cell["psnr_vs_stock"])  # bf16 both; lorakit's LoRA and the stock one's: close, not equal
     assert cell["stages"]["stock"]["offload"] == "none"  # the stock pipeline offloads only a model larger than the GPU
     assert "| flux | cpu | pass |" in md and " / " in md.split("| flux | cpu | pass |")[1]
@@ -79,9 +82,12 @@ def test_a_refusal_is_a_cell_result_not_a_crash(tmp_path):
 def test_the_phases_begin_with_what_came_before_the_first():
     log = "\n".join(['import time: 5 | 5 | x', json.dumps({"t": 10.45, "event": "phase", "name": "check config and "
                      "machine", "seconds": 5.34}), json.dumps({"t": 11.0, "event": "info", "message": "m"}),
-                     json.dumps({"t": 43.04, "event": "phase", "name": "step 1", "seconds": 1.64, "step": None})])
-    assert phases(log) == [[BEFORE, 5.11, 5.11, None], ["check config and machine", 5.34, 10.45, None],
-                           ["step 1", 1.64, 43.04, None]]
+                     json.dumps({"t": 43.04, "event": "phase", "name": "step 1", "seconds": 1.64, "step": None}),
+                     json.dumps({"t": 60.0, "event": "phase", "name": "final checkpoint (step 1)", "seconds": 3.0,
+                                 "of_which": "LoRA file 1.0 s, state.pt written 2.0 s"})])
+    assert phases(log) == [[BEFORE, 5.11, 5.11, None, None], ["check config and machine", 5.34, 10.45, None, None],
+                           ["step 1", 1.64, 43.04, None, None],
+                           ["final checkpoint (step 1)", 3.0, 60.0, None, "LoRA file 1.0 s, state.pt written 2.0 s"]]
     assert phases("no phases here") == []
 
 

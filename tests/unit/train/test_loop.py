@@ -288,5 +288,8 @@ def test_the_first_run_here_measures_attention_while_its_model_loads(tmp_path, t
     assert done and done[0][2]["attention"] == "flash+efficient" and done[0][2]["measured_s"] >= 0.5
     assert order.index(f"end {done[0][1]}") > order.index("end prepare model")
     assert applied == ["flash+efficient"]  # in force for the run, once
+    (final,) = [h[2] for h in heard if h[0] == "end" and h[1] == "final checkpoint (step 2)"]
+    assert [part.rsplit(" ", 2)[0] for part in final["of_which"].split(", ")] == [  # where a save's time goes
+        "LoRA file", "read back as diffusers and ComfyUI read it", "training state gathered", "state.pt written"]
     written = yaml.safe_load(open(tmp_path / "out" / "config.resolved.yaml"))
     assert written["memory"]["attention"] == "flash+efficient"
