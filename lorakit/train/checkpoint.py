@@ -42,6 +42,9 @@ def save(tr, final: bool = False, name: str | None = None, background: bool = Fa
     ck = tr.out / "checkpoints" / name
     consumer_check, clock = None, Clock()
     tr.save_took = clock.took  # the parts of this save, in seconds (the checkpoint phase's facts)
+    if torch.device(tr.device).type == "cuda":  # the steps' queued GPU work ends first, timed apart from the save
+        torch.cuda.synchronize(tr.device)
+        clock.lap("the last steps' GPU work")
     if tr.full and tr.cfg.output.checkpoint_format == "sharded":
         return _save_sharded(tr, ck, name, background and tr.cfg.output.async_save), None
     if tr.full:
