@@ -204,6 +204,9 @@ def generate(model_dir: Path, req: Request, loras: list[tuple[Path, float]], out
     streamed: dict = {}
     apply(pipe, plan, device, dtype, add=pending, streamed=streamed)
     phases["placement_s"] = round(time.perf_counter() - t, 2)
+    unpinned = unpinned_warnings(streamed) if str(device).startswith("cuda") else []  # a CPU run pins nothing
+    for w in unpinned:
+        say(w)
     t_gen = time.perf_counter()
     out_dir.mkdir(parents=True, exist_ok=True)
     model_hash = file_hash(Path(model_dir) / "model_index.json")
@@ -277,7 +280,17 @@ def generate(model_dir: Path, req: Request, loras: list[tuple[Path, float]], out
     return {"files": files, **({"gifs": gifs} if gifs else {}), **timing,
             "contact_sheet": str(sheet) if sheet else None, "model": str(model_dir),
             "family": family, "device": device, "dtype": dtype_name, "loras": lora_facts,
-            "warnings": not_applied_warnings(lora_facts)}
+            "warnings": not_applied_warnings(lora_facts) + unpinned}
+
+
+def unpinned_warnings(streamed: dict) -> list[str]:
+    """A line per streamed component whose blocks wait in pageable memory (`io.stream`: the host had no room to
+    page-lock them beside what it holds): each visit is a slower copy, and where the host's free memory cannot hold
+    them either, a read from the disk."""
+    return [f"{name}: {how['streamed_gib']:.1f} GiB of blocks stream from pageable memory (the host has no room to "
+            "page-lock them): slower each time it runs, and read again from the disk where the host's free memory "
+            "cannot hold them" for name, how in streamed.items() if how and how.get("streamed_gib") and
+            not how.get("pinned")]
 
 
 def not_applied_warnings(lora_facts: list[dict]) -> list[str]:

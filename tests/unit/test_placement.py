@@ -119,7 +119,20 @@ def test_group_streams_every_components_blocks_and_the_images_are_the_same(tiny)
     ref = np.asarray(pipe(**kw, generator=torch.Generator().manual_seed(1)).images[0])
     blocks = [*pipe.text_encoder.model.language_model.layers, *pipe.transformer.transformer_blocks]
     before = [len(m._forward_pre_hooks) for m in blocks]
-    placement.apply(pipe, placement.Plan("group", "test", {}), "cpu")
+    said: dict = {}
+    placement.apply(pipe, placement.Plan("group", "test", {}), "cpu", streamed=said)
     assert [len(m._forward_pre_hooks) for m in blocks] == [n + 1 for n in before]  # each visits when it runs
+    # the transformer's host copies are made first (it visits every step): it gets the host's room to page-lock
+    assert list(said) == ["transformer", "vae", "text_encoder"] and not any(h["pinned"] for h in said.values())
     out = np.asarray(pipe(**kw, generator=torch.Generator().manual_seed(1)).images[0])
     assert np.array_equal(out, ref)
+
+
+def test_a_streamed_component_left_in_pageable_memory_is_said():
+    from lorakit.infer import unpinned_warnings
+
+    said = {"transformer": {"streamed_gib": 58.66, "pinned": True}, "text_encoder": {"streamed_gib": 41.41,
+            "pinned": False}, "vae": {"streamed_gib": 0.0, "pinned": False}, "other": None}
+    (w,) = unpinned_warnings(said)
+    assert w.startswith("text_encoder: 41.4 GiB of blocks stream from pageable memory (the host has no room to "
+                        "page-lock them)")
