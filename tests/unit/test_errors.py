@@ -19,15 +19,21 @@ def test_unknown_name_suggests_closest():
     assert e.hint.startswith("did you mean 'rtx4090'?")
 
 
+def torch_oom(asked, total, free, mine, allocated, reserved, other=None) -> str:
+    """PyTorch's out-of-memory message as its CUDA allocator writes it (c10/cuda: the sizes as it formats them)."""
+    return (f"CUDA out of memory. Tried to allocate {asked}. GPU 0 has a total capacity of {total} of which {free} "
+            f"is free. {f'Process 4711 has {other} memory in use. ' if other else ''}Including non-PyTorch memory, "
+            f"this process has {mine} memory in use. Of the allocated memory {allocated} is allocated by PyTorch, "
+            f"and {reserved} is reserved by PyTorch but unallocated. If reserved but unallocated memory is large "
+            "try setting ...")
+
+
 def test_out_of_gpu_memory_says_what_was_asked_held_and_capped(monkeypatch):
     """torch's figures are the whole GPU's: under an emulated cap its "53.79 GiB is free" misled (H100, session
     22); the message keeps what was asked and held, and names the cap."""
     from lorakit.errors import environment_fault
 
-    text = ("CUDA out of memory. Tried to allocate 384.00 MiB. GPU 0 has a total capacity of 79.18 GiB of which "
-            "53.79 GiB is free. Process 958 has 612.00 MiB memory in use. Including non-PyTorch memory, this process "
-            "has 24.00 GiB memory in use. Of the allocated memory 22.91 GiB is allocated by PyTorch, and 612.35 MiB "
-            "is reserved by PyTorch but unallocated. If reserved but unallocated memory is large try setting ...")
+    text = torch_oom("384.00 MiB", "79.18 GiB", "53.79 GiB", "24.00 GiB", "22.91 GiB", "612.35 MiB", other="612.00 MiB")
     monkeypatch.setenv("LORAKIT_MEMORY_CAP_GIB", "24")
     f = environment_fault(RuntimeError(text))
     assert f.message == ("out of GPU memory: asked for 384.00 MiB, 22.91 GiB allocated by PyTorch, 612.35 MiB "
@@ -61,10 +67,7 @@ def test_out_of_gpu_memory_on_a_gpu_other_processes_filled_says_how_much_they_ho
     rest is other processes'. Under a cap with room on the GPU (free above what was asked) nothing is said of them."""
     from lorakit.errors import environment_fault, others_gib
 
-    text = ("CUDA out of memory. Tried to allocate 676.00 MiB. GPU 0 has a total capacity of 79.19 GiB of which 0 bytes "
-            "is free. Process 4711 has 50.10 GiB memory in use. Including non-PyTorch memory, this process has 18.31 "
-            "GiB memory in use. Of the allocated memory 17.76 GiB is allocated by PyTorch, and 54.46 MiB is reserved "
-            "by PyTorch but unallocated.")
+    text = torch_oom("676.00 MiB", "79.19 GiB", "0 bytes", "18.31 GiB", "17.76 GiB", "54.46 MiB", other="50.10 GiB")
     monkeypatch.setenv("LORAKIT_MEMORY_CAP_GIB", "24")
     f = environment_fault(RuntimeError(text))
     assert f.message == ("out of GPU memory: asked for 676.00 MiB, 17.76 GiB allocated by PyTorch, 54.46 MiB reserved "
