@@ -2,18 +2,51 @@
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
+from lorakit.convert.patches import LowRank
+
+
+def low_rank(weights) -> bool:
+    """Is comparing these patches only small products (LoRA without DoRA), none of a full-size layer's size?"""
+    return all(isinstance(p, LowRank) and not p.dora for p in weights)
+
+
+@contextmanager
+def one_thread(small: bool = True):
+    """Torch's CPU operations on the calling thread alone while inside, where the work is `small`. A low-rank
+    comparison is thousands of small products (rank x width x 8 probes): split over every core, each waits for
+    all of that many threads, and on a busy host (other trainings, compile workers) a thread not scheduled
+    stalls every product — the final checkpoint's read-back took 56-69 s with four trainings on one 64-core host
+    (session 28) where it takes 1-2 s alone; on one thread it is as fast on an idle host. Work on full-size
+    layers (DoRA's norms, LoKr/LoHa's dense change) keeps every thread."""
+    import torch
+
+    n = torch.get_num_threads()
+    if small:
+        torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(n)
+
 
 def deltas_equal(a, b, rtol: float = 1e-6, probes: int = 8, base: dict | None = None) -> tuple[bool, str]:
     """Do two LoRAs change every weight and bias the same way? Compared through random probes (delta @ x), so a
     full-size layer's delta never has to be materialised (DoRA needs `base`)."""
-    import torch
-
     wa, wb = (getattr(x, "weights", x) for x in (a, b))
     ba, bb = (getattr(x, "biases", {}) for x in (a, b))
     if set(wa) != set(wb):
         return False, f"modules differ: {sorted(set(wa) ^ set(wb))[:3]}"
     if set(ba) != set(bb):
         return False, f"bias differences differ: {sorted(set(ba) ^ set(bb))[:3]}"
+    with one_thread(low_rank(wa.values()) and low_rank(wb.values())):
+        return _compare(wa, wb, ba, bb, rtol, probes, base)
+
+
+def _compare(wa, wb, ba, bb, rtol, probes, base) -> tuple[bool, str]:
+    import torch
+
     g = torch.Generator().manual_seed(0)
     for m in wa:
         pa, pb = wa[m], wb[m]

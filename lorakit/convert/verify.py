@@ -13,6 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from lorakit.convert import comfy
+from lorakit.convert.compare import low_rank, one_thread
 from lorakit.convert.lora import Lora, deltas_equal
 from lorakit.convert.patches import LoHa, LoKr, LowRank
 from lorakit.io import load
@@ -161,6 +162,11 @@ def comfy_probe_check(path: Path, arch: str, expected: Lora, base: dict | None, 
                       shapes: dict | None = None) -> str:
     """The file through ComfyUI's rules, compared in the original (native) weights with `expected` (`shapes`:
     the model's weight shapes, for fused weights whose other projections the LoRA leaves alone)."""
+    with one_thread(not base and low_rank(expected.weights.values())):
+        return _comfy_probe_check(path, arch, expected, base, rtol, shapes)
+
+
+def _comfy_probe_check(path, arch, expected, base, rtol, shapes) -> str:
     import torch
 
     sd = load(path, copy=True)
