@@ -17,9 +17,9 @@ def one_thread(small: bool = True):
     """Torch's CPU operations on the calling thread alone while inside, where the work is `small`. A low-rank
     comparison is thousands of small products (rank x width x 8 probes): split over every core, each waits for
     all of that many threads, and on a busy host (other trainings, compile workers) a thread not scheduled
-    stalls every product — the final checkpoint's read-back took 56-69 s with four trainings on one 64-core host
-    (session 28) where it takes 1-2 s alone; on one thread it is as fast on an idle host. Work on full-size
-    layers (DoRA's norms, LoKr/LoHa's dense change) keeps every thread."""
+    stalls every product: the final checkpoint's read-back took 56-69 s with four trainings on one 64-core host,
+    1.3-2.6 s on one thread (session 28; FLUX.2 [dev]'s 160 modules on the idle host: 1.1 s on one thread, 2.7 s
+    on 64). Work on full-size layers (DoRA's norms, LoKr/LoHa's dense change) keeps every thread."""
     import torch
 
     n = torch.get_num_threads()
