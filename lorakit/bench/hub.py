@@ -14,9 +14,11 @@ vocabulary): text lengths, padding and every tensor shape are the real ones.
 from __future__ import annotations
 
 import json
+import shutil
 import time
 from pathlib import Path
 
+from lorakit.errors import InputError
 from lorakit.io import save_sharded
 from lorakit.models.base import family_adapter
 from lorakit.models.published import SHARD_BYTES, full_component, hub_names
@@ -56,13 +58,34 @@ def _identity(module, seed: int, dtype) -> str:
 def _link_weights(src: Path, folder: Path) -> None:
     """The weight files and their index of `src` in `folder`, hard-linked (copied where the disk cannot link)."""
     import os
-    import shutil
 
     for f in sorted(src.glob("*.safetensors")) + sorted(src.glob("*.safetensors.index.json")):
         try:
             os.link(f, folder / f.name)
         except OSError:
             shutil.copy2(f, folder / f.name)
+
+
+def _home(folder: Path, home: Path) -> None:
+    """`folder`, a component of a model folder, moved to `home` (emptied first) and linked from where it was."""
+    if home.exists():
+        shutil.rmtree(home)
+    home.mkdir(parents=True)
+    for item in folder.iterdir():
+        shutil.move(str(item), home / item.name)
+    folder.rmdir()
+    folder.symlink_to(home.resolve(), target_is_directory=True)
+
+
+def remove_model(folder) -> None:
+    """A model folder `write_model` wrote, and the components it keeps elsewhere (`homes`)."""
+    folder = Path(folder)
+    if not folder.exists():
+        return
+    for part in folder.iterdir():
+        if part.is_symlink() and part.is_dir():
+            shutil.rmtree(part.resolve())
+    shutil.rmtree(folder)
 
 
 def _written(folder) -> dict:
@@ -93,14 +116,17 @@ def reusable(family: str, like, seed: int = 0, scale: str = "full", dtype=None) 
 
 
 def write_model(family: str, out, device: str = "cuda", seed: int = 0, scale: str = "full",
-                progress=None, dtype=None, like=None) -> dict:
+                progress=None, dtype=None, like=None, homes: dict | None = None) -> dict:
     """Write the family's model folder at `out` (replaced if present). Returns what was written: per component
     its parameters, bytes and seconds, and the totals. `dtype`: the floating-point dtype the weights are stored
     in (the full scale is bf16, as the hub stores these models; the tiny scale keeps float32 unless asked).
     `like`: a folder written before (another family of the same weights: Qwen-Image beside its Edit models); each
-    component whose identity it holds is hard-linked from it instead of drawn and written again."""
-    import shutil
+    component whose identity it holds is hard-linked from it instead of drawn and written again. `homes`: component ->
+    a folder on another disk that holds its files, linked from the model folder (a disk too small for the whole
+    model: FLUX.2 [dev]'s 105 GiB beside a 64 GiB disk, its 60 GiB transformer in RAM-backed /dev/shm).
 
+    Raises:
+        InputError: `homes` names a component this family's pipeline does not have."""
     import torch
 
     out = Path(out)
@@ -109,8 +135,12 @@ def write_model(family: str, out, device: str = "cuda", seed: int = 0, scale: st
     pipe = adapter.build_tiny(seed)  # the layout, scheduler, tokenizers and processors of the real classes
     if scale == "full":
         _full_processor(pipe)
-    if out.exists():
-        shutil.rmtree(out)
+    parts = [n for n, c in pipe.components.items() if isinstance(c, torch.nn.Module)]
+    unknown = sorted(set(homes or {}) - set(parts))
+    if unknown:
+        raise InputError(f"{unknown[0]}: {family} has no such component to keep elsewhere", "its components: "
+                         + ", ".join(parts))
+    remove_model(out)
     pipe.save_pretrained(out, safe_serialization=True)
     report = {"family": family, "scale": scale, "components": {}}
     theirs = _written(like) if like is not None else {}
@@ -122,6 +152,8 @@ def write_model(family: str, out, device: str = "cuda", seed: int = 0, scale: st
         shape = _build(adapter, name, part, pipe, "meta") if scale == "full" else part
         ident = _identity(shape, seed + len(name), dtype)
         folder = out / name
+        if name in (homes or {}):
+            _home(folder, Path(homes[name]))
         kind = "diffusers" if type(shape).__module__.startswith("diffusers") else "transformers"
         for old in list(folder.glob("*.safetensors")) + list(folder.glob("*.safetensors.index.json")):
             old.unlink()

@@ -36,7 +36,7 @@ from pathlib import Path
 import yaml
 
 from lorakit.bench.cells import CAPS, PROFILES, SHARED_GIB, Cell, shared_check, spread, table
-from lorakit.bench.hub import reusable, write_model
+from lorakit.bench.hub import remove_model, reusable, write_model
 from lorakit.bench.load import drop_cache
 from lorakit.data.demo import demo_layout_for, make_demo_dataset
 from lorakit.data.video import Window, probe, read_window
@@ -327,8 +327,9 @@ def run_cell(cell: Cell, model: Path, data: Path, work: Path, steps: int, res: i
 
 def run_matrix(families, profiles, out: Path, models: Path | None = None, steps: int = 20, tiny: bool = False,
                stages=STAGES, limit_s: float | None = None, keep_models: bool = False, progress=None,
-               cold: bool = False, gpu_gib: float | None = None) -> list[Cell]:
-    """Every family x profile (see the module docstring); `gpu_gib`: emulate a smaller GPU (`_size_cells`).
+               cold: bool = False, gpu_gib: float | None = None, homes: dict | None = None) -> list[Cell]:
+    """Every family x profile (see the module docstring); `gpu_gib`: emulate a smaller GPU (`_size_cells`);
+    `homes`: component -> a folder elsewhere for it (`write_model`; each family's in its own subfolder).
     Returns the cells, also in out/matrix.json and .md."""
     unknown = [f for f in families if f not in family_names()] + [p for p in profiles
                                                                     if p not in PROFILES + ("cpu",)]
@@ -357,7 +358,7 @@ def run_matrix(families, profiles, out: Path, models: Path | None = None, steps:
             break
         like = _like(family, prev, models, tiny, keep_models)
         if prev is not None and like is None and not keep_models and not tiny:
-            shutil.rmtree(prev, ignore_errors=True)  # the next family's folder needs the disk
+            remove_model(prev)  # the next family's folder needs the disk
         if not (model / "lorakit_synthetic.json").is_file():
             if progress:
                 progress(f"{family}: writing the model folder" + (f" (linking {like.name}'s equal weights)"
@@ -366,12 +367,13 @@ def run_matrix(families, profiles, out: Path, models: Path | None = None, steps:
 
             t = time.perf_counter()
             rep = write_model(family, model, device="cpu" if tiny else "cuda", scale="tiny" if tiny else "full",
-                              dtype=torch.bfloat16, like=like)
+                              dtype=torch.bfloat16, like=like,
+                              homes={c: Path(d) / family / c for c, d in (homes or {}).items()})
             synth[family] = {"s": round(time.perf_counter() - t, 1), "gib": round(rep["bytes"] / 2**30, 1),
                              **({"linked": sorted(n for n, c in rep["components"].items() if "linked_from" in c)}
                                 if like else {})}
         if like is not None and not keep_models:
-            shutil.rmtree(prev, ignore_errors=True)
+            remove_model(prev)
         prev = model
         data = _dataset(family, out / "data" / family, res, frames)
         for cell in (c for c in cells if c.family == family):
@@ -382,7 +384,7 @@ def run_matrix(families, profiles, out: Path, models: Path | None = None, steps:
                 progress(f"{family} x {cell.profile}")
             run_cell(cell, model, data, out / f"{family}-{cell.profile}", steps, res, frames, tiny, stages, save, cold)
     if prev is not None and not keep_models and not tiny:
-        shutil.rmtree(prev, ignore_errors=True)
+        remove_model(prev)
     save()
     return cells
 

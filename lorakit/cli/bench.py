@@ -109,8 +109,17 @@ def matrix(family: list[str] = typer.Option([], "--family", help="families (repe
            gpu_gib: float | None = typer.Option(None, "--gpu-gib", min=1, help="emulate a smaller GPU: datacenter "
                                                 "cells held to this many GiB, larger cards run at it (the H100's "
                                                 "80 on an H200)"),
+           home: list[str] = typer.Option([], "--home", help="COMPONENT=DIR: write that component of each model "
+                                          "folder under DIR (another disk, e.g. /dev/shm) and link it (repeatable)"),
            as_json: bool = JsonOpt) -> None:
     use_json(as_json)
+    homes: dict = {}
+    for h in home:
+        name, _, where = h.partition("=")
+        if not name or not where or name in homes:
+            raise InputError(f"--home {h!r}: not COMPONENT=DIR, or that component named twice",
+                             "e.g. --home transformer=/dev/shm/models")
+        homes[name] = where
     from dataclasses import asdict
 
     from lorakit.bench.matrix import PROFILES, STAGES, run_matrix
@@ -125,7 +134,7 @@ def matrix(family: list[str] = typer.Option([], "--family", help="families (repe
     profiles = profile or (["cpu"] if tiny else list(PROFILES))
     cells = run_matrix(family or names(), profiles, out, models, steps, tiny, chosen, limit, keep_models,
                        progress=None if as_json else lambda s: console.print(f"bench matrix: {s}", soft_wrap=True),
-                       cold=cold, gpu_gib=gpu_gib)
+                       cold=cold, gpu_gib=gpu_gib, homes=homes)
     emit(as_json, [asdict(c) for c in cells], lambda: console.print((out / "matrix.md").read_text(), markup=False,
                                                                     soft_wrap=True))
 

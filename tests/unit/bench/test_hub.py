@@ -108,3 +108,32 @@ def test_a_family_of_the_same_weights_links_them_instead_of_writing(tmp_path):
     assert same == [] and need > 0
     other = hub.write_model("flux", tmp_path / "flux", device="cpu", scale="tiny", like=first)
     assert not any("linked_from" in c for c in other["components"].values())
+
+
+def test_a_component_kept_on_another_disk_is_linked_loaded_and_removed_with_the_folder(tmp_path):
+    """`homes`: FLUX.2 [dev]'s 105 GiB beside a 64 GiB disk, its transformer in RAM-backed /dev/shm: the model folder
+    links the component's folder, lorakit and diffusers read through the link, writing again replaces the old files
+    and `remove_model` removes both."""
+    from lorakit.errors import InputError
+    from lorakit.io import load
+    from lorakit.models.base import load_adapter
+
+    out, home = tmp_path / "disk" / "flux", tmp_path / "shm" / "flux" / "transformer"
+    hub.write_model("flux", out, device="cpu", scale="tiny", homes={"transformer": home})
+    assert (out / "transformer").is_symlink() and (out / "transformer").resolve() == home.resolve()
+    assert sorted(p.name for p in home.iterdir()) == sorted(
+        ["config.json", "diffusion_pytorch_model.safetensors"]), list(home.iterdir())
+    assert not (out / "vae").is_symlink()
+    adapter = load_adapter("flux", out)
+    adapter.load(["transformer"])
+    stored = load(home)
+    ours = hub._unique_tensors(adapter.parts["transformer"])
+    assert sorted(stored) == sorted(ours) and all(torch.equal(stored[k], ours[k]) for k in stored)
+    stale = home / "stale.safetensors"
+    stale.write_bytes(b"x")
+    hub.write_model("flux", out, device="cpu", scale="tiny", seed=1, homes={"transformer": home})
+    assert not stale.exists() and (out / "transformer").is_symlink()
+    hub.remove_model(out)
+    assert not out.exists() and not home.exists() and (tmp_path / "shm").is_dir()
+    with pytest.raises(InputError, match="text_encoder_3: flux has no such component"):
+        hub.write_model("flux", out, device="cpu", scale="tiny", homes={"text_encoder_3": home})

@@ -27,9 +27,13 @@ def test_private_memory_counts_shared_anonymous_pages_as_pinned_memory_is_mapped
 
 @pytest.mark.slow
 def test_the_matrix_runs_a_cell_through_every_stage(tmp_path):
+    # the transformer kept on "another disk" (--home): every stage reads it through the model folder's link
     r = CliRunner().invoke(app, ["bench", "matrix", "--tiny", "--family", "flux", "--out", str(tmp_path), "--steps",
-                                 "4", "--stages", "cache,train,train-warm,infer,stock", "--json"])
+                                 "4", "--stages", "cache,train,train-warm,infer,stock", "--json",
+                                 "--home", f"transformer={tmp_path / 'shm'}"])
     assert r.exit_code == 0, r.output
+    linked = tmp_path / "models" / "flux" / "transformer"
+    assert linked.is_symlink() and linked.resolve() == (tmp_path / "shm" / "flux" / "transformer").resolve()
     (cell,) = json.loads(r.output)
     assert cell["status"] == "pass", cell["note"]
     assert set(cell["stages"]) == {"cache", "train", "train-warm", "infer", "stock"} and all(
@@ -70,6 +74,13 @@ def test_a_video_cell_compares_the_clips_frame_for_frame(tmp_path, tiny):
                     res=64, frames=5, tiny=True, stages=("infer", "stock"))
     assert cell.status == "pass", cell.note
     assert cell.psnr_vs_stock == float("inf") and (work / "stock.mp4").is_file()
+
+
+@pytest.mark.parametrize("homes", [["transformer"], ["=/dev/shm"], ["transformer="], ["vae=/a", "vae=/b"]])
+def test_a_home_that_is_not_component_equals_dir_once_is_refused(tmp_path, homes):
+    r = CliRunner().invoke(app, ["bench", "matrix", "--tiny", "--family", "flux", "--out", str(tmp_path),
+                                 *[x for h in homes for x in ("--home", h)]])
+    assert r.exit_code == 2 and f"--home {homes[-1]!r}: not COMPONENT=DIR, or that component named twice" in r.output
 
 
 def test_a_refusal_is_a_cell_result_not_a_crash(tmp_path):
