@@ -88,6 +88,13 @@ def remove_model(folder) -> None:
     shutil.rmtree(folder)
 
 
+def weight_files(folder) -> list[Path]:
+    """A model folder's weight files, the components it links to (`homes`) included: `rglob` does not follow a
+    linked folder (Python 3.11-3.12)."""
+    folder = Path(folder)
+    return sorted([*folder.glob("*.safetensors"), *folder.glob("*/*.safetensors")])
+
+
 def _written(folder) -> dict:
     """The components write_model recorded in a folder (name -> class, params, bytes, identity); {} if none."""
     rec = Path(folder) / "lorakit_synthetic.json"

@@ -36,7 +36,7 @@ from pathlib import Path
 import yaml
 
 from lorakit.bench.cells import CAPS, PROFILES, SHARED_GIB, Cell, shared_check, spread, table
-from lorakit.bench.hub import remove_model, reusable, write_model
+from lorakit.bench.hub import remove_model, reusable, weight_files, write_model
 from lorakit.bench.load import drop_cache
 from lorakit.data.demo import demo_layout_for, make_demo_dataset
 from lorakit.data.video import Window, probe, read_window
@@ -159,7 +159,8 @@ a = json.loads(sys.argv[1])
 dev = "cuda" if torch.cuda.is_available() else "cpu"
 dt = torch.bfloat16  # as `lorakit infer` runs (on the CPU the matrix asks it for bf16 too)
 from pathlib import Path
-size = sum(f.stat().st_size for f in Path(a["model"]).rglob("*.safetensors"))
+from lorakit.bench.hub import weight_files
+size = sum(f.stat().st_size for f in weight_files(a["model"]))
 # a model larger than the GPU (FLUX.2 [dev]: 112 GB) runs as diffusers' users run it: one component at a time;
 # so does every model where matrix lanes share the GPU (the same kernels on the same GPU: the same image)
 big = dev == "cuda" and (size > 0.85 * torch.cuda.get_device_properties(0).total_memory
@@ -258,7 +259,7 @@ def run_cell(cell: Cell, model: Path, data: Path, work: Path, steps: int, res: i
             env = {k: v for k, v in env.items() if k != "LORAKIT_MEMORY_CAP_GIB"}  # the reference: uncapped
         evicted = None
         if cold and stage == stages[0]:
-            evicted = drop_cache(sorted(model.rglob("*.safetensors")))
+            evicted = drop_cache(weight_files(model))
         started = time.time()
         rc, secs, rss, out, private = _run(cmd, work / f"{stage}.log", env, timeout=1800)
         rec = {"s": round(secs, 1), "rss_gib": round(rss, 2), "rc": rc, **({"page_cache": evicted} if evicted else {}),

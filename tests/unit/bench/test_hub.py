@@ -124,6 +124,8 @@ def test_a_component_kept_on_another_disk_is_linked_loaded_and_removed_with_the_
     assert sorted(p.name for p in home.iterdir()) == sorted(
         ["config.json", "diffusion_pytorch_model.safetensors"]), list(home.iterdir())
     assert not (out / "vae").is_symlink()
+    linked = (home / "diffusion_pytorch_model.safetensors").resolve()
+    assert linked in [f.resolve() for f in hub.weight_files(out)]  # what --cold evicts and stock sizes
     adapter = load_adapter("flux", out)
     adapter.load(["transformer"])
     stored = load(home)
