@@ -89,8 +89,8 @@ def remove_model(folder) -> None:
 
 
 def weight_files(folder) -> list[Path]:
-    """A model folder's weight files, the components it links to (`homes`) included: `rglob` does not follow a
-    linked folder (Python 3.11-3.12)."""
+    """A model folder's weight files, the components it links to (`homes`) included: `rglob`'s "**" does not
+    follow a linked folder."""
     folder = Path(folder)
     return sorted([*folder.glob("*.safetensors"), *folder.glob("*/*.safetensors")])
 
