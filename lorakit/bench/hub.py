@@ -13,6 +13,7 @@ vocabulary): text lengths, padding and every tensor shape are the real ones.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 import time
@@ -148,6 +149,17 @@ def write_model(family: str, out, device: str = "cuda", seed: int = 0, scale: st
         raise InputError(f"{unknown[0]}: {family} has no such component to keep elsewhere", "its components: "
                          + ", ".join(parts))
     remove_model(out)
+    try:
+        return _write(pipe, adapter, family, out, device, seed, scale, progress, dtype, like, homes or {})
+    except BaseException:  # a folder cut short (a full disk, ^C) is not left to fill the disk (the next write would
+        with contextlib.suppress(OSError):  # remove it first anyway); the error that cut it is the one raised
+            remove_model(out)
+        raise
+
+
+def _write(pipe, adapter, family, out: Path, device, seed, scale, progress, dtype, like, homes: dict) -> dict:
+    import torch
+
     pipe.save_pretrained(out, safe_serialization=True)
     report = {"family": family, "scale": scale, "components": {}}
     theirs = _written(like) if like is not None else {}
@@ -159,7 +171,7 @@ def write_model(family: str, out, device: str = "cuda", seed: int = 0, scale: st
         shape = _build(adapter, name, part, pipe, "meta") if scale == "full" else part
         ident = _identity(shape, seed + len(name), dtype)
         folder = out / name
-        if name in (homes or {}):
+        if name in homes:
             _home(folder, Path(homes[name]))
         kind = "diffusers" if type(shape).__module__.startswith("diffusers") else "transformers"
         for old in list(folder.glob("*.safetensors")) + list(folder.glob("*.safetensors.index.json")):

@@ -150,51 +150,6 @@ def psnr(a, b) -> float:
     return float("inf") if mse == 0 else 10 * math.log10(255.0**2 / mse)
 
 
-STOCK = r"""
-import json, sys, torch
-from diffusers import DiffusionPipeline
-from lorakit.data.images import open_image
-from lorakit.models.base import family_adapter
-a = json.loads(sys.argv[1])
-dev = "cuda" if torch.cuda.is_available() else "cpu"
-dt = torch.bfloat16  # as `lorakit infer` runs (on the CPU the matrix asks it for bf16 too)
-from pathlib import Path
-from lorakit.bench.hub import weight_files
-size = sum(f.stat().st_size for f in weight_files(a["model"]))
-# a model larger than the GPU (FLUX.2 [dev]: 112 GB) runs as diffusers' users run it: one component at a time;
-# so does every model where matrix lanes share the GPU (the same kernels on the same GPU: the same image)
-big = dev == "cuda" and (size > 0.85 * torch.cuda.get_device_properties(0).total_memory
-                         or a["offload"])
-pipe = DiffusionPipeline.from_pretrained(a["model"], torch_dtype=dt)
-if big:
-    pipe.enable_model_cpu_offload()
-else:
-    pipe = pipe.to(dev)
-pipe.set_progress_bar_config(disable=True)
-pipe.load_lora_weights(a["lora"])
-ad = family_adapter(a["family"])
-kw = dict(prompt=a["prompt"], num_inference_steps=a["steps"], generator=torch.Generator().manual_seed(a["seed"]))
-kw.update({k: v for k, v in ad.call_kwargs(a["width"], a["height"], a["frames"]).items() if k != "num_frames"})
-if a["image"]:
-    imgs = [open_image(p) for p in a["image"]]
-    kw["image"] = imgs[0] if ad.max_controls == 1 else imgs
-if ad.layout == "video":
-    kw["num_frames"] = a["frames"]
-out = pipe(**kw)
-if ad.layout == "video":  # written as `lorakit infer` writes a clip (the same H.264 writer), compared frame to frame
-    from PIL import Image
-    import numpy as np
-    from lorakit.data.video import write_clip
-    frames = [f if isinstance(f, Image.Image) else Image.fromarray((np.asarray(f) * 255).clip(0, 255)
-              .astype("uint8")) for f in out.frames[0]]
-    write_clip(a["out"].replace(".png", ".mp4"), frames, fps=24.0)
-else:  # Kandinsky 5 T2I's output names it `image`
-    (out.images if hasattr(out, "images") else out.image)[0].save(a["out"])
-print(json.dumps({"peak_gpu_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if dev == "cuda" else None,
-                  "offload": "model" if big else "none"}))
-"""
-
-
 def _dataset(family: str, folder: Path, res: int, frames: int) -> Path:
     layout = demo_layout_for(family)
     if layout == "video":
@@ -255,7 +210,7 @@ def run_cell(cell: Cell, model: Path, data: Path, work: Path, steps: int, res: i
                     "prompt": PROMPT, "steps": infer_steps, "seed": 0, "width": res, "height": res, "frames": frames,
                     "image": controls, "out": str(work / "stock.png"),
                     "offload": os.environ.get("LORAKIT_BENCH_SHARED_GPU") == "1"}
-            cmd = [sys.executable, "-c", STOCK, json.dumps(spec)]
+            cmd = [sys.executable, "-m", "lorakit.bench.stock", json.dumps(spec)]
             env = {k: v for k, v in env.items() if k != "LORAKIT_MEMORY_CAP_GIB"}  # the reference: uncapped
         evicted = None
         if cold and stage == stages[0]:
@@ -358,7 +313,7 @@ def run_matrix(families, profiles, out: Path, models: Path | None = None, steps:
         if limit_s and time.monotonic() - t0 > limit_s:
             break
         like = _like(family, prev, models, tiny, keep_models)
-        if prev is not None and like is None and not keep_models and not tiny:
+        if prev is not None and like != prev and not keep_models and not tiny:
             remove_model(prev)  # the next family's folder needs the disk
         if not (model / "lorakit_synthetic.json").is_file():
             if progress:
@@ -373,8 +328,8 @@ def run_matrix(families, profiles, out: Path, models: Path | None = None, steps:
             synth[family] = {"s": round(time.perf_counter() - t, 1), "gib": round(rep["bytes"] / 2**30, 1),
                              **({"linked": sorted(n for n, c in rep["components"].items() if "linked_from" in c)}
                                 if like else {})}
-        if like is not None and not keep_models:
-            remove_model(prev)
+        if prev is not None and like == prev and not keep_models:
+            remove_model(prev)  # its files live on in this folder's links
         prev = model
         data = _dataset(family, out / "data" / family, res, frames)
         for cell in (c for c in cells if c.family == family):
@@ -407,14 +362,23 @@ def _size_cells(cells: list[Cell], real: float | None, emulated: float | None) -
 
 
 def _like(family: str, prev: Path | None, models: Path, tiny: bool, keep_models: bool) -> Path | None:
-    """The previous family's folder where the next one can link some of its weights and the rest fits the disk
-    beside it (Qwen-Image, then its Edit models: nothing more is written); None where it cannot."""
-    if prev is None or tiny or not (prev / "lorakit_synthetic.json").is_file() or prev == models / family:
+    """A folder written before whose equal weights the next family's can link, where the rest fits the disk beside
+    it (Qwen-Image, then its Edit models: nothing more is written); None where there is none. The last family's folder
+    first, then those an earlier run kept in `models` (FLUX.2 [dev] Edit run alone after a kept FLUX.2 [dev]: 45 GiB
+    more on a disk with 17 free)."""
+    if tiny:
         return None
     import torch
 
-    same, need = reusable(family, prev, dtype=torch.bfloat16)
-    return prev if same and (keep_models or need < shutil.disk_usage(models).free - 2**30) else None
+    kept = sorted(p for p in models.iterdir() if p != prev and (p / "lorakit_synthetic.json").is_file()) \
+        if models.is_dir() else []
+    for cand in ([prev] if prev is not None else []) + kept:
+        if cand == models / family or not (cand / "lorakit_synthetic.json").is_file():
+            continue
+        same, need = reusable(family, cand, dtype=torch.bfloat16)
+        if same and (keep_models or need < shutil.disk_usage(models).free - 2**30):
+            return cand
+    return None
 
 
 def _gpu_gib() -> float | None:

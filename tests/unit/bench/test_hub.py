@@ -139,3 +139,21 @@ def test_a_component_kept_on_another_disk_is_linked_loaded_and_removed_with_the_
     assert not out.exists() and not home.exists() and (tmp_path / "shm").is_dir()
     with pytest.raises(InputError, match="text_encoder_3: flux has no such component"):
         hub.write_model("flux", out, device="cpu", scale="tiny", homes={"text_encoder_3": home})
+
+
+def test_a_write_cut_short_leaves_no_folder_behind(tmp_path, monkeypatch):
+    """A full disk mid-write (FLUX.2 [dev] Edit's 45 GiB encoder beside 17 GiB free: 13 GiB of shards were left):
+    the folder and its component kept elsewhere are removed, and the disk's own error is the one raised."""
+    out, home = tmp_path / "disk" / "flux", tmp_path / "shm" / "flux" / "transformer"
+    real, calls = hub.save_sharded, []
+
+    def fills_the_disk(tensors, folder, **kw):
+        calls.append(folder.name)
+        if len(calls) == 2:
+            raise OSError(28, "No space left on device")
+        return real(tensors, folder, **kw)
+
+    monkeypatch.setattr(hub, "save_sharded", fills_the_disk)
+    with pytest.raises(OSError, match="No space left"):
+        hub.write_model("flux", out, device="cpu", scale="tiny", homes={"transformer": home})
+    assert len(calls) == 2 and not out.exists() and not home.exists()

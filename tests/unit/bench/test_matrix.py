@@ -185,7 +185,8 @@ def test_a_smaller_gpu_is_emulated_on_a_larger_one(tmp_path, monkeypatch):
 
 def test_the_next_family_links_the_folder_before_it_where_it_holds_the_same_weights(tmp_path):
     """Full size: Qwen-Image-Edit-2511 after Qwen-Image links all three components (nothing written), FLUX after it
-    links nothing (and the folder before is removed first, for the disk); the tiny scale writes as before."""
+    links nothing (and the folder before is removed first, for the disk), a family run alone links a folder an
+    earlier run kept; the tiny scale writes as before."""
     import torch
 
     from lorakit.bench import hub, matrix
@@ -203,4 +204,8 @@ def test_the_next_family_links_the_folder_before_it_where_it_holds_the_same_weig
     same, need = hub.reusable("qwen-image-edit-2511", prev, dtype=torch.bfloat16)
     assert sorted(same) == sorted(comps) and need == 0
     assert matrix._like("flux", prev, tmp_path, tiny=False, keep_models=False) is None
+    # run alone after a run that kept its folder (in the same --models): that folder, found there
+    assert matrix._like("qwen-image-edit-2511", None, tmp_path, tiny=False, keep_models=True) == prev
+    assert matrix._like("qwen-image", None, tmp_path, tiny=False, keep_models=True) is None  # itself: never
+    assert matrix._like("flux", None, tmp_path, tiny=False, keep_models=True) is None
     assert matrix._like("qwen-image-edit", prev, tmp_path, tiny=True, keep_models=False) is None
