@@ -284,13 +284,19 @@ def generate(model_dir: Path, req: Request, loras: list[tuple[Path, float]], out
 
 
 def unpinned_warnings(streamed: dict) -> list[str]:
-    """A line per streamed component whose blocks wait in pageable memory (`io.stream`: the host had no room to
-    page-lock them beside what it holds): each visit is a slower copy, and where the host's free memory cannot hold
-    them either, a read from the disk."""
-    return [f"{name}: {how['streamed_gib']:.1f} GiB of blocks stream from pageable memory (the host has no room to "
-            "page-lock them): slower each time it runs, and read again from the disk where the host's free memory "
-            "cannot hold them" for name, how in streamed.items() if how and how.get("streamed_gib") and
-            not how.get("pinned")]
+    """A line per streamed component whose blocks, or some of them, wait in pageable memory (`io.stream`: the host
+    had no room to page-lock them beside what it holds): each visit is a slower copy, and where the host's free
+    memory cannot hold them either, a read from the disk."""
+    out = []
+    for name, how in streamed.items():
+        if not how or not how.get("streamed_gib") or how.get("pinned"):
+            continue
+        gib, of = how.get("pageable_gib", how["streamed_gib"]), how["streamed_gib"]
+        part = f"{gib:.1f} of its {of:.1f}" if gib < of else f"{gib:.1f}"
+        out.append(f"{name}: {part} GiB of blocks stream from pageable memory (the host has no room to page-lock "
+                   "them): slower each time it runs, and read again from the disk where the host's free memory "
+                   "cannot hold them")
+    return out
 
 
 def not_applied_warnings(lora_facts: list[dict]) -> list[str]:

@@ -196,8 +196,8 @@ def apply(pipe, plan: Plan, device: str, dtype=None, add: dict | None = None, st
 
 
 def every_step_first(components: dict) -> list:
-    """The components in the order their host copies are made: the transformer(s) first. Each is page-locked only
-    where the host still has room (`io.pinned.room_for`), and the transformer's blocks visit every denoising step
+    """The components in the order their host copies are made: the transformer(s) first. Each is page-locked as far
+    as the host still has room (`io.pinned.pinnable`), and the transformer's blocks visit every denoising step
     where a text encoder's visit once a prompt: in the pipelines' own order (VAE, text encoder, transformer) a host of
     96 GB would page-lock FLUX.2 [dev]'s 42 GiB Mistral and leave the 59 GiB transformer to a page cache too small for
     it, read again from the disk every step."""

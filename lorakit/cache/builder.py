@@ -138,8 +138,10 @@ def _build(cfg, device, force, verify, strict, events, adapter, dist) -> Summary
             facts.update(load_facts([adapter.parts[n] for n in (*adapter.text_parts, adapter.vae_part)
                                      if hasattr(adapter.parts.get(n), "parameters")], time.perf_counter() - t0))
             for name, how in adapter.streamed.items():
+                slow = "" if how["pinned"] else (f"; {how.get('pageable_gib', how['streamed_gib'])} GiB of it pageable"
+                                                 ": the host has no room to pin it: slower")
                 facts[name] = (f"{how['streamed_gib']} GiB streamed from host memory block by block (it does not "
-                               f"fit this GPU{'' if how['pinned'] else '; the host has no room to pin it: slower'})")
+                               f"fit this GPU{slow})")
     t_enc = time.perf_counter()
     events.progress("encoding", 0, len(todo))
     # The disk work overlaps the encoders: the next item's image is decoded and cropped on a reader thread,

@@ -9,9 +9,9 @@ stream copies each block back to new host memory after it runs (`_offload_to_mem
 312 s for six items under a 32 GiB cap on an H200 host that way).
 Nothing is rounded: bf16 weights stay bf16, outputs are the same.
 
-The host copies are page-locked (fast, asynchronous copies), packed (`io.pinned`: nothing rounded up), where the
-host has the memory for them beside what it holds; elsewhere the mapped or loaded tensors are copied from as they
-are (slower).
+The host copies are page-locked (fast, asynchronous copies), packed (`io.pinned`: nothing rounded up), as far as
+the host has the memory for them beside what it holds; the rest are copied from the mapped or loaded tensors as
+they are (slower).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import math
 from pathlib import Path
 
 from lorakit.io.header import FLOATS, read_header
-from lorakit.io.pinned import HostArena, room_for
+from lorakit.io.pinned import HostArena, pinnable
 from lorakit.io.reader import resolve_files
 
 GIB = 2**30
@@ -63,17 +63,26 @@ def too_large(gib: float, budget_gib: float) -> bool:
 
 
 def host_arena(blocks, device, pin: bool = True) -> HostArena:
-    """Where the host copies of `blocks` wait (`io.pinned`): page-locked, packed, where `device` is a GPU, `pin`
-    asks for it and the host's available memory holds them (`io.pinned.room_for`); pageable otherwise."""
+    """Where the host copies of `blocks` wait (`io.pinned`): page-locked and packed where `device` is a GPU and `pin`
+    asks for it, as many as the host's available memory holds (`io.pinned.pinnable`), the rest pageable; all
+    pageable otherwise."""
     import torch
 
     size = sum(module_bytes(b) for b in blocks)
-    return HostArena(bool(pin) and torch.device(device).type == "cuda" and room_for(size), expect=size)
+    want = bool(pin) and torch.device(device).type == "cuda"
+    room = pinnable() if want else 0
+    return HostArena(room > 0, expect=size, limit=room)
+
+
+def pageable_bytes(arena: HostArena, size: int) -> int:
+    """Of `size` bytes put in `arena`, those that wait in pageable memory."""
+    return arena.pageable if arena.pin else size
 
 
 def stream(module, device, pinned: bool = True) -> dict:
     """Run `module` (its weights on the CPU) on `device`: each block visits while it runs, the rest moves there.
-    `pinned`: page-locked host copies where the host has room (`host_arena`). Returns what was done."""
+    `pinned`: page-locked host copies as far as the host has room (`host_arena`). Returns what was done: `pinned`
+    is true where every streamed byte is page-locked, `pageable_gib` says how much is not."""
     import torch
 
     size = module_bytes(module)
@@ -90,8 +99,10 @@ def stream(module, device, pinned: bool = True) -> dict:
         every += entries
     place_rest(module, every, dev)  # the rest: on the device for good
     streamed = sum(e[3].numel() * e[3].element_size() for e in every)
+    pageable = pageable_bytes(arena, streamed)
     return {"streamed_gib": round(streamed / GIB, 2), "resident_gib": round((size - streamed) / GIB, 2),
-            "blocks": len(blocks), "pinned": arena.pin, "pinned_gib": round(arena.reserved / GIB, 2)}
+            "blocks": len(blocks), "pinned": pageable == 0, "pinned_gib": round(arena.reserved / GIB, 2),
+            "pageable_gib": round(pageable / GIB, 2)}
 
 
 def block_entries(block, to_host) -> list:

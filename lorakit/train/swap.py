@@ -47,7 +47,6 @@ class BlockSwapper:
         self.visiting: set[int] = set()  # blocks whose weights point at GPU copies now
         self.last = -1  # the block visited last: forward runs up the list, the recompute in backward down it
         self.arena = host_arena(self.blocks, self.device, pin)  # pageable where it cannot pin (slower visits)
-        self.pinned = self.arena.pin
         for i, b in enumerate(self.blocks):
             self.host[i] = block_entries(b, self.arena.host)  # the base, before any LoRA exists
             self._point(i, [e[3] for e in self.host[i]])  # rest on the host
@@ -56,10 +55,22 @@ class BlockSwapper:
 
     def said(self) -> str:
         """Where the swapped blocks' weights wait, in words (the prepare phase's facts)."""
-        where = (f"page-locked host memory ({self.arena.reserved / 2**30:.1f} GiB)" if self.pinned else
-                 "pageable host memory (no room to page-lock them, or memory.pin_memory off: slower visits)"
-                 if self.cuda else "host memory")
+        a = self.arena
+        if not self.cuda:
+            where = "host memory"
+        elif self.pinned:
+            where = f"page-locked host memory ({a.reserved / 2**30:.1f} GiB)"
+        elif a.reserved:
+            where = (f"page-locked host memory ({a.reserved / 2**30:.1f} GiB) and pageable ({a.pageable / 2**30:.1f}"
+                     " GiB: the host had no room to page-lock more; slower visits)")
+        else:
+            where = "pageable host memory (no room to page-lock them, or memory.pin_memory off: slower visits)"
         return f"{len(self.blocks)} blocks in {where}"
+
+    @property
+    def pinned(self) -> bool:
+        """Are all the swapped blocks' host copies page-locked?"""
+        return self.arena.pin and self.arena.pageable == 0
 
     def place_rest(self, transformer) -> None:
         """Move every tensor that is not swapped to the GPU (instead of `transformer.to(device)`)."""

@@ -136,3 +136,6 @@ def test_a_streamed_component_left_in_pageable_memory_is_said():
     (w,) = unpinned_warnings(said)
     assert w.startswith("text_encoder: 41.4 GiB of blocks stream from pageable memory (the host has no room to "
                         "page-lock them)")
+    # a host with room for part of it: the part said (session 29: 51 of the transformer's 58.7 GiB page-locked)
+    (w,) = unpinned_warnings({"transformer": {"streamed_gib": 58.66, "pinned": False, "pageable_gib": 7.7}})
+    assert w.startswith("transformer: 7.7 of its 58.7 GiB of blocks stream from pageable memory")

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from lorakit.io import pinned
-from lorakit.io.pinned import ALIGN, HostArena, room_for
+from lorakit.io.pinned import ALIGN, HostArena, pinnable
 
 
 def _tensors():
@@ -66,8 +66,27 @@ def test_room_is_what_the_host_has_available_beyond_its_share_for_everything_els
         total, available = 128 * 2**30, 100 * 2**30
 
     monkeypatch.setattr("psutil.virtual_memory", lambda: VM)
-    assert room_for(87 * 2**30)  # 100 available - 12.8 (a tenth of 128, more than 8)
-    assert not room_for(88 * 2**30)
+    assert pinnable() == int(100 * 2**30 - 12.8 * 2**30)  # 100 available - 12.8 (a tenth of 128, more than 8)
+    VM.available = 10 * 2**30
+    assert pinnable() == 0
+
+
+def test_beyond_its_limit_the_arena_leaves_tensors_pageable_and_counts_them(monkeypatch):
+    """A host with room for part of a component: the copies fill chunks up to the limit, the rest stay where they
+    are (the mapped or loaded tensors, pageable), and `pageable` says how much."""
+    monkeypatch.setattr("lorakit.io.pinned.CHUNK", 4096)
+    made = []
+    monkeypatch.setattr(HostArena, "_alloc", lambda self, n: made.append(n) or torch.empty(n, dtype=torch.uint8))
+    src = [torch.full((256,), i, dtype=torch.float32) for i in range(10)]  # 1 KiB each: 4 to a chunk
+    arena = HostArena(pin=True, limit=2 * 4096 + 100)  # room for two chunks
+    out = [arena.host(t) for t in src]
+    assert made == [4096, 4096] and arena.reserved == 8192 <= arena.limit
+    same = [o.data_ptr() == t.data_ptr() for o, t in zip(out, src, strict=True)]
+    assert same == [False] * 8 + [True] * 2  # the first eight copied, the last two left as they are
+    assert arena.copied == 8 * 1024 and arena.pageable == 2 * 1024
+    assert all(torch.equal(o, t) for o, t in zip(out, src, strict=True))
+    none = HostArena(pin=True, limit=0)
+    assert none.host(src[0]).data_ptr() == src[0].data_ptr() and none.pageable == 1024 and none.reserved == 0 and not made[2:]
 
 
 @pytest.mark.gpu
@@ -79,3 +98,15 @@ def test_the_copies_are_page_locked_and_reach_the_gpu_asynchronously():
     back = [t.to("cuda", non_blocking=True) for t in out]
     torch.cuda.synchronize()
     assert all(torch.equal(a.float(), b.cpu().float()) for a, b in zip(src, back, strict=True))
+
+
+@pytest.mark.gpu
+def test_a_limited_arena_page_locks_what_fits_and_the_rest_still_reaches_the_gpu(monkeypatch):
+    monkeypatch.setattr(pinned, "CHUNK", 4096)
+    arena = HostArena(pin=True, limit=4096)
+    src = [torch.randn(256) for _ in range(6)]  # 1 KiB each: four fill the one chunk the limit allows
+    out = [arena.host(t) for t in src]
+    assert [o.is_pinned() for o in out] == [True] * 4 + [False] * 2 and arena.pageable == 2048
+    back = [o.to("cuda", non_blocking=True) for o in out]
+    torch.cuda.synchronize()
+    assert all(torch.equal(a, b.cpu()) for a, b in zip(src, back, strict=True))
