@@ -36,9 +36,9 @@ class HostArena:
     """Host copies of tensors, each a view into a chunk of page-locked memory (`pin`; pageable otherwise, as on a
     machine without CUDA). `expect`: the bytes that will be copied, if known — a smaller total takes one chunk of
     the next power of two instead of a whole CHUNK. `limit`: page-locked bytes at most (what the host has room
-    for); the tensors beyond it wait where they are, pageable, counted in `pageable` — FLUX.2 [dev]'s 59 GiB
-    transformer on a host with 51 GiB to spare streams 51 of them page-locked, not all 59 pageable (session 29: 10
-    steps in 89 s where all page-locked took 22). A tensor subclass (a quantized weight that knows its own layout)
+    for); the tensors beyond it wait where they are, pageable, counted in `pageable` — FLUX.2 [dev]'s 58.5 GiB
+    transformer on a host with 51 GiB to spare streams 50 GiB of it page-locked, not all of it pageable (session 29:
+    10 steps at 1024² in 66 s against 83). A tensor subclass (a quantized weight that knows its own layout)
     is pinned on its own, as torch does it."""
 
     def __init__(self, pin: bool = True, expect: int | None = None, limit: int | None = None):
@@ -98,8 +98,10 @@ class HostArena:
             if self.limit is not None and self.reserved + n > self.limit:
                 return None
             t = t.to("cpu")
+            if not self.pin:
+                return t
             self.alone += n
-            return t.pin_memory() if self.pin else t
+            return t.pin_memory()
         where = self._place(n)
         if where is None:
             return None

@@ -101,8 +101,8 @@ def stream(module, device, pinned: bool = True) -> dict:
     streamed = sum(e[3].numel() * e[3].element_size() for e in every)
     pageable = pageable_bytes(arena, streamed)
     return {"streamed_gib": round(streamed / GIB, 2), "resident_gib": round((size - streamed) / GIB, 2),
-            "blocks": len(blocks), "pinned": pageable == 0, "pinned_gib": round(arena.reserved / GIB, 2),
-            "pageable_gib": round(pageable / GIB, 2)}
+            "blocks": len(blocks), "pinned": arena.pin and pageable == 0,
+            "pinned_gib": round(arena.reserved / GIB, 2), "pageable_gib": round(pageable / GIB, 2)}
 
 
 def block_entries(block, to_host) -> list:

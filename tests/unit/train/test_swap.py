@@ -66,6 +66,10 @@ def test_swapper_moves_weights_only_for_the_visit():
         assert (m.blocks[i].lin.weight.data_ptr(), m.blocks[i].scale.data_ptr()) == resting[i]  # back at rest
     assert not sw.ready  # nothing left in flight
     assert sw.said() == "2 blocks in host memory" and not sw.pinned and sw.arena.reserved == 0
+    # on a GPU whose host had room for part of them: both amounts said
+    sw.cuda, sw.arena.pin, sw.arena.alone, sw.arena.pageable = True, True, 3 * 2**30, 2**30
+    assert sw.said() == ("2 blocks in page-locked host memory (3.0 GiB) and pageable (1.0 GiB: the host had no room "
+                         "to page-lock more; slower visits)") and not sw.pinned
     with pytest.raises(Exception, match="at most 3"):
         BlockSwapper(Model(), 4, "cpu")
 
