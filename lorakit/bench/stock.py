@@ -17,6 +17,7 @@ import json
 import sys
 
 import numpy as np
+import psutil
 import torch
 from diffusers import DiffusionPipeline
 from PIL import Image
@@ -31,21 +32,10 @@ from lorakit.models.base import family_adapter
 CARRIED = ("prompt_embeds", "pooled_prompt_embeds", "prompt_embeds_mask")
 
 
-def host_available() -> int | None:
-    """MemAvailable of /proc/meminfo in bytes (None where the kernel does not say): the page cache counts, /dev/shm's
-    files do not (RAM that only swap could free)."""
-    try:
-        for line in open("/proc/meminfo"):
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
-
-
 def placement(size: int, gpu: int | None, host: int | None, offload: bool) -> str:
     """`none`, `model` or `split` (the module docstring) for `size` bytes of weights; `gpu`: the GPU's bytes (None:
-    no GPU, resident on the CPU); `host`: the host's available bytes."""
+    no GPU, resident on the CPU); `host`: the host's available bytes (the page cache counts, /dev/shm's files do not:
+    RAM only swap could free)."""
     if gpu is None:
         return "none"
     if size <= 0.85 * gpu and not offload:
@@ -61,9 +51,9 @@ def _encoders(model: str) -> tuple[list[str], list[str]]:
     return text, [n for n in parts if n not in text and n != "scheduler"]
 
 
-def _embeddings(model: str, dt, dev: str, prompt: str) -> dict:
-    """The prompt's embeddings from the text encoder alone on `dev`, as the pipeline's __call__ takes them."""
-    text, rest = _encoders(model)
+def _embeddings(model: str, rest: list[str], dt, dev: str, prompt: str) -> dict:
+    """The prompt's embeddings from the text encoder alone on `dev` (the pipeline without its `rest`), as the
+    pipeline's __call__ takes them."""
     enc = DiffusionPipeline.from_pretrained(model, torch_dtype=dt, device_map=dev, **{n: None for n in rest})
     takes = inspect.signature(enc.encode_prompt).parameters
     if "image" in takes:  # the Edit models' encoder reads the control image too: not one text-only pass
@@ -86,13 +76,13 @@ def run(a: dict) -> dict:
     dt = torch.bfloat16  # as `lorakit infer` runs (on the CPU the matrix asks it for bf16 too)
     size = sum(f.stat().st_size for f in weight_files(a["model"]))
     place = a.get("place") or placement(size, torch.cuda.get_device_properties(0).total_memory if dev == "cuda"
-                                        else None, host_available(), a.get("offload", False))
+                                        else None, psutil.virtual_memory().available, a.get("offload", False))
     ad = family_adapter(a["family"])
     kw = dict(num_inference_steps=a["steps"], generator=torch.Generator().manual_seed(a["seed"]))
     kw.update({k: v for k, v in ad.call_kwargs(a["width"], a["height"], a["frames"]).items() if k != "num_frames"})
     if place == "split":
-        kw.update(_embeddings(a["model"], dt, dev, a["prompt"]))
-        text, _ = _encoders(a["model"])
+        text, rest = _encoders(a["model"])
+        kw.update(_embeddings(a["model"], rest, dt, dev, a["prompt"]))
         pipe = DiffusionPipeline.from_pretrained(a["model"], torch_dtype=dt, device_map=dev,
                                                  **{n: None for n in text})
     else:

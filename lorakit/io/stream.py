@@ -74,11 +74,6 @@ def host_arena(blocks, device, pin: bool = True) -> HostArena:
     return HostArena(room > 0, expect=size, limit=room)
 
 
-def pageable_bytes(arena: HostArena, size: int) -> int:
-    """Of `size` bytes put in `arena`, those that wait in pageable memory."""
-    return arena.pageable if arena.pin else size
-
-
 def stream(module, device, pinned: bool = True) -> dict:
     """Run `module` (its weights on the CPU) on `device`: each block visits while it runs, the rest moves there.
     `pinned`: page-locked host copies as far as the host has room (`host_arena`). Returns what was done: `pinned`
@@ -99,7 +94,7 @@ def stream(module, device, pinned: bool = True) -> dict:
         every += entries
     place_rest(module, every, dev)  # the rest: on the device for good
     streamed = sum(e[3].numel() * e[3].element_size() for e in every)
-    pageable = pageable_bytes(arena, streamed)
+    pageable = arena.pageable if arena.pin else streamed  # not page-locked at all: every streamed byte
     return {"streamed_gib": round(streamed / GIB, 2), "resident_gib": round((size - streamed) / GIB, 2),
             "blocks": len(blocks), "pinned": arena.pin and pageable == 0,
             "pinned_gib": round(arena.reserved / GIB, 2), "pageable_gib": round(pageable / GIB, 2)}
