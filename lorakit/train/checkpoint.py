@@ -254,6 +254,14 @@ class StopFlag:
     def __init__(self):
         self.requested = False
 
+    def share(self, dist) -> None:
+        """A stop asked on any rank stops them all. Only ever set here, never cleared: a signal whose handler runs
+        while the ranks exchange the flag (after it was read, before the result is stored) would otherwise be
+        overwritten by the stale False — a SIGTERM sent just after a step's record was written was lost that way
+        and the run trained on (CI, session 29)."""
+        if dist.total(float(self.requested)) > 0:
+            self.requested = True
+
 
 @contextlib.contextmanager
 def stop_on_signals(flag: StopFlag):

@@ -110,7 +110,7 @@ def steps(r: Run, end: int) -> None:
             if cfg.output.save_every and tr.step % cfg.output.save_every == 0:
                 with r.events.phase(f"checkpoint (step {tr.step})"):
                     tr.save(background=True)
-            r.stop.requested = d.total(float(r.stop.requested)) > 0  # a signal to any rank stops them all
+            r.stop.share(d)  # a signal to any rank stops them all
             if tr.best and tr.best.stop:
                 break
 
