@@ -181,7 +181,7 @@ def generate(model_dir: Path, req: Request, loras: list[tuple[Path, float]], out
 
     t_load = time.perf_counter()
     say = progress or (lambda msg: None)
-    plan = _placement(model_dir, device, dtype, req.offload)
+    plan = _placement(model_dir, device, dtype, req.offload, _decode(model_dir, facts, req))
     where = device if plan.mode == "none" else "cpu"
     say(f"loading {sum(plan.sizes_gib.values()):.1f} GiB of weights to {where}" if plan.sizes_gib
         else "loading weights")
@@ -311,8 +311,29 @@ def not_applied_warnings(lora_facts: list[dict]) -> list[str]:
     return out
 
 
-def _placement(model_dir, device: str, dtype, mode: str):
-    """Where the weights wait while generating (lorakit.placement); everything on the CPU when device is."""
+def _decode(model_dir, facts, req: Request):
+    """The VAE's decode of one output of the request (`placement.decode_need`), at the size the pipeline will make:
+    the request's, else its own default (None where the VAE's class is not one measured)."""
+    import inspect
+
+    index = json.loads((Path(model_dir) / "model_index.json").read_text(encoding="utf-8"))
+    vae = index.get(facts.vae_part)
+    if not (isinstance(vae, list) and len(vae) == 2):
+        return None
+    frames = req.frames if facts.layout == "video" else 1
+    if req.width or req.height:
+        size = facts.call_kwargs(req.width or req.height, req.height or req.width, frames)
+        width, height = size["width"], size["height"]
+    else:  # the pipeline's defaults: its __call__'s (Kandinsky 5 T2V: 768x512), else 1024² (FLUX, Qwen-Image: None)
+        params = inspect.signature(facts.pipeline_class().__call__).parameters
+        width, height = (params[k].default if k in params and isinstance(params[k].default, int) else 1024
+                         for k in ("width", "height"))
+    return placement.decode_need(vae[1], width, height, frames)
+
+
+def _placement(model_dir, device: str, dtype, mode: str, decode=None):
+    """Where the weights wait while generating (lorakit.placement); everything on the CPU when device is.
+    `decode`: the VAE's decode at the output size (`_decode`)."""
     if not device.startswith("cuda"):  # the CPU holds everything; fp8 weights only when asked for
         return placement.Plan("fp8", "--offload fp8 on the CPU", {}) if mode == "fp8" else \
             placement.Plan("none", "the CPU", {})
@@ -323,7 +344,7 @@ def _placement(model_dir, device: str, dtype, mode: str):
     nbytes = torch.empty((), dtype=dtype).element_size()
     sizes = placement.component_gib(model_dir, names, nbytes)
     fp8 = placement.fp8_gib(Path(model_dir) / "transformer", nbytes) if "transformer" in sizes else None
-    return placement.choose(sizes, budget_gib(device), mode, fp8_transformer_gib=fp8)
+    return placement.choose(sizes, budget_gib(device), mode, fp8_transformer_gib=fp8, decode=decode)
 
 
 def contact_sheet(images, columns: int = 4):

@@ -11,6 +11,10 @@
 In `model` and `fp8`, a text encoder too large to visit whole (FLUX.2 [dev]'s 45 GiB one on a 24/32 GiB card)
 streams its blocks the same way while the rest is placed as the mode says.
 
+The room to work in beside the weights is the larger of a generation's activations (`HEADROOM_GIB`) and the VAE's
+decode at the requested output size (`decode_need`: a 768x512 Kandinsky 5 clip decodes in 21 GiB, a 2048² Qwen-Image
+in 16.5). Where even the VAE alone cannot decode the whole output on the card, it decodes in tiles (`tile_vae`).
+
 The choice comes from the weight sizes in the safetensors headers and the card's memory (or
 LORAKIT_MEMORY_CAP_GIB), before anything is loaded; `--offload` forces one. Outputs are the same in every mode
 but `fp8` (its weights are rounded to 8 bits: close to bf16's image, not equal).
@@ -33,6 +37,50 @@ HEADROOM_GIB = 5.0
 # the transformer alone: one denoising forward at 1024² without gradients (< 1 GiB for FLUX and Qwen-Image)
 # plus the allocator's slack
 DENOISE_GIB = 3.0
+# the allocator's slack above a decode's measured peak
+SLACK_GIB = 1.0
+# A VAE's decode beside its weights (bf16, whole output, torch.cuda.max_memory_allocated; random weights at the
+# published configs on the H100, 2026-11-26, session 30), GiB per million output pixels:
+#   FLUX.1's AutoencoderKL: 2.38 / 5.35 / 9.50 GiB at 1024² / 1536² / 2048² (also Z-Image's and Kandinsky 5 T2I's);
+#   Qwen-Image's: 4.13 / 9.29 / 16.51;
+#   HunyuanVideo's (Kandinsky 5 T2V), which decodes 17 frames at a time: 14.17 at 512² x 17 frames, 14.33 at 512² x
+#   121, 21.19 at 768x512 x 17, 31.77 at 1024x576 x 17; 4.55 at 512² x 5 frames, 1.23 at 512² x 1.
+#   FLUX.2's AutoencoderKLFlux2: 2.41 / 9.51 at 1024² / 2048² (FLUX.1's decoder widths; its tiles taken as FLUX.1's).
+DECODE_GIB_PER_MPX = {"AutoencoderKL": 2.27, "AutoencoderKLFlux2": 2.27, "AutoencoderKLQwenImage": 3.94}
+VIDEO_VAE = "AutoencoderKLHunyuanVideo"
+VIDEO_CHUNK = 17  # frames it decodes at once
+# the same in tiles (diffusers' enable_tiling defaults), nearly whatever the size: FLUX.1's 2.38-2.40 GiB,
+# Qwen-Image's 0.27-0.30, HunyuanVideo's 3.57-3.88 (plus the finished frames)
+TILED_GIB = {"AutoencoderKL": 2.4, "AutoencoderKLFlux2": 2.4, "AutoencoderKLQwenImage": 0.3, VIDEO_VAE: 3.9}
+
+
+@dataclass
+class Decode:
+    """What the VAE's decode of one output needs beside its weights: `whole_gib` at once, `tiled_gib` in tiles;
+    `whole_ok` False where the whole decode cannot run at all."""
+    size: str
+    whole_gib: float
+    tiled_gib: float
+    whole_ok: bool = True
+
+
+def decode_need(vae_class: str, width: int, height: int, frames: int = 1) -> Decode | None:
+    """The decode of one `width` x `height` output (`frames` for a video VAE) by a VAE of that class (None: a class
+    not measured, left to the fixed headroom)."""
+    mpx = width * height / 1e6
+    size = f"{width}x{height}" + (f" x {frames} frames" if vae_class == VIDEO_VAE else "")
+    out_gib = 3 * max(frames, 1) * width * height * 4 / 2**30  # the finished frames, float32
+    if vae_class == VIDEO_VAE:
+        chunk = min(max(frames, 1), VIDEO_CHUNK)
+        # ~4.7 GiB per million pixels for the first frame of a chunk, ~3.1 for each further one (the figures above)
+        whole = mpx * (4.7 + 3.1 * (chunk - 1)) + out_gib
+        # its last upsampling of a 17-frame chunk makes (frames - 1) x height x width x 128 values: at 2^31 the kernel
+        # refuses (1024² x 17 frames: "CUDA error: invalid argument"; 1024x576 decoded)
+        ok = (chunk - 1) * width * height * 128 < 2**31
+        return Decode(size, round(whole, 2), round(TILED_GIB[VIDEO_VAE] + out_gib, 2), ok)
+    if vae_class not in DECODE_GIB_PER_MPX:
+        return None
+    return Decode(size, round(mpx * DECODE_GIB_PER_MPX[vae_class], 2), TILED_GIB[vae_class])
 
 
 @dataclass
@@ -41,6 +89,7 @@ class Plan:
     why: str
     sizes_gib: dict
     streamed: tuple = ()  # model / fp8: text encoders too large to visit whole, their blocks streamed instead
+    tile_vae: bool = False  # the VAE decodes in tiles (`decode_need`): its whole decode does not fit or cannot run
 
 
 def component_gib(model_dir: Path, names, dtype_bytes: int) -> dict[str, float]:
@@ -61,39 +110,67 @@ def fp8_gib(folder: Path, dtype_bytes: int) -> float:
     return round(fp8_bytes(folder, dtype_bytes) / 2**30, 2)
 
 
-def _fits_alone(sizes: dict[str, float], budget_gib: float, transformer_gib: float | None = None) -> bool:
-    """Each component on the GPU by itself: the transformer with a denoising forward's room, the others with
-    the headroom (a text encoder's forward, a VAE decode)."""
+def _fits_alone(sizes: dict[str, float], budget_gib: float, transformer_gib: float | None = None,
+                decode_gib: float = HEADROOM_GIB) -> bool:
+    """Each component on the GPU by itself: the transformer with a denoising forward's room, the VAE with its
+    decode's, the others with the headroom (a text encoder's forward)."""
     for name, gib in sizes.items():
         need = (transformer_gib if transformer_gib is not None else gib) + DENOISE_GIB \
-            if name == "transformer" else gib + HEADROOM_GIB
+            if name == "transformer" else gib + (decode_gib if name == "vae" else HEADROOM_GIB)
         if need > budget_gib:
             return False
     return True
 
 
+def _tiles(sizes: dict[str, float], budget_gib: float, decode: Decode | None) -> tuple[bool, str]:
+    """Whether the VAE decodes in tiles, and why: where its whole decode cannot run, or does not fit the card beside
+    the VAE's own weights (then nothing else is on the GPU in `model` placement)."""
+    if decode is None:
+        return False, ""
+    if not decode.whole_ok:
+        return True, f"; the VAE decodes in tiles (a whole {decode.size} decode exceeds its kernels' limits)"
+    if sizes.get("vae", 0.0) + decode.whole_gib + SLACK_GIB > budget_gib:
+        return True, (f"; the VAE decodes in tiles (a whole {decode.size} decode needs {decode.whole_gib:.1f} GiB): "
+                      "close to the stock pipeline's output, not equal")
+    return False, ""
+
+
 def choose(sizes: dict[str, float], budget_gib: float, mode: str = "auto",
-           headroom_gib: float = HEADROOM_GIB, fp8_transformer_gib: float | None = None) -> Plan:
+           headroom_gib: float = HEADROOM_GIB, fp8_transformer_gib: float | None = None,
+           decode: Decode | None = None) -> Plan:
     """`sizes`: each component's GiB at the run's dtype; `fp8_transformer_gib`: the transformer's with fp8
-    blocks (`fp8_gib`), None where that is not offered."""
+    blocks (`fp8_gib`), None where that is not offered; `decode`: the VAE's decode at the output size
+    (`decode_need`), which widens the headroom where it is larger."""
     if mode not in MODES:
         raise InputError(f"--offload {mode}: not one of {', '.join(MODES)}")
     total, largest = sum(sizes.values()), max(sizes.values(), default=0.0)
+    tile, tiled = _tiles(sizes, budget_gib, decode)
+    decode_gib = max(HEADROOM_GIB, ((decode.tiled_gib if tile else decode.whole_gib) + SLACK_GIB) if decode else 0)
+    headroom_gib = max(headroom_gib, decode_gib)
     if mode != "auto":
-        return Plan(mode, f"--offload {mode}", sizes)
+        return Plan(mode, f"--offload {mode}{tiled}", sizes, tile_vae=tile)
+    plan = _choose(sizes, budget_gib, headroom_gib, fp8_transformer_gib, decode_gib, total, largest)
+    plan.why += tiled
+    plan.tile_vae = tile
+    return plan
+
+
+def _choose(sizes, budget_gib, headroom_gib, fp8_transformer_gib, decode_gib, total, largest) -> Plan:
     if total + headroom_gib <= budget_gib:
-        return Plan("none", f"all weights ({total:.1f} GiB) fit in {budget_gib:.1f} GiB", sizes)
+        return Plan("none", f"all weights ({total:.1f} GiB) + {headroom_gib:.1f} GiB to work in fit in "
+                            f"{budget_gib:.1f} GiB", sizes)
     # a text encoder larger than the card (FLUX.2 [dev]'s 24 B Mistral on a 32 GiB one) runs once per image:
     # its blocks stream while the rest is placed as if it were not there
     streamed = tuple(n for n, gib in sizes.items() if n.startswith("text_encoder") and too_large(gib, budget_gib))
     rest = {n: gib for n, gib in sizes.items() if n not in streamed}
     also = f"; {', '.join(streamed)} streamed block by block" if streamed else ""
-    if _fits_alone(rest, budget_gib):
+    if _fits_alone(rest, budget_gib, decode_gib=decode_gib):
         return Plan("model", f"weights {total:.1f} GiB + {headroom_gib:.1f} GiB to work in > {budget_gib:.1f} GiB: "
                              f"each component on the GPU while it runs (largest {largest:.1f} GiB){also}", sizes,
                     streamed)
     tr = sizes.get("transformer")
-    if fp8_transformer_gib is not None and tr is not None and _fits_alone(rest, budget_gib, fp8_transformer_gib):
+    if fp8_transformer_gib is not None and tr is not None and \
+            _fits_alone(rest, budget_gib, fp8_transformer_gib, decode_gib):
         return Plan("fp8", f"the transformer ({tr:.1f} GiB) does not fit {budget_gib:.1f} GiB: its block weights "
                            f"in fp8 ({fp8_transformer_gib:.1f} GiB, as the small-card profiles train), each "
                            f"component on the GPU while it runs; images close to bf16's, not equal "
@@ -166,6 +243,8 @@ def apply(pipe, plan: Plan, device: str, dtype=None, add: dict | None = None, st
     import torch
 
     said = streamed if streamed is not None else {}
+    if plan.tile_vae:
+        pipe.vae.enable_tiling()
     if plan.mode == "none":
         return None
     if plan.mode == "fp8":

@@ -139,3 +139,79 @@ def test_a_streamed_component_left_in_pageable_memory_is_said():
     # a host with room for part of it: the part said (session 29: 51 of the transformer's 58.7 GiB page-locked)
     (w,) = unpinned_warnings({"transformer": {"streamed_gib": 58.66, "pinned": False, "pageable_gib": 7.7}})
     assert w.startswith("transformer: 7.7 of its 58.7 GiB of blocks stream from pageable memory")
+
+
+# Kandinsky 5 T2V Lite in bf16: Qwen2.5-VL 15.4, transformer 3.8, CLIP 0.2, HunyuanVideo VAE 0.5 GiB (19.9 in all)
+K5_T2V = {"transformer": 3.8, "text_encoder": 15.4, "text_encoder_2": 0.2, "vae": 0.5}
+
+
+@pytest.mark.parametrize("vae,w,h,f,measured", [
+    ("AutoencoderKLHunyuanVideo", 512, 512, 17, 14.17), ("AutoencoderKLHunyuanVideo", 512, 512, 121, 14.33),
+    ("AutoencoderKLHunyuanVideo", 768, 512, 121, 21.49), ("AutoencoderKLHunyuanVideo", 1024, 576, 17, 31.77),
+    ("AutoencoderKLHunyuanVideo", 512, 512, 5, 4.55), ("AutoencoderKLHunyuanVideo", 512, 512, 1, 1.23),
+    ("AutoencoderKL", 1024, 1024, 1, 2.38), ("AutoencoderKL", 2048, 2048, 1, 9.50),
+    ("AutoencoderKLQwenImage", 1536, 1536, 1, 9.29), ("AutoencoderKLQwenImage", 2048, 2048, 1, 16.51)])
+def test_the_decode_estimate_follows_the_h100_measurements(vae, w, h, f, measured):
+    # the peaks measured on the H100 (session 30, the comment above DECODE_GIB_PER_MPX): never more than 3% under
+    got = placement.decode_need(vae, w, h, f).whole_gib
+    assert measured * 0.97 <= got <= measured * 1.06
+
+
+def test_an_unmeasured_vae_keeps_the_fixed_headroom():
+    assert placement.decode_need("AutoencoderKLWan", 1024, 1024) is None
+    assert placement.choose(K5_T2V, 32, decode=None).mode == "none"
+
+
+def test_a_kandinsky5_clip_whose_decode_does_not_fit_beside_the_weights_visits_component_by_component():
+    """512² x 17 frames on the rtx5090's 32 GiB: the weights (19.9) fit, their decode (14.2) beside them does not
+    (resident, the decode had fallen back to slower cuDNN algorithms: 45 dB from the stock pipeline; at 768x512 x 121
+    frames it ran out of memory)."""
+    for w, h, f in ((512, 512, 17), (768, 512, 121), (832, 480, 17)):
+        plan = placement.choose(K5_T2V, 32, decode=placement.decode_need("AutoencoderKLHunyuanVideo", w, h, f))
+        assert (plan.mode, plan.tile_vae) == ("model", False), (w, h, f, plan.why)
+    big = placement.choose(K5_T2V, 80, decode=placement.decode_need("AutoencoderKLHunyuanVideo", 768, 512, 121))
+    assert (big.mode, big.tile_vae) == ("none", False) and "22.9 GiB to work in" in big.why
+
+
+def test_a_decode_larger_than_the_card_or_its_kernels_runs_in_tiles():
+    wide = placement.decode_need("AutoencoderKLHunyuanVideo", 1024, 576, 121)
+    plan = placement.choose(K5_T2V, 32, decode=wide)
+    assert plan.tile_vae and "needs 32.8 GiB" in plan.why and "not equal" in plan.why
+    square = placement.decode_need("AutoencoderKLHunyuanVideo", 1024, 1024, 17)  # 2^31 values in one upsampling
+    assert not square.whole_ok
+    plan = placement.choose(K5_T2V, 80, decode=square)
+    assert plan.tile_vae and plan.mode == "none" and "kernels' limits" in plan.why
+    forced = placement.choose(K5_T2V, 80, "model", decode=square)  # --offload decides where, not how to decode
+    assert forced.tile_vae and forced.mode == "model"
+
+
+@pytest.mark.parametrize("budget,fp8,mode", [(80, 11.9, "none"), (30, 11.9, "model"), (24, 11.9, "fp8")])
+def test_flux_at_1024_is_placed_as_before_its_decode_was_counted(budget, fp8, mode):
+    sizes = {"transformer": 22.2, "text_encoder_2": 8.9, "text_encoder": 0.2, "vae": 0.2}
+    plan = placement.choose(sizes, budget, fp8_transformer_gib=fp8,
+                            decode=placement.decode_need("AutoencoderKL", 1024, 1024))
+    assert (plan.mode, plan.tile_vae) == (mode, False)
+
+
+def test_a_tiled_plan_turns_the_vaes_tiling_on(tiny):
+    import torch
+
+    from lorakit.infer import assemble
+
+    pipe, _ = assemble(tiny("kandinsky5-t2v"), "cpu", torch.float32)
+    assert not pipe.vae.use_tiling
+    placement.apply(pipe, placement.Plan("none", "test", {}, tile_vae=True), "cpu")
+    assert pipe.vae.use_tiling
+
+
+def test_infer_sizes_the_decode_as_the_pipeline_will_make_it(tiny):
+    from lorakit.infer import Request, _decode
+    from lorakit.models.base import family_adapter
+
+    folder, facts = tiny("kandinsky5-t2v"), family_adapter("kandinsky5-t2v")
+    default = _decode(folder, facts, Request(prompts=["x"]))  # Kandinsky5T2VPipeline's own 768x512
+    assert (default.size, default.whole_ok) == ("768x512 x 17 frames", True)
+    asked = _decode(folder, facts, Request(prompts=["x"], width=768, height=512, frames=121))
+    assert asked.size == "768x512 x 121 frames" and 21 < asked.whole_gib < 23
+    flux = _decode(tiny("flux"), family_adapter("flux"), Request(prompts=["x"], width=2048))
+    assert flux.size == "2048x2048" and 9 < flux.whole_gib < 10
