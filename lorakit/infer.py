@@ -250,8 +250,7 @@ def generate(model_dir: Path, req: Request, loras: list[tuple[Path, float]], out
                     write_clip(tmp, frames, fps=req.fps, metadata={"comment": json.dumps(meta)}, ext=".mp4")
                 gif = path.with_suffix(".gif")
                 with atomic_path(gif) as tmp:
-                    frames[0].save(tmp, format="GIF", save_all=True, append_images=frames[1:],
-                                   duration=round(1000 / req.fps), loop=0)
+                    write_clip(tmp, frames, fps=req.fps, ext=".gif")
                 gifs.append(str(gif))
                 img = frames[len(frames) // 2]
             else:

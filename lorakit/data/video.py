@@ -338,6 +338,17 @@ def _display(frame):
     return im.rotate(rot, expand=True) if rot % 360 else im
 
 
+def gif_frame(im):
+    """A frame in a GIF's 256 colours: a median cut of a copy a quarter the size (each side), every pixel then mapped
+    to it. Pillow's own conversion cuts all the pixels: 121 frames of 1024x576 took 37.5 s on a 2-core host, this
+    6.0 s (31.7 dB from the frames against 32.3; the H100 host spent 48 s on such a clip's .mp4 and GIF)."""
+    from PIL import Image
+
+    rgb = im.convert("RGB")
+    small = rgb.reduce(4) if min(rgb.size) >= 64 else rgb
+    return rgb.quantize(palette=small.quantize(256, method=Image.Quantize.MEDIANCUT), dither=Image.Dither.NONE)
+
+
 def write_clip(path, frames, fps: float = 24.0, codec: str | None = None, metadata: dict | None = None,
                ext: str | None = None) -> Path:
     """Write PIL frames as a video file (infer, tests, the demo): H.264 in .mp4/.mov/.mkv, VP9 in .webm, GIF/WebP
@@ -348,6 +359,8 @@ def write_clip(path, frames, fps: float = 24.0, codec: str | None = None, metada
     path = Path(path)
     ext = (ext or path.suffix).lower()
     if ext in ANIMATED_EXTS:
+        if ext == ".gif":
+            frames = [gif_frame(im) for im in frames]
         frames[0].save(path, format=ext[1:].upper(), save_all=True, append_images=list(frames[1:]),
                        duration=round(1000 / fps), loop=0,
                        **({"lossless": True} if ext == ".webp" else {}))

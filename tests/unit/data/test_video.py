@@ -143,3 +143,17 @@ def test_display_rotation_is_applied(tmp_path):
     # FFmpeg's player turns a +90 (counter-clockwise) display matrix the same way: the stored top-left corner
     # ends up at the bottom left
     assert shown[-4, 4].mean() > 200 and shown[4, 4].mean() < 200
+
+
+def test_a_gif_keeps_each_frames_own_colours(tmp_path):
+    """The GIF preview's palette comes from a quarter-size copy of each frame (`gif_frame`); a frame full of colours
+    still reads back close to itself, and a frame of one colour exactly."""
+    yy, xx = np.mgrid[0:96, 0:160]
+    rich = [Image.fromarray(np.stack([(xx + 9 * t) % 256, (yy * 2 + t) % 256, (xx + yy) % 256], -1).astype(np.uint8))
+            for t in range(3)]
+    path = write_clip(tmp_path / "a.gif", rich + [Image.new("RGB", (160, 96), (200, 30, 60))], fps=8)
+    back = read_window(path, Window(0.0, (0, 1, 2, 3)))
+    for got, want in zip(back[:3], rich, strict=True):
+        mse = ((np.asarray(got, float) - np.asarray(want, float)) ** 2).mean()
+        assert 10 * np.log10(255**2 / mse) > 30
+    assert (np.asarray(back[3]) == (200, 30, 60)).all()
