@@ -181,7 +181,7 @@ def generate(model_dir: Path, req: Request, loras: list[tuple[Path, float]], out
 
     t_load = time.perf_counter()
     say = progress or (lambda msg: None)
-    plan = _placement(model_dir, device, dtype, req.offload, _decode(model_dir, facts, req))
+    plan = _placement(model_dir, device, dtype, facts, req)
     where = device if plan.mode == "none" else "cpu"
     say(f"loading {sum(plan.sizes_gib.values()):.1f} GiB of weights to {where}" if plan.sizes_gib
         else "loading weights")
@@ -310,12 +310,12 @@ def not_applied_warnings(lora_facts: list[dict]) -> list[str]:
     return out
 
 
-def _decode(model_dir, facts, req: Request):
+def _decode(index: dict, facts, req: Request):
     """The VAE's decode of one output of the request (`placement.decode_need`), at the size the pipeline will make:
-    the request's, else its own default (None where the VAE's class is not one measured)."""
+    the request's, else its own default (None where the VAE's class is not one measured). `index`: the model
+    folder's model_index.json."""
     import inspect
 
-    index = json.loads((Path(model_dir) / "model_index.json").read_text(encoding="utf-8"))
     vae = index.get(facts.vae_part)
     if not (isinstance(vae, list) and len(vae) == 2):
         return None
@@ -330,9 +330,10 @@ def _decode(model_dir, facts, req: Request):
     return placement.decode_need(vae[1], width, height, frames)
 
 
-def _placement(model_dir, device: str, dtype, mode: str, decode=None):
-    """Where the weights wait while generating (lorakit.placement); everything on the CPU when device is.
-    `decode`: the VAE's decode at the output size (`_decode`)."""
+def _placement(model_dir, device: str, dtype, facts, req: Request):
+    """Where the weights wait while generating (lorakit.placement), with room for the VAE's decode of the request's
+    output (`_decode`); everything on the CPU when device is."""
+    mode = req.offload
     if not device.startswith("cuda"):  # the CPU holds everything; fp8 weights only when asked for
         return placement.Plan("fp8", "--offload fp8 on the CPU", {}) if mode == "fp8" else \
             placement.Plan("none", "the CPU", {})
@@ -343,7 +344,8 @@ def _placement(model_dir, device: str, dtype, mode: str, decode=None):
     nbytes = torch.empty((), dtype=dtype).element_size()
     sizes = placement.component_gib(model_dir, names, nbytes)
     fp8 = placement.fp8_gib(Path(model_dir) / "transformer", nbytes) if "transformer" in sizes else None
-    return placement.choose(sizes, budget_gib(device), mode, fp8_transformer_gib=fp8, decode=decode)
+    return placement.choose(sizes, budget_gib(device), mode, fp8_transformer_gib=fp8,
+                            decode=_decode(index, facts, req))
 
 
 def contact_sheet(images, columns: int = 4):

@@ -70,8 +70,8 @@ def decode_need(vae_class: str, width: int, height: int, frames: int = 1) -> Dec
     not measured, left to the fixed headroom)."""
     mpx = width * height / 1e6
     size = f"{width}x{height}" + (f" x {frames} frames" if vae_class == VIDEO_VAE else "")
-    out_gib = 3 * max(frames, 1) * width * height * 4 / 2**30  # the finished frames, float32
     if vae_class == VIDEO_VAE:
+        out_gib = 3 * max(frames, 1) * width * height * 4 / 2**30  # the finished frames, float32
         chunk = min(max(frames, 1), VIDEO_CHUNK)
         # ~4.7 GiB per million pixels for the first frame of a chunk, ~3.1 for each further one (the figures above)
         whole = mpx * (4.7 + 3.1 * (chunk - 1)) + out_gib
@@ -144,19 +144,19 @@ def choose(sizes: dict[str, float], budget_gib: float, mode: str = "auto",
     (`decode_need`), which widens the headroom where it is larger."""
     if mode not in MODES:
         raise InputError(f"--offload {mode}: not one of {', '.join(MODES)}")
-    total, largest = sum(sizes.values()), max(sizes.values(), default=0.0)
     tile, tiled = _tiles(sizes, budget_gib, decode)
     decode_gib = max(HEADROOM_GIB, ((decode.tiled_gib if tile else decode.whole_gib) + SLACK_GIB) if decode else 0)
     headroom_gib = max(headroom_gib, decode_gib)
     if mode != "auto":
         return Plan(mode, f"--offload {mode}{tiled}", sizes, tile_vae=tile)
-    plan = _choose(sizes, budget_gib, headroom_gib, fp8_transformer_gib, decode_gib, total, largest)
+    plan = _choose(sizes, budget_gib, headroom_gib, fp8_transformer_gib, decode_gib)
     plan.why += tiled
     plan.tile_vae = tile
     return plan
 
 
-def _choose(sizes, budget_gib, headroom_gib, fp8_transformer_gib, decode_gib, total, largest) -> Plan:
+def _choose(sizes, budget_gib, headroom_gib, fp8_transformer_gib, decode_gib) -> Plan:
+    total, largest = sum(sizes.values()), max(sizes.values(), default=0.0)
     if total + headroom_gib <= budget_gib:
         return Plan("none", f"all weights ({total:.1f} GiB) + {headroom_gib:.1f} GiB to work in fit in "
                             f"{budget_gib:.1f} GiB", sizes)

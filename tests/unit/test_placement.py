@@ -205,13 +205,18 @@ def test_a_tiled_plan_turns_the_vaes_tiling_on(tiny):
 
 
 def test_infer_sizes_the_decode_as_the_pipeline_will_make_it(tiny):
+    import json
+
     from lorakit.infer import Request, _decode
     from lorakit.models.base import family_adapter
 
-    folder, facts = tiny("kandinsky5-t2v"), family_adapter("kandinsky5-t2v")
-    default = _decode(folder, facts, Request(prompts=["x"]))  # Kandinsky5T2VPipeline's own 768x512
+    def index(family):
+        return json.loads((tiny(family) / "model_index.json").read_text())
+
+    k5, facts = index("kandinsky5-t2v"), family_adapter("kandinsky5-t2v")
+    default = _decode(k5, facts, Request(prompts=["x"]))  # Kandinsky5T2VPipeline's own 768x512
     assert (default.size, default.whole_ok) == ("768x512 x 17 frames", True)
-    asked = _decode(folder, facts, Request(prompts=["x"], width=768, height=512, frames=121))
+    asked = _decode(k5, facts, Request(prompts=["x"], width=768, height=512, frames=121))
     assert asked.size == "768x512 x 121 frames" and 21 < asked.whole_gib < 23
-    flux = _decode(tiny("flux"), family_adapter("flux"), Request(prompts=["x"], width=2048))
+    flux = _decode(index("flux"), family_adapter("flux"), Request(prompts=["x"], width=2048))
     assert flux.size == "2048x2048" and 9 < flux.whole_gib < 10
