@@ -10,10 +10,10 @@ from lorakit.cli.common import console
 
 HELP = """A web dashboard of the run folders under --runs: status, loss chart (live), sample grids as they appear,
 the resolved config and checkpoints to download; and of the dataset folders under --datasets: images and clips with
-their captions (edited in place) and the problems `lorakit cache --check` finds. Binds to 127.0.0.1; any other --host needs the token printed at
-start on every request. Needs `pip install 'lorakit[ui]'`."""
-
-LOOPBACK = ("127.0.0.1", "localhost", "::1")
+their captions (edited in place) and the problems `lorakit cache --check` finds. Binds to 127.0.0.1. Every request
+needs the secret made at start: open the link printed (it is then kept in a cookie), or send `Authorization: Bearer
+TOKEN`; requests naming another host, and changes asked by another site's page, are refused. Needs
+`pip install 'lorakit[ui]'`."""
 
 
 def ui(host: str = typer.Option("127.0.0.1", "--host", help="address to bind (another than 127.0.0.1 needs a token)"),
@@ -22,7 +22,10 @@ def ui(host: str = typer.Option("127.0.0.1", "--host", help="address to bind (an
        datasets: Path | None = typer.Option(None, "--datasets", help="the folder holding dataset folders, whose "
                                             "captions the pages edit (default: --runs)"),
        slots: int = typer.Option(0, "--slots", min=0, help="training runs the job queue runs at once (0: one per "
-                                 "GPU nvidia-smi lists, one without a GPU)")) -> None:
+                                 "GPU nvidia-smi lists, one without a GPU)"),
+       token: str | None = typer.Option(None, "--token", envvar="LORAKIT_UI_TOKEN",
+                                        help="the secret every request needs (default: a new random one per start; "
+                                             "set one to keep a bookmark working across restarts)")) -> None:
     import importlib.util
     import secrets
 
@@ -36,12 +39,15 @@ def ui(host: str = typer.Option("127.0.0.1", "--host", help="address to bind (an
         raise InputError(f"--runs {runs}: no such folder")
     if datasets is not None and not datasets.is_dir():
         raise InputError(f"--datasets {datasets}: no such folder")
-    token = None if host in LOOPBACK else secrets.token_urlsafe(24)
+    if token is not None and len(token) < 16:
+        raise InputError(f"--token: {len(token)} characters; a token that guards a server needs at least 16",
+                         "leave --token out for a random one")
+    token = token or secrets.token_urlsafe(24)
     where = f"http://{'[' + host + ']' if ':' in host else host}:{port}/"
-    console.print(f"lorakit ui: {where}{'?token=' + token if token else ''} (runs under {runs.resolve()}; "
-                  "Ctrl-C stops)", soft_wrap=True, markup=False)
-    if token:
-        console.print(f"bound to {host}: every request needs this token: {token}", soft_wrap=True, markup=False)
+    console.print(f"lorakit ui: {where}?token={token} (runs under {runs.resolve()}; Ctrl-C stops)", soft_wrap=True,
+                  markup=False)
+    console.print(f"every request needs this token (open the link above once: a cookie keeps it): {token}",
+                  soft_wrap=True, markup=False)
     from lorakit.ui.server import serve
 
     serve(runs, host, port, token, datasets, slots or _gpus())

@@ -13,15 +13,16 @@ from lorakit.data.images import IMAGE_EXTS
 from lorakit.data.video import CLIP_EXTS
 from lorakit.errors import InputError, LorakitError
 from lorakit.io import atomic_path
-from lorakit.ui.runs import confined
+from lorakit.ui.confine import confined, is_file, read_text
 
 MEDIA = tuple(IMAGE_EXTS) + tuple(CLIP_EXTS)
 SKIP = {"cache", "checkpoints", "samples", "tensorboard", ".git"}
 
 
 def _media(folder: Path) -> list[Path]:
+    """The folder's images and clips (a link to a file outside the folder is not one of them)."""
     try:
-        return sorted(p for p in folder.iterdir() if p.is_file() and p.suffix.lower() in MEDIA)
+        return sorted(p for p in folder.iterdir() if p.suffix.lower() in MEDIA and is_file(folder, p))
     except OSError:
         return []
 
@@ -50,7 +51,7 @@ def find_datasets(root: Path, depth: int = 2) -> list[dict]:
 
 
 def dataset_folder(root: Path, name: str) -> Path:
-    folder = confined(root, name)
+    folder = confined(root, name, "the datasets folder")
     if not folder.is_dir() or not _media(folder):
         raise InputError(f"{name}: not a dataset folder (no images or clips)")
     return folder
@@ -61,7 +62,7 @@ def items(folder: Path, name: str) -> list[dict]:
     out = []
     for p in _media(folder):
         cap = p.with_suffix(".txt")
-        text = cap.read_text(encoding="utf-8", errors="replace") if cap.is_file() else None
+        text = read_text(folder, cap) if is_file(folder, cap) else None
         out.append({"stem": p.stem, "file": f"{name}/{p.name}", "kind": "clip" if p.suffix.lower() in CLIP_EXTS
                     else "image", "caption": text})
     return out
@@ -76,6 +77,9 @@ def set_caption(folder: Path, stem: str, text: str) -> Path:
     if len(text) > MAX_TEXT_CHARS:
         raise InputError(f"caption of {stem}: {len(text)} characters (lorakit reads up to {MAX_TEXT_CHARS})")
     path = match[0].with_suffix(".txt")
+    if path.is_symlink():  # the caption is written in place of the link, never through it
+        raise InputError(f"{path}: the caption file is a symbolic link; lorakit writes only regular files here",
+                         "replace the link with the caption file itself")
     with atomic_path(path) as tmp:
         Path(tmp).write_text(text, encoding="utf-8")
     return path

@@ -1,10 +1,14 @@
 """The dashboard's job queue: `lorakit train` runs started from the pages, one per GPU (one on a CPU machine), in
 the order given; stopped with SIGTERM (the run saves a checkpoint and exits 75) and resumed with `--resume latest`.
 The queue lives in a small SQLite database in the runs folder, so it survives a restart of `lorakit ui`: a job
-whose process is gone is then read from its run folder (finished / interrupted / failed).
+whose process is gone is then read from its run folder (finished / interrupted / failed). A job's process is known by
+its pid *and* its start time, so a pid the system gave to another process since is never taken for the job (nor
+signalled).
 
 A job is checked before it is queued by `lorakit train CONFIG --dry-run --json` itself, so the page shows the CLI's
-own messages, every problem at once."""
+own messages, every problem at once. Jobs run in the runs folder: a relative path in their config (output.dir,
+data.dirs) is relative to it, and their output must lie inside it. One job at a time per run folder: a second start
+or resume of a folder a job holds (queued or running) is refused with that job's number."""
 
 from __future__ import annotations
 
@@ -18,33 +22,53 @@ import threading
 import time
 from pathlib import Path
 
-from lorakit.errors import InputError
-from lorakit.ui.runs import confined, status
+from lorakit.errors import EnvironmentFault, InputError
+from lorakit.io.lock import holder
+from lorakit.ui.confine import confined, inside, read_text
+from lorakit.ui.runs import resumable, status
 
 DB = ".lorakit-ui.sqlite"
 LOGS = ".lorakit-ui-logs"
 ENDED = {0: "finished", 75: "interrupted", 130: "interrupted"}
 SCHEMA = """CREATE TABLE IF NOT EXISTS jobs (id INTEGER PRIMARY KEY, config TEXT NOT NULL, sets TEXT NOT NULL,
   resume INTEGER NOT NULL, state TEXT NOT NULL, out_dir TEXT, pid INTEGER, exit INTEGER, created REAL, started REAL,
-  ended REAL, slot INTEGER)"""
+  ended REAL, slot INTEGER, pid_start INTEGER)"""
 ACTIVE = ("running", "stopping")
+HOLDING = ("queued", *ACTIVE)  # states in which a job holds its run folder
+STOPPED = ("interrupted", "failed", "cancelled")  # states a job may be resumed from
 
 
-def _alive(pid: int | None) -> bool:
-    """Is this process still running (an exited child nobody reaped yet is not)?"""
+def started_at(pid: int) -> int | None:
+    """The process's start time in clock ticks since boot (/proc/PID/stat field 22), None when it is gone (or the
+    system has no /proc) — with the pid, what names one process for good."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    if fields[0] == "Z":  # exited, not reaped yet: not running
+        return None
+    try:
+        return int(fields[19])
+    except (IndexError, ValueError):
+        return None
+
+
+def _alive(pid: int | None, start: int | None) -> bool:
+    """Is the job's process still running: this pid, started at `start` (a pid given to another process since is not
+    the job's)? Without /proc only the pid can be asked."""
     if not pid:
         return False
+    if Path("/proc/self/stat").exists():
+        now = started_at(pid)
+        return now is not None and (start is None or now == start)
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
-    try:
-        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return True
+    return True
 
 
 class Queue:
@@ -58,8 +82,7 @@ class Queue:
         self.lock = threading.Lock()  # the database
         self.ticking = threading.Lock()  # one tick at a time (the worker's, or a request's)
         self.procs: dict[int, subprocess.Popen] = {}
-        self.db = sqlite3.connect(self.root / DB, check_same_thread=False, isolation_level=None)
-        self.db.execute(SCHEMA)  # jobs a previous `lorakit ui` left running are watched by pid (`tick`)
+        self.db = _open_db(self.root)  # jobs a previous `lorakit ui` left running are watched by pid (`tick`)
         self._stop = threading.Event()
         self.thread: threading.Thread | None = None
 
@@ -70,9 +93,15 @@ class Queue:
             cur = self.db.execute("SELECT * FROM jobs ORDER BY id")
             cols = [c[0] for c in cur.description]
             rows = [dict(zip(cols, r, strict=True)) for r in cur.fetchall()]
+        held = {r["out_dir"] for r in rows if r["state"] in HOLDING and r["out_dir"]}
+        newest = {r["out_dir"]: r["id"] for r in rows}  # rows come oldest first
         for r in rows:
             r["sets"] = json.loads(r["sets"])
             r["log"] = f"{LOGS}/job-{r['id']}.log"
+            r["run"] = _run_name(self.root, r["out_dir"])
+            # Resume is offered on the newest job of a run folder nobody holds, whose run stopped with a step checkpoint
+            r["resumable"] = bool(r["state"] in STOPPED and r["out_dir"] and r["out_dir"] not in held
+                                  and newest[r["out_dir"]] == r["id"] and status(Path(r["out_dir"])) == "interrupted")
         return rows
 
     def job(self, job_id: int) -> dict:
@@ -82,12 +111,11 @@ class Queue:
         raise InputError(f"no job {job_id}")
 
     def log(self, job_id: int, tail: int = 20000) -> str:
-        p = self.root / LOGS / f"job-{job_id}.log"
-        if not p.is_file():
+        """The last `tail` bytes of the job's log ("" when there is none, or it is a link out of the runs folder)."""
+        try:
+            return read_text(self.root, self.root / LOGS / f"job-{job_id}.log", limit=tail)
+        except (OSError, InputError):
             return ""
-        with open(p, "rb") as f:
-            f.seek(max(0, p.stat().st_size - tail))
-            return f.read().decode("utf-8", errors="replace")
 
     # ------------------------------------------------------------------ changing
 
@@ -108,8 +136,8 @@ class Queue:
         path = self.config_path(config)
         sets = [s for s in (sets or []) if s.strip()]
         args = [sys.executable, "-m", "lorakit", "train", str(path), "--dry-run", "--json",
-                *[a for s in sets for a in ("--set", s)]]
-        r = subprocess.run(args, capture_output=True, text=True, timeout=300)
+                *[a for s in sets for a in ("--set", s)], *(("--resume", "latest") if resume else ())]
+        r = subprocess.run(args, capture_output=True, text=True, timeout=300, cwd=self.root)
         if r.returncode != 0:
             try:
                 err = json.loads(r.stdout or r.stderr)
@@ -117,7 +145,7 @@ class Queue:
                 err = {"message": (r.stderr or r.stdout).strip().splitlines()[-1:] or ["refused"]}
             problems = err.get("problems") or (err.get("details") or {}).get("problems") or [err.get("message")]
             raise InputError("; ".join(str(p) for p in problems), err.get("hint"), details={"problems": problems})
-        out_dir = _out_dir(r.stdout)
+        out_dir = self._own_folder(_out_dir(r.stdout))
         with self.lock:
             cur = self.db.execute("INSERT INTO jobs (config, sets, resume, state, out_dir, created) VALUES "
                                   "(?, ?, ?, 'queued', ?, ?)", (str(path), json.dumps(sets), int(resume), out_dir,
@@ -125,23 +153,59 @@ class Queue:
         self.tick()
         return self.job(cur.lastrowid)
 
+    def _own_folder(self, out_dir: str | None) -> str:
+        """The run folder a checked job writes: inside the runs folder, and held by no other job or process."""
+        if not out_dir:
+            raise InputError("the checked config names no output.dir", "set output.dir (relative to the runs folder)")
+        try:
+            real = inside(self.root, Path(self.root, out_dir))
+        except InputError:
+            raise InputError(f"output.dir {out_dir}: outside the runs folder {self.root}",
+                             "a job writes inside the runs folder: give a path relative to it") from None
+        if real == self.root:
+            raise InputError(f"output.dir {out_dir}: the runs folder itself", "give a folder inside it, e.g. runs/mine")
+        for j in self.jobs():
+            if j["state"] in HOLDING and j["out_dir"] == str(real):
+                raise InputError(f"{_run_name(self.root, str(real))}: job {j['id']} ({j['state']}) already "
+                                 "trains into this run folder", f"wait for job {j['id']} or stop it first")
+        held = holder(real)
+        if held is not None:
+            who = f" (pid {held.get('pid')}: {held.get('command')})" if held else ""
+            raise InputError(f"{_run_name(self.root, str(real))}: a lorakit process is training there now{who}",
+                             "wait for it to finish, or stop it first")
+        return str(real)
+
     def stop(self, job_id: int) -> dict:
-        """SIGTERM: the run saves a checkpoint and exits 75 (a queued job is cancelled)."""
+        """SIGTERM: the run saves a checkpoint and exits 75 (a queued job is cancelled). Only the job's own process is
+        signalled: a pid that now names another process (the job ended while nobody watched) is left alone."""
         j = self.job(job_id)
         if j["state"] == "queued":
             self._set(job_id, state="cancelled", ended=time.time())
-        elif j["state"] == "running" and _alive(j["pid"]):
+        elif j["state"] == "running" and _alive(j["pid"], j["pid_start"]):
             os.kill(j["pid"], signal.SIGTERM)
             self._set(job_id, state="stopping")
+        elif j["state"] in ACTIVE:
+            self.tick()  # its process is gone: read what it became from its run folder
+            raise InputError(f"job {job_id} is no longer running (now {self.job(job_id)['state']}): nothing to stop")
         else:
             raise InputError(f"job {job_id} is {j['state']}: nothing to stop")
         return self.job(job_id)
 
     def resume(self, job_id: int) -> dict:
-        """The job's run again with `--resume latest` (queued like a new job)."""
+        """The job's run again with `--resume latest` (queued like a new job), where it saved a step checkpoint and
+        no other job holds its folder."""
         j = self.job(job_id)
-        if j["state"] in ("queued", "running", "stopping"):
+        if j["state"] in HOLDING:
             raise InputError(f"job {job_id} is {j['state']}")
+        later = [k for k in self.jobs() if k["out_dir"] == j["out_dir"] and k["id"] > job_id]
+        if later:
+            raise InputError(f"job {job_id}'s run {j['run']} was started again by job {later[-1]['id']} "
+                             f"({later[-1]['state']})", f"resume job {later[-1]['id']} instead, where it offers it")
+        if j["state"] == "finished" or (j["out_dir"] and status(Path(j["out_dir"])) == "finished"):
+            raise InputError(f"job {job_id}'s run {j['run']} is finished: nothing to resume")
+        if not j["out_dir"] or not resumable(Path(j["out_dir"])):
+            raise InputError(f"job {job_id}'s run {_run_name(self.root, j['out_dir'])} saved no step checkpoint: "
+                             "there is nothing to resume from", "queue its config again to start it over")
         return self.submit(j["config"], j["sets"], resume=True)  # an absolute path inside the roots
 
     # ------------------------------------------------------------------ the worker
@@ -172,7 +236,7 @@ class Queue:
                 self._set(job_id, state=ENDED.get(code, "failed"), exit=code, ended=time.time())
         jobs = self.jobs()
         for j in jobs:  # adopted from a previous `lorakit ui`: ended while nobody watched
-            if j["state"] in ACTIVE and j["id"] not in self.procs and not _alive(j["pid"]):
+            if j["state"] in ACTIVE and j["id"] not in self.procs and not _alive(j["pid"], j["pid_start"]):
                 j["state"] = _read_state(j)
                 self._set(j["id"], state=j["state"], ended=time.time())
         slots = free_slots({j["slot"] for j in jobs if j["state"] in ACTIVE}, self.slots)
@@ -180,22 +244,61 @@ class Queue:
             self._launch(j, slot)
 
     def _launch(self, j: dict, slot: int) -> None:
-        (self.root / LOGS).mkdir(exist_ok=True)
-        log = open(self.root / LOGS / f"job-{j['id']}.log", "ab")  # noqa: SIM115 - the child writes it
+        logs = self.root / LOGS
+        logs.mkdir(exist_ok=True)
+        try:
+            log = open(inside(self.root, logs / f"job-{j['id']}.log"), "ab")  # noqa: SIM115 - the child writes it
+        except (OSError, InputError):  # the log cannot be written (a link out, a full disk): the job cannot run
+            self._set(j["id"], state="failed", ended=time.time())
+            return
         args = [sys.executable, "-m", "lorakit", "train", j["config"], "--log-format", "plain",
                 *[a for s in j["sets"] for a in ("--set", s)], *(("--resume", "latest") if j["resume"] else ())]
         env = dict(os.environ)
         if self.slots > 1:
             env["CUDA_VISIBLE_DEVICES"] = str(slot)
-        p = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        p = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+                             cwd=self.root)
         log.close()
         self.procs[j["id"]] = p
-        self._set(j["id"], state="running", pid=p.pid, started=time.time(), slot=slot)
+        self._set(j["id"], state="running", pid=p.pid, pid_start=started_at(p.pid), started=time.time(), slot=slot)
 
     def _set(self, job_id: int, **fields) -> None:
         cols = ", ".join(f"{k} = ?" for k in fields)
         with self.lock:
             self.db.execute(f"UPDATE jobs SET {cols} WHERE id = ?", (*fields.values(), job_id))  # noqa: S608
+
+
+def _open_db(root: Path) -> sqlite3.Connection:
+    """The queue's database in the runs folder: created when missing; a damaged one, a link or a folder that cannot
+    be written is said as such (naming the file), not as a bug."""
+    path = root / DB
+    if path.is_symlink() or (path.exists() and not path.is_file()):
+        raise InputError(f"{path}: the job queue's database is a link or not a regular file",
+                         "remove it (lorakit ui creates a new one) or give --runs another folder")
+    try:
+        db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
+        db.execute(SCHEMA)
+        cols = {r[1] for r in db.execute("PRAGMA table_info(jobs)")}
+        if "pid_start" not in cols:  # a queue written before jobs were known by pid and start time
+            db.execute("ALTER TABLE jobs ADD COLUMN pid_start INTEGER")
+        return db
+    except sqlite3.DatabaseError as e:
+        writable = os.access(root, os.W_OK)
+        if not writable or "readonly" in str(e) or "unable to open" in str(e):
+            raise EnvironmentFault(f"{path}: the job queue's database cannot be written ({e}): {root} is not "
+                                   "writable", "give --runs a folder you can write, or fix its permissions") from None
+        raise InputError(f"{path}: the job queue's database is damaged ({e})",
+                         f"move it aside (mv {path} {path}.bad); lorakit ui then starts an empty queue") from None
+
+
+def _run_name(root: Path, out_dir: str | None) -> str | None:
+    """A job's run as the run list names it (relative to the runs folder)."""
+    if not out_dir:
+        return None
+    try:
+        return str(Path(out_dir).relative_to(root))
+    except ValueError:
+        return out_dir
 
 
 def free_slots(busy: set, slots: int) -> list[int]:

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from lorakit.errors import InputError
 from lorakit.io.lock import holder
+from lorakit.ui.confine import confined, inside, is_dir, is_file, read_text
 
 CONFIG = "config.resolved.yaml"
 MAX_DEPTH = 3  # run folders are looked for this deep under the root
@@ -46,25 +47,21 @@ def find_runs(root: Path) -> list[Path]:
 
 
 def _mtime(run: Path) -> float:
-    m = run / "metrics.jsonl"
-    return (m if m.exists() else run / CONFIG).stat().st_mtime
-
-
-def confined(root: Path, rel: str) -> Path:
-    """root / rel, refused (InputError) when it leaves root — by '..', an absolute path or a symlink pointing out."""
-    root = Path(root).resolve()
-    p = (root / rel).resolve()
-    if p != root and root not in p.parents:
-        raise InputError(f"{rel}: outside the runs folder")
-    return p
+    """When the run last wrote (its metrics, else its config; 0 when neither can be read inside the folder)."""
+    for f in ("metrics.jsonl", CONFIG):
+        try:
+            return inside(run, run / f).stat().st_mtime
+        except (OSError, InputError):
+            continue
+    return 0.0
 
 
 def read_metrics(run: Path, since: int = 0) -> list[dict]:
-    """metrics.jsonl lines from line `since` on (a line being written is left for the next read)."""
+    """metrics.jsonl lines from line `since` on (a line being written is left for the next read); none when the
+    file is missing, unreadable or a link out of the run folder."""
     try:
-        with open(run / "metrics.jsonl", encoding="utf-8") as f:
-            lines = f.readlines()
-    except OSError:
+        lines = read_text(run, run / "metrics.jsonl").splitlines(keepends=True)
+    except (OSError, InputError):
         return []
     out = []
     for line in lines[since:]:
@@ -78,27 +75,51 @@ def read_metrics(run: Path, since: int = 0) -> list[dict]:
 
 
 def _config(run: Path) -> dict:
+    """The run's resolved config as a mapping; InputError when it cannot be read as one."""
     import yaml
 
     try:
-        return yaml.safe_load((run / CONFIG).read_text(encoding="utf-8")) or {}
-    except (OSError, ValueError, yaml.YAMLError):
-        return {}
+        got = yaml.safe_load(read_text(run, run / CONFIG)) or {}
+    except (OSError, ValueError, yaml.YAMLError) as e:
+        raise InputError(f"{run / CONFIG}: unreadable ({str(e).splitlines()[0] if str(e) else type(e).__name__})") \
+            from None
+    if not isinstance(got, dict) or not all(isinstance(got.get(k, {}), dict) for k in ("model", "schedule")):
+        raise InputError(f"{run / CONFIG}: not a lorakit config (a mapping with model: and schedule: sections)")
+    return got
 
 
 def status(run: Path) -> str:
     if holder(run) is not None:
         return "running"
     ck = run / "checkpoints"
-    if (ck / "final").is_dir():
+    if is_dir(run, ck / "final"):
         return "finished"
-    if ck.is_dir() and any(p.name.startswith("step-") for p in ck.iterdir()):
+    if resumable(run):
         return "interrupted"
     return "failed"
 
 
+def resumable(run: Path) -> bool:
+    """A step checkpoint inside the run folder: `--resume latest` can continue from it."""
+    ck = run / "checkpoints"
+    try:
+        return is_dir(run, ck) and any(p.name.startswith("step-") and is_dir(run, p) for p in ck.iterdir())
+    except OSError:
+        return False
+
+
 def summary(run: Path, root: Path) -> dict:
-    """One row of the run list."""
+    """One row of the run list: a folder whose config cannot be read is listed as "unreadable" with the reason."""
+    name = str(run.relative_to(root)) if run != root else "."
+    try:
+        return _summary(run, name)
+    except (InputError, OSError, TypeError, ValueError, AttributeError) as e:
+        why = e.message if isinstance(e, InputError) else f"{type(e).__name__}: {e}"
+        return {"name": name, "status": "unreadable", "error": why, "family": None, "step": 0, "steps": None,
+                "loss": None, "val_loss": None, "s_per_step": None, "eta_s": None, "updated": None, "holder": None}
+
+
+def _summary(run: Path, name: str) -> dict:
     cfg = _config(run)
     rows = [m for m in read_metrics(run) if "loss" in m]
     total = (cfg.get("schedule") or {}).get("steps")
@@ -107,7 +128,7 @@ def summary(run: Path, root: Path) -> dict:
     sps = statistics.median(recent) if recent else None
     st = status(run)
     val = [m["val_loss"] for m in rows if isinstance(m.get("val_loss"), (int, float))]
-    return {"name": str(run.relative_to(root)) if run != root else ".", "status": st,
+    return {"name": name, "status": st,
             "family": (cfg.get("model") or {}).get("family"), "step": step, "steps": total,
             "loss": rows[-1].get("loss") if rows else None, "val_loss": val[-1] if val else None,
             "s_per_step": sps, "eta_s": (total - step) * sps if st == "running" and sps and total else None,
@@ -118,21 +139,31 @@ def detail(run: Path, root: Path) -> dict:
     """The run page: its summary, resolved config, sample grids (oldest first), checkpoints and files."""
     out = summary(run, root)
     name = out["name"]
-    samples = sorted((run / "samples").glob("*.png")) if (run / "samples").is_dir() else []
     ck = run / "checkpoints"
-    out["config"] = (run / CONFIG).read_text(encoding="utf-8", errors="replace")
-    out["samples"] = [f"{name}/samples/{p.name}" for p in samples]
+    try:
+        out["config"] = read_text(run, run / CONFIG)
+    except (OSError, InputError) as e:
+        out["config"] = f"# unreadable: {e}"
+    out["samples"] = [f"{name}/samples/{p.name}" for p in samples(run)]
     out["checkpoints"] = [{"name": c.name, "files": [f"{name}/checkpoints/{c.name}/{f.name}"
-                                                     for f in sorted(c.iterdir()) if f.is_file()]}
-                          for c in sorted(ck.iterdir()) if c.is_dir()] if ck.is_dir() else []
+                                                     for f in sorted(c.iterdir()) if is_file(run, f)]}
+                          for c in sorted(ck.iterdir()) if is_dir(run, c)] if is_dir(run, ck) else []
     out["files"] = [f"{name}/{f}" for f in ("lora.safetensors", "loss_curve.png", "metrics.jsonl", CONFIG)
-                    if (run / f).is_file()]
+                    if is_file(run, run / f)]
     return out
+
+
+def samples(run: Path) -> list[Path]:
+    """The run's sample grids (PNG files inside the run folder), oldest name first."""
+    folder = run / "samples"
+    if not is_dir(run, folder):
+        return []
+    return [p for p in sorted(folder.glob("*.png")) if is_file(run, p)]
 
 
 def run_folder(root: Path, name: str) -> Path:
     """The run folder a name in the list stands for (confined to root; InputError when it is not a run)."""
     run = confined(root, name)
-    if not (run / CONFIG).is_file():
+    if not is_file(run, run / CONFIG):
         raise InputError(f"{name}: not a run folder")
     return run

@@ -1,15 +1,15 @@
 """`lorakit ui`: a local web dashboard over the run folders (FastAPI + uvicorn, the optional extra `lorakit[ui]`).
 
 Pages are static files of this package (no CDN: the machine may be offline; the chart is drawn by its own script).
-The API reads run folders through `ui.runs`; live updates are server-sent events. Bound to 127.0.0.1 by default;
-bound elsewhere, every request needs the token printed at start (header `Authorization: Bearer T`, `?token=T`
-once — kept in a cookie — or that cookie). Every file path is confined to the runs folder.
+The API reads run folders through `ui.runs`; live updates are server-sent events. In front of every route stands
+`ui.guard` (Host, per-launch token, Origin and body-size checks: a local server is still a server), and every file
+the pages read or write goes through `ui.confine` (real paths inside their folder, links included). Malformed
+requests are answered 4xx with the reason, never 500.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import time
 from pathlib import Path
@@ -22,17 +22,49 @@ from lorakit.errors import InputError
 from lorakit.models.registry import family_names
 from lorakit.ui import datasets as D
 from lorakit.ui import runs as R
+from lorakit.ui.confine import confined, inside
+from lorakit.ui.guard import Guard
 from lorakit.ui.jobs import Queue
 
 STATIC = Path(__file__).parent / "static"
 MAX_BODY = 64 * 1024  # bytes a request may send (a caption is the largest thing the pages send)
-COOKIE = "lorakit_token"
+MAX_DEPTH = 16  # nesting a request's JSON may have (the job form's is 3)
 POLL_S = 0.5  # how often the event stream looks at a run folder
 
 
-def create_app(runs_root, token: str | None = None, datasets_root=None, slots: int = 1):
-    """The ASGI app over the run folders under `runs_root` and the dataset folders under `datasets_root` (default:
-    the same folder), with its job queue (`slots` runs at once); token None: no token asked (127.0.0.1)."""
+def json_body(raw: bytes, example: str):
+    """A request's JSON: 400 (with `example`) when it is not JSON, nests deeper than MAX_DEPTH, or holds a string
+    that is not valid Unicode (a lone surrogate)."""
+    try:
+        got = json.loads(raw)
+    except (ValueError, RecursionError):
+        raise HTTPException(400, f"not JSON: send {example}") from None
+    stack = [(got, 0)]
+    while stack:
+        x, depth = stack.pop()
+        if depth > MAX_DEPTH:
+            raise HTTPException(400, f"JSON nested deeper than {MAX_DEPTH} levels: send {example}")
+        if isinstance(x, str):
+            try:
+                x.encode("utf-8")
+            except UnicodeEncodeError:
+                raise HTTPException(400, "a string in the request is not valid Unicode (a lone surrogate)") from None
+        elif isinstance(x, dict):
+            stack += [(k, depth + 1) for k in x] + [(v, depth + 1) for v in x.values()]
+        elif isinstance(x, list):
+            stack += [(v, depth + 1) for v in x]
+    return got
+
+
+def create_app(runs_root, token: str | None = None, datasets_root=None, slots: int = 1, host: str = "127.0.0.1"):
+    """The ASGI app over the run folders under `runs_root` and the dataset folders under `datasets_root`, with its
+    job queue (`slots` runs at once), behind `ui.guard.Guard`.
+
+    Args:
+        token: the per-launch secret every request must carry (None: none is asked — tests, embedding).
+        datasets_root: the folder of dataset folders (default: the runs folder).
+        host: the address the server is bound to (which Host headers name this machine).
+    """
     from contextlib import asynccontextmanager
 
     root = Path(runs_root).resolve()
@@ -47,25 +79,15 @@ def create_app(runs_root, token: str | None = None, datasets_root=None, slots: i
 
     app = FastAPI(title="lorakit", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
     app.state.queue = queue
+    app.add_middleware(Guard, token=token, bound=host, limit=MAX_BODY)
 
-    @app.middleware("http")
-    async def need_token(request: Request, call_next):
-        if token is None:
-            return await call_next(request)
-        given = request.headers.get("authorization", "").removeprefix("Bearer ").strip() \
-            or request.query_params.get("token") or request.cookies.get(COOKIE) or ""
-        if not hmac.compare_digest(given.encode(), token.encode()):
-            return JSONResponse({"error": "this lorakit ui needs the token printed when it started"}, status_code=401)
-        response = await call_next(request)
-        if request.query_params.get("token"):
-            response.set_cookie(COOKIE, token, httponly=True, samesite="strict")
-        return response
+    @app.exception_handler(InputError)
+    async def bad_input(request: Request, e: InputError):
+        return JSONResponse({"error": e.message, "detail": e.message, "hint": e.hint}, status_code=400)
 
-    @app.middleware("http")
-    async def limit_body(request: Request, call_next):
-        if int(request.headers.get("content-length") or 0) > MAX_BODY:
-            return JSONResponse({"error": f"request body over {MAX_BODY} bytes"}, status_code=413)
-        return await call_next(request)
+    @app.exception_handler(HTTPException)
+    async def refused(request: Request, e: HTTPException):  # one shape for every refusal: {"error": ...}
+        return JSONResponse({"error": e.detail, "detail": e.detail}, status_code=e.status_code)
 
     def found(get, folder: Path, name: str) -> Path:
         """A run or dataset folder by its name in the lists (404 with the reason when it is not one)."""
@@ -83,10 +105,9 @@ def create_app(runs_root, token: str | None = None, datasets_root=None, slots: i
 
     @app.get("/static/{name}")
     def static(name: str):
-        p = STATIC / name
-        if p.parent != STATIC or not p.is_file():
+        if name not in {p.name for p in STATIC.iterdir()}:  # the package's own files, by name
             raise HTTPException(404, "no such file")
-        return FileResponse(p)
+        return FileResponse(STATIC / name)
 
     @app.get("/api/runs")
     def run_list():
@@ -112,7 +133,7 @@ def create_app(runs_root, token: str | None = None, datasets_root=None, slots: i
                 if rows:
                     seen += len(rows)
                     yield f"event: metrics\ndata: {json.dumps({'next': seen, 'rows': rows})}\n\n"
-                now = sorted(p.name for p in (run / "samples").glob("*.png")) if (run / "samples").is_dir() else []
+                now = [p.name for p in R.samples(run)]
                 if now != samples:
                     samples = now
                     yield f"event: samples\ndata: {json.dumps([f'{name}/samples/{s}' for s in now])}\n\n"
@@ -144,16 +165,14 @@ def create_app(runs_root, token: str | None = None, datasets_root=None, slots: i
     @app.put("/api/caption/{name:path}")
     async def caption(name: str, request: Request):
         folder = dataset_of(name)
-        body = await request.body()
-        if len(body) > MAX_BODY:
-            raise HTTPException(413, f"request body over {MAX_BODY} bytes")
+        example = '{"stem": "...", "text": "..."}'
+        got = json_body(await request.body(), example)
         try:
-            got = json.loads(body)
             stem, text = got["stem"], got["text"]
             if not (isinstance(stem, str) and isinstance(text, str)):
                 raise TypeError
-        except (ValueError, KeyError, TypeError):
-            raise HTTPException(400, 'send {"stem": "...", "text": "..."}') from None
+        except (KeyError, TypeError):
+            raise HTTPException(400, f"send {example}") from None
         try:
             path = D.set_caption(folder, stem, text)
         except InputError as e:
@@ -179,16 +198,17 @@ def create_app(runs_root, token: str | None = None, datasets_root=None, slots: i
 
     @app.post("/api/jobs")
     async def job_submit(request: Request):
+        example = '{"config": "path/in/the/runs/folder.yaml", "sets": ["key=value"]} or {"form": {section: ' \
+                  '{field: value}}}'
+        got = json_body(await request.body(), example)
         try:
-            got = json.loads(await request.body())
             if isinstance(got.get("form"), dict):  # the generated form: its values become a config file
                 got["config"] = str(_form_config(root, got["form"]))
             config, sets, resume = got["config"], got.get("sets") or [], bool(got.get("resume", False))
-            if not isinstance(config, str) or not all(isinstance(x, str) for x in sets):
+            if not isinstance(config, str) or not isinstance(sets, list) or not all(isinstance(x, str) for x in sets):
                 raise TypeError
-        except (ValueError, KeyError, TypeError, AttributeError):
-            raise HTTPException(400, 'send {"config": "path/in/the/runs/folder.yaml", "sets": ["key=value"]} or '
-                                     '{"form": {section: {field: value}}}') from None
+        except (KeyError, TypeError, AttributeError):
+            raise HTTPException(400, f"send {example}") from None
         return await asyncio.to_thread(job_call, queue.submit, config, sets, resume)
 
     @app.post("/api/jobs/{job_id}/stop")
@@ -206,7 +226,7 @@ def create_app(runs_root, token: str | None = None, datasets_root=None, slots: i
     def file_in(folder: Path, rel: str):
         """A file below `folder` (403 outside it, symlinks followed; weights and logs as downloads)."""
         try:
-            p = R.confined(folder, rel)
+            p = confined(folder, rel)
         except InputError as e:
             raise HTTPException(403, e.message) from None
         if not p.is_file():
@@ -232,9 +252,9 @@ def _form_config(root: Path, form: dict) -> Path:
     config when the job is submitted."""
     import yaml
 
-    folder = root / FORMS
+    folder = inside(root, root / FORMS)  # a link named like it that points out is refused
     folder.mkdir(exist_ok=True)
-    path = folder / f"form-{time.strftime('%Y%m%d-%H%M%S')}-{time.time_ns() % 10**6:06d}.yaml"
+    path = inside(root, folder / f"form-{time.strftime('%Y%m%d-%H%M%S')}-{time.time_ns() % 10**6:06d}.yaml")
     path.write_text(yaml.safe_dump(form, sort_keys=False), encoding="utf-8")
     return path
 
@@ -244,4 +264,4 @@ def serve(runs_root, host: str = "127.0.0.1", port: int = 7860, token: str | Non
     """Serve until interrupted."""
     import uvicorn
 
-    uvicorn.run(create_app(runs_root, token, datasets_root, slots), host=host, port=port, log_level="warning")
+    uvicorn.run(create_app(runs_root, token, datasets_root, slots, host), host=host, port=port, log_level="warning")

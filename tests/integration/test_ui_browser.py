@@ -31,8 +31,8 @@ def server(tmp_path):
     root = tmp_path / "runs"
     root.mkdir()
     (tmp_path / "sets").mkdir()
-    srv = uvicorn.Server(uvicorn.Config(create_app(root, datasets_root=tmp_path / "sets"), host="127.0.0.1", port=0,
-                                        log_level="warning"))
+    srv = uvicorn.Server(uvicorn.Config(create_app(root, TOKEN, datasets_root=tmp_path / "sets"), host="127.0.0.1",
+                                        port=0, log_level="warning"))
     t = threading.Thread(target=srv.run, daemon=True)
     t.start()
     while not srv.started:
@@ -42,8 +42,11 @@ def server(tmp_path):
     t.join(timeout=10)
 
 
+TOKEN = "a-browser-test-token-000"  # what `lorakit ui` prints in its link; the page keeps it in a cookie
+
+
 @pytest.fixture
-def browser():
+def browser(server):
     from selenium import webdriver
     from selenium.webdriver.chrome.service import Service
 
@@ -53,6 +56,8 @@ def browser():
         opts.add_argument(a)
     d = webdriver.Chrome(service=Service(DRIVER), options=opts)
     d.set_page_load_timeout(30)
+    d.get(server[1] + "/?token=" + TOKEN)  # the printed link: a cookie, and the token taken off the address
+    assert d.current_url == server[1] + "/"
     yield d
     d.quit()
 

@@ -21,6 +21,11 @@ function runUrl(name) { return name.split("/").map(encodeURIComponent).join("/")
 
 async function getJSON(url) {
   const r = await fetch(url, { credentials: "same-origin" });
+  if (r.status === 401) {  // opened without the link `lorakit ui` printed: say how to get in
+    document.body.innerHTML = "<main><h1>lorakit ui</h1><p>This dashboard needs the secret made when it started: " +
+      "open the link <code>lorakit ui</code> printed (<code>http://127.0.0.1:PORT/?token=…</code>).</p></main>";
+    throw new Error(`${url}: 401`);
+  }
   if (!r.ok) throw new Error(`${url}: ${r.status}`);
   return r.json();
 }
@@ -165,12 +170,14 @@ async function jobAction(url, body) {
 async function showJobs() {
   const data = await getJSON("/api/jobs");
   $("#jobs tbody").innerHTML = data.jobs.map((j) => {
-    const run = j.out_dir ? j.out_dir.split("/").pop() : "";
+    const run = j.run || "";
+    // resume only where the server says a step checkpoint is there and no other job holds the run folder
     const act = ["queued", "running"].includes(j.state) ? `<button data-stop="${j.id}">stop</button>`
-      : ["interrupted", "failed", "cancelled"].includes(j.state) ? `<button data-resume="${j.id}">resume</button>` : "";
+      : j.resumable ? `<button data-resume="${j.id}">resume</button>` : "";
+    const link = run ? `<a href="#/run/${esc(run)}">${esc(run)}</a>` : "";
     return `<tr data-job="${j.id}"><td>${j.id}</td><td><span class="status ${esc(j.state)}">${esc(j.state)}</span>` +
       `${j.exit !== null && j.exit !== undefined ? " (exit " + j.exit + ")" : ""}</td><td>${esc(j.config)}</td>` +
-      `<td>${esc(run)}</td><td>${act} <a href="#/jobs" data-log="${j.id}">log</a></td></tr>`;
+      `<td>${link}</td><td>${act} <a href="#/jobs" data-log="${j.id}">log</a></td></tr>`;
   }).join("");
   document.querySelectorAll("[data-stop]").forEach((b) => { b.onclick = () => jobAction(`/api/jobs/${b.dataset.stop}/stop`); });
   document.querySelectorAll("[data-resume]").forEach((b) => { b.onclick = () => jobAction(`/api/jobs/${b.dataset.resume}/resume`); });

@@ -80,3 +80,89 @@ def test_a_freed_slot_is_reused_and_a_held_one_never_shared():
     assert free_slots({0}, 2) == [1]
     assert free_slots({1}, 2) == [0]  # A (slot 0) ended, B holds 1: the next job gets 0, not B's GPU
     assert free_slots({0, 1}, 2) == []
+
+
+def test_one_job_per_run_folder_resume_only_from_a_checkpoint_and_outputs_inside_the_runs_folder(tmp_path, tiny):
+    root = tmp_path / "runs"
+    root.mkdir()
+    run_yaml(root, tiny, root / "a", steps=4000, sampling={"enabled": False}, output={"save_every": 2})
+    run_yaml(root, tiny, root / "quick", steps=1, sampling={"enabled": False})
+    run_yaml(root, tiny, tmp_path / "outside", steps=2, sampling={"enabled": False})
+    (root / "rel.yaml").write_text((root / "quick.yaml").read_text().replace(str(root / "quick"), "rel-out"))
+    q = Queue(root)
+
+    with pytest.raises(InputError, match="outside the runs folder"):  # output.dir must lie inside it
+        q.submit("outside.yaml")
+    rel = q.submit("rel.yaml")  # a relative output.dir: relative to the runs folder, not the server's cwd
+    assert rel["out_dir"] == str((root / "rel-out").resolve()) and rel["run"] == "rel-out"
+    rel = _until(q, rel["id"], {"finished", "failed"})
+    assert rel["state"] == "finished", q.log(rel["id"])
+    with pytest.raises(InputError, match="is finished"):
+        q.resume(rel["id"])
+
+    a = q.submit("a.yaml")
+    with pytest.raises(InputError, match=f"job {a['id']} .* already trains into this run folder"):
+        q.submit("a.yaml")  # a second start of a held folder
+    deadline = time.time() + 120
+    while not list((root / "a" / "checkpoints").glob("step-*")) and time.time() < deadline:
+        time.sleep(0.1)
+    q.stop(a["id"])
+    a = _until(q, a["id"], {"interrupted", "failed"})
+    assert a["state"] == "interrupted" and a["resumable"]
+    again = q.resume(a["id"])
+    with pytest.raises(InputError, match=f"started again by job {again['id']}"):
+        q.resume(a["id"])  # the duplicate resume of the same row
+    assert not q.job(a["id"])["resumable"]  # the older row no longer offers it
+    q.stop(again["id"])
+    again = _until(q, again["id"], {"interrupted", "failed"})
+    assert again["resumable"] and not q.job(a["id"])["resumable"]  # only the newest row of the folder
+
+
+def test_a_reused_pid_is_never_taken_for_the_job_nor_signalled(tmp_path):
+    import os
+
+    from lorakit.ui.jobs import started_at
+
+    root = tmp_path / "runs"
+    root.mkdir()
+    q = Queue(root)
+    # a job a previous `lorakit ui` left "running", whose pid the system has since given to this very process
+    mine = started_at(os.getpid())
+    with q.lock:
+        q.db.execute("INSERT INTO jobs (config, sets, resume, state, out_dir, pid, pid_start, created, started) "
+                     "VALUES ('x.yaml', '[]', 0, 'running', ?, ?, ?, 0, 0)", (str(root / "gone"), os.getpid(),
+                                                                             mine - 1))
+    q2 = Queue(root)
+    q2.tick()
+    j = q2.jobs()[0]
+    assert j["state"] == "failed"  # read from its (empty) run folder, not from a live process that is not it
+    with pytest.raises(InputError, match="nothing to stop"):
+        q2.stop(j["id"])  # and this process got no SIGTERM (the test is still running)
+
+
+def test_a_damaged_queue_or_a_read_only_runs_folder_is_said_by_name(tmp_path, monkeypatch):
+    import sqlite3
+
+    from lorakit.errors import EnvironmentFault
+    from lorakit.ui.jobs import DB
+
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / DB).write_bytes(b"this is not a database" * 100)
+    with pytest.raises(InputError, match="damaged") as e:
+        Queue(bad)
+    assert str(bad / DB) in e.value.message and "mv" in e.value.hint
+    (tmp_path / "linked").mkdir()
+    (tmp_path / "linked" / DB).symlink_to(tmp_path / "elsewhere.sqlite")
+    with pytest.raises(InputError, match="link"):
+        Queue(tmp_path / "linked")
+    ro = tmp_path / "ro"  # a read-only disk (root writes through a folder's mode bits, so sqlite says it here)
+    ro.mkdir()
+
+    def read_only(*a, **k):
+        raise sqlite3.OperationalError("attempt to write a readonly database")
+
+    monkeypatch.setattr(sqlite3, "connect", read_only)
+    with pytest.raises(EnvironmentFault, match="cannot be written") as e:
+        Queue(ro)
+    assert str(ro / DB) in e.value.message

@@ -12,9 +12,11 @@ from fastapi.testclient import TestClient  # noqa: E402
 
 from lorakit.ui.server import create_app  # noqa: E402
 
+LOCAL = "http://127.0.0.1"  # the Host the printed URL names (the guard refuses others)
+
 
 def test_the_api_lists_runs_and_serves_their_files(runs):
-    c = TestClient(create_app(runs))
+    c = TestClient(create_app(runs), base_url=LOCAL)
     page = c.get("/")
     assert page.status_code == 200 and "/static/app.js" in page.text
     assert c.get("/static/app.js").status_code == 200 and c.get("/static/../server.py").status_code == 404
@@ -33,13 +35,15 @@ def test_the_api_lists_runs_and_serves_their_files(runs):
 
 
 def test_bound_elsewhere_every_request_needs_the_token(runs):
-    c = TestClient(create_app(runs, token="s3cret"))
+    c = TestClient(create_app(runs, token="s3cret"), base_url=LOCAL)
     assert c.get("/api/runs").status_code == 401 and c.get("/").status_code == 401
     assert c.get("/api/runs", headers={"Authorization": "Bearer nope"}).status_code == 401
     assert c.get("/api/runs", headers={"Authorization": "Bearer s3cret"}).status_code == 200
-    first = c.get("/?token=s3cret")  # the link printed at start: the token is kept in a cookie after it
-    assert first.status_code == 200 and "lorakit_token" in first.headers.get("set-cookie", "")
-    assert c.get("/api/runs").status_code == 200
+    first = c.get("/?token=s3cret", follow_redirects=False)  # the printed link: kept in a cookie, taken off the URL
+    assert first.status_code == 303 and first.headers["location"] == "/"
+    assert "lorakit_token=s3cret" in first.headers["set-cookie"] and "SameSite=Strict" in first.headers["set-cookie"]
+    assert c.get("/api/runs").status_code == 200  # the cookie now
+    assert TestClient(create_app(runs, token="s3cret"), base_url=LOCAL).get("/?token=s3cret").status_code == 200
 
 
 def test_the_event_stream_sends_new_metrics_samples_and_status(runs, tmp_path):
@@ -82,7 +86,7 @@ def test_datasets_are_listed_checked_and_their_captions_edited(runs, tmp_path):
 
     data = make_demo_dataset(tmp_path / "sets" / "shapes", "flat", count=3, size=64)
     (data / "broken.png").write_bytes(b"not a png")
-    c = TestClient(create_app(runs, datasets_root=tmp_path / "sets"))
+    c = TestClient(create_app(runs, datasets_root=tmp_path / "sets"), base_url=LOCAL)
     assert {d["name"]: d["items"] for d in c.get("/api/datasets").json()["datasets"]} == {"shapes": 4}
     d = c.get("/api/dataset/shapes?family=flux").json()
     assert len(d["items"]) == 4 and "flux2-klein" in d["families"]
@@ -101,7 +105,7 @@ def test_datasets_are_listed_checked_and_their_captions_edited(runs, tmp_path):
 
 
 def test_the_job_form_comes_from_the_config_schema_and_is_checked_as_the_cli_checks(tmp_path):
-    c = TestClient(create_app(tmp_path))
+    c = TestClient(create_app(tmp_path), base_url=LOCAL)
     schema = c.get("/api/schema").json()
     assert {"model", "data", "lora", "schedule", "output"} <= set(schema["properties"])
     r = c.post("/api/jobs", json={"form": {"model": {"family": "flux"}, "lora": {"rank": 0},
