@@ -52,6 +52,9 @@ def model_keys(arch: str, shapes: dict) -> dict:
             rows = sum(g[0] for g in got)
             out[f"diffusion_model.{native}.{param}"] = (rows, *got[0][1:])
             seen.update(f"{t}.{dparam}" for t in rec.targets)
+        weight, bias = f"diffusion_model.{native}.{rec.param}", f"diffusion_model.{native}.bias"
+        if bias in out and weight not in out:  # a bias given alone: the model has its weight too (through whose
+            out[weight] = out[bias]  # name ComfyUI finds `.diff_b`); its width is not known here
     for k, s in shapes.items():  # architectures whose native names are the diffusers names: everything else
         if k not in seen and (all(len(r.targets) == 1 and r.native == r.targets[0] for r in table.values())):
             out[f"diffusion_model.{k}"] = s
@@ -72,6 +75,11 @@ def key_map(arch: str, keys: dict) -> dict:
             out[k[:-len(".weight")]] = k
         else:
             out[k] = k
+    for k in keys:  # FLUX's RMSNorm holds `scale` in ComfyUI's FLUX.1 model and `weight` where its FLUX.2 support
+        if k.endswith(".scale"):  # made the norms comfy.ops layers: names written for either are read
+            stem = k[:-len(".scale")]
+            out.setdefault(stem, k)
+            out.setdefault(f"lora_unet_{flat(stem[len('diffusion_model.'):])}", k)
     prefixes = arch_adapter(arch).comfy_diffusers_prefixes
 
     table = native_table(arch, n_blocks(keys))

@@ -11,7 +11,7 @@ from pathlib import Path
 from lorakit.convert.compare import deltas_equal
 from lorakit.convert.patches import LowRank
 from lorakit.convert.read import read
-from lorakit.convert.verify import comfy_probe_check, diffusers_view
+from lorakit.convert.verify import PARTIAL, comfy_probe_check, diffusers_view
 from lorakit.convert.write import write
 from lorakit.dtypes import torch_dtype
 from lorakit.errors import InputError
@@ -59,7 +59,7 @@ def convert_lora(src: Path, dst: Path, to: str, family: str | None = None, model
         if not existed:
             _remove(dst)
         raise
-    equal = ok and all(v == "equal" or v.startswith(("not compared", ELSEWHERE)) for v in checks.values())
+    equal = ok and all(v == "equal" or v.startswith(("not compared", ELSEWHERE, PARTIAL)) for v in checks.values())
     if not equal and not existed:
         _remove(dst)  # a file that reads back otherwise than its input is not kept
     return {"input": {"path": str(src), **lora_in.facts}, "output": {"path": str(out), **back.facts,
@@ -80,7 +80,7 @@ def _consumers(out: Path, to: str, arch: str | None, expected, base, rtol: float
     elif to == "peft":
         checks["comfyui"] = "not compared: ComfyUI does not read peft folders"
     else:
-        checks["comfyui"] = comfy_probe_check(out, arch, expected, base, rtol)
+        checks["comfyui"] = comfy_probe_check(out, arch, expected, base, rtol).replace("convert FILE", f"convert {out}")
     plain = all(isinstance(p, LowRank) for p in expected.weights.values()) and not expected.biases
     if to == "diffusers" and arch is not None and plain and (base or not dora):
         view = diffusers_view(out, family_of_arch(arch))
@@ -114,10 +114,13 @@ def _also_diffusers(out: Path, arch: str, expected, rtol: float) -> str:
 
 
 def _summary(checks: dict) -> str:
-    bad = {k: v for k, v in checks.items() if v != "equal" and not v.startswith(("not compared", ELSEWHERE))}
+    """"equal (the readers that read it whole)", then what each other reader does with it — a reader not compared
+    or reading part is named, never folded into "equal"."""
+    bad = {k: v for k, v in checks.items() if v != "equal" and not v.startswith(("not compared", ELSEWHERE, PARTIAL))}
     if bad:
         return "; ".join(f"{k}: {v}" for k, v in bad.items())
-    return "equal (" + ", ".join(k for k, v in checks.items() if v == "equal") + ")"
+    rest = "".join(f"; {k}: {v}" for k, v in checks.items() if v != "equal")
+    return "equal (" + ", ".join(k for k, v in checks.items() if v == "equal") + ")" + rest
 
 
 def _remove(path: Path) -> None:

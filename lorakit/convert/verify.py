@@ -176,6 +176,7 @@ def _comfy_probe_check(path, arch, expected, base, rtol, shapes) -> str:
         sd = {k: v for k, v in sd.items() if not any(k.startswith(f"transformer.{m}.") for m in native_only)}
     shapes = dict(shapes or {})
     shapes.update({f"{m}.weight": tuple(p.shape) for m, p in expected.weights.items()})
+    shapes.update({f"{m}.bias": tuple(b.shape) for m, b in expected.biases.items()})  # a bias without a weight patch
     if base:
         shapes.update({f"{m}.weight": tuple(w.shape) for m, w in base.items()})
     keys = comfy.model_keys(arch, shapes)
@@ -220,10 +221,20 @@ def _comfy_probe_check(path, arch, expected, base, rtol, shapes) -> str:
     if unused:
         return f"{len(unused)} key(s) ComfyUI would not load, e.g. {unused[0]}"
     if native_only:
-        return (f"not compared: ComfyUI takes {len(native_only)} module(s) of this file by their native names only "
-                f"(e.g. {native_only[0]}): `lorakit convert --to comfyui` writes them so; the other "
-                f"{len(expected.weights)} equal")
+        return (f"{PARTIAL} it skips {len(native_only)} module(s) of this file, which it takes by their native names "
+                f"only (e.g. {native_only[0]}); the other {len(expected.weights)} equal. `lorakit convert FILE "
+                "--to comfyui` writes a file ComfyUI reads whole")
     return "equal"
+
+
+PARTIAL = "ComfyUI reads part of it:"  # a consumer check's answer: the file is right, one reader applies only part
+
+
+def consumer_note(path, checks: dict | None) -> str | None:
+    """The warning a save or conversion says in its normal output when a consumer reads only part of the file
+    (None when each reads it whole or was not compared)."""
+    part = next((v for v in (checks or {}).values() if v.startswith(PARTIAL)), None)
+    return f"{path}: {part.replace('FILE', str(path))}" if part else None
 
 
 def _native_only(sd: dict, arch: str, expected: Lora) -> list[str]:

@@ -145,6 +145,10 @@ def to_peft(weights: dict, prefix: str = "transformer.") -> tuple[dict, dict]:
         sd[f"{prefix}{m}.lora_A.weight"] = q.A
         sd[f"{prefix}{m}.lora_B.weight"] = q.B
         if p.dora:
+            if p.magnitude is None and p.dora_scale is not None and p.dora_scale.shape[0] != p.B.shape[0]:
+                raise InputError(f"{m}: its DoRA scale lies on the input axis (dora_scale {tuple(p.dora_scale.shape)}"
+                                 ", LyCORIS' wd_on_out=False); peft and diffusers scale output rows only, so no "
+                                 "diffusers or peft file holds it", "use --to comfyui or --to kohya (kept exactly)")
             if p.magnitude is None:
                 raise InputError(f"{m}: DoRA stored as ComfyUI's dora_scale needs the base weights",
                                  "pass the model (--model DIR)")

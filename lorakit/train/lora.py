@@ -97,7 +97,7 @@ def save_lora(transformer, path: Path, family: str, extra: dict | None = None, c
     result = V.check_file(path, family, t, base, shapes=V.module_shapes(transformer))
     if clock:
         clock.lap("read back as diffusers and ComfyUI read it")
-    bad = {k: v for k, v in result.items() if v != "equal" and not v.startswith("not compared")}
+    bad = {k: v for k, v in result.items() if v != "equal" and not v.startswith(("not compared", V.PARTIAL))}
     if bad:
         raise RuntimeError(f"{path}: read back as a consumer would, it differs from what was trained: {bad}")
     return result

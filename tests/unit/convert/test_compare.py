@@ -1,5 +1,6 @@
 """The probe comparison's threads: a LoRA's small products on one thread (on a busy host every product split over
-all cores waited for the slowest: the final checkpoint's read-back took 56-69 s in session 28), full-size work on
+all cores waited for the slowest: the final checkpoint's read-back took 56-69 s on a 4x H200 host beside four
+trainings, 2026-11-26), full-size work on
 all of them, and the caller's thread count given back whatever happens."""
 
 import pytest

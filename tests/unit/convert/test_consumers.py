@@ -140,7 +140,7 @@ def test_flux2_files_load_alike_in_diffusers_and_comfyui(tiny, tmp_path, family)
     every = trained_like(tiny, family, tmp_path / "b.safetensors", targets="all_linear", io=True)
     lora = L.read(every)
     said = verify.check_file(every, family, lora)
-    assert said["diffusers"] == "equal" and said["comfyui"].startswith("not compared: ComfyUI takes"), said
+    assert said["diffusers"] == "equal" and said["comfyui"].startswith(verify.PARTIAL), said
     assert "ff.linear_in" in said["comfyui"] or "ff_context" in said["comfyui"]
     native = L.write(lora, tmp_path / "c.safetensors", "comfyui", "flux2")
     want = native_weights(_diffusers_fused(tiny, family, every), "flux2")
@@ -148,3 +148,31 @@ def test_flux2_files_load_alike_in_diffusers_and_comfyui(tiny, tmp_path, family)
     assert not not_loaded
     for k, w in want.items():
         torch.testing.assert_close(changed.get(k, base[k]).double(), w.double(), rtol=1e-5, atol=1e-6)
+
+
+def test_a_lora_comfyui_reads_only_in_part_is_said_in_the_normal_output_at_train_time_and_convert(tiny, tmp_path):
+    """FLUX.2 with every Linear targeted: ComfyUI takes the double blocks' MLPs (and the shared modulation) by their
+    native names only, so it applied part of the default diffusers-layout file while `lorakit train` exited 0
+    silently and `convert --to diffusers` printed "equal (lorakit, diffusers)". Both now say it in their normal
+    output, naming `--to comfyui`, which is exact."""
+    import yaml
+    from typer.testing import CliRunner
+
+    from lorakit.cli.app import app
+    from lorakit.data.demo import make_demo_dataset
+
+    data = make_demo_dataset(tmp_path / "data", "flat", count=2, size=64)
+    cfg = {"profile": "cpu", "model": {"family": "flux2-klein", "path": str(tiny("flux2-klein"))},
+           "data": {"dirs": [str(data)], "resolution": 64, "bucket_min_side": 32, "bucket_max_side": 128},
+           "lora": {"targets": "all_linear", "rank": 4}, "schedule": {"steps": 1}, "sampling": {"enabled": False},
+           "output": {"dir": str(tmp_path / "out")}}
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(cfg))
+    cli = CliRunner()
+    r = cli.invoke(app, ["train", str(tmp_path / "c.yaml"), "--log-format", "plain"])
+    assert r.exit_code == 0, r.output
+    said = [line for line in r.output.splitlines() if "ComfyUI reads part of it" in line]
+    assert len(said) == 1 and "--to comfyui" in said[0] and "lora.safetensors" in said[0], r.output
+    r = cli.invoke(app, ["convert", "lora", str(tmp_path / "out" / "lora.safetensors"),
+                         str(tmp_path / "d.safetensors"), "--to", "diffusers"])
+    assert r.exit_code == 0 and "ComfyUI reads part of it" in r.output and "--to comfyui" in r.output, r.output
+    assert "equal (lorakit, diffusers); comfyui:" in r.output

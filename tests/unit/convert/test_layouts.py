@@ -243,3 +243,68 @@ def test_a_refused_or_failed_convert_leaves_nothing_behind(tiny, tmp_path):
         else:
             assert r_.exit_code in (1, 2) and not dst.exists(), (fmt, r_.output)
             assert not list(tmp_path.glob(".o-*")), "a temporary file was left"
+
+
+def _extract(tiny, family, norm_param="weight", skip_weights=(), full=False):
+    """ComfyUI's model-diff extract of a tiny model's every weight, as its LoraSave node writes it (comfy_extras/
+    nodes_lora_extract.py): low-rank `lora_up/down` (or `.diff`) for each matrix, `.diff` for 1-D weights (norms),
+    `.diff_b` for each bias — keys "diffusion_model.<native>..." with `.weight` cut off. `norm_param`: the name the
+    norms' parameter has in that ComfyUI's model (FLUX.2's RMSNorms: `weight`; FLUX.1's before it: `scale`, which
+    the extract does not write at all)."""
+    sd = load_component(tiny(family) / "transformer").state_dict()
+    out = {}
+    for k, w in native_weights(sd, family).items():
+        k = k.removeprefix("diffusion_model.")
+        m = k.rsplit(".", 1)[0]
+        if k.endswith(".bias"):
+            out[f"diffusion_model.{m}.diff_b"] = r(*w.shape).half()
+        elif k.endswith(".weight") and w.dim() == 2 and not any(s in m for s in skip_weights):
+            if full:
+                out[f"diffusion_model.{m}.diff"] = r(*w.shape).half()
+            else:
+                out[f"diffusion_model.{m}.lora_up.weight"] = r(w.shape[0], 4).half()
+                out[f"diffusion_model.{m}.lora_down.weight"] = r(4, w.shape[1]).half()
+        elif k.endswith(".scale") and norm_param == "weight":
+            out[f"diffusion_model.{m}.diff"] = r(*w.shape).half()
+    return out
+
+
+@pytest.mark.parametrize("family, case", [("flux2-klein", "norms named weight"), ("flux", "norms named weight"),
+                                          ("flux", "bias without its weight"), ("flux", "full differences")])
+def test_comfyuis_own_extracts_rewrite_to_comfyui_and_kohya_as_comfyui_reads_them(tiny, tmp_path, family, case):
+    """A false DIFFER: ComfyUI's FLUX.2 model-diff extract (`...norm.key_norm.diff`: its norms' parameter is `weight`
+    there, `scale` in FLUX.1's model) was refused `--to comfyui/kohya` as "8 key(s) ComfyUI would not load" and its
+    output deleted; and a FLUX extract whose fused qkv has a bias difference but no weight patch could not be
+    rewritten without --model. Both names are read; a bias alone finds its weight's key as ComfyUI's map does."""
+    skip = ("qkv",) if case == "bias without its weight" else ()
+    save_file(_extract(tiny, family, skip_weights=skip, full=case == "full differences"), tmp_path / "x.safetensors")
+    for fmt in ("comfyui", "kohya"):
+        for extra in ([], ["--model", str(tiny(family))]):
+            dst = tmp_path / f"o-{fmt}-{len(extra)}.safetensors"
+            r_, out = _convert(tmp_path / "x.safetensors", dst, "--to", fmt, "--family", family, *extra)
+            assert r_.exit_code == 0 and out["equal"] and dst.is_file(), (fmt, extra, r_.output[-600:])
+            assert out["checks"]["comfyui"] == "equal" and out["not_converted"] == [], out["checks"]
+
+
+def test_a_dora_scale_on_the_input_axis_converts_where_a_layout_holds_it_and_is_refused_by_name_elsewhere(tiny,
+                                                                                                         tmp_path):
+    """LyCORIS' DoRA with wd_on_out=False stores `dora_scale` as (1, in): refused everywhere before, with a hint to
+    pass --model that did not apply (it was given). ComfyUI and kohya layouts keep it exactly (compared without the
+    base: the same vector and the same low-rank change); diffusers and peft scale output rows only: said so."""
+    m = "transformer_blocks.0.attn.to_q"
+    W = load_component(tiny("qwen-image") / "transformer").state_dict()[f"{m}.weight"].float()
+    save_file({f"diffusion_model.{m}.lora_up.weight": r(H, 4), f"diffusion_model.{m}.lora_down.weight": r(4, H),
+               f"diffusion_model.{m}.alpha": torch.tensor(4.0),
+               f"diffusion_model.{m}.dora_scale": W.norm(dim=0, keepdim=True) * 1.1}, tmp_path / "in.safetensors")
+    for fmt in ("comfyui", "kohya"):
+        for extra in ([], ["--model", str(tiny("qwen-image"))]):
+            r_, out = _convert(tmp_path / "in.safetensors", tmp_path / f"{fmt}{len(extra)}.safetensors", "--to", fmt,
+                               "--family", "qwen-image", *extra)
+            assert r_.exit_code == 0 and out["equal"], r_.output[-400:]
+            assert out["checks"]["comfyui"] == ("equal" if extra else "not compared: DoRA needs the base weights "
+                                                                      "(--model)")
+    for extra in ([], ["--model", str(tiny("qwen-image"))]):
+        r_, out = _convert(tmp_path / "in.safetensors", tmp_path / "d.safetensors", "--to", "diffusers", "--family",
+                           "qwen-image", *extra)
+        assert r_.exit_code == 2 and "input axis" in r_.output and "--to comfyui" in r_.output, r_.output
+        assert "pass the model" not in r_.output  # the hint that did not apply
