@@ -1,6 +1,6 @@
 """`python -m lorakit` runs the CLI."""
 
-from lorakit.cli.app import main
+from lorakit.cli.entry import main
 
 if __name__ == "__main__":
     main()

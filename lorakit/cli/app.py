@@ -160,9 +160,12 @@ app.command("demo", help=demo.HELP, short_help="the whole path on tiny offline m
 
 
 def main() -> None:
-    """Console-script entry point."""
+    """The CLI (`cli.entry.main` runs it, after making SIGTERM an interrupt)."""
     try:
         app()
+    except KeyboardInterrupt:  # before or after a command ran (while its options were parsed)
+        sys.stderr.write("interrupted before anything could be saved (exit 130)\n")
+        sys.exit(130)
     except LorakitError as e:  # raised outside a command (e.g. while parsing)
         if _debug():
             raise

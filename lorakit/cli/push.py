@@ -23,13 +23,13 @@ def push(run_dir: Path = typer.Argument(..., help="the run's output.dir (lora.sa
          private: bool = typer.Option(False, "--private", help="create the repo private"),
          as_json: bool = JsonOpt) -> None:
     use_json(as_json)
+    from lorakit.errors import InputError
     from lorakit.hub import push as do_push
-    from lorakit.models.sources import is_repo_id
+    from lorakit.models.sources import check_repo_id
 
-    if not is_repo_id(repo) or "@" in repo:
-        from lorakit.errors import InputError
-
+    if "@" in repo or repo.count("/") != 1:
         raise InputError(f"REPO {repo!r}: not a Hub repo name", "org/name, e.g. me/my-flux-lora")
+    check_repo_id(repo, "REPO")
     res = do_push(run_dir, repo, base_model, license, private)
 
     def render():

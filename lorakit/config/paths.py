@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import os
+import re
 from pathlib import Path
 
 from lorakit.config.schema import Config
 from lorakit.errors import ConfigError, EnvironmentFault
+from lorakit.models.registry import FAMILIES, family_of_pipeline
 
 
 def _writable_dir_problem(key: str, path: Path) -> tuple[str, str] | None:
@@ -44,6 +47,57 @@ def _same_folders(named: list[tuple[str, Path]]) -> list[str]:
     return out
 
 
+_HUB_SNAPSHOT = re.compile(r"models--([^/]+?)--([^/]+)/snapshots/[0-9a-f]+/?$")
+_WEIGHTS = ("*.safetensors", "*.bin", "*.pt", "*.gguf")
+
+
+def model_folder_problems(folder: Path, key: str = "model.path", family: str | None = None) -> list[str]:
+    """What keeps a diffusers model folder from loading as `family`: another pipeline than the family's (what the
+    run's loader refuses), or what it lacks of the components its model_index.json names — a missing or empty
+    component folder, a model component without weight files, a sharded one missing shards its index lists (what an
+    interrupted download, a hub snapshot holding only model_index.json, or copy leaves). The download command when
+    the folder is a Hugging Face cache snapshot."""
+    try:
+        index = json.loads((folder / "model_index.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        return [f"{key}: {folder / 'model_index.json'} is unreadable ({e})"]
+    if not isinstance(index, dict):
+        return [f"{key}: {folder / 'model_index.json'} is not a diffusers model index (a JSON object)"]
+    want = FAMILIES[family].pipeline_class if family in FAMILIES else None
+    if want and index.get("_class_name") != want:
+        got = index.get("_class_name")
+        theirs = family_of_pipeline(got) if isinstance(got, str) else None
+        return [f"{key}: {folder} holds a {got}, not the {want} that model.family {family} needs"
+                + (f" (the folder is a {theirs} model: set model.family: {theirs}, or give a {family} model)"
+                   if theirs else "")]
+    lacking = []
+    for name, spec in index.items():
+        if name.startswith("_") or not (isinstance(spec, list) and len(spec) == 2 and all(spec)):
+            continue  # metadata, or a component the pipeline leaves out ([null, null])
+        d = folder / name
+        if not d.is_dir() or not any(d.iterdir()):
+            lacking.append(f"{name}/")
+            continue
+        if (d / "config.json").is_file() and not any(next(d.glob(g), None) for g in _WEIGHTS):
+            lacking.append(f"{name}/ weights")
+            continue
+        for idx in d.glob("*.index.json"):
+            try:
+                shards = set(json.loads(idx.read_text(encoding="utf-8")).get("weight_map", {}).values())
+            except (OSError, ValueError, AttributeError):
+                lacking.append(f"{name}/{idx.name} (unreadable)")
+                continue
+            gone = sorted(s for s in shards if not (d / s).is_file())
+            if gone:
+                lacking.append(f"{name}/{gone[0]}" + (f" and {len(gone) - 1} more shard(s)" if len(gone) > 1 else ""))
+    if not lacking:
+        return []
+    hub = _HUB_SNAPSHOT.search(str(folder))
+    how = (f"complete the download: hf download {hub.group(1)}/{hub.group(2)} --include 'model_index.json' '*/*'"
+           if hub else "an interrupted download or copy? copy or download the model folder again")
+    return [f"{key}: {folder} lacks {', '.join(lacking)} of the components its model_index.json names ({how})"]
+
+
 def check_paths(cfg: Config, model: bool = True, data: bool = True) -> None:
     """Every path problem of a run at once: the model folder, each dataset folder, the output and cache folders.
 
@@ -64,6 +118,8 @@ def check_paths(cfg: Config, model: bool = True, data: bool = True) -> None:
                                                            "the .safetensors file)" if mp.suffix == ".gguf" else ""))
         elif not (mp / "model_index.json").is_file():
             problems.append(f"model.path: {mp} has no model_index.json (not a diffusers pipeline folder)")
+        else:
+            problems += model_folder_problems(mp, family=cfg.model.family)
     if data:
         if not cfg.data.dirs and not cfg.data.datasets:
             problems.append("data.dirs: no dataset folder given")

@@ -6,6 +6,10 @@ The lock is the kernel's (`flock` on `<folder>/.lorakit.lock`): it goes with the
 killed with kill -9 or by a power cut leaves no stale lock behind; the file itself stays, holding the last owner's
 description. On file systems without `flock` (some network mounts) a second process is not stopped; the lock says
 so once instead of failing.
+
+The lock file is opened without following links and must be a regular file: a `.lorakit.lock` that is a link (to
+a file outside the folder, which writing the owner's description would overwrite), a folder, a FIFO or a device is
+refused by name, never written through.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import errno
 import json
 import os
 import socket
+import stat
 import sys
 import time
 from pathlib import Path
@@ -41,9 +46,9 @@ class FolderLock:
 
         try:
             self.folder.mkdir(parents=True, exist_ok=True)
-            self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         except OSError as e:
-            raise environment_fault(e, self.path) or e from None
+            raise environment_fault(e, self.folder) or e from None
+        self.fd = open_lock_file(self.path, os.O_RDWR | os.O_CREAT)
         try:
             fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -69,6 +74,31 @@ class FolderLock:
         return False
 
 
+def open_lock_file(path: Path, flags: int) -> int:
+    """A lock file's descriptor, opened without following a link and without blocking on a FIFO; InputError naming
+    the path when it is not a regular file (a link, a folder, a FIFO, a device), EnvironmentFault for the machine's
+    refusals (permissions, a read-only disk)."""
+    try:
+        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
+    except OSError as e:
+        if e.errno in (errno.ELOOP, errno.EISDIR, errno.ENXIO):
+            raise InputError(*_not_regular(path)) from None
+        raise environment_fault(e, path) or e from None
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        raise InputError(*_not_regular(path))
+    os.set_blocking(fd, True)
+    return fd
+
+
+def _not_regular(path: Path) -> tuple[str, str]:
+    kind = ("a symbolic link" if path.is_symlink() else "a folder" if path.is_dir() else
+            "a FIFO" if path.is_fifo() else "not a regular file")
+    return (f"{path}: the folder's lock file is {kind}; lorakit does not write through it",
+            f"remove it (rm {'-r ' if kind == 'a folder' else ''}'{path}'): lorakit writes a new one")
+
+
 def _owner(fd: int) -> str:
     """" (pid N on host H since T: command)" from the lock file, or "" when it says nothing readable."""
     try:
@@ -85,8 +115,8 @@ def holder(folder) -> dict | None:
 
     path = Path(folder) / LOCK_NAME
     try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
+        fd = open_lock_file(path, os.O_RDONLY)
+    except (OSError, InputError):  # missing, or not a lock file anyone could hold
         return None
     try:
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)

@@ -3,11 +3,11 @@
 
 torch's caching host allocator rounds every page-locked allocation up to a power of two: a 335 MB weight (one of
 Mistral Small's MLP matrices) takes 512 MB. Pinned one by one, FLUX.2 [dev]'s 105 GiB of streamed weights took
-about 1.6 times that in host memory (session 26: two `lorakit infer` processes on one host, each 24 or 32 GiB card's
+about 1.6 times that in host memory (4x H200 host, 2026-11-26: two `lorakit infer` processes on it, each 24 or 32 GiB card's
 plan streaming every block, reached 126 and 166 GiB of host memory before their first step, and the host's 251 GiB
 ran out). Packed into chunks whose size is itself a power of two, nothing is rounded; each copy goes to the first
-chunk with room for it (session 27: filling only the newest chunk left every chunk's tail unused when the weights
-are a sizeable part of a chunk — 18.0 GiB held for 12.6 GiB of FLUX.2-shaped matrices, no better than one by one).
+chunk with room for it (H100, 2026-11-26: filling only the newest chunk left every chunk's tail unused when
+the weights are a sizeable part of a chunk — 18.0 GiB held for 12.6 GiB of FLUX.2-shaped matrices, no better than one by one).
 """
 
 from __future__ import annotations
@@ -37,8 +37,8 @@ class HostArena:
     machine without CUDA). `expect`: the bytes that will be copied, if known — a smaller total takes one chunk of
     the next power of two instead of a whole CHUNK. `limit`: page-locked bytes at most (what the host has room
     for); the tensors beyond it wait where they are, pageable, counted in `pageable` — FLUX.2 [dev]'s 58.5 GiB
-    transformer on a host with 51 GiB to spare streams 50 GiB of it page-locked, not all of it pageable (session 29:
-    10 steps at 1024² in 66 s against 83). A tensor subclass (a quantized weight that knows its own layout)
+    transformer on a host with 51 GiB to spare streams 50 GiB of it page-locked, not all of it pageable (H100,
+    2026-11-26: 10 steps at 1024² in 66 s against 83). A tensor subclass (a quantized weight that knows its own layout)
     is pinned on its own, as torch does it."""
 
     def __init__(self, pin: bool = True, expect: int | None = None, limit: int | None = None):

@@ -98,14 +98,18 @@ class atomic_path:
         return False
 
 
-def clean_orphans(folder: str | os.PathLike, recursive: bool = False) -> list[Path]:
-    """Remove the temporary siblings a killed writer left in a folder (".<name>.<random>.tmp"). Returns them."""
+def clean_orphans(folder: str | os.PathLike, recursive: bool = False, skip: tuple = ()) -> list[Path]:
+    """Remove the temporary siblings a killed writer left in a folder (".<name>.<random>.tmp"), except under the
+    folders in `skip` (another command's, swept under its own lock). Returns them."""
     folder = Path(folder)
     if not folder.is_dir():
         return []
     pattern = "**/.*" + TMP_SUFFIX if recursive else ".*" + TMP_SUFFIX
+    skip = tuple(Path(os.path.realpath(x)) for x in skip)
     gone = []
     for p in folder.glob(pattern):
+        if skip and any(s in Path(os.path.realpath(p)).parents for s in skip):
+            continue
         if p.is_file() and p.name.count(".") >= 3:
             p.unlink(missing_ok=True)
             gone.append(p)

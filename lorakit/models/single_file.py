@@ -20,11 +20,11 @@ from pathlib import Path
 
 from lorakit.errors import EnvironmentFault, FileFormatError, InputError
 from lorakit.events import Events
-from lorakit.io import load, read_header, save_sharded, shared_tree
-from lorakit.io.lock import FolderLock
+from lorakit.io import clean_orphans, load, read_header, save_sharded, shared_tree
+from lorakit.io.lock import FolderLock, holder
 from lorakit.io.modules import expected_shapes
 from lorakit.models.native import dequantize_scaled_fp8, diffusers_weights
-from lorakit.models.registry import arch_of
+from lorakit.models.registry import FAMILIES, arch_of, family_of_pipeline
 from lorakit.paths import cache_root
 
 SUFFIXES = (".safetensors", ".sft")
@@ -154,6 +154,7 @@ def compose(file, base, family: str, events: Events | None = None) -> tuple[Path
     if not (base / "model_index.json").is_file() or not (base / "transformer" / "config.json").is_file():
         raise InputError(f"model.base: {base} is not a diffusers model folder (model_index.json and "
                          "transformer/config.json inside)", "a Hugging Face repo id or the downloaded folder")
+    _same_family(base, family)  # before the conversion (a 23 GB transformer is converted for nothing otherwise)
     root = cache_root() / "models"
     target = root / f"{file.stem}-{_key(file, base)}"
     if (target / DONE).is_file():
@@ -163,6 +164,7 @@ def compose(file, base, family: str, events: Events | None = None) -> tuple[Path
                                                       "for it, then run again (the result is reused)"):
         if (target / DONE).is_file():  # made while this one waited
             return target, json.loads((target / DONE).read_text())["notes"]
+        clean_orphans(target, recursive=True)  # a killed conversion's temporary files (up to the transformer's size)
         with events.phase(f"convert {file.name}") as facts:
             sd, notes = transformer_weights(file, family, base / "transformer")
             size = sum(v.numel() * v.element_size() for v in sd.values())
@@ -193,10 +195,29 @@ def compose(file, base, family: str, events: Events | None = None) -> tuple[Path
     return target, notes
 
 
+def _same_family(base: Path, family: str) -> None:
+    """model.base's pipeline is the family's (InputError naming both otherwise)."""
+    info = FAMILIES.get(family)
+    try:
+        got = json.loads((base / "model_index.json").read_text(encoding="utf-8")).get("_class_name")
+    except (OSError, ValueError, AttributeError):
+        return  # the folder check names an unreadable index
+    if info is not None and got != info.pipeline_class:
+        theirs = family_of_pipeline(got) if isinstance(got, str) else None
+        raise InputError(f"model.base: {base} holds a {got}, not the {info.pipeline_class} that model.family "
+                         f"{family} needs", f"set model.family: {theirs}" if theirs else
+                         "model.base must be the model the file was made from")
+
+
 def _drop_stale(root: Path, keep: Path, file: Path, base: Path) -> None:
-    """Folders converted from an earlier version of the same file with the same base (they would fill the disk)."""
+    """Folders converted from an earlier version of the same file with the same base (they would fill the disk),
+    and folders of this file's name whose conversion was killed before it finished (no one holds their lock)."""
     for d in root.glob(f"{file.stem}-*"):
-        if d == keep or not (d / DONE).is_file():
+        if d == keep:
+            continue
+        if not (d / DONE).is_file():
+            if d.is_dir() and holder(d) is None:
+                shutil.rmtree(d, ignore_errors=True)
             continue
         try:
             made = json.loads((d / DONE).read_text())

@@ -14,15 +14,39 @@ from lorakit.events import Events
 from lorakit.models import single_file
 from lorakit.models.registry import family_of_folder
 
-_REPO = re.compile(r"^[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*(@[\w./-]+)?$")
+_REPO = re.compile(r"^[^/\s@~]+/[^/\s@]+(@\S+)?$")  # looks like org/name[@revision]; the rules: check_repo_id
 # the diffusers layout: model_index.json and the component folders (a repo's top-level single-file checkpoints,
 # e.g. FLUX.1-dev's 23 GB flux1-dev.safetensors, are not needed)
 PATTERNS = ["model_index.json", "*/*"]
 
 
 def is_repo_id(text: str) -> bool:
-    """`org/name` or `org/name@revision`, and no such local folder."""
-    return bool(_REPO.match(text)) and not Path(text).exists() and not text.startswith(("./", "../"))
+    """Shaped like `org/name` or `org/name@revision`, and no such local path: taken as a repo id (whose characters
+    `check_repo_id` then checks)."""
+    return bool(_REPO.match(text)) and not text.startswith(("./", "../")) and not Path(text).exists()
+
+
+def check_repo_id(spec: str, key: str = "model.path") -> tuple[str, str]:
+    """(repo, revision) of `org/name[@revision]`, checked by huggingface_hub's own rules (1-96 characters of
+    letters, digits, '-', '_', '.'; no '--' or '..'; not starting or ending with '-' or '.').
+
+    Raises:
+        InputError: naming the rule broken (no such local folder either).
+    """
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    repo, _, rev = spec.partition("@")
+    try:
+        validate_repo_id(repo)
+    except HFValidationError as e:
+        rule = str(e).split(":")[0].rstrip(".")
+        raise InputError(f"{key}: {spec} is no folder here, and not a Hugging Face repo id either ({rule})",
+                         "give the diffusers model folder's path, or an id such as black-forest-labs/FLUX.1-dev") \
+            from None
+    if rev and not re.fullmatch(r"[\w./-]{1,200}", rev):
+        raise InputError(f"{key}: {spec}: @{rev} is not a branch, tag or commit name",
+                         "letters, digits, '.', '_', '-', '/' after the @")
+    return repo, rev
 
 
 def offline() -> bool:
@@ -50,7 +74,7 @@ def model_from_hub(spec: str, without: tuple[str, ...] = (), key: str = "model.p
     from huggingface_hub import errors as hfe
     from huggingface_hub import snapshot_download
 
-    repo, _, rev = spec.partition("@")
+    repo, rev = check_repo_id(spec, key)
     get = f"hf download {repo}" + (f" --revision {rev}" if rev else "") + " --include 'model_index.json' '*/*'" \
         + "".join(f" --exclude '{w}/*.safetensors*'" for w in without)
     try:

@@ -93,12 +93,16 @@ def test_unknown_profile_suggests(tmp_path):
     assert r.exit_code == 2 and "did you mean 'rtx4090'" in r.output
 
 
-def test_dry_run_prints_resolved_config(tmp_path):
+def test_dry_run_prints_resolved_config(tmp_path, tiny):
     (tmp_path / "model").mkdir()
     (tmp_path / "model" / "model_index.json").write_text("{}")
     (tmp_path / "data").mkdir()
     p = tmp_path / "ok.yaml"
     p.write_text(f"model:\n  family: qwen-image\n  path: {tmp_path / 'model'}\nlora:\n  rank: 8\n"
+                 f"data:\n  dirs: [{tmp_path / 'data'}]\n")
+    r = run("train", str(p), "--dry-run", "--profile", "cpu")  # the folder the run would refuse, refused now
+    assert r.exit_code == 2 and "holds a None, not the QwenImagePipeline" in r.output
+    p.write_text(f"model:\n  family: qwen-image\n  path: {tiny('qwen-image')}\nlora:\n  rank: 8\n"
                  f"data:\n  dirs: [{tmp_path / 'data'}]\n")
     r = run("train", str(p), "--dry-run", "--set", "lora.rank=32", "--profile", "cpu", "--json")
     assert r.exit_code == 0, r.output

@@ -285,3 +285,42 @@ def test_json_errors_carry_no_terminal_codes(tmp_path):
     r = runner.invoke(app, ["train", str(p), "--dry-run", "--json"])
     assert "\x1b[" not in r.output and json.loads(r.output)["error"] == "ConfigError"
     assert issubclass(InputError, LorakitError) and torch.tensor(1)  # imports used
+
+
+def test_dashboard_requests_of_every_shape_are_answered_4xx_never_500(tmp_path):
+    """The dashboard's request corpus: paths with NUL bytes, undecodable bytes, traversal, links and lengths; bodies
+    that are not JSON, too deep, too large (with and without Content-Length), with lone surrogates and wrong types;
+    foreign Origins and Hosts. Every answer is 2xx (a legitimate request) or 4xx with a JSON reason — never 5xx."""
+    pytest.importorskip("fastapi")
+    from fastapi.testclient import TestClient
+
+    from lorakit.ui.server import create_app
+
+    (tmp_path / "runs").mkdir()
+    c = TestClient(create_app(tmp_path / "runs"), base_url="http://127.0.0.1", raise_server_exceptions=False)
+    rng = random.Random(7)
+    pieces = ["..", "%2e%2e", "%00", "%ED%A0%80", "%FF", "a" * 300, "~", "%2F", "/", "runs", ".lorakit-ui.sqlite",
+              "%C0%AF", "\u00e9", "%F0%9F%98%80", "metrics", "samples", "x.png"]
+    routes = ["/api/run/", "/api/events/", "/files/", "/dfiles/", "/api/dataset/", "/api/run/{}/metrics?since=",
+              "/static/", "/api/jobs/{}/log?x=", "/?token="]
+    for _ in range(400):
+        route = rng.choice(routes)
+        name = "/".join(rng.choice(pieces) for _ in range(rng.randint(1, 4)))
+        url = route.format(name) + str(rng.choice([0, -1, "x", 10**30])) if "{}" in route else route + name
+        r = c.get(url)
+        assert r.status_code < 500, (url, r.status_code, r.text[:200])
+    bodies = [b"", b"null", b"[]", b"{}", b"1", b'"x"', b"{" * 3000, b'{"config": 1}', b'{"config": "x", "sets": 5}',
+              b'{"config": "x", "sets": [1]}', b'{"form": {"a": {"b": {"c": 1}}}}', b'{"form": []}', b"\xff" * 100,
+              b'{"stem": null, "text": "x"}', b'{"stem": "a", "text": ["x"]}', json.dumps({"x": "y" * 70000}).encode(),
+              b'{"config": "\\ud83d"}', b'{"config": "../../etc/passwd"}', b'{"config": "/etc/passwd"}']
+    for body in bodies:
+        for url, send in (("/api/jobs", c.post), ("/api/caption/x", c.put), ("/api/jobs/1/resume", c.post),
+                          ("/api/jobs/1/stop", c.post), ("/api/jobs/999999999999999999999/stop", c.post)):
+            for headers in ({"Content-Type": "application/json"}, {"Content-Type": "text/plain"},
+                            {"Content-Type": "application/json", "Origin": "http://evil.example"},
+                            {"Content-Type": "application/json", "Host": "evil.example"}):
+                r = send(url, content=body, headers=headers)
+                assert r.status_code < 500, (url, body[:40], headers, r.status_code, r.text[:200])
+                if r.status_code >= 400 and r.status_code != 404 and r.status_code != 405:
+                    assert "error" in r.json() or "detail" in r.json(), (url, r.text[:200])
+    assert c.get("/api/jobs").json()["jobs"] == []  # nothing was ever queued

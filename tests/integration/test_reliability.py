@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import yaml
@@ -171,6 +172,31 @@ def test_a_cache_being_written_is_held_too(tmp_path):
         pass
 
 
+def test_train_leaves_a_running_cache_builds_temporary_files_alone(tmp_path, tiny):
+    """`lorakit train` removed the `.tmp` files in a cache's items/ before it held the cache's lock: it could delete
+    the work of a `lorakit cache` writing there at that moment. The sweep is the cache build's, under its lock."""
+    from lorakit.cache.builder import cache_dir_for
+    from lorakit.config import validate
+
+    path, _ = _run_yaml(tmp_path, tiny)
+    cache = cache_dir_for(validate(yaml.safe_load(path.read_text())))
+    (cache / "items").mkdir(parents=True)
+    writing = cache / "items" / ".0123abcd.safetensors.w1.tmp"  # what a running `lorakit cache` is writing
+    writing.write_bytes(b"half-written")
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from lorakit.io.lock import FolderLock\n"
+                               f"with FolderLock({str(cache)!r}, 'cache build'):\n"
+                               "    print('held', flush=True); time.sleep(60)"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        r = subprocess.run([sys.executable, "-m", "lorakit", "train", str(path), "--json"], capture_output=True,
+                           text=True, timeout=300)
+        assert r.returncode == 2 and "in use by another lorakit cache build" in r.stdout, r.stdout + r.stderr
+        assert writing.exists()  # the other command's file is untouched
+    finally:
+        holder.kill()
+        holder.wait()
+
+
 # 8. W&B that cannot start
 
 
@@ -210,6 +236,25 @@ def test_sigterm_during_startup_is_an_interrupt_130_not_a_bare_143(tmp_path, tin
     assert p.returncode in (130, -signal.SIGINT), (p.returncode, err[-500:])
     assert "interrupted before anything could be saved" in err
     assert not list((tmp_path / "out").rglob(".*.tmp"))  # an unfinished write left nothing behind
+
+
+@pytest.mark.parametrize("command", [[sys.executable, "-m", "lorakit"], ["lorakit"]])
+def test_sigterm_in_the_first_moments_is_130_never_a_bare_minus_15(tmp_path, tiny, command):
+    import shutil
+
+    if command == ["lorakit"]:
+        exe = shutil.which("lorakit", path=str(Path(sys.executable).parent))
+        if exe is None:
+            pytest.skip("the lorakit console script is not installed beside this Python")
+        command = [exe]
+    path, _ = _run_yaml(tmp_path, tiny)
+    for delay in (0.1, 0.3):
+        p = subprocess.Popen([*command, "train", str(path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        time.sleep(delay)  # still importing its own modules
+        p.send_signal(signal.SIGTERM)
+        _, err = p.communicate(timeout=60)
+        assert p.returncode in (130, -signal.SIGINT), (delay, p.returncode, err[-500:])
+        assert "interrupted before anything could be saved" in err
 
 
 def test_cache_strict_names_the_bad_clip(tmp_path, tiny):

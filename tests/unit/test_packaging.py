@@ -36,7 +36,7 @@ def test_wheel_ships_profiles_and_console_script(tmp_path):
     with zipfile.ZipFile(wheel) as z:
         names = z.namelist()
         entry = next(n for n in names if n.endswith("entry_points.txt"))
-        assert "lorakit = lorakit.cli.app:main" in z.read(entry).decode()
+        assert "lorakit = lorakit.cli.entry:main" in z.read(entry).decode()
     for prof in ("dgx-spark", "rtx4090", "rtx5090", "datacenter", "cpu"):
         assert f"lorakit/profiles/{prof}.yaml" in names
     assert "lorakit/cli/app.py" in names and not any(n.startswith("tests/") for n in names)

@@ -118,7 +118,7 @@ def test_a_comfyui_checkpoint_trains_infers_and_is_converted_once(tmp_path, tiny
     assert json.loads(inf.stdout)["model"] == str(made)  # the same folder, not converted again
     assert (made / "transformer" / "diffusion_pytorch_model.safetensors").stat().st_mtime_ns == stamp
     os.utime(file, ns=(stamp + 10**9, stamp + 10**9))  # the file changed: made again, the old folder removed
-    dry = _lorakit(["train", str(tmp_path / "run.yaml"), "--dry-run", "--json"], env)
+    dry = _lorakit(["train", str(tmp_path / "run.yaml"), "--dry-run", "--json", "--force"], env)
     assert dry.returncode == 0, dry.stdout + dry.stderr
     (again,) = list(folder.iterdir())
     assert again != made and json.loads(dry.stdout)["config"]["model"]["path"] == str(again)
@@ -196,3 +196,25 @@ def test_files_that_do_not_fit_are_refused_by_name(tmp_path, tiny):
     assert r.returncode == 2 and "GGUF files are quantised for inference engines" in " ".join(r.stderr.split())
     r = _lorakit(["infer", str(tmp_path / "qwen_image_bf16.safetensors"), "-p", "x"])
     assert r.returncode == 2 and "--base" in r.stderr and "bug" not in r.stderr, r.stderr
+
+
+def test_a_killed_conversions_temporary_files_are_swept_by_the_next_one(tmp_path, tiny, monkeypatch):
+    """kill -9 during a conversion left its `.tmp` (up to the 23 GB transformer) in the lorakit cache for good: the
+    next conversion of the same file removes it under the folder's lock, and a folder a killed conversion of an
+    earlier version of the file left unfinished goes once a newer one is made."""
+    monkeypatch.setenv("LORAKIT_CACHE", str(tmp_path / "cache"))
+    base = tiny("flux")
+    file = _flux_file(base, tmp_path / "flux1-dev.safetensors", all_in_one=False)
+    root = tmp_path / "cache" / "models"
+    from lorakit.models.single_file import _key
+
+    target = root / f"{file.stem}-{_key(file, base)}"
+    (target / "transformer").mkdir(parents=True)  # as a kill -9 mid-write leaves it: no marker, a temporary file
+    orphan = target / "transformer" / ".diffusion_pytorch_model.safetensors.a1b2c3.tmp"
+    orphan.write_bytes(b"x" * 1024)
+    stale = root / f"{file.stem}-0123456789ab"  # an earlier version's conversion, killed: no marker either
+    (stale / "transformer").mkdir(parents=True)
+    (stale / "transformer" / ".diffusion_pytorch_model.safetensors.q9.tmp").write_bytes(b"x")
+    folder, _ = compose(file, base, "flux")
+    assert folder == target and not orphan.exists() and not list(target.rglob("*.tmp"))
+    assert not stale.exists()

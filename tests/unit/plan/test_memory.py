@@ -1,6 +1,7 @@
 """A run that cannot fit is refused before any weights load, with the estimate and what would fit."""
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -31,7 +32,10 @@ FLUX = {"_class_name": "FluxTransformer2DModel", "num_layers": 19, "num_single_l
 def cfg_for(path, family, profile, res, **mem):
     from lorakit.config import deep_merge
     from lorakit.hardware.profiles import load_profile
+    from lorakit.models.registry import family_info
 
+    # the family's pipeline named in the index, as in its real folder (the paths check compares them)
+    (Path(path) / "model_index.json").write_text(json.dumps({"_class_name": family_info(family).pipeline_class}))
     raw = deep_merge(load_profile(profile).defaults, {
         "profile": profile, "model": {"family": family, "path": str(path)},
         "data": {"dirs": [str(path)], "resolution": res}, "memory": mem})  # any existing folder
@@ -131,7 +135,7 @@ def test_checkpoint_blocks_is_all_auto_or_a_count(tmp_path):
 
 def test_a_suggested_swap_keeps_the_plans_margin(tmp_path):
     """Qwen-Image-Edit at 1024² under 24 GiB was told `blocks_to_swap=5`, which the estimate put at 24.0 GiB,
-    and ran out of memory at step 1 (H100, session 22): the count suggested now leaves the plan's margin."""
+    and ran out of memory at step 1 (H100, 2026-11-26): the count suggested now leaves the plan's margin."""
     import re
 
     from lorakit.hardware.profiles import load_profile
@@ -243,7 +247,7 @@ def test_the_edit_models_uncompiled_estimate_covers_their_measured_peaks(tmp_pat
 
 
 def test_an_edit_model_is_also_offered_smaller_control_images(tmp_path):
-    """FLUX.2 [dev] Edit under 24 GiB was told to swap 52 of 56 blocks (session 26): half-size control images cut
+    """FLUX.2 [dev] Edit under 24 GiB was told to swap 52 of 56 blocks (2026-11-26): half-size control images cut
     its tokens, so the refusal also names them, with the fewer blocks they need swapped (which fit, with the
     margin, and need fewer than the plain count); the matrix keeps to the memory-only way."""
     import re

@@ -1,0 +1,25 @@
+"""The `lorakit` command's first code: SIGTERM is made an interrupt before anything else is imported (torch, typer,
+rich take a second or more), so a command stopped in its first moments exits 130 saying so — never a bare -15 —
+and the CLI's own handler (`cli.app`) takes over from there."""
+
+from __future__ import annotations
+
+import signal
+import sys
+import threading
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
+def main() -> None:
+    """Console-script entry point (and `python -m lorakit`)."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        from lorakit.cli.app import main as cli_main
+    except KeyboardInterrupt:
+        sys.stderr.write("interrupted before anything could be saved (exit 130)\n")
+        sys.exit(130)
+    cli_main()
