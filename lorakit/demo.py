@@ -27,6 +27,7 @@ from lorakit.models.tiny import tiny_pipeline
 from lorakit.plan.resolve import resolve
 from lorakit.quiet import quiet_libraries
 from lorakit.train.loop import run
+from lorakit.train.resume import clear_results
 
 DEMO_PROMPTS = ("a red circle in the center on a blue background", "a yellow square at the top left on a black background")
 
@@ -195,6 +196,7 @@ def run_demo(out_dir: Path, family: str | None = None, seed: int = 0, progress=N
         return f"{s.items} items ({s.encoded} encoded, {s.reused} reused), {s.bytes / 2**10:.0f} KiB"
 
     def train():
+        clear_results(out_dir / "run", "lora")  # the demo's own run folder: a second demo starts it over
         r = run(resolve(out_dir / "config.yaml", [], "auto"))
         res.files.update(lora=r["lora"], loss_curve=r["loss_curve"], metrics=r["metrics"])
         if r.get("samples"):

@@ -95,5 +95,5 @@ def table(cells: list[Cell]) -> str:
 
 
 def _phase(name: str, secs: float, at: float, step=None, of_which: str | None = None) -> str:
-    """One phase of a run in the table's words (`matrix.phases`; results before session 27 lack `of_which`)."""
+    """One phase of a run in the table's words (`matrix.phases`; results written before 2026-11-26 lack `of_which`)."""
     return f"{name} {secs:.1f} (at {at:.0f}{f'; {of_which}' if of_which else ''})"

@@ -56,8 +56,8 @@ def _sizes(res: int) -> list:
 
 def private_gib(pid: int) -> float | None:
     """A process's memory that only RAM or swap can back, now (GiB): its anonymous memory and its shared anonymous
-    memory (page-locked host memory, as CUDA's cudaHostAlloc maps it: session 26's FLUX.2 [dev] `lorakit infer`
-    held 166 GiB so while its anonymous memory was 1.6) — unlike RSS, which also counts the pages of the files it
+    memory (page-locked host memory, as CUDA's cudaHostAlloc maps it: a FLUX.2 [dev] `lorakit infer` on a 4x H200 host,
+    2026-11-26, held 166 GiB so while its anonymous memory was 1.6) — unlike RSS, which also counts the pages of the files it
     maps (model weights read through the page cache, given back under pressure). None where the kernel does not
     say (not Linux, the process gone)."""
     try:
@@ -197,7 +197,7 @@ def run_cell(cell: Cell, model: Path, data: Path, work: Path, steps: int, res: i
             cmd = [*lk, "cache", str(work / "run.yaml"), "--profile", cell.profile, "--json"]
         elif stage in ("train", "train-warm"):  # phases as JSON lines on stderr, the result on stdout
             cmd = [*lk, "train", str(work / "run.yaml"), "--profile", cell.profile, "--json", "--log-format", "json",
-                   *[x for kv in cell.sets for x in ("--set", kv)]]
+                   "--force", *[x for kv in cell.sets for x in ("--set", kv)]]  # the cell's own folder: run again
         elif stage == "infer":
             lora = work / "run" / "lora.safetensors"
             cmd = [*lk, "infer", str(model), "-p", PROMPT, "--steps", str(infer_steps), "--width", str(res),
@@ -244,11 +244,12 @@ def run_cell(cell: Cell, model: Path, data: Path, work: Path, steps: int, res: i
                 continue
             cell.first_step_s = first
             waited = {1} | {ph[3] for ph in rec["phases"] if ph[0] == "compile"}  # steps that waited to compile
-            steady = sorted(r["s_per_step"] for r in rows if r["step"] not in waited and not r.get("eager_blocks"))
-            if not steady:  # no step ran compiled (the background compile outlasted the run): the uncompiled ones
-                steady = sorted(r["s_per_step"] for r in rows if r["step"] not in waited) or sorted(
-                    r["s_per_step"] for r in rows)
-                cell.note = (cell.note + "; " if cell.note else "") + "s/step of uncompiled steps"
+            # s/step: the wall time between step records after the second, stalls included (what the clock shows:
+            # the compiles a step waited for, eager steps beside the background compile, checkpoints, samples)
+            steady = sorted(r["s_per_step"] for r in rows if r["step"] > 2) or sorted(r["s_per_step"] for r in rows)
+            quiet = sorted(r.get("step_s", r["s_per_step"]) for r in rows  # for reference: train_step() of the
+                           if r["step"] not in waited and not r.get("eager_blocks"))  # compiled steps alone
+            rec["compiled_step_s"] = list(spread(quiet)) if quiet else None
             rec["eager_steps"] = sum(1 for r in rows if r.get("eager_blocks"))
             rec["gc_s"] = {r["step"]: r["gc_s"] for r in rows if r.get("gc_s")}  # full collections, per step
             rec["alloc"] = {r["step"]: [r.get("alloc_retries", 0), r.get("cuda_mallocs", 0)] for r in rows
@@ -256,7 +257,7 @@ def run_cell(cell: Cell, model: Path, data: Path, work: Path, steps: int, res: i
             cell.s_per_step_median, cell.s_per_step_p90 = spread(steady)
             by_size: dict = {}  # the same per bucket: a spread that is the buckets' shapes, or unsteady steps
             for r in rows:
-                if r["step"] not in waited and not r.get("eager_blocks") and r.get("size"):
+                if r["step"] > 2 and r.get("size"):
                     by_size.setdefault(r["size"], []).append(r["s_per_step"])
             rec["by_size"] = {k: [*spread(sorted(v)), len(v)] for k, v in sorted(by_size.items())}
             cell.peak_gpu_gib = result.get("peak_gpu_gib")

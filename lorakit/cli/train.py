@@ -40,6 +40,9 @@ def train(
                                  "start and its requeues), or a checkpoint folder"),
     gpus: int = typer.Option(1, "--gpus", min=1, help="processes on this machine, one per GPU (on a machine "
                                                        "without GPUs: CPU processes over gloo)"),
+    force: bool = typer.Option(False, "--force", help="start over in an output.dir that holds an earlier run (its "
+                                                      "metrics, checkpoints, samples and LoRA are removed first; "
+                                                      "without it such a run is refused)"),
     log_format: str = LogFormatOpt,
     as_json: bool = JsonOpt,
 ) -> None:
@@ -48,10 +51,11 @@ def train(
     launching = gpus > 1 and int(os.environ.get("WORLD_SIZE", "1") or 1) == 1
     if dry_run or launching:  # the config and every path are checked first; launched processes resolve their own
         resolved = resolve_config(config, sets, profile, world=gpus if launching else None, train=dry_run)
+        _check_start(resolved.cfg, resume, force)  # what the run itself refuses, refused before it launches
         if dry_run:
             emit(as_json, resolved.to_dict(), lambda: print_resolved(resolved))
             return
-        raise typer.Exit(_launch(gpus, config, sets, profile, resume, as_json, log_format))
+        raise typer.Exit(_launch(gpus, config, sets, profile, resume, as_json, log_format, force))
     rank = int(os.environ.get("RANK", "0") or 0)
     from lorakit.cli.logs import events_for, finish
     from lorakit.events import Events
@@ -68,7 +72,7 @@ def train(
                                       read_ahead=True)
             facts.update(profile=resolved.cfg.profile, attention="measured while the model loads"
                          if resolved.attention_deferred else resolved.cfg.memory.attention)
-        result = run(resolved, resume=resume, events=events)
+        result = run(resolved, resume=resume, events=events, force=force)
     if rank:
         from lorakit.errors import EXIT_INTERRUPTED_RESUMABLE
 
@@ -103,7 +107,19 @@ def _share(cfg, events) -> dict:
     return got
 
 
-def _launch(gpus: int, config: Path, sets, profile, resume, as_json: bool, log_format: str) -> int:
+def _check_start(cfg, resume: str | None, force: bool) -> None:
+    """The checks a run makes of its output folder and checkpoint before anything loads, for --dry-run and the
+    launcher: an earlier run's results (refused without --resume or --force), the checkpoint --resume names."""
+    from lorakit.train import checkpoint
+    from lorakit.train.resume import check_fresh_start, find
+
+    out = Path(cfg.output.dir)
+    check_fresh_start(out, cfg.output.name, resume, force)
+    if resume:
+        find(out, resume, cfg.method == "full", checkpoint.latest)
+
+
+def _launch(gpus: int, config: Path, sets, profile, resume, as_json: bool, log_format: str, force: bool) -> int:
     """Run this command again in `gpus` processes (torch's elastic launcher) and wait for them."""
     import subprocess
 
@@ -116,6 +132,8 @@ def _launch(gpus: int, config: Path, sets, profile, resume, as_json: bool, log_f
         args += ["--profile", profile]
     if resume:
         args += ["--resume", resume]
+    if force:
+        args.append("--force")
     if as_json:
         args.append("--json")
     if log_format != "auto":
@@ -126,8 +144,13 @@ def _launch(gpus: int, config: Path, sets, profile, resume, as_json: bool, log_f
 
 
 def _render(r: dict) -> None:
+    import time
+
+    from lorakit.cli import STARTED
+
     state = ("interrupted (exit code 75): resumable with --resume latest" if r["interrupted"] else "done")
-    console.print(f"[bold]{state}[/] after {r['steps']} steps, {r['seconds']:.1f} s")
+    console.print(f"[bold]{state}[/] after {r['steps']} steps: {time.monotonic() - STARTED:.1f} s since the command "
+                  f"began ({r['seconds']:.1f} s of them training, samples and checkpoints)")
     if r.get("lora"):
         console.print(f"LoRA: {r['lora']}  (diffusers format: pipe.load_lora_weights(path))")
     if r.get("transformer"):

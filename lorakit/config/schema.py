@@ -206,6 +206,9 @@ class SamplingConfig(_Section):
                                               "for the prompts, in order (a path, or a list of paths for several "
                                               "controls); prompts without one take item k's")
     steps: int = Field(20, ge=1, description="inference steps per sample")
+    first: bool = Field(True, description="render the grid of the untrained LoRA (step 0, right after step 1) to "
+                                          "compare the later grids with; false skips it (the run says what it costs "
+                                          "before it starts)")
     guidance: float = Field(3.5, ge=0, description="FLUX guidance / Qwen true-CFG scale")
     seed: int = Field(42, description="sampling seed")
     size: int | None = Field(None, description="sample side in pixels (default: data.resolution)")
@@ -243,7 +246,8 @@ class ValidationConfig(_Section):
 
 class OutputConfig(_Section):
     dir: Path = Field(Path("output"), description="where checkpoints, samples and metrics go")
-    name: str = Field("lora", description="file name stem of the LoRA")
+    name: str = Field("lora", description="file name stem of the LoRA (a name, not a path: it is written inside "
+                                          "output.dir)")
     save_every: int = Field(0, ge=0, description="checkpoint every N steps (0: only at the end)")
     keep_last: int = Field(3, ge=1, description="checkpoints kept")
     checkpoint_format: Literal["sharded", "gathered"] = Field(
@@ -260,6 +264,15 @@ class OutputConfig(_Section):
                                              "Face repo (the folder is written offline, uploaded online)")
     hub_private: bool = Field(False, description="hub_repo: create it private")
     hub_license: str = Field("other", description="hub_repo: the licence in the model card")
+
+
+    @field_validator("name")
+    @classmethod
+    def _a_name(cls, v: str) -> str:
+        if not v or len(v) > 200 or v.startswith(".") or any(c in v for c in "/\\\x00"):
+            raise ValueError("a file name, not a path: 1-200 characters, no '/' or '\\', not starting with '.' "
+                             "(the LoRA is written inside output.dir)")
+        return v
 
 
 class Config(_Section):

@@ -258,7 +258,7 @@ class StopFlag:
         """A stop asked on any rank stops them all. Only ever set here, never cleared: a signal whose handler runs
         while the ranks exchange the flag (after it was read, before the result is stored) would otherwise be
         overwritten by the stale False — a SIGTERM sent just after a step's record was written was lost that way
-        and the run trained on (CI, session 29)."""
+        and the run trained on (seen in CI, 2026-11-26; tests/unit/train/test_stop.py)."""
         if dist.total(float(self.requested)) > 0:
             self.requested = True
 

@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import time
 
+from lorakit.convert.verify import consumer_note
 from lorakit.events import Events
 from lorakit.plan.resolve import Resolved
-from lorakit.train import checkpoint
+from lorakit.train import checkpoint, warm
 from lorakit.train.allocwatch import AllocWatch
 from lorakit.train.compile_bg import summary
 from lorakit.train.gcpause import Collector
@@ -18,7 +19,7 @@ from lorakit.train.setup import Run, hold_output, render_samples, setup
 
 
 def run(resolved: Resolved, resume: str | None = None, stop_at: int | None = None,
-        events: Events | None = None) -> dict:
+        events: Events | None = None, force: bool = False) -> dict:
     """Train per a resolved config: cache (reused when built), LoRA, steps, checkpoints, metrics, samples.
 
     Args:
@@ -27,10 +28,11 @@ def run(resolved: Resolved, resume: str | None = None, stop_at: int | None = Non
         stop_at: stop after this many steps (tests of interruption); the run's schedule is unchanged.
         events: hears each phase with its duration, each step and each warning (warnings are also in the
             result's "warnings").
+        force: start over in an output folder that holds an earlier run (refused otherwise: `resume.check_fresh_start`).
     """
     events = events or Events()
     with hold_output(resolved.cfg.output.dir, events):  # one run per output folder
-        r = setup(resolved, resume, events)
+        r = setup(resolved, resume, events, force)
         try:
             with checkpoint.stop_on_signals(r.stop):
                 try:
@@ -60,6 +62,7 @@ def steps(r: Run, end: int) -> None:
     if tr.step < end:  # the first step waits for the compiler (compiled blocks) and the first kernels
         r.events.phase_start(opening)
     alloc = AllocWatch(cuda)  # what the allocator asked of the driver, per step (train/allocwatch.py)
+    last = time.perf_counter()  # when the previous step's record was written (the loop's start for the first)
     with Collector() as collector:  # full collections timed per step; what the run keeps, frozen (train/gcpause.py)
         while tr.step < end and not r.stop.requested:
             if bg:
@@ -68,8 +71,8 @@ def steps(r: Run, end: int) -> None:
             t0 = time.perf_counter()
             graphs = own_graphs(bg) if tr.compiled else 0
             rec = {"step": None, "loss": tr.train_step()}
-            rec.update(step=tr.step, lr=tr.sched.get_last_lr()[0], s_per_step=round(time.perf_counter() - t0, 4),
-                       time=round(time.time(), 3), size=tr.last_size)  # size: the step's bucket, WxH
+            rec.update(step=tr.step, lr=tr.sched.get_last_lr()[0], step_s=round(time.perf_counter() - t0, 4),
+                       size=tr.last_size)  # size: the step's bucket, WxH; step_s: train_step() alone
             if bg and bg.eager_calls:  # not yet compiled: a step of its own kind (benchmarks leave it out)
                 rec["eager_blocks"] = bg.eager_calls
             pause = collector.take()
@@ -78,13 +81,15 @@ def steps(r: Run, end: int) -> None:
             rec.update(alloc.take())
             settle = False
             if tr.step == first:  # how long the first step took (compiling, the first kernels' warm-up)
-                r.events.phase_end(opening, rec["s_per_step"], {"size": tr.last_size})
+                r.events.phase_end(opening, rec["step_s"], {"size": tr.last_size})
                 settle = True
             elif tr.compiled and own_graphs(bg) > graphs:  # this step waited for the compiler (a new shape)
-                r.events.phase_end("compile", rec["s_per_step"], {"step": tr.step, "size": tr.last_size})
+                r.events.phase_end("compile", rec["step_s"], {"step": tr.step, "size": tr.last_size})
                 settle = True
             if bg and not bg_settled and not bg.pending and not bg.eager_calls and tr.step > first:
                 settle = bg_settled = True  # the background compile's graphs are in use
+                if r.warm_key and not bg.failed:  # every shape compiled: the next run with these settings starts steady
+                    warm.remember(r.warm_key, r.sizes)
             if settle:  # what exists now stays for the run: out of the collector's way
                 collector.settle()
             r.mark("first_step")
@@ -96,11 +101,19 @@ def steps(r: Run, end: int) -> None:
                 if tr.best and tr.best.offer(tr.step, rec["val_loss"]):
                     rec["best"] = True
                     with r.events.phase(f"best checkpoint (step {tr.step})"):
-                        tr.save(name="best")
+                        save(r, name="best")
+            grid_s = 0.0
+            if tr.step == first and tr.compiled and r.sizes:  # the other bucket shapes, before the run meets them
+                grid_s += warm_other_shapes(r)
             if r.initial is not None:  # the step-0 grid, from the weights before step 1 (logged before step 1's record:
-                with checkpoint.weights_in(tr, r.initial):  # W&B takes steps in order)
+                t1 = time.perf_counter()  # W&B takes steps in order); a phase of its own, timed and said apart
+                with checkpoint.weights_in(tr, r.initial):
                     render_samples(r, 0)
                 r.initial = None
+                grid_s += time.perf_counter() - t1
+            now = time.perf_counter()  # s_per_step: the wall time since the previous record — what the clock shows,
+            rec.update(s_per_step=round(now - last - grid_s, 4), time=round(time.time(), 3))  # stalls included
+            last = now
             r.log.write(rec)
             if d.main:
                 r.events.step(tr.step, cfg.schedule.steps, rec)
@@ -109,10 +122,46 @@ def steps(r: Run, end: int) -> None:
             checkpoint.poll(tr)  # a background checkpoint whose shards are written counts from now
             if cfg.output.save_every and tr.step % cfg.output.save_every == 0:
                 with r.events.phase(f"checkpoint (step {tr.step})"):
-                    tr.save(background=True)
+                    save(r, background=True)
             r.stop.share(d)  # a signal to any rank stops them all
             if tr.best and tr.best.stop:
                 break
+
+
+def save(r: Run, **kw):
+    """A checkpoint (`Trainer.save`); a LoRA file that a consumer reads only in part (ComfyUI and FLUX.2's shared
+    modulation under diffusers names) is said in the run's output, once per run, with the command that writes a
+    file it reads whole."""
+    ck = r.trainer.save(**kw)
+    said = consumer_note(ck / "lora.safetensors", r.trainer.last_check)
+    if said and "consumer" not in r.said:
+        r.said.add("consumer")
+        r.note(said)
+    return ck
+
+
+def warm_other_shapes(r: Run) -> float:
+    """After step 1: every other bucket shape compiled now (a phase of its own) or handed to the background
+    compile (`train.warm`); where the blocks compiled in the run, the shapes are remembered for the next run.
+    Returns the seconds it took."""
+    tr = r.trainer
+    t0 = time.perf_counter()
+    other = r.sizes - {tr.last_size}
+    if not other:
+        if r.warm_key and not tr.background:
+            warm.remember(r.warm_key, r.sizes)
+        return 0.0
+    if tr.background:
+        done = warm.warm_shapes(tr, {tr.last_size})
+        r.events.info(f"{len(done)} more bucket shape(s) handed to the background compile before the run meets "
+                      f"them: {', '.join(done)}")
+    else:
+        with r.events.phase(f"compile {len(other)} more bucket shape(s)") as facts:
+            done = warm.warm_shapes(tr, {tr.last_size})
+            facts["sizes"] = ", ".join(done)
+        if r.warm_key:
+            warm.remember(r.warm_key, r.sizes)
+    return time.perf_counter() - t0
 
 
 def compiled_graphs() -> int:
@@ -158,7 +207,7 @@ def finish(r: Run) -> dict:
     if r.sampler and not interrupted and not (cfg.sampling.every and tr.step % cfg.sampling.every == 0):
         render_samples(r, tr.step)
     with r.events.phase(f"{'checkpoint' if interrupted else 'final checkpoint'} (step {tr.step})") as facts:
-        ck = tr.save(final=not interrupted)
+        ck = save(r, final=not interrupted)
         facts["of_which"] = ", ".join(f"{k} {v:.1f} s" for k, v in tr.save_took.items()) or None  # every part
     result = {"steps": tr.step, "interrupted": interrupted, "checkpoint": str(ck), "metrics": str(r.log.path),
               "seconds": round(time.perf_counter() - r.started, 2), "cache": r.cache.to_dict(),

@@ -13,7 +13,7 @@ applied to the output); the gradient for the input is the same product with the
 incoming gradient rounded to e5m2 per token and the weight kept a second time, transposed (2 bytes/parameter in
 all, as bf16) — or, over an 8-bit base, multiplied in bf16 by the dequantized weight (1 byte/parameter). Both
 8-bit products use Hopper's fast accumulation: at FLUX's shapes it adds ~0.3% relative error against the 2.5%
-(e4m3) and 5% (e5m2) of the rounding itself (tools/fp8_gemm_probe.py), with held-out loss parity measured
+(e4m3) and 5% (e5m2) of the rounding itself (H100, 2026-11-24, benchmarks-history.md), with held-out loss parity measured
 (docs/benchmarks-history.md, Performance V). The weights are frozen, so no weight gradient is computed; LoRA's own matmuls stay in
 bf16 with fp32 weights.
 """

@@ -97,6 +97,68 @@ def find(out: Path, resume: str, full: bool, latest) -> tuple[Path | None, list[
         raise InputError(f"--resume latest: no intact checkpoint in {out / 'checkpoints'}",
                          "start without --resume, or use --resume auto (resumes when there is a checkpoint, starts "
                          "fresh otherwise)" + (" (the checkpoints there are damaged)" if notes else ""))
-    if ck is None:
-        notes.append(f"--resume auto: no checkpoint in {out / 'checkpoints'} yet, starting fresh")
-    return ck, notes
+    return ck, notes  # None with auto: a fresh start (the run says so as information, not as a warning)
+
+
+def earlier_run(out: Path, name: str) -> str | None:
+    """What an earlier run left in `out` that a new run there would overwrite or mix with its own — "a finished run
+    (its final checkpoint, N steps recorded)" and the like — or None when the folder holds none of it."""
+    ck = out / "checkpoints"
+    steps = 0
+    try:
+        with open(out / "metrics.jsonl", "rb") as f:
+            steps = sum(1 for _ in f)
+    except OSError:
+        pass
+    saved = sorted(p.name for p in ck.iterdir() if p.is_dir() and _holds_files(p)) if ck.is_dir() else []
+    lora = [p.name for p in (out / f"{name}.safetensors", out / f"{name}-transformer") if p.exists()]
+    if not (steps or saved or lora):
+        return None
+    state = "a finished run" if "final" in saved or lora else "an interrupted run" if saved else "a run"
+    parts = [f"{steps} metrics line(s)"] if steps else []
+    parts += [f"checkpoints {', '.join(saved[-3:])}"] if saved else []
+    parts += lora
+    return f"{state} ({'; '.join(parts)})"
+
+
+def _holds_files(folder: Path) -> bool:
+    """A checkpoint folder with something written in it (a write killed before its first file left only a
+    temporary one: nothing to keep)."""
+    return any(f.is_file() and not f.name.endswith(".tmp") for f in folder.rglob("*"))
+
+
+RESULTS = ("metrics.jsonl", "checkpoints", "samples", "tensorboard", "loss_curve.png")
+
+
+def check_fresh_start(out: Path, name: str, resume: str | None, force: bool) -> str | None:
+    """A run that does not resume into a folder holding an earlier run's results is refused (its metrics would be
+    truncated, some checkpoints overwritten, others kept — and a later `--resume latest` would continue the old
+    run's step). `--force` starts over: what the earlier run wrote is removed (see `clear_results`); returns the note
+    saying so. `--resume` (auto included: a job's requeue) continues instead.
+
+    Raises:
+        InputError: the folder holds an earlier run and neither --resume nor --force was given.
+    """
+    if resume is not None:
+        return None
+    found = earlier_run(out, name)
+    if found is None:
+        return None
+    if not force:
+        raise InputError(f"output.dir {out} holds {found}: a new run there would overwrite part of it",
+                         "--resume latest continues it; --force starts over (its results are removed first); or "
+                         "give this run another output.dir")
+    return f"--force: output.dir {out} held {found}; removed, starting over"
+
+
+def clear_results(out: Path, name: str) -> None:
+    """Remove what a run writes into its output folder (`RESULTS`, the LoRA file, an exported transformer), leaving
+    whatever else the user keeps there."""
+    import shutil
+
+    for entry in (*RESULTS, f"{name}.safetensors", f"{name}-transformer"):
+        p = out / entry
+        if p.is_symlink() or p.is_file():
+            p.unlink()
+        elif p.is_dir():
+            shutil.rmtree(p)

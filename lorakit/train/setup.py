@@ -25,7 +25,7 @@ from lorakit.io.modules import load_facts
 from lorakit.models.base import load_adapter
 from lorakit.plan.decide import choice_from
 from lorakit.plan.resolve import Resolved
-from lorakit.train import checkpoint, sampling
+from lorakit.train import checkpoint, sampling, warm
 from lorakit.train import resume as resume_mod
 from lorakit.train.data import CachedData
 from lorakit.train.prepare import load_base
@@ -50,6 +50,10 @@ class Run:
     stop: checkpoint.StopFlag = field(default_factory=checkpoint.StopFlag)
     started: float = 0.0
     initial: object | None = None  # the trained weights before step 1, for the step-0 sample grid after it
+    said: set = field(default_factory=set)  # warnings said once per run
+    said_grid_s: float | None = None  # how long the last sample grid took
+    warm_key: str | None = None  # what the compiled graphs depend on (`train.warm`); None: blocks not compiled
+    sizes: set = field(default_factory=set)  # the bucket shapes the run trains on
 
 
 @contextlib.contextmanager
@@ -64,7 +68,7 @@ def hold_output(out, events: Events):
         yield
 
 
-def setup(resolved: Resolved, resume: str | None, events: Events) -> Run:
+def setup(resolved: Resolved, resume: str | None, events: Events, force: bool = False) -> Run:
     import torch
 
     from lorakit.train.trainer import Trainer
@@ -82,17 +86,25 @@ def setup(resolved: Resolved, resume: str | None, events: Events) -> Run:
     out = Path(cfg.output.dir)
     out.mkdir(parents=True, exist_ok=True)
     ck = None
+    if d.main:  # a new run into an earlier run's folder: refused, or (--force) its results removed first
+        over = resume_mod.check_fresh_start(out, cfg.output.name, resume, force)
+        if over:
+            resume_mod.clear_results(out, cfg.output.name)
+            note(over)
     if resume:  # found before anything loads: a wrong --resume costs seconds, not a cache build
         ck, found = resume_mod.find(out, resume, cfg.method == "full", checkpoint.latest)
         for n in found:
             note(n)
+        if ck is None and d.main:  # --resume auto's first start: expected, not a warning
+            events.info(f"--resume auto: no checkpoint in {out / 'checkpoints'} yet, starting fresh")
     wandb_run = start_wandb(cfg, out, ck is not None) if cfg.logging.wandb and d.main else None  # fails in seconds
     if d.main:
         events.info(f"training {cfg.model.family} ({cfg.model.path}) for {cfg.schedule.steps} steps on {device}, "
                     f"profile {cfg.profile}, into {out}")
         for n in resolved.notes:
             note(n)
-        gone = clean_orphans(out, recursive=True) + clean_orphans(cache_dir_for(cfg) / "items")
+        # the cache's are swept by its build, under the cache's lock (a `lorakit cache` may be writing there now)
+        gone = clean_orphans(out, recursive=True, skip=(cache_dir_for(cfg),))
         if gone:  # a run killed mid-write leaves its temporary files; the finished files are whole
             note(f"removed {len(gone)} temporary file(s) an interrupted run left, e.g. {gone[0].name}")
         with atomic_path(out / "config.resolved.yaml") as tmp:
@@ -128,6 +140,16 @@ def setup(resolved: Resolved, resume: str | None, events: Events) -> Run:
             facts["mapped"] = "read while the model is prepared"
         elif ahead:
             facts.update(ahead.stop())
+    key = warm.warm_key(cfg, device) if device.startswith("cuda") and cfg.memory.compile else None
+    sizes = set(warm.shapes(data, adapter)) if key else set()
+    if key and cfg.memory.compile_background and warm.known(key, sizes):  # compiled here before: from the cache
+        cfg = resolved.cfg = cfg.model_copy(update={"memory": cfg.memory.model_copy(
+            update={"compile_background": False})})
+        events.info(f"the blocks compile at step 1 and before step 2 from this machine's compile cache (a run with "
+                    f"these settings compiled its {len(sizes)} bucket shape(s) here before), not in the background")
+        if d.main:
+            with atomic_path(out / "config.resolved.yaml") as tmp:
+                tmp.write_text(dump_yaml(cfg))
     with events.phase("prepare model") as facts:  # storage, LoRA, checkpointing, compiled blocks (compiled at step 1)
         tr = Trainer(cfg, adapter, base, data, out, device, dtype, dist=d)
         facts.update(trainable=sum(p.numel() for p in tr.params), compiled=tr.compiled, buckets=data.shapes,
@@ -151,8 +173,9 @@ def setup(resolved: Resolved, resume: str | None, events: Events) -> Run:
                         + (f"; {resumed['note']}" if resumed["note"] else ""))
     log = MetricsLog(out, tr.step if ck else None, main=d.main, warn=note, wandb_run=wandb_run)
     sampler = sampling.Sampler(tr, conds, out / "samples", warn=note) if conds and (d.main or tr.sharded) else None
-    r = Run(resolved, tr, data, log, sampler, cache, d, note, mark, events, resumed, started=time.perf_counter())
-    if sampler and tr.step == 0:
+    r = Run(resolved, tr, data, log, sampler, cache, d, note, mark, events, resumed, started=time.perf_counter(),
+            warm_key=key, sizes=sizes)
+    if sampler and tr.step == 0 and cfg.sampling.first:
         if tr.full:  # every weight trains: the grid before step 1 (FSDP: every rank takes part)
             render_samples(r, 0)
         else:  # the step-0 grid renders right after step 1 from these weights: it does not hold up the first step
@@ -202,9 +225,17 @@ def choose_attention(resolved: Resolved, measuring: AttentionTest, out: Path, ev
 
 
 def render_samples(r: Run, step: int, name: str | None = None):
+    """A sample grid, said before it starts (what it renders, and how long the last one took) and timed."""
+    s = r.resolved.cfg.sampling
+    n, took = len(r.sampler.conds), r.said_grid_s
+    r.events.info(f"samples (step {step}): {n} image(s) x {s.steps} steps"
+                  + (f", about {took:.0f} s as the last grid" if took else "")
+                  + (" — the untrained LoRA, to compare with (sampling.first: false skips it)" if step == 0 else ""))
+    t0 = time.perf_counter()
     with r.events.phase(f"samples (step {step})") as facts:
         path = r.sampler(step, write=r.dist.main, name=name)
         facts["grid"] = str(path) if path else None
+    r.said_grid_s = time.perf_counter() - t0
     r.log.image("samples", path, step)
     r.mark("first_samples")
     return path

@@ -23,6 +23,7 @@ from lorakit.train.optim import lr_lambda, make_optimizer
 from lorakit.train.prepare import prepare
 from lorakit.train.state import TrainState
 from lorakit.train.validation import Best
+from lorakit.train.warm import pixels
 
 
 def scheduler_config(model_path) -> dict:
@@ -137,9 +138,7 @@ class Trainer:
         return total
 
     def _pixels(self, shape) -> str:
-        f = self.adapter.vae_factor
-        size = f"{shape[-1] * f}x{shape[-2] * f}"
-        return size + (f"x{shape[-3]} latent frames" if len(shape) == 5 else "")
+        return pixels(self.adapter, shape)
 
     def _update(self) -> None:
         import torch

@@ -138,3 +138,15 @@ def test_option_conflicts_are_config_problems_reported_together():
     assert any(p.startswith("memory.blocks_to_swap=2") for p in probs)
     assert any(p.startswith("memory.base_quant=nf4 stores") for p in probs)
     assert any("nf4 with memory.blocks_to_swap" in p for p in probs)
+
+
+def test_output_name_is_a_file_name_never_a_path_out_of_output_dir():
+    import pytest
+
+    from lorakit.config import validate
+    from lorakit.errors import ConfigError
+
+    assert validate({"model": {"family": "flux"}, "output": {"name": "my.lora-v2"}}).output.name == "my.lora-v2"
+    for bad in ("../../escape", "a/b", "..", ".hidden", "x\\y", "", "x" * 201):
+        with pytest.raises(ConfigError, match="output.name: a file name, not a path"):
+            validate({"model": {"family": "flux"}, "output": {"name": bad}})

@@ -293,3 +293,38 @@ def test_the_first_run_here_measures_attention_while_its_model_loads(tmp_path, t
         "LoRA file", "read back as diffusers and ComfyUI read it", "training state gathered", "state.pt written"]
     written = yaml.safe_load(open(tmp_path / "out" / "config.resolved.yaml"))
     assert written["memory"]["attention"] == "flash+efficient"
+
+
+def test_a_stall_between_steps_shows_in_the_step_record_and_the_eta(tmp_path, tiny, monkeypatch):
+    """s_per_step is the wall time between consecutive step records (what the clock shows), not train_step()'s own
+    time: a stall between two steps (here 0.6 s in the checkpoint poll after step 3: a background compile holding
+    the interpreter looks the same) is in the next record, its `step_s` beside it, and in the ETA of the log line."""
+    import io
+    import time
+
+    from lorakit.cli.logs import LineEvents
+    from lorakit.train import checkpoint
+
+    real = checkpoint.poll
+
+    def slow_after_step_3(tr):
+        if tr.step == 3:
+            time.sleep(0.6)
+        return real(tr)
+
+    monkeypatch.setattr(checkpoint, "poll", slow_after_step_3)
+    cfg = make_cfg(tmp_path, "flux", tiny("flux"), steps=6, sampling={"enabled": False}, output={"save_every": 0},
+                   lora={"rank": 4, "targets": "attention", "dropout": 0.0})
+    out = io.StringIO()
+    res = run(resolve(cfg), events=LineEvents(out, as_json=True, every_s=0.0))
+    rows = {r["step"]: r for r in map(json.loads, open(res["metrics"])) if "loss" in r}
+    def outside(k):
+        return rows[k]["s_per_step"] - rows[k]["step_s"]
+
+    assert outside(4) >= 0.6  # the stall lands in the next step's interval, beside the step's own time
+    assert all(outside(k) < 0.6 for k in (2, 3, 5, 6))
+    lines = {e["step"]: e for e in map(json.loads, out.getvalue().splitlines()) if e.get("event") == "step"}
+    assert lines[4]["s_per_step"] == rows[4]["s_per_step"]
+    pace = sum(rows[k]["s_per_step"] for k in range(1, 5)) / 4
+    assert lines[4]["s_per_step_avg"] == pytest.approx(pace, rel=1e-3)  # the ETA's pace counts it
+    assert lines[4]["eta_s"] == pytest.approx(2 * lines[4]["s_per_step_avg"], rel=0.01)

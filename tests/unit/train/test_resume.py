@@ -22,8 +22,14 @@ def _cfg(tmp_path, tiny, **over):
 
 def test_resume_auto_starts_fresh_then_continues_and_finds_the_final_checkpoint(tmp_path, tiny):
     cfg = _cfg(tmp_path, tiny)
-    first = run(resolve(cfg), resume="auto", stop_at=4)  # nothing there: a fresh start, said
-    assert first["steps"] == 4 and any("--resume auto: no checkpoint" in w for w in first["warnings"])
+    from lorakit.events import Events
+
+    heard = []
+    events = Events()
+    events.info = heard.append
+    first = run(resolve(cfg), resume="auto", stop_at=4, events=events)  # nothing there: a fresh start, said
+    assert first["steps"] == 4 and any("--resume auto: no checkpoint" in m for m in heard)
+    assert not any("--resume auto" in w for w in first["warnings"])  # information, not a warning
     second = run(resolve(cfg), resume="auto")
     assert second["steps"] == 8 and not second["interrupted"]
     rows = [json.loads(x) for x in open(tmp_path / "out" / "metrics.jsonl")]
@@ -70,3 +76,32 @@ def test_a_changed_schedule_is_refused_by_name_unless_the_new_one_is_asked_for(t
 
     f = lr_lambda(asked)
     assert lr[5] == pytest.approx(5e-3 * f(5)) and lr[6] == pytest.approx(5e-3 * f(6))
+
+
+def test_a_new_run_into_an_earlier_runs_folder_is_refused_unless_forced(tmp_path, tiny):
+    """A new run there used to start over silently: metrics truncated, some checkpoints overwritten, the old LoRA and
+    higher checkpoints kept — and a later `--resume auto` continued the old run's highest step."""
+    import yaml
+    from typer.testing import CliRunner
+
+    from lorakit.cli.app import app
+
+    cfg = _cfg(tmp_path, tiny, schedule={"steps": 4})
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
+    cli = CliRunner()
+    assert cli.invoke(app, ["train", str(path)]).exit_code == 0
+    out = tmp_path / "out"
+    before = sorted(p.name for p in (out / "checkpoints").iterdir())
+    for extra in ([], ["--dry-run"]):  # the dry run says what the run would say
+        r = cli.invoke(app, ["train", str(path), "--set", "schedule.steps=2", *extra])
+        assert r.exit_code == 2 and "holds a finished run" in r.output and "--force" in r.output, r.output
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == before  # untouched
+    r = cli.invoke(app, ["train", str(path), "--set", "schedule.steps=2", "--force"])
+    assert r.exit_code == 0, r.output
+    assert "--force: output.dir" in r.output and "removed, starting over" in r.output
+    steps = [json.loads(x)["step"] for x in open(out / "metrics.jsonl") if "loss" in json.loads(x)]
+    assert steps == [1, 2]  # only the new run's
+    assert "step-000004" not in {p.name for p in (out / "checkpoints").iterdir()}  # the old run's are gone
+    r = cli.invoke(app, ["train", str(path), "--set", "schedule.steps=2", "--resume", "auto", "--dry-run"])
+    assert r.exit_code == 0, r.output  # resuming is what a scheduler's requeue does: not refused

@@ -18,7 +18,7 @@ class Ranks:
 
 
 def test_a_signal_during_the_ranks_exchange_is_not_overwritten():
-    # the handler runs after the flag was read for the exchange and before its result is stored (CI, session 29:
+    # the handler runs after the flag was read for the exchange and before its result is stored (CI, 2026-11-26:
     # the SIGTERM was lost and `lorakit train` ran on for 11,000 steps)
     flag = StopFlag()
     flag.share(Ranks(during=lambda: setattr(flag, "requested", True)))

@@ -1,0 +1,125 @@
+"""Every bucket shape compiled before the run meets it, and a second run that starts steady.
+
+A run's compiled blocks need one graph per input shape (each bucket of the dataset, its control sizes). Met one
+by one, each new bucket stopped a later step for the compiler (FLUX.1 1024² on an H100: ~50 s per shape cold,
+~8 s from this machine's compile cache) — or, with the background compile, slowed every step while it compiled.
+Right after step 1, `warm_shapes` runs one forward and backward pass of each other bucket shape (one cached item
+of it, repeated to the batch size; the random state, the gradients and the step unchanged): where the blocks compile
+in the run, they compile now, in one phase the log names; with the background compile, every shape is handed to
+the worker at once, so it switches to the compiled blocks before the run could meet a new shape.
+
+`warm_key` names what a compile depends on (torch, lorakit, the GPU, the transformer's config, the LoRA, dtype and
+the memory plan); once a run has compiled every shape of its data, `remember` records them under that key in the
+compile cache's folder. A later run with the same key on this machine finds its graphs there, so it compiles at
+step 1 and before step 2 in seconds: `known` tells setup to compile in the run instead of in the background (whose
+uncompiled steps beside the worker are the slow ones), and the run is steady from step 2.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+from lorakit.paths import cache_root
+
+FOLDER = "warm"  # under the compile cache: one JSON per key, the shapes compiled with it
+
+
+def warm_key(cfg, device: str) -> str:
+    """What a run's compiled graphs depend on, hashed: versions, the card, the transformer's config, the LoRA, the
+    dtype and the memory plan (the settings that only choose how the compile runs are left out)."""
+    import torch
+
+    import lorakit
+
+    try:
+        config = (Path(cfg.model.path) / "transformer" / "config.json").read_text(encoding="utf-8")
+    except OSError:
+        config = str(cfg.model.path)
+    card = torch.cuda.get_device_name(torch.device(device)) if device.startswith("cuda") else "cpu"
+    memory = cfg.memory.model_dump(mode="json", exclude={"compile_background", "loader", "cache_in_memory",
+                                                         "free_encoders_after_cache"})
+    facts = {"torch": torch.__version__, "lorakit": lorakit.__version__, "card": card, "family": cfg.model.family,
+             "config": config, "dtype": cfg.model.dtype, "method": cfg.method, "batch": cfg.schedule.batch_size,
+             "lora": cfg.lora.model_dump(mode="json"), "memory": memory}
+    return hashlib.sha256(json.dumps(facts, sort_keys=True, default=str).encode()).hexdigest()[:24]
+
+
+def _file(key: str) -> Path:
+    compile_dir = os.environ.get("TORCHINDUCTOR_CACHE_DIR") or str(cache_root() / "compile")
+    return Path(compile_dir) / FOLDER / f"{key}.json"
+
+
+def known(key: str, sizes: set[str]) -> bool:
+    """Did a run with this key compile every one of these shapes on this machine (its graphs in the cache)?"""
+    try:
+        got = set(json.loads(_file(key).read_text(encoding="utf-8")).get("sizes", []))
+    except (OSError, ValueError, AttributeError):
+        return False
+    return bool(sizes) and sizes <= got
+
+
+def remember(key: str, sizes: set[str]) -> None:
+    """Record that these shapes are compiled under `key` (merged with what was recorded; best effort: a cache that
+    cannot be written only means the next run compiles in the background again)."""
+    f = _file(key)
+    try:
+        before = set(json.loads(f.read_text(encoding="utf-8")).get("sizes", [])) if f.is_file() else set()
+    except (OSError, ValueError, AttributeError):
+        before = set()
+    try:
+        f.parent.mkdir(parents=True, exist_ok=True)
+        tmp = f.with_name(f".{f.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({"sizes": sorted(before | sizes)}), encoding="utf-8")
+        os.replace(tmp, f)
+    except OSError:
+        pass
+
+
+def pixels(adapter, shape) -> str:
+    """A batch's size as the step records name it: "WxH" in pixels (+ "xF latent frames" for video)."""
+    f = adapter.vae_factor
+    size = f"{shape[-1] * f}x{shape[-2] * f}"
+    return size + (f"x{shape[-3]} latent frames" if len(shape) == 5 else "")
+
+
+def shapes(data, adapter) -> dict[str, str]:
+    """size -> one item key of it, for each bucket shape the run trains on (one item read per bucket)."""
+    first: dict[tuple, str] = {}
+    for key, group in data.group.items():
+        first.setdefault(group, key)
+    out: dict[str, str] = {}
+    for key in first.values():
+        out.setdefault(pixels(adapter, data.load([key]).latents.shape), key)
+    return out
+
+
+def warm_shapes(tr, skip: set[str]) -> list[str]:
+    """One forward and backward of each bucket shape not in `skip` (one of its items, repeated to the batch size,
+    at sigma 0.5 with noise from its own generator): the compiled blocks compile for it now, or the background
+    compile is handed it. The random number generators, the trained weights' gradients and the step are as before.
+    Returns the sizes warmed."""
+    import torch
+
+    cpu_rng = torch.random.get_rng_state()
+    cuda = tr.device.startswith("cuda")
+    cuda_rng = torch.cuda.get_rng_state(torch.device(tr.device)) if cuda else None
+    done = []
+    try:
+        gen = torch.Generator().manual_seed(0)
+        for size, key in shapes(tr.data, tr.adapter).items():
+            if size in skip:
+                continue
+            batch = tr.data.load([key] * tr.cfg.schedule.batch_size)
+            n = batch.latents.shape[0]
+            noise = torch.randn(batch.latents.shape, generator=gen)
+            tr.loss_on(batch, torch.full((n,), 0.5), noise).backward()
+            done.append(size)
+    finally:
+        tr.opt.zero_grad(set_to_none=True)
+        torch.random.set_rng_state(cpu_rng)
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state(cuda_rng, torch.device(tr.device))
+    return done
