@@ -131,8 +131,8 @@ def gpu_oom_summary(text: str) -> str:
 
 def others_gib(text: str) -> float | None:
     """GiB of the GPU that other processes held when PyTorch ran out, where the GPU itself had less free than was
-    asked (not this process's cap) and they held a GiB or more — session 27: a 24 GiB cell beside three others on one
-    H100 ran out with 17.8 GiB allocated. None otherwise, or where torch's message does not say."""
+    asked (not this process's cap) and they held a GiB or more — an H100, 2026-11-26: a 24 GiB cell beside three others on it
+    ran out with 17.8 GiB allocated. None otherwise, or where torch's message does not say."""
     m = re.search(rf"total capacity of {_SIZE} of which {_SIZE} is free", text)
     mine = re.search(rf"this process has {_SIZE} memory in use", text)
     asked = re.search(rf"Tried to allocate {_SIZE}", text)

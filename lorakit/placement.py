@@ -41,7 +41,7 @@ DENOISE_GIB = 3.0
 # + 1 GiB fell back to other convolution algorithms: 2x slower and up to 0.016 off; + 2 GiB it decoded identically)
 SLACK_GIB = 2.0
 # A VAE's decode beside its weights (bf16, whole output, torch.cuda.max_memory_allocated; random weights at the
-# published configs on the H100, 2026-11-26, session 30), GiB per million output pixels:
+# published configs on an H100 80GB HBM3, 2026-11-26), GiB per million output pixels:
 #   FLUX.1's AutoencoderKL: 2.38 / 5.35 / 9.50 GiB at 1024² / 1536² / 2048² (also Z-Image's and Kandinsky 5 T2I's);
 #   Qwen-Image's: 4.13 / 9.29 / 16.51;
 #   HunyuanVideo's (Kandinsky 5 T2V), which decodes 17 frames at a time: 14.17 at 512² x 17 frames, 14.33 at 512² x

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# On a lent GPU machine (the device tool runs a copy of this tree there): install the wheels the image lacks (made here
-# by ../shared/device/fetch-wheels.sh into .whl, carried with the run), set up the environment, run the command.
+# On an offline GPU benchmark host whose image has torch, transformers and peft but not lorakit's other dependencies:
+# install the wheels downloaded beforehand into .whl (`pip download --no-deps --only-binary=:all: --python-version
+# 3.12 -d .whl diffusers==0.42.1 fastsafetensors==0.5.0 optimum-quanto bitsandbytes pydantic ...`), set up the
+# environment, run the command from a checkout of this tree.
 #   bash scripts/device.sh lorakit bench matrix --family flux --profile datacenter --out "$OUT/matrix"
 #   bash scripts/device.sh lorakit doctor --json
 # "lorakit ..." runs this tree's lorakit; anything else runs as given. The wheels are installed with their bytecode
@@ -25,13 +27,13 @@ if [ ! -f /tmp/pycache/.done ]; then
   done
   python3 -m compileall -q -j 16 "${dirs[@]}" > /dev/null 2>&1
   # and whatever else the stack imports where it is installed (sklearn, scipy, pandas through transformers on the
-  # lent image: ~1,800 sources compiled in each process otherwise): imported once, its bytecode written
+  # benchmark image: ~1,800 sources compiled in each process otherwise): imported once, its bytecode written
   python3 -c "import torch._dynamo, torch._inductor.compile_fx, diffusers, transformers, peft, accelerate, typer, rich
 from diffusers import FluxTransformer2DModel, AutoencoderKL
 import transformers.generation, transformers.models.auto.modeling_auto" > /dev/null 2>&1
   touch /tmp/pycache/.done
 fi
-# FlashAttention 4's CuTe DSL packages, where tools/fa4_carry.sh put them (a --target install leaves .pth files unread)
+# FlashAttention 4's CuTe DSL packages, where a --target install of its wheels puts them (their .pth files go unread)
 [ -d /tmp/site/nvidia_cutlass_dsl/dsl_packages ] && export PYTHONPATH=$PYTHONPATH:/tmp/site/nvidia_cutlass_dsl/dsl_packages
 export LORAKIT_CACHE=${LORAKIT_CACHE:-/tmp/lorakit-cache} HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
 if [ "${1:-}" = lorakit ]; then shift; exec python3 -m lorakit "$@"; fi

@@ -255,7 +255,7 @@ def _swap_for(cfg, blocks: int, fits: float, world: int) -> int | None:
 def _smaller_controls(cfg, fits: float, world: int, swap: int | None) -> list[str]:
     """An edit family's other way to fit: its control images at half the resolution (fewer tokens), alone where
     that fits, else with the fewer swapped blocks it then needs than `swap` (FLUX.2 [dev] Edit under 24 GiB: 52 of
-    56 blocks swapped at the defaults, session 26's refusal)."""
+    56 blocks swapped at the defaults: the refusal seen on 2026-11-26)."""
     half = cfg.data.resolution // 2 // 16 * 16
     if half < 256 or not controls_in_use(cfg, family_adapter(cfg.model.family)) or (
             cfg.data.control_resolution and cfg.data.control_resolution <= half):

@@ -62,7 +62,7 @@ def test_out_of_gpu_memory_held_in_pieces_names_expandable_segments(monkeypatch)
 
 
 def test_out_of_gpu_memory_on_a_gpu_other_processes_filled_says_how_much_they_hold(monkeypatch):
-    """Session 27, one H100, four cells at once: the 24 GiB cell ran out with 17.76 GiB allocated — below its cap,
+    """One H100, 2026-11-26, four cells at once: the 24 GiB cell ran out with 17.76 GiB allocated — below its cap,
     because the GPU itself was full. Torch's message says how much is free and how much this process holds; the
     rest is other processes'. Under a cap with room on the GPU (free above what was asked) nothing is said of them."""
     from lorakit.errors import environment_fault, others_gib

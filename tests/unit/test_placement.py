@@ -136,7 +136,8 @@ def test_a_streamed_component_left_in_pageable_memory_is_said():
     (w,) = unpinned_warnings(said)
     assert w.startswith("text_encoder: 41.4 GiB of blocks stream from pageable memory (the host has no room to "
                         "page-lock them)")
-    # a host with room for part of it: the part said (session 29: 51 of the transformer's 58.7 GiB page-locked)
+    # a host with room for part of it: the part said (H100, 2026-11-26: 51 of the transformer's 58.7 GiB
+    # page-locked)
     (w,) = unpinned_warnings({"transformer": {"streamed_gib": 58.66, "pinned": False, "pageable_gib": 7.7}})
     assert w.startswith("transformer: 7.7 of its 58.7 GiB of blocks stream from pageable memory")
 
@@ -152,7 +153,7 @@ K5_T2V = {"transformer": 3.8, "text_encoder": 15.4, "text_encoder_2": 0.2, "vae"
     ("AutoencoderKL", 1024, 1024, 1, 2.38), ("AutoencoderKL", 2048, 2048, 1, 9.50),
     ("AutoencoderKLQwenImage", 1536, 1536, 1, 9.29), ("AutoencoderKLQwenImage", 2048, 2048, 1, 16.51)])
 def test_the_decode_estimate_follows_the_h100_measurements(vae, w, h, f, measured):
-    # the peaks measured on the H100 (session 30, the comment above DECODE_GIB_PER_MPX): never more than 3% under
+    # the peaks measured on an H100, 2026-11-26 (the comment above DECODE_GIB_PER_MPX): never more than 3% under
     got = placement.decode_need(vae, w, h, f).whole_gib
     assert measured * 0.97 <= got <= measured * 1.06
 

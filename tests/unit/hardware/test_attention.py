@@ -103,7 +103,7 @@ def test_fa4_is_refused_where_it_cannot_run_and_nothing_is_switched():
     cfg, _ = assemble(None, ["model.family=flux", "memory.attention=fa4"], profile="cpu")
     assert cfg.memory.attention == "fa4"
     if torch.cuda.is_available() and fa4.problem() is None:
-        pytest.skip("FlashAttention 4 runs here (measured by tools/fa4_probe.py on the GPU)")
+        pytest.skip("FlashAttention 4 runs here (measured on the GPU: benchmarks-history.md, 2026-11-23)")
     assert "CUDA" in fa4.problem("cpu")
     b = torch.backends.cuda
     before = (b.flash_sdp_enabled(), b.mem_efficient_sdp_enabled(), b.cudnn_sdp_enabled(), b.math_sdp_enabled())
@@ -162,7 +162,7 @@ def test_fa4_is_chosen_where_it_passed_and_is_faster_and_takes_unmasked_batches_
 
 def test_a_run_gets_the_kernel_fastest_at_its_own_resolution():
     R = acases.CaseResult
-    # the H100's numbers (tools/fa4_probe.py): FA4 faster at 4608 tokens, slower at 1536
+    # the H100's numbers (2026-11-23, benchmarks-history.md): FA4 faster at 4608 tokens, slower at 1536
     ms = {"flash": {"512px": 0.77, "1024px": 3.45}, "fa4": {"512px": 1.26, "1024px": 2.12}}
     rep = acases.AttentionReport(fingerprint={}, results=[
         R(b, f"{c}{layout}", True, t) for b, by in ms.items() for c, t in by.items() for layout in ("", " single")])

@@ -50,7 +50,7 @@ def test_a_tensor_larger_than_a_chunk_takes_its_own_and_the_open_chunk_goes_on_f
 
 
 def test_weights_a_sizeable_part_of_a_chunk_fill_every_chunks_free_tail(monkeypatch):
-    """Session 27 on an H100 (tools/pin_probe.py): FLUX.2 [dev]'s block matrices (72, 216, 216, 648 and 320 MiB in
+    """On an H100, 2026-11-26: FLUX.2 [dev]'s block matrices (72, 216, 216, 648 and 320 MiB in
     1 GiB chunks), each copied into the newest chunk only, held 18.0 GiB for 12.6 GiB of weights (1.43x, no better
     than pinning one by one). Here at 1/16384 of the size."""
     monkeypatch.setattr(pinned, "CHUNK", 65536)

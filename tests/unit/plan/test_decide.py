@@ -47,8 +47,8 @@ def test_cuda_graphs_need_compiled_blocks_that_do_not_recompute():
 
 
 def test_a_cached_fa4_choice_that_cannot_run_now_gives_way_to_the_next_fastest_with_a_note(monkeypatch):
-    """Measured while flash-attn-4 worked, run after it broke (seen on the lent H100: its CuTe DSL library off the
-    path): the run used to stop with 'set memory.attention=auto' although it was auto."""
+    """Measured while flash-attn-4 worked, run after it broke (seen on an H100, 2026-11-24: its CuTe DSL library
+    off the path): the run used to stop with 'set memory.attention=auto' although it was auto."""
     from lorakit.config import assemble
     from lorakit.hardware import fa4
     from lorakit.hardware.attention_cases import AttentionReport, CaseResult
