@@ -1,0 +1,207 @@
+"""A training run timed as the wall clock shows it — the lorakit side of a race against a peer trainer, and the
+measure any peer's command gets (`measure`): command -> first step, command -> step N, command -> the final LoRA
+file (the whole job), the steady s/step (median and p90 of the wall time between consecutive steps, stalls
+included, after the first two), the GPU's peak memory (NVML, polled) and the process tree's peak private host memory.
+
+    python tools/race.py synth --family flux --models M                 # the full-size random-weight folder (GPU)
+    python tools/race.py data --out D [--count 16] [--res 1024]         # drawn images in three aspect ratios
+    python tools/race.py lorakit --family flux --models M --data D --work W --profile datacenter --steps 300 \
+        [--cap 24] [--runs 2] [--set key=value ...]
+
+`lorakit` runs `lorakit train` as a user does: its own YAML naming only the model folder, the dataset and the steps
+(everything else the profile's defaults, sample grids included), stdout to a file; `--runs 2` runs it again on the
+same machine (a second run: warm page and compile caches). Each run's figures go to W/race.json and a table row to
+stdout. `--tiny` runs the same on the tiny layout on a CPU (the tool's own test).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+SIZES = {1024: [(1024, 1024), (1216, 832), (832, 1216)], 64: [(64, 64), (80, 48), (48, 80)]}
+WORDS = ["red", "blue", "green", "yellow", "purple", "orange"]
+SHAPES = ["circle", "square", "triangle"]
+
+
+def draw_dataset(out: Path, count: int = 16, res: int = 1024) -> Path:
+    """`count` PNGs with captions, in three aspect ratios (the buckets a user's photos give)."""
+    from PIL import Image, ImageDraw
+
+    out.mkdir(parents=True, exist_ok=True)
+    sizes = SIZES.get(res) or [(res, res), (res * 19 // 16 // 16 * 16, res * 13 // 16 // 16 * 16),
+                               (res * 13 // 16 // 16 * 16, res * 19 // 16 // 16 * 16)]
+    for k in range(count):
+        w, h = sizes[k % 3]
+        color, shape = WORDS[k % len(WORDS)], SHAPES[(k // 3) % 3]
+        im = Image.new("RGB", (w, h), (240 - 10 * (k % 7), 235, 225))
+        d = ImageDraw.Draw(im)
+        box = (w // 4, h // 4, 3 * w // 4, 3 * h // 4)
+        if shape == "circle":
+            d.ellipse(box, fill=color)
+        elif shape == "square":
+            d.rectangle(box, fill=color)
+        else:
+            d.polygon([(w // 2, h // 4), (w // 4, 3 * h // 4), (3 * w // 4, 3 * h // 4)], fill=color)
+        im.save(out / f"item_{k:03d}.png")
+        (out / f"item_{k:03d}.txt").write_text(f"a {color} {shape} on a pale background")
+    return out
+
+
+def _gpu_used_mib() -> int:
+    """GPU 0's used memory (NVML; 0 without one)."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        return int(pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(0)).used // 2**20)
+    except Exception:  # noqa: BLE001 - no NVML here (the CPU)
+        return 0
+
+
+def _tree(pid: int) -> list[int]:
+    """The process and its descendants (compile workers, launched ranks)."""
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        try:
+            kids = Path(f"/proc/{p}/task/{p}/children").read_text().split()
+        except OSError:
+            kids = []
+        todo += [int(k) for k in kids]
+    return out
+
+
+def measure(cmd: list[str], log: Path, env: dict | None = None, timeout: float = 3600) -> dict:
+    """Run a training command with its output to `log`; the wall time, the exit code, and the peaks (GPU memory in
+    use on GPU 0, the private host memory of the process tree), sampled every half second."""
+    from lorakit.bench.matrix import private_gib
+
+    base = _gpu_used_mib()
+    peak_gpu = peak_private = 0.0
+    started = time.time()
+    with open(log, "w") as out:
+        p = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+        while p.poll() is None:
+            if time.time() - started > timeout:
+                p.kill()
+            private = sum(x for x in (private_gib(q) for q in _tree(p.pid)) if x is not None)
+            peak_private = max(peak_private, private)
+            peak_gpu = max(peak_gpu, (_gpu_used_mib() - base) / 1024)
+            time.sleep(0.5)
+    return {"cmd": " ".join(cmd), "rc": p.returncode, "started": started, "whole_s": round(time.time() - started, 1),
+            "gpu_peak_gib": round(peak_gpu, 2), "private_peak_gib": round(peak_private, 2)}
+
+
+def steady(times: list[float], skip: int = 2) -> dict:
+    """Median and p90 of the wall time between consecutive steps after the first `skip` steps (every interval: the
+    stalls between steps are the run's, not left out)."""
+    gaps = sorted(b - a for a, b in zip(times[skip - 1:], times[skip:], strict=False)) if len(times) > skip else []
+    if not gaps:
+        return {"median_s": None, "p90_s": None, "intervals": 0}
+    med = statistics.median(gaps)
+    p90 = gaps[min(len(gaps) - 1, round(0.9 * (len(gaps) - 1)))]
+    return {"median_s": round(med, 4), "p90_s": round(p90, 4), "p90_over_median": round(p90 / med, 3),
+            "intervals": len(gaps)}
+
+
+def lorakit_run(a, work: Path, k: int) -> dict:
+    """`lorakit train` as a user runs it, timed (see the module)."""
+    out = work / f"lorakit-run{k}"
+    cfg = {"model": {"family": a.family, "path": str(Path(a.models) / a.family)},
+           "data": {"dirs": [str(a.data)]}, "schedule": {"steps": a.steps}, "output": {"dir": str(out)}}
+    if a.tiny:
+        cfg["data"].update(resolution=64, bucket_min_side=32, bucket_max_side=128)
+        cfg["sampling"] = {"steps": 2}
+    path = work / f"lorakit-run{k}.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    env = {"LORAKIT_MEMORY_CAP_GIB": str(a.cap)} if a.cap else {}
+    cmd = [sys.executable, "-m", "lorakit", "train", str(path), "--profile", a.profile, "--log-format", "plain",
+           "--force", *[x for kv in a.set or [] for x in ("--set", kv)]]
+    rec = measure(cmd, work / f"lorakit-run{k}.log", env)
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()] \
+        if (out / "metrics.jsonl").is_file() else []
+    times = [r["time"] for r in rows if "loss" in r]
+    lora = out / "lora.safetensors"
+    rec.update(side="lorakit", run=k, profile=a.profile, cap_gib=a.cap, steps=len(times),
+               first_step_s=round(times[0] - rec["started"], 1) if times else None,
+               step_100_s=round(times[99] - rec["started"], 1) if len(times) >= 100 else None,
+               lora_s=round(lora.stat().st_mtime - rec["started"], 1) if lora.is_file() else None,
+               step_s_median=round(statistics.median(r["step_s"] for r in rows if "step_s" in r), 4) if rows else None,
+               **steady(times))
+    if rec["first_step_s"] is not None and rec["step_100_s"] is not None and rec["median_s"]:
+        # the opening's target: command -> step 100 within first step + 100 x 1.15 x the steady step
+        rec["step_100_allowed_s"] = round(rec["first_step_s"] + 100 * 1.15 * rec["median_s"], 1)
+    return rec
+
+
+def row(r: dict) -> str:
+    def f(v, spec="{:.1f}"):
+        return "-" if v is None else spec.format(v)
+
+    cap = f" ({r['cap_gib']:g} GiB)" if r.get("cap_gib") else ""
+    return (f"| {r['side']} run {r['run']} | {r['profile']}{cap} | "
+            f"{f(r['first_step_s'])} | {f(r.get('step_100_s'))} | {f(r['lora_s'])} | {f(r['whole_s'])} | "
+            f"{f(r['median_s'], '{:.3f}')} / {f(r['p90_s'], '{:.3f}')} ({f(r.get('p90_over_median'), '{:.2f}')}) | "
+            f"{f(r['gpu_peak_gib'])} | {f(r['private_peak_gib'])} | {r['rc']} |")
+
+
+HEAD = ("| side | profile | first step s | step 100 s | LoRA file s | whole s | s/step median / p90 (p90/median) | "
+        "GPU peak GiB | private host peak GiB | exit |\n|---|---|---:|---:|---:|---:|---|---:|---:|---:|")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    s = sub.add_parser("synth")
+    s.add_argument("--family", default="flux")
+    s.add_argument("--models", required=True)
+    s.add_argument("--tiny", action="store_true")
+    d = sub.add_parser("data")
+    d.add_argument("--out", required=True)
+    d.add_argument("--count", type=int, default=16)
+    d.add_argument("--res", type=int, default=1024)
+    lk = sub.add_parser("lorakit")
+    lk.add_argument("--family", default="flux")
+    lk.add_argument("--models", required=True)
+    lk.add_argument("--data", required=True)
+    lk.add_argument("--work", required=True)
+    lk.add_argument("--profile", default="datacenter")
+    lk.add_argument("--steps", type=int, default=300)
+    lk.add_argument("--cap", type=float)
+    lk.add_argument("--runs", type=int, default=1)
+    lk.add_argument("--set", action="append")
+    lk.add_argument("--tiny", action="store_true")
+    a = p.parse_args()
+    if a.cmd == "synth":
+        from lorakit.bench.hub import write_model
+
+        got = write_model(a.family, Path(a.models) / a.family, device="cpu" if a.tiny else "cuda",
+                          scale="tiny" if a.tiny else "full")
+        print(json.dumps({k: v for k, v in got.items() if k != "components"}))
+    elif a.cmd == "data":
+        print(draw_dataset(Path(a.out), a.count, a.res))
+    else:
+        work = Path(a.work)
+        work.mkdir(parents=True, exist_ok=True)
+        report = work / "race.json"
+        done = json.loads(report.read_text()) if report.is_file() else []
+        print(HEAD)
+        for k in range(1, a.runs + 1):
+            rec = lorakit_run(a, work, k)
+            done.append(rec)
+            report.write_text(json.dumps(done, indent=1))
+            print(row(rec), flush=True)
+
+
+if __name__ == "__main__":
+    main()
