@@ -179,6 +179,7 @@ def main() -> None:
     lk.add_argument("--steps", type=int, default=300)
     lk.add_argument("--cap", type=float)
     lk.add_argument("--runs", type=int, default=1)
+    lk.add_argument("--first", type=int, default=1, help="the number of the first run (a later call adds runs)")
     lk.add_argument("--set", action="append")
     lk.add_argument("--tiny", action="store_true")
     a = p.parse_args()
@@ -196,7 +197,7 @@ def main() -> None:
         report = work / "race.json"
         done = json.loads(report.read_text()) if report.is_file() else []
         print(HEAD)
-        for k in range(1, a.runs + 1):
+        for k in range(a.first, a.first + a.runs):
             rec = lorakit_run(a, work, k)
             done.append(rec)
             report.write_text(json.dumps(done, indent=1))
