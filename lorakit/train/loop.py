@@ -72,7 +72,8 @@ def steps(r: Run, end: int) -> None:
             graphs = own_graphs(bg) if tr.compiled else 0
             rec = {"step": None, "loss": tr.train_step()}
             rec.update(step=tr.step, lr=tr.sched.get_last_lr()[0], step_s=round(time.perf_counter() - t0, 4),
-                       size=tr.last_size)  # size: the step's bucket, WxH; step_s: train_step() alone
+                       time=round(time.time(), 3), size=tr.last_size)  # size: the step's bucket, WxH; step_s:
+            # train_step() alone; time: when the step ended (before any sample grid or compile phase after it)
             if bg and bg.eager_calls:  # not yet compiled: a step of its own kind (benchmarks leave it out)
                 rec["eager_blocks"] = bg.eager_calls
             pause = collector.take()
@@ -112,7 +113,7 @@ def steps(r: Run, end: int) -> None:
                 r.initial = None
                 grid_s += time.perf_counter() - t1
             now = time.perf_counter()  # s_per_step: the wall time since the previous record — what the clock shows,
-            rec.update(s_per_step=round(now - last - grid_s, 4), time=round(time.time(), 3))  # stalls included
+            rec["s_per_step"] = round(now - last - grid_s, 4)  # stalls included
             last = now
             r.log.write(rec)
             if d.main:

@@ -140,7 +140,7 @@ def setup(resolved: Resolved, resume: str | None, events: Events, force: bool = 
             facts["mapped"] = "read while the model is prepared"
         elif ahead:
             facts.update(ahead.stop())
-    key = warm.warm_key(cfg, device) if device.startswith("cuda") and cfg.memory.compile else None
+    key = warm.warm_key(cfg, device) if cfg.memory.compile else None
     sizes = set(warm.shapes(data, adapter)) if key else set()
     if key and cfg.memory.compile_background and warm.known(key, sizes):  # compiled here before: from the cache
         cfg = resolved.cfg = cfg.model_copy(update={"memory": cfg.memory.model_copy(
@@ -162,6 +162,7 @@ def setup(resolved: Resolved, resume: str | None, events: Events, force: bool = 
     del base
     if measuring:  # the first run here: the family's attention was measured while the model loaded
         cfg = tr.cfg = choose_attention(resolved, measuring, out, events, note)
+        key = warm.warm_key(cfg, device) if key else None  # the compile depends on the backend chosen now
     mark("model_ready")
     resumed = tr.resume(ck) if ck else None
     if d.main:

@@ -22,6 +22,7 @@ import json
 import os
 from pathlib import Path
 
+import lorakit
 from lorakit.paths import cache_root
 
 FOLDER = "warm"  # under the compile cache: one JSON per key, the shapes compiled with it
@@ -31,8 +32,6 @@ def warm_key(cfg, device: str) -> str:
     """What a run's compiled graphs depend on, hashed: versions, the card, the transformer's config, the LoRA, the
     dtype and the memory plan (the settings that only choose how the compile runs are left out)."""
     import torch
-
-    import lorakit
 
     try:
         config = (Path(cfg.model.path) / "transformer" / "config.json").read_text(encoding="utf-8")
