@@ -117,6 +117,10 @@ def steady(times: list[float], skip: int = 2) -> dict:
 def lorakit_run(a, work: Path, k: int) -> dict:
     """`lorakit train` as a user runs it, timed (see the module)."""
     out = work / f"lorakit-run{k}"
+    if out.exists():  # this tool's own folder: nothing of an earlier run is read as this one's
+        import shutil
+
+        shutil.rmtree(out)
     cfg = {"model": {"family": a.family, "path": str(Path(a.models) / a.family)},
            "data": {"dirs": [str(a.data)]}, "schedule": {"steps": a.steps}, "output": {"dir": str(out)}}
     if a.tiny:

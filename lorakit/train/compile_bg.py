@@ -189,10 +189,6 @@ class BackgroundCompile:
         self._thread.start()
 
     def call(self, block, compiled, args, kwargs):
-        import torch
-
-        if not torch.is_grad_enabled():  # samples, validation: eager (see `train_only`)
-            return block._call_impl(*args, **kwargs)
         what = describe(block, args, kwargs)
         if what in self.active:
             return compiled(*args, **kwargs)
@@ -228,7 +224,7 @@ class BackgroundCompile:
         self.pending, self.sealed = 0, True
         self.close()  # idle: it stops (what the run meets from now on compiles in the run)
         for b in self._blocks:  # the blocks call their compiled code directly: no description per call from now on
-            b._compiled_call_impl = _TrainOnly(b, b._compiled_call_impl.compiled)
+            b._compiled_call_impl = b._compiled_call_impl.compiled
         return done
 
     @property
@@ -316,29 +312,6 @@ class BackgroundCompile:
                 self._made += int(counters["stats"]["unique_graphs"]) - self._started_at
                 self._started_at = None
                 self._done.append(Ready(what, time.perf_counter() - t0, failed))
-
-
-class _TrainOnly:
-    """A block's `_compiled_call_impl` that runs the compiled code where gradients are on (training steps) and the
-    block as it is otherwise: samples and validation run eager, so no sample grid waits for an inference graph to
-    compile (FLUX.1's two block kinds: ~25 s cold each) to save a few seconds of forward passes."""
-
-    def __init__(self, block, compiled):
-        self.block, self.compiled = block, compiled
-
-    def __call__(self, *args, **kwargs):
-        import torch
-
-        if torch.is_grad_enabled():
-            return self.compiled(*args, **kwargs)
-        return self.block._call_impl(*args, **kwargs)
-
-
-def train_only(blocks) -> None:
-    """After `compile_repeated_blocks`: each block's compiled call kept for training steps (`_TrainOnly`)."""
-    for b in blocks:
-        if b._compiled_call_impl is not None and not isinstance(b._compiled_call_impl, _TrainOnly):
-            b._compiled_call_impl = _TrainOnly(b, b._compiled_call_impl)
 
 
 class _Route:

@@ -10,7 +10,7 @@ import time
 from dataclasses import dataclass, field
 
 from lorakit.io.modules import load_component
-from lorakit.train.compile_bg import BackgroundCompile, thread_own_fx_patches, train_only
+from lorakit.train.compile_bg import BackgroundCompile, thread_own_fx_patches
 from lorakit.train.lora import add_lora
 from lorakit.train.swap import BlockSwapper, repeated_blocks, swapped_names
 
@@ -119,7 +119,6 @@ def prepare(cfg, adapter, transformer, device: str, dtype, dist) -> Prepared:
             background = BackgroundCompile(repeated_blocks(transformer), options, device)  # first steps run eager
         else:
             transformer.compile_repeated_blocks(**options)
-            train_only(repeated_blocks(transformer))  # samples and validation run eager
         if graphs:
             transformer.register_forward_pre_hook(_new_graph_generation)
         clock.lap("compile set-up")
