@@ -137,6 +137,7 @@ def test_a_run_steps_while_its_blocks_compile_and_then_runs_them_compiled(tmp_pa
 
     monkeypatch.setattr(resolve_mod, "compile_decision", lambda *a: (True, None))
     monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="aot_eager"))
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "compile-cache"))  # a first run on this machine
     torch._dynamo.reset()
     cfg = make_cfg(tmp_path, "flux", tiny("flux"), steps=150, lora={"dropout": 0.0},
                    sampling={"enabled": False}, output={"save_every": 0})
