@@ -178,7 +178,9 @@ def run_demo(out_dir: Path, family: str | None = None, seed: int = 0, progress=N
             {"summary": doc.summary(checks), "checks": doc.to_dicts(checks)}, indent=2))
         res.files["doctor"] = str(out_dir / "doctor.json")
         s = doc.summary(checks)
-        return f"profile {choice.profile.name}; {s['fail']} failed, {s['warn']} warnings"
+        said = [f"{c.name}: {c.detail}" for c in checks if c.status in (doc.WARN, doc.FAIL)]
+        return (f"profile {choice.profile.name}; {s['fail']} failed, {s['warn']} warning(s)"
+                + (f" — {'; '.join(said)}" if said else ""))
 
     def config():
         cfg_path = out_dir / "config.yaml"

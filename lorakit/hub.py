@@ -110,8 +110,28 @@ def push(run_dir: Path, repo: str, base_model: str | None = None, license: str =
         api.create_repo(repo, private=private, exist_ok=True)
         info = api.upload_folder(repo_id=repo, folder_path=got["folder"], commit_message="lorakit: upload LoRA")
     except Exception as e:  # noqa: BLE001 - the hub's errors (auth, network, quota) are the machine's answer
-        raise EnvironmentFault(f"uploading {got['folder']} to {repo} failed: {e}",
-                               f"`hf auth login`, then `hf upload {repo} {got['folder']} .` (the folder is "
-                               "written)") from None
+        status = getattr(getattr(e, "response", None), "status_code", None)
+        then = f"then `hf upload {repo} {got['folder']} .` (the folder is written)"
+        if status in (401, 403):
+            hint = f"the hub refused the credentials: `hf auth login` with a token that may write to {repo}, {then}"
+        elif status is None and _unreachable(e):
+            hint = f"the hub could not be reached from here: check the network (or a proxy), {then}"
+        else:
+            hint = f"`hf auth login` if the token is missing, {then}"
+        raise EnvironmentFault(f"uploading {got['folder']} to {repo} failed: {e}", hint) from None
     got.update(uploaded=True, url=str(getattr(info, "commit_url", info)))
     return got
+
+
+def _unreachable(e: BaseException) -> bool:
+    """A failure to reach the hub at all (no network, DNS, a refused or timed-out connection), through the chain of
+    causes huggingface_hub and its HTTP client wrap it in."""
+    seen = 0
+    while e is not None and seen < 8:
+        name = type(e).__name__
+        if isinstance(e, (ConnectionError, TimeoutError)) or name in ("ConnectError", "ConnectTimeout", "ConnectionError",
+                                                                     "NameResolutionError", "MaxRetryError",
+                                                                     "OfflineModeIsEnabled"):
+            return True
+        e, seen = e.__cause__ or e.__context__, seen + 1
+    return False

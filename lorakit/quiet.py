@@ -28,6 +28,8 @@ def quiet_libraries() -> None:
     # torch's note that a norm with bf16 weights got fp32 input (Kandinsky 5 keeps such modules in fp32, as
     # diffusers does): the result is right, the fused kernel is not used; said once per compile otherwise
     warnings.filterwarnings("ignore", message="Mismatch dtype between input and weight")
+    # peft, when `lorakit infer --lora A --lora B` loads a second adapter beside the first (lorakit asks for that)
+    warnings.filterwarnings("ignore", message="Already found a `peft_config` attribute in the model")
     # torch.distributed.checkpoint in a one-process run (lorakit asks for that on purpose)
     warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
     try:

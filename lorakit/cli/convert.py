@@ -13,6 +13,15 @@ HELP = "Convert LoRA formats (diffusers/peft/kohya/ComfyUI), legacy .pt caches a
 app = typer.Typer(no_args_is_help=True, add_completion=False, rich_markup_mode=None)
 
 
+@app.callback()
+def _quiet() -> None:
+    """Before any conversion imports them: the libraries' own notices off the console (bitsandbytes' optional CPU
+    kernel note on every command)."""
+    from lorakit.quiet import quiet_libraries
+
+    quiet_libraries()
+
+
 @app.command("lora", help="Convert a LoRA between diffusers, peft, kohya and ComfyUI layouts (exactly; every key of "
                           "the input is converted or listed).")
 def lora(src: Path = typer.Argument(..., show_default=False, help="LoRA file (.safetensors) or peft folder"),

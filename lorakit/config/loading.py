@@ -229,6 +229,33 @@ def validate(data: dict, source: str | None = None, extra_problems: list[str] | 
     return cfg
 
 
+def _from_sets(e: ConfigError, overrides: list[str], source: str | None) -> ConfigError:
+    """The same problems, each one a --set gave said so (`--set lora.rank=0`), and the source named as the file
+    and/or --set they come from."""
+    given = {}
+    for item in overrides:
+        key = item.partition("=")[0].strip()
+        if key:
+            given[key] = item
+    problems, from_sets = [], 0
+    for text in e.problems:
+        key = text.split(":", 1)[0].strip()
+        hit = next((item for k, item in given.items() if key == k or key.startswith(k + ".") or text.startswith(
+            f"--set {k}")), None)
+        if hit is not None:
+            from_sets += 1
+            problems.append(text if text.startswith("--set") else f"{text} (--set {hit})")
+        else:
+            problems.append(text)
+    if from_sets == len(problems):
+        where = "the --set values"
+    elif from_sets:
+        where = f"{source} and the --set values" if source else "the --set values"
+    else:
+        where = source
+    return ConfigError(problems, source=where, hint=e.hint)
+
+
 def assemble(config_path: Path | dict | None = None, overrides: list[str] | None = None,
              profile: str | None = None, probe_facts: Any = None) -> tuple[Config, dict]:
     """The run's config from its layers: defaults < profile < YAML < --set (every problem at once).
@@ -252,7 +279,10 @@ def assemble(config_path: Path | dict | None = None, overrides: list[str] | None
     source = str(config_path) if config_path and not isinstance(config_path, dict) else None
     # The user's own layer is checked first: its mistakes are reported without probing the machine
     # (which imports torch). Profiles only supply defaults, so they cannot mend a user mistake.
-    validate({k: v for k, v in layered.items() if k != "profile"}, source=source, extra_problems=problems)
+    try:
+        validate({k: v for k, v in layered.items() if k != "profile"}, source=source, extra_problems=problems)
+    except ConfigError as e:
+        raise _from_sets(e, overrides or [], source) from None
     choice = prof.choose(name, probe_facts)
     merged = deep_merge(choice.profile.defaults, layered)
     merged["profile"] = choice.profile.name

@@ -171,3 +171,27 @@ def test_cache_check_lists_every_problem_and_strict_fails(tmp_path):
     assert run("cache", str(cfg), "--check", "--strict").exit_code == 2
     r = run("cache", str(cfg), "--json")  # building needs the model
     assert r.exit_code == 2 and "model.path" in json.loads(r.output)["message"]
+
+
+def test_library_notices_stay_off_a_commands_output(tmp_path, tiny):
+    """bitsandbytes' "Failed to load CPU gemm_4bit_forward ... pip install kernels" on every `convert`, and peft's
+    "Already found a peft_config ..." when infer loads a second LoRA, leaked into normal output."""
+    import subprocess
+    import sys
+    import warnings
+
+    from lorakit.quiet import quiet_libraries
+    from tests.loras import trained_like
+
+    lora = trained_like(tiny, "flux", tmp_path / "a.safetensors", targets="attention")
+    r = subprocess.run([sys.executable, "-m", "lorakit", "convert", "lora", str(lora), str(tmp_path / "b.safetensors"),
+                        "--to", "comfyui"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and "gemm_4bit" not in r.stdout + r.stderr and "kernels" not in r.stdout + r.stderr, \
+        r.stdout + r.stderr
+    quiet_libraries()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("default")
+        quiet_libraries()
+        warnings.warn("Already found a `peft_config` attribute in the model. This will lead to having multiple "
+                      "adapters in the model. Make sure to know what you are doing!", stacklevel=1)
+    assert not seen

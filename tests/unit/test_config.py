@@ -150,3 +150,20 @@ def test_output_name_is_a_file_name_never_a_path_out_of_output_dir():
     for bad in ("../../escape", "a/b", "..", ".hidden", "x\\y", "", "x" * 201):
         with pytest.raises(ConfigError, match="output.name: a file name, not a path"):
             validate({"model": {"family": "flux"}, "output": {"name": bad}})
+
+
+def test_a_problem_a_set_value_gave_is_said_as_the_set_values(tmp_path):
+    import pytest
+
+    from lorakit.config import assemble
+    from lorakit.errors import ConfigError
+
+    (tmp_path / "my.yaml").write_text("model:\n  family: flux\nschedule:\n  steps: -1\n")
+    with pytest.raises(ConfigError) as e:
+        assemble(tmp_path / "my.yaml", ["lora.rank=0"], "cpu")
+    msg = e.value.message
+    assert f"config in {tmp_path / 'my.yaml'} and the --set values: 2 problems" in msg
+    assert "lora.rank: " in msg and "(--set lora.rank=0)" in msg and "schedule.steps" in msg
+    (tmp_path / "ok.yaml").write_text("model:\n  family: flux\n")
+    with pytest.raises(ConfigError, match=r"^config in the --set values: lora.rank: .*\(--set lora.rank=0\)"):
+        assemble(tmp_path / "ok.yaml", ["lora.rank=0"], "cpu")

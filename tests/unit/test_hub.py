@@ -72,6 +72,39 @@ def test_output_hub_repo_pushes_a_finished_run(tmp_path, tiny):
     assert f"output.hub_repo: {out / 'hub'} written; hf upload me/auto-pushed " in r.stdout
     assert "warning: output.hub_repo: no base_model in the card" in r.stdout  # a local folder: said, not guessed
     assert ModelCard.load(out / "hub" / "README.md").data.to_dict()["license"] == "mit"
-    bad = subprocess.run([sys.executable, "-m", "lorakit", "train", str(tmp_path / "run.yaml"), "--dry-run",
+    bad = subprocess.run([sys.executable, "-m", "lorakit", "train", str(tmp_path / "run.yaml"), "--dry-run", "--force",
                           "--set", "output.hub_repo=not a repo"], capture_output=True, text=True, env=env, timeout=120)
     assert bad.returncode == 2 and "output.hub_repo" in bad.stderr
+
+
+def test_a_push_that_cannot_reach_the_hub_says_so_not_to_log_in(tmp_path, tiny, monkeypatch):
+    """`push` without a network hinted `hf auth login`; now the hint names what failed: the connection, or the
+    credentials."""
+    import pytest
+
+    from lorakit import hub
+    from lorakit.errors import EnvironmentFault
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.resolved.yaml").write_text(yaml.safe_dump({"model": {"family": "flux", "path": "/x"}}))
+    (run / "lora.safetensors").write_bytes(b"")
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr(hub, "offline", lambda: False)
+
+    class Api:
+        def create_repo(self, *a, **k):
+            raise err
+
+    import huggingface_hub
+
+    monkeypatch.setattr(huggingface_hub, "HfApi", Api)
+    for err, said in ((ConnectionError("Failed to resolve 'huggingface.co'"), "could not be reached"),
+                      (RuntimeError("401 Client Error"), "hf auth login")):
+        with pytest.raises(EnvironmentFault) as e:
+            hub.push(run, "me/x")
+        assert said in e.value.hint and "the folder is written" in e.value.hint
+    err = ConnectionError("offline")
+    with pytest.raises(EnvironmentFault) as e:
+        hub.push(run, "me/x")
+    assert "hf auth login" not in e.value.hint
