@@ -92,19 +92,22 @@ def test_a_push_that_cannot_reach_the_hub_says_so_not_to_log_in(tmp_path, tiny, 
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     monkeypatch.setattr(hub, "offline", lambda: False)
 
-    class Api:
+    failure = {}
+
+    class Api:  # huggingface_hub's client as it fails on this machine (no network here to fail for real)
         def create_repo(self, *a, **k):
-            raise err
+            raise failure["error"]
 
     import huggingface_hub
 
     monkeypatch.setattr(huggingface_hub, "HfApi", Api)
     for err, said in ((ConnectionError("Failed to resolve 'huggingface.co'"), "could not be reached"),
                       (RuntimeError("401 Client Error"), "hf auth login")):
+        failure["error"] = err
         with pytest.raises(EnvironmentFault) as e:
             hub.push(run, "me/x")
         assert said in e.value.hint and "the folder is written" in e.value.hint
-    err = ConnectionError("offline")
+    failure["error"] = ConnectionError("offline")
     with pytest.raises(EnvironmentFault) as e:
         hub.push(run, "me/x")
     assert "hf auth login" not in e.value.hint
