@@ -102,7 +102,7 @@ class LineEvents(Events):
     def _tick(self) -> None:
         """While a phase runs, a line every `every_s` naming it and how long it has run."""
         said: dict[str, float] = {}
-        while not self.closed.wait(min(self.every_s, 1.0)):
+        while not self.closed.wait(min(max(self.every_s, 0.05), 1.0)):  # never a busy loop (every_s 0: every step)
             now = self.clock()
             with self.lock:
                 running = list(self.open.items())

@@ -316,7 +316,8 @@ def test_a_stall_between_steps_shows_in_the_step_record_and_the_eta(tmp_path, ti
     cfg = make_cfg(tmp_path, "flux", tiny("flux"), steps=6, sampling={"enabled": False}, output={"save_every": 0},
                    lora={"rank": 4, "targets": "attention", "dropout": 0.0})
     out = io.StringIO()
-    res = run(resolve(cfg), events=LineEvents(out, as_json=True, every_s=0.0))
+    with LineEvents(out, as_json=True, every_s=0.0) as events:  # every step line; its ticker stops at the end
+        res = run(resolve(cfg), events=events)
     rows = {r["step"]: r for r in map(json.loads, open(res["metrics"])) if "loss" in r}
     def outside(k):
         return rows[k]["s_per_step"] - rows[k]["step_s"]
