@@ -12,6 +12,7 @@ from typer.core import TyperGroup
 from lorakit import __version__
 from lorakit.cli import bench, cache, convert, demo, doctor, infer, push, train, ui
 from lorakit.cli.common import emit, err_console, json_requested, use_json
+from lorakit.cli.entry import said
 from lorakit.errors import InputError, LorakitError, environment_fault, short
 
 try:  # newer Typer carries its own copy of click: its exceptions are other classes than click's
@@ -76,8 +77,7 @@ _STOP = {"asked": False}  # a SIGTERM arrived: whatever fails after it is its co
 def _interrupted(ctx) -> None:
     """Exit 130 saying so, in plain writes: the interrupt may have cut an import short, and a library imported
     now (rich's console) could fail on the half-made module."""
-    sys.stderr.write("interrupted before anything could be saved (exit 130)\n")
-    sys.stderr.flush()
+    said()
     ctx.exit(130)
 
 
@@ -164,7 +164,7 @@ def main() -> None:
     try:
         app()
     except KeyboardInterrupt:  # before or after a command ran (while its options were parsed)
-        sys.stderr.write("interrupted before anything could be saved (exit 130)\n")
+        said()
         sys.exit(130)
     except LorakitError as e:  # raised outside a command (e.g. while parsing)
         if _debug():

@@ -4,6 +4,7 @@ and the CLI's own handler (`cli.app`) takes over from there."""
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import threading
@@ -20,6 +21,15 @@ def main() -> None:
     try:
         from lorakit.cli.app import main as cli_main
     except KeyboardInterrupt:
-        sys.stderr.write("interrupted before anything could be saved (exit 130)\n")
+        said()
         sys.exit(130)
     cli_main()
+
+
+def said() -> None:
+    """The interrupt said on stderr's descriptor itself: an interrupt in the middle of an import may leave Python's
+    stderr object with its buffer unwritten at exit (seen under load: exit 130, nothing said)."""
+    try:
+        os.write(2, b"interrupted before anything could be saved (exit 130)\n")
+    except OSError:
+        pass
