@@ -10,9 +10,9 @@ import typer
 from typer.core import TyperGroup
 
 from lorakit import __version__
-from lorakit.cli import bench, cache, convert, demo, doctor, infer, push, train, ui
+from lorakit.cli import STOP as _STOP
+from lorakit.cli import bench, cache, convert, demo, doctor, infer, push, said, train, ui
 from lorakit.cli.common import emit, err_console, json_requested, use_json
-from lorakit.cli.entry import said
 from lorakit.errors import InputError, LorakitError, environment_fault, short
 
 try:  # newer Typer carries its own copy of click: its exceptions are other classes than click's
@@ -71,9 +71,6 @@ def _escape(text: str) -> str:
     return escape(str(text))
 
 
-_STOP = {"asked": False}  # a SIGTERM arrived: whatever fails after it is its consequence, not a bug
-
-
 def _interrupted(ctx) -> None:
     """Exit 130 saying so, in plain writes: the interrupt may have cut an import short, and a library imported
     now (rich's console) could fail on the half-made module."""
@@ -102,6 +99,8 @@ class LorakitGroup(TyperGroup):
     def invoke(self, ctx: click.Context):
         use_json(False)
         _terminate_like_interrupt()
+        if _STOP["asked"]:  # a SIGTERM whose interrupt Python swallowed before the command began
+            _interrupted(ctx)
         try:
             return super().invoke(ctx)
         except _USAGE as e:  # a mistyped command or option, a missing argument: bad input (exit 2), with help

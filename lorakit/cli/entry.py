@@ -4,13 +4,15 @@ and the CLI's own handler (`cli.app`) takes over from there."""
 
 from __future__ import annotations
 
-import os
 import signal
 import sys
 import threading
 
+from lorakit.cli import STOP, said
+
 
 def _interrupt(signum, frame):
+    STOP["asked"] = True
     raise KeyboardInterrupt
 
 
@@ -23,13 +25,7 @@ def main() -> None:
     except KeyboardInterrupt:
         said()
         sys.exit(130)
+    if STOP["asked"]:  # the interrupt was raised where Python swallows it (an import lock's callback, seen once)
+        said()
+        sys.exit(130)
     cli_main()
-
-
-def said() -> None:
-    """The interrupt said on stderr's descriptor itself: an interrupt in the middle of an import may leave Python's
-    stderr object with its buffer unwritten at exit (seen under load: exit 130, nothing said)."""
-    try:
-        os.write(2, b"interrupted before anything could be saved (exit 130)\n")
-    except OSError:
-        pass
