@@ -8,8 +8,11 @@ STOP = {"asked": False}  # a SIGTERM arrived: known even where Python swallowed 
 
 
 def said() -> None:
-    """The interrupt said on stderr's descriptor itself: an interrupt in the middle of an import may leave Python's
-    stderr object with its buffer unwritten at exit (seen under load: exit 130, nothing said)."""
+    """The interrupt said (once) on stderr's descriptor itself: an interrupt in the middle of an import may leave
+    Python's stderr object with its buffer unwritten at exit (seen under load: exit 130, nothing said)."""
+    if STOP.get("said"):
+        return
+    STOP["said"] = True
     try:
         os.write(2, b"interrupted before anything could be saved (exit 130)\n")
     except OSError:

@@ -162,9 +162,13 @@ def main() -> None:
     """The CLI (`cli.entry.main` runs it, after making SIGTERM an interrupt)."""
     try:
         app()
-    except KeyboardInterrupt:  # before or after a command ran (while its options were parsed)
+    except KeyboardInterrupt:  # before or after a command ran
         said()
         sys.exit(130)
+    except SystemExit as e:  # typer turns an interrupt while the options are parsed into a bare exit 130
+        if e.code == 130 and _STOP["asked"]:
+            said()
+        raise
     except LorakitError as e:  # raised outside a command (e.g. while parsing)
         if _debug():
             raise
