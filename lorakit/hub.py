@@ -4,7 +4,6 @@ with huggingface_hub when the machine is online; offline the folder is written a
 
 from __future__ import annotations
 
-import re
 import shutil
 from pathlib import Path
 
@@ -13,16 +12,14 @@ import yaml
 from lorakit.errors import EnvironmentFault, InputError
 from lorakit.io import atomic_path
 from lorakit.models.base import family_adapter
-from lorakit.models.sources import offline
+from lorakit.models.sources import offline, repo_of_snapshot
 
-_CACHED = re.compile(r"models--([^/]+?)--([^/]+)/snapshots/[0-9a-f]+/?$")
 TASK = {"flat": "text-to-image", "edit": "image-to-image", "edit-plus": "image-to-image", "video": "text-to-video"}
 
 
 def base_model_of(path: str) -> str | None:
     """The repo id of a model folder in the hub's cache (models--org--name/snapshots/<commit>), else None."""
-    m = _CACHED.search(str(path))
-    return f"{m.group(1)}/{m.group(2)}" if m else None
+    return repo_of_snapshot(path)
 
 
 def hub_folder(run_dir: Path, repo: str, base_model: str | None = None, license: str = "other") -> dict:

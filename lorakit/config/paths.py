@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import json
 import os
-import re
 from pathlib import Path
 
 from lorakit.config.schema import Config
 from lorakit.errors import ConfigError, EnvironmentFault
 from lorakit.models.registry import FAMILIES, family_of_pipeline
+from lorakit.models.sources import repo_of_snapshot
 
 
 def _writable_dir_problem(key: str, path: Path) -> tuple[str, str] | None:
@@ -47,7 +47,6 @@ def _same_folders(named: list[tuple[str, Path]]) -> list[str]:
     return out
 
 
-_HUB_SNAPSHOT = re.compile(r"models--([^/]+?)--([^/]+)/snapshots/[0-9a-f]+/?$")
 _WEIGHTS = ("*.safetensors", "*.bin", "*.pt", "*.gguf")
 
 
@@ -92,8 +91,8 @@ def model_folder_problems(folder: Path, key: str = "model.path", family: str | N
                 lacking.append(f"{name}/{gone[0]}" + (f" and {len(gone) - 1} more shard(s)" if len(gone) > 1 else ""))
     if not lacking:
         return []
-    hub = _HUB_SNAPSHOT.search(str(folder))
-    how = (f"complete the download: hf download {hub.group(1)}/{hub.group(2)} --include 'model_index.json' '*/*'"
+    hub = repo_of_snapshot(folder)
+    how = (f"complete the download: hf download {hub} --include 'model_index.json' '*/*'"
            if hub else "an interrupted download or copy? copy or download the model folder again")
     return [f"{key}: {folder} lacks {', '.join(lacking)} of the components its model_index.json names ({how})"]
 

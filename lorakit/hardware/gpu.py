@@ -65,11 +65,16 @@ def expandable_segments() -> None:
         pass
 
 
+def compile_cache_dir() -> str:
+    """Where torch.compile's artefacts are kept: an explicit TORCHINDUCTOR_CACHE_DIR, else lorakit's cache."""
+    return os.environ.get("TORCHINDUCTOR_CACHE_DIR") or str(cache_root() / "compile")
+
+
 def compile_cache() -> str:
     """torch.compile's artefacts (Inductor's FX graphs and Triton kernels) kept in lorakit's cache, so a later run
     on this machine reuses them (its blocks compile in seconds) also where /tmp is cleared between jobs; an
     explicit TORCHINDUCTOR_CACHE_DIR is kept. Returns the folder."""
-    folder = os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_root() / "compile"))
+    folder = os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", compile_cache_dir())
     os.makedirs(folder, exist_ok=True)
     return folder
 

@@ -20,6 +20,15 @@ _REPO = re.compile(r"^[^/\s@~]+/[^/\s@]+(@\S+)?$")  # looks like org/name[@revis
 PATTERNS = ["model_index.json", "*/*"]
 
 
+_SNAPSHOT = re.compile(r"models--([^/]+?)--([^/]+)/snapshots/[0-9a-f]+/?$")
+
+
+def repo_of_snapshot(path) -> str | None:
+    """The repo id of a folder in the hub's cache (models--org--name/snapshots/<commit>), else None."""
+    m = _SNAPSHOT.search(str(path))
+    return f"{m.group(1)}/{m.group(2)}" if m else None
+
+
 def is_repo_id(text: str) -> bool:
     """Shaped like `org/name` or `org/name@revision`, and no such local path: taken as a repo id (whose characters
     `check_repo_id` then checks)."""

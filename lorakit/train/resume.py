@@ -5,6 +5,7 @@ so (`schedule.reschedule_on_resume`)."""
 from __future__ import annotations
 
 import math
+import shutil
 from pathlib import Path
 
 from lorakit.errors import InputError
@@ -154,8 +155,6 @@ def check_fresh_start(out: Path, name: str, resume: str | None, force: bool) -> 
 def clear_results(out: Path, name: str) -> None:
     """Remove what a run writes into its output folder (`RESULTS`, the LoRA file, an exported transformer), leaving
     whatever else the user keeps there."""
-    import shutil
-
     for entry in (*RESULTS, f"{name}.safetensors", f"{name}-transformer"):
         p = out / entry
         if p.is_symlink() or p.is_file():

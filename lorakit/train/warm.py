@@ -19,11 +19,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from pathlib import Path
 
 import lorakit
-from lorakit.paths import cache_root
+from lorakit.errors import LorakitError
+from lorakit.hardware.gpu import compile_cache_dir
+from lorakit.io import atomic_path
 
 FOLDER = "warm"  # under the compile cache: one JSON per key, the shapes compiled with it
 
@@ -47,8 +48,7 @@ def warm_key(cfg, device: str) -> str:
 
 
 def _file(key: str) -> Path:
-    compile_dir = os.environ.get("TORCHINDUCTOR_CACHE_DIR") or str(cache_root() / "compile")
-    return Path(compile_dir) / FOLDER / f"{key}.json"
+    return Path(compile_cache_dir()) / FOLDER / f"{key}.json"
 
 
 def known(key: str, sizes: set[str]) -> bool:
@@ -69,11 +69,9 @@ def remember(key: str, sizes: set[str]) -> None:
     except (OSError, ValueError, AttributeError):
         before = set()
     try:
-        f.parent.mkdir(parents=True, exist_ok=True)
-        tmp = f.with_name(f".{f.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({"sizes": sorted(before | sizes)}), encoding="utf-8")
-        os.replace(tmp, f)
-    except OSError:
+        with atomic_path(f) as tmp:
+            tmp.write_text(json.dumps({"sizes": sorted(before | sizes)}), encoding="utf-8")
+    except (OSError, LorakitError):
         pass
 
 
