@@ -147,21 +147,18 @@ def warm_other_shapes(r: Run) -> float:
     Returns the seconds it took."""
     tr = r.trainer
     t0 = time.perf_counter()
-    other = r.sizes - {tr.last_size}
-    if not other:
-        if r.warm_key and not tr.background:
-            warm.remember(r.warm_key, r.sizes)
-        return 0.0
-    if tr.background:
-        done = warm.warm_shapes(tr, {tr.last_size})
-        r.events.info(f"{len(done)} more bucket shape(s) handed to the background compile before the run meets "
-                      f"them: {', '.join(done)}")
-    else:
-        with r.events.phase(f"compile {len(other)} more bucket shape(s)") as facts:
-            done = warm.warm_shapes(tr, {tr.last_size})
-            facts["sizes"] = ", ".join(done)
-        if r.warm_key:
-            warm.remember(r.warm_key, r.sizes)
+    todo = warm.to_warm(tr, {tr.last_size})
+    if todo and tr.background:
+        done = warm.warm_shapes(tr, todo)
+        r.events.info(f"{len(done)} more shape(s) handed to the background compile before the run meets them: "
+                      f"{', '.join(done)}")
+    elif todo:
+        shapes = sum(1 for label, _ in todo if label in r.sizes)
+        what = f"{shapes} more bucket shape(s)" if shapes else "other text lengths"
+        with r.events.phase(f"compile {what}") as facts:
+            facts["sizes"] = ", ".join(warm.warm_shapes(tr, todo))
+    if r.warm_key and not tr.background:
+        warm.remember(r.warm_key, r.sizes)
     return time.perf_counter() - t0
 
 

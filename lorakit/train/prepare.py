@@ -113,6 +113,7 @@ def prepare(cfg, adapter, transformer, device: str, dtype, dist) -> Prepared:
     background = None
     if compiled:  # regional: each repeated block once (seconds, not minutes), shapes per bucket
         adapter.before_compile(transformer)
+        allow_block_graphs()
         options = {"dynamic": compile_dynamic(cfg.memory.compile_shapes)} | (
             {"mode": "reduce-overhead"} if graphs else {})
         if cfg.memory.compile_background is True and thread_own_fx_patches():  # compiled by a worker while the
@@ -124,6 +125,24 @@ def prepare(cfg, adapter, transformer, device: str, dtype, dist) -> Prepared:
         clock.lap("compile set-up")
     return Prepared(transformer, params, peft_config, quantized, swapper, sharded, compiled, graphs, background,
                     clock.took)
+
+
+BLOCK_GRAPHS = 64  # graphs torch may keep for one kind of block before it runs that block uncompiled
+
+
+def allow_block_graphs(limit: int = BLOCK_GRAPHS) -> None:
+    """Let torch keep more graphs per compiled block than its default 8. Every block of one kind runs the same
+    code, and torch counts the graphs of a piece of code together: one per bucket shape, per grad mode (training;
+    samples and validation without grad), for the first block apart (its input needs no grad), for each text length
+    until torch makes that size symbolic. Past the limit torch runs the block uncompiled for the rest of the
+    process, silently: Qwen-Image at 24 GiB on an H100 (2026-11-26, `tools/race.py lorakit --profile rtx4090
+    --cap 24`) hit "recompile_limit (8)" within 40 steps and its steps then took 2.0-2.8 s among 0.7-1.0 s ones.
+    Never lowers a limit the user set higher."""
+    import torch._dynamo
+
+    cfg = torch._dynamo.config
+    cfg.recompile_limit = max(cfg.recompile_limit, limit)
+    cfg.accumulated_recompile_limit = max(cfg.accumulated_recompile_limit, 4 * limit)
 
 
 def compile_dynamic(shapes_setting: str) -> bool | None:

@@ -284,3 +284,49 @@ def test_a_module_called_while_another_thread_traces_runs_as_itself(kept):
     lines = got.stdout.splitlines()
     assert lines[0] == ("ran True" if kept else "failed module is not installed as a submodule"), lines
     assert lines[1] == "tracer saw ['inner']"
+
+
+@pytest.mark.slow
+def test_captions_of_every_length_run_the_graphs_compiled_before_step_2(tmp_path, tiny, monkeypatch):
+    """Qwen-Image keeps each prompt's own length, so its blocks meet a new text length at many steps. Right after
+    step 1 the blocks are also run with a text one token shorter (`train.warm.to_warm`): torch then compiles them
+    for any length, and no later step waits for the compiler (H100, 2026-11-26: without it, a 39.9 s compile at
+    step 4 of a Qwen-Image run whose bucket shapes had all been compiled)."""
+    import lorakit.plan.resolve as resolve_mod
+
+    monkeypatch.setattr(resolve_mod, "compile_decision", lambda *a: (True, None))
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="aot_eager"))
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "compile-cache"))
+    cfg = make_cfg(tmp_path, "qwen-image", tiny("qwen-image"), steps=12, lora={"dropout": 0.0},
+                   sampling={"enabled": False}, output={"save_every": 0}, memory={"compile_background": False})
+    words = "a small red circle near the middle of a wide plain blue field".split()
+    for k, txt in enumerate(sorted((tmp_path / "d").glob("*.txt"))):
+        txt.write_text(" ".join(words[: 3 + 3 * k]))
+    heard = _Heard()
+    torch._dynamo.reset()
+    try:
+        r = run(resolve(cfg), events=heard)
+    finally:
+        torch._dynamo.reset()
+    assert r["steps"] == 12
+    warmed = [name for name, _ in heard.phases if name.startswith("compile ") and name != "compile"]
+    assert warmed, heard.phases
+    assert not [step for name, step in heard.phases if name == "compile"], "a step waited for the compiler"
+
+
+def test_a_warm_pass_shortens_only_text_that_follows_the_caption(tiny):
+    from lorakit.models.batch import Batch
+    from lorakit.train.warm import shorter_text, text_varies
+
+    qwen = load_adapter("qwen-image", tiny("qwen-image"), dtype=torch.float32)
+    flux = load_adapter("flux", tiny("flux"), dtype=torch.float32)
+    b = Batch(["k"], torch.zeros(1, 16, 8, 8), {"prompt_embeds": torch.randn(1, 7, 4),
+                                               "prompt_embeds_mask": torch.ones(1, 7, dtype=torch.long),
+                                               "pooled": torch.zeros(1, 4)}, [])
+    assert text_varies(qwen, b)
+    short = shorter_text(b)
+    assert short.text["prompt_embeds"].shape == (1, 6, 4) and short.text["prompt_embeds_mask"].shape == (1, 6)
+    assert torch.equal(short.text["prompt_embeds"], b.text["prompt_embeds"][:, :6])
+    assert short.text["pooled"] is b.text["pooled"] and short.latents is b.latents
+    padded = Batch(["k"], b.latents, {"prompt_embeds": torch.randn(1, flux.max_sequence_length, 4)}, [])
+    assert not text_varies(flux, padded)
