@@ -9,18 +9,18 @@ import typer
 from lorakit.cli.common import console
 
 HELP = """A web dashboard of the run folders under --runs: status, loss chart (live), sample grids as they appear,
-the resolved config and checkpoints to download; and of the dataset folders under --datasets: images and clips with
-their captions (edited in place) and the problems `lorakit cache --check` finds. Binds to 127.0.0.1. Every request
-needs the secret made at start: open the link printed (it is then kept in a cookie), or send `Authorization: Bearer
-TOKEN`; requests naming another host, and changes asked by another site's page, are refused. Needs
-`pip install 'lorakit[ui]'`."""
+the resolved config and checkpoints to download; of the dataset folders (those the runs train on, and those under
+--datasets): images and clips with their captions (edited in place) and the problems `lorakit cache --check` finds;
+the job queue and each GPU's memory, load and temperature. Binds to 127.0.0.1. Every request needs the secret made at
+start: open the link printed (it is then kept in a cookie), or send `Authorization: Bearer TOKEN`; requests naming
+another host, and changes asked by another site's page, are refused. Needs `pip install 'lorakit[ui]'`."""
 
 
 def ui(host: str = typer.Option("127.0.0.1", "--host", help="address to bind (another than 127.0.0.1 needs a token)"),
        port: int = typer.Option(7860, "--port", min=1, max=65535, help="port"),
        runs: Path = typer.Option(Path("."), "--runs", help="the folder holding run folders (output.dir of runs)"),
        datasets: Path | None = typer.Option(None, "--datasets", help="the folder holding dataset folders, whose "
-                                            "captions the pages edit (default: --runs)"),
+                                            "captions the pages edit (default: only the data folders of the runs under --runs)"),
        slots: int = typer.Option(0, "--slots", min=0, help="training runs the job queue runs at once (0: one per "
                                  "GPU nvidia-smi lists, one without a GPU)"),
        token: str | None = typer.Option(None, "--token", envvar="LORAKIT_UI_TOKEN",

@@ -10,16 +10,19 @@ from lorakit.config import validate
 from lorakit.config.base import MAX_TEXT_CHARS
 from lorakit.data.check import check as check_data
 from lorakit.data.images import IMAGE_EXTS
-from lorakit.data.video import CLIP_EXTS
+from lorakit.data.video import ANIMATED_EXTS, CLIP_EXTS
 from lorakit.errors import InputError, LorakitError
 from lorakit.io import atomic_path
 from lorakit.ui.confine import confined, is_file, read_text
 
 MEDIA = tuple(IMAGE_EXTS) + tuple(CLIP_EXTS)
 SKIP = {"cache", "checkpoints", "samples", "tensorboard", ".git"}
+RUN_MARK = "config.resolved.yaml"  # a run folder: what lorakit wrote, never a dataset (nor anything inside it)
+OUTSIDE = "@"  # the names of data folders outside the runs folder begin with it
+REPORT_MARK = "demo.json"  # a demo's report folder: its own images are outputs (its data/ folder is a dataset)
 
 
-def _media(folder: Path) -> list[Path]:
+def media(folder: Path) -> list[Path]:
     """The folder's images and clips (a link to a file outside the folder is not one of them)."""
     try:
         return sorted(p for p in folder.iterdir() if p.suffix.lower() in MEDIA and is_file(folder, p))
@@ -28,50 +31,93 @@ def _media(folder: Path) -> list[Path]:
 
 
 def find_datasets(root: Path, depth: int = 2) -> list[dict]:
-    """Folders holding images or clips, up to `depth` below root: name (relative) and item count."""
+    """Folders holding images or clips, up to `depth` below root: name (relative) and item count. Run folders
+    (and what is inside them) and a demo report's own images are lorakit's outputs, not datasets."""
     root = Path(root)
     out = []
 
     def walk(d: Path, level: int):
-        items = _media(d)
+        try:
+            entries = sorted(os.scandir(d), key=lambda e: e.name)
+        except OSError:
+            return
+        names = {e.name for e in entries}
+        if RUN_MARK in names:  # a run folder (its sample grids and loss curve are not training images)
+            return
+        items = [] if REPORT_MARK in names else media(d)
         if items:
             out.append({"name": str(d.relative_to(root)) if d != root else ".", "items": len(items)})
         if level >= depth:
             return
-        try:
-            subs = sorted(e.path for e in os.scandir(d) if e.is_dir(follow_symlinks=False)
-                          and e.name not in SKIP and not e.name.startswith("."))
-        except OSError:
-            return
-        for s in subs:
-            walk(Path(s), level + 1)
+        for e in entries:
+            if e.is_dir(follow_symlinks=False) and e.name not in SKIP and not e.name.startswith("."):
+                walk(Path(e.path), level + 1)
 
     walk(root, 0)
     return out
 
 
+def runs_data(runs_root: Path) -> dict[str, dict]:
+    """The data folders the runs under `runs_root` train on (each that exists and holds images or clips): name ->
+    {"folder", "runs"}. A folder inside the runs folder is named by its path there, one outside by "@" and its
+    absolute path without the first "/" (a name that stays one in a URL)."""
+    from lorakit.ui import runs as R
+
+    out: dict[str, dict] = {}
+    for run in R.find_runs(runs_root):
+        try:
+            dirs = (R.run_config(run).get("data") or {}).get("dirs") or []
+        except InputError:
+            continue
+        for d in dirs:
+            if not isinstance(d, str):
+                continue
+            folder = (run / d if not os.path.isabs(d) else Path(d)).resolve()
+            if not folder.is_dir() or not media(folder):
+                continue
+            name = str(folder.relative_to(runs_root)) if folder.is_relative_to(runs_root) else \
+                OUTSIDE + str(folder).lstrip("/")
+            entry = out.setdefault(name, {"folder": folder, "runs": []})
+            entry["runs"].append(str(run.relative_to(runs_root)) if run != runs_root else ".")
+    return out
+
+
 def dataset_folder(root: Path, name: str) -> Path:
     folder = confined(root, name, "the datasets folder")
-    if not folder.is_dir() or not _media(folder):
+    if not folder.is_dir() or not media(folder):
         raise InputError(f"{name}: not a dataset folder (no images or clips)")
     return folder
 
 
+def kind(path: Path) -> str:
+    """"clip" or "image", as training reads the file in a flat dataset: a .gif or .webp of one frame is an image."""
+    if path.suffix.lower() not in CLIP_EXTS:
+        return "image"
+    if path.suffix.lower() in ANIMATED_EXTS:
+        from PIL import Image
+
+        try:
+            with Image.open(path) as im:
+                return "clip" if getattr(im, "n_frames", 1) > 1 else "image"
+        except (OSError, ValueError, Image.DecompressionBombError):
+            return "image"  # the dataset check names what is wrong with it
+    return "clip"
+
+
 def items(folder: Path, name: str) -> list[dict]:
-    """Each image or clip with its caption (None when it has no .txt beside it)."""
+    """Each image or clip with its caption as training reads it (stripped; None when it has no .txt beside it)."""
     out = []
-    for p in _media(folder):
+    for p in media(folder):
         cap = p.with_suffix(".txt")
-        text = read_text(folder, cap) if is_file(folder, cap) else None
-        out.append({"stem": p.stem, "file": f"{name}/{p.name}", "kind": "clip" if p.suffix.lower() in CLIP_EXTS
-                    else "image", "caption": text})
+        text = read_text(folder, cap).strip() if is_file(folder, cap) else None
+        out.append({"stem": p.stem, "file": f"{name}/{p.name}", "kind": kind(p), "caption": text})
     return out
 
 
 def set_caption(folder: Path, stem: str, text: str) -> Path:
     """Write an item's caption (atomically, beside its file). InputError for an unknown item or a caption longer
     than lorakit reads."""
-    match = [p for p in _media(folder) if p.stem == stem]
+    match = [p for p in media(folder) if p.stem == stem]
     if not match:
         raise InputError(f"{stem}: no image or clip of that name in {folder}")
     if len(text) > MAX_TEXT_CHARS:
@@ -85,13 +131,42 @@ def set_caption(folder: Path, stem: str, text: str) -> Path:
     return path
 
 
-def check(folder: Path, family: str) -> dict:
-    """`lorakit cache --check` for this one folder with the family's defaults: its problems, or the config
+def run_using(folder: Path, runs_root: Path | None) -> tuple[str, dict] | None:
+    """The newest run under `runs_root` that trains on `folder` (its resolved config's data.dirs name it): its name
+    and config. None when no run does."""
+    if runs_root is None:
+        return None
+    from lorakit.ui import runs as R
+
+    want = folder.resolve()
+    for run in R.find_runs(runs_root):
+        try:
+            cfg = R.run_config(run)
+        except InputError:
+            continue
+        dirs = (cfg.get("data") or {}).get("dirs") or []
+        if any(isinstance(d, str) and (run / d if not os.path.isabs(d) else Path(d)).resolve() == want for d in dirs):
+            return str(run.relative_to(runs_root)) if run != runs_root else ".", cfg
+    return None
+
+
+def check(folder: Path, family: str | None = None, runs_root: Path | None = None) -> dict:
+    """`lorakit cache --check` for this one folder: with the settings of the newest run that trains on it (its
+    family, resolution and bucket sizes), else with the family's defaults; says which. Its problems, or the config
     problem that stopped the check."""
+    used = run_using(folder, runs_root)
+    if used and (family is None or family == (used[1].get("model") or {}).get("family")):
+        name, cfg = used
+        raw = {"model": cfg.get("model"), "data": {**(cfg.get("data") or {}), "dirs": [str(folder)]}}
+        settings = f"the settings of run {name}"
+    else:
+        raw = {"model": {"family": family}, "data": {"dirs": [str(folder)]}}
+        settings = f"the defaults of {family}"
     try:
-        report = check_data(validate({"model": {"family": family}, "data": {"dirs": [str(folder)]}}))
+        report = check_data(validate(raw))
     except LorakitError as e:
-        return {"problems": [], "error": e.message, "hint": getattr(e, "hint", None)}
+        return {"problems": [], "error": e.message, "hint": getattr(e, "hint", None), "settings": settings}
     root = str(folder).rstrip("/") + "/"
     return {"problems": [{**p, "path": p["path"].removeprefix(root)} for p in report["problems"]],
-            "items": report["items"], "buckets": report["buckets"], "warnings": report["warnings"]}
+            "items": report["items"], "buckets": report["buckets"], "warnings": report["warnings"],
+            "settings": settings}

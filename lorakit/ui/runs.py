@@ -74,7 +74,7 @@ def read_metrics(run: Path, since: int = 0) -> list[dict]:
     return out
 
 
-def _config(run: Path) -> dict:
+def run_config(run: Path) -> dict:
     """The run's resolved config as a mapping; InputError when it cannot be read as one."""
     import yaml
 
@@ -120,7 +120,7 @@ def summary(run: Path, root: Path) -> dict:
 
 
 def _summary(run: Path, name: str) -> dict:
-    cfg = _config(run)
+    cfg = run_config(run)
     rows = [m for m in read_metrics(run) if "loss" in m]
     total = (cfg.get("schedule") or {}).get("steps")
     step = rows[-1].get("step", 0) if rows else 0

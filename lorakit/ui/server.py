@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import time
 from pathlib import Path
 
@@ -21,6 +22,7 @@ from lorakit.config.schema import Config
 from lorakit.errors import InputError
 from lorakit.models.registry import family_names
 from lorakit.ui import datasets as D
+from lorakit.ui import machine as M
 from lorakit.ui import runs as R
 from lorakit.ui.confine import confined, inside
 from lorakit.ui.guard import Guard
@@ -68,8 +70,8 @@ def create_app(runs_root, token: str | None = None, datasets_root=None, slots: i
     from contextlib import asynccontextmanager
 
     root = Path(runs_root).resolve()
-    droot = Path(datasets_root).resolve() if datasets_root else root
-    queue = Queue(root, slots, (droot,))
+    droot = Path(datasets_root).resolve() if datasets_root else None  # None: the data folders of the runs only
+    queue = Queue(root, slots, (droot,) if droot else ())
 
     @asynccontextmanager
     async def lifespan(app):
@@ -147,20 +149,39 @@ def create_app(runs_root, token: str | None = None, datasets_root=None, slots: i
                                  headers={"Cache-Control": "no-store", "X-Accel-Buffering": "no"})
 
     def dataset_of(name: str) -> Path:
+        """A dataset folder by its name in the list: a folder under --datasets, or a data folder of a run."""
+        known = D.runs_data(root)
+        if name in known:
+            return known[name]["folder"]
+        if droot is None or name.startswith(D.OUTSIDE):
+            raise HTTPException(404, f"{name}: not a data folder of a run under {root} (name a datasets folder "
+                                     "with `lorakit ui --datasets DIR` to browse others)")
         return found(D.dataset_folder, droot, name)
 
     @app.get("/api/datasets")
     def dataset_list():
-        return {"root": str(droot), "datasets": D.find_datasets(droot)}
+        """The folders under --datasets, then the data folders of the runs (each once, with the runs using it)."""
+        listed = D.find_datasets(droot) if droot else []
+        seen = {(droot / d["name"]).resolve() for d in listed}
+        for name, d in D.runs_data(root).items():
+            if d["folder"] in seen:
+                for x in listed:
+                    if (droot / x["name"]).resolve() == d["folder"]:
+                        x["runs"] = d["runs"]
+                continue
+            listed.append({"name": name, "path": str(d["folder"]), "items": len(D.media(d["folder"])),
+                           "runs": d["runs"]})
+        return {"root": str(droot) if droot else None, "datasets": listed}
 
     @app.get("/api/dataset/{name:path}")
     def dataset_detail(name: str, family: str | None = None):
         folder = dataset_of(name)
-        family = family or family_names()[0]  # the registry's first family until the page picks one
-        if family not in family_names():
+        if family is not None and family not in family_names():
             raise HTTPException(400, f"unknown family {family!r}")
-        return {"name": name, "items": D.items(folder, name), "check": D.check(folder, family), "family": family,
-                "families": family_names()}
+        used = D.run_using(folder, root)  # a run that trains on it: its family and settings, until the page picks
+        family = family or (used and (used[1].get("model") or {}).get("family")) or family_names()[0]
+        return {"name": name, "path": str(folder), "items": D.items(folder, name), "check": D.check(folder, family, root),
+                "family": family, "families": family_names()}
 
     @app.put("/api/caption/{name:path}")
     async def caption(name: str, request: Request):
@@ -177,7 +198,7 @@ def create_app(runs_root, token: str | None = None, datasets_root=None, slots: i
             path = D.set_caption(folder, stem, text)
         except InputError as e:
             raise HTTPException(400, e.message) from None
-        return {"written": str(path.relative_to(droot)), "chars": len(text)}
+        return {"written": f"{name}/{path.name}", "chars": len(text)}
 
     def job_call(fn, *args):
         try:
@@ -186,6 +207,11 @@ def create_app(runs_root, token: str | None = None, datasets_root=None, slots: i
             return JSONResponse({"error": e.message, "hint": e.hint,
                                  "problems": (getattr(e, "details", None) or {}).get("problems", [e.message])},
                                 status_code=400)
+
+    @app.get("/api/machine")
+    def machine():
+        """Each GPU's memory, utilization, temperature and power; the host's load, memory and free disk."""
+        return M.machine(root)
 
     @app.get("/api/jobs")
     def job_list():
@@ -235,7 +261,11 @@ def create_app(runs_root, token: str | None = None, datasets_root=None, slots: i
 
     @app.get("/dfiles/{rel:path}")
     def dataset_files(rel: str):
-        return file_in(droot, rel)
+        """An image, clip or caption of a listed dataset folder (nothing else in it is served)."""
+        name, _, file = rel.rpartition("/")
+        if not name or os.path.splitext(file)[1].lower() not in (*D.MEDIA, ".txt"):
+            raise HTTPException(404, "not an image, clip or caption of a dataset")
+        return file_in(dataset_of(name), file)
 
     @app.get("/files/{rel:path}")
     def files(rel: str):

@@ -163,7 +163,8 @@ def test_a_caption_is_edited_in_place_and_the_problems_are_shown(server, browser
     _wait(lambda: "saved" in item.find_element(By.CLASS_NAME, "saved").text, what="the save")
     assert (data / "item_000.txt").read_text(encoding="utf-8") == "a red circle drawn by hand"
     _wait(lambda: "missing-caption" not in browser.find_element(By.ID, "problems").text, what="the problems table")
-    assert browser.execute_script("return document.querySelector('.item img').naturalWidth") > 0
+    assert _wait(lambda: browser.execute_script(  # the thumbnail loads
+        "const i = document.querySelector('.item img'); return i && i.complete && i.naturalWidth"), what="a thumbnail")
     _shot(browser, "dataset-caption-edited")
 
 
@@ -238,3 +239,42 @@ def test_a_job_is_queued_from_the_form_the_config_schema_generates(server, brows
     _wait(lambda: metrics.exists() and metrics.read_text().count("\n") >= 2, 120, "the run's first steps")
     _click(browser, 'button[data-stop="1"]')
     _wait(lambda: "interrupted" in _text(browser, 'tr[data-job="1"]'), 120, "the stop")
+
+
+def test_the_jobs_page_shows_the_machine_and_a_runs_data_folder_is_its_dataset(server, browser, tmp_path):
+    """The machine panel beside the jobs (each GPU as nvidia-smi reads it; this machine's answer where it has none,
+    and the host's load, memory and disk), refreshed with the jobs; a run's data folder outside the runs folder listed
+    as a dataset with the run that trains on it, and checked with that run's settings (64 px items that the
+    defaults would refuse)."""
+    import yaml
+    from selenium.webdriver.common.by import By
+
+    from lorakit.data.demo import make_demo_dataset
+
+    root, url = server
+    data = make_demo_dataset(tmp_path / "elsewhere" / "shapes", "flat", count=3, size=64)
+    run = root / "small-run"
+    run.mkdir()
+    (run / "config.resolved.yaml").write_text(yaml.safe_dump(
+        {"model": {"family": "flux"}, "schedule": {"steps": 10},
+         "data": {"dirs": [str(data)], "resolution": 64, "bucket_min_side": 32, "bucket_max_side": 128}}))
+    (run / "metrics.jsonl").write_text('{"step": 1, "loss": 1.2}\n')
+
+    browser.get(url + "/#/jobs")
+    _wait(lambda: "host: load" in _text(browser, "#host"), what="the machine panel")
+    gpus = _text(browser, "#gpus")
+    assert ("no NVIDIA GPU here" in gpus) if not shutil.which("nvidia-smi") else ("GiB" in gpus and "°C" in gpus)
+    assert "GiB available" in _text(browser, "#host") and "free" in _text(browser, "#host")
+    _shot(browser, "jobs-machine")
+
+    browser.get(url + "/#/datasets")
+    name = "@" + str(data.resolve()).lstrip("/")
+    link = _wait(lambda: browser.find_elements(By.CSS_SELECTOR, f'a[data-dataset="{name}"]'), what="the dataset list")
+    listed = _text(browser, "#datasets")
+    assert str(data.resolve()) in listed and "trained on by small-run" in listed
+    link[0].click()
+    summary = _wait(lambda: _text(browser, "#check-summary"), what="the dataset check")
+    assert "3 items train" in summary and "checked with the settings of run small-run" in summary, summary
+    assert _wait(lambda: browser.execute_script(  # the thumbnail loads
+        "const i = document.querySelector('.item img'); return i && i.complete && i.naturalWidth"), what="a thumbnail")
+    _shot(browser, "dataset-of-a-run")

@@ -114,29 +114,40 @@ function dfileUrl(rel) { return "/dfiles/" + rel.split("/").map(encodeURICompone
 
 async function showDatasets() {
   const data = await getJSON("/api/datasets");
-  $("#root").textContent = data.root;
+  $("#root").textContent = data.root || "the data folders of the runs";
   $("#datasets").innerHTML = data.datasets.map((d) =>
-    `<li><a href="#/dataset/${esc(d.name)}" data-dataset="${esc(d.name)}">${esc(d.name)}</a> (${d.items})</li>`).join("")
-    || "<li>No folder with images or clips here.</li>";
+    `<li><a href="#/dataset/${esc(d.name)}" data-dataset="${esc(d.name)}">${esc(d.path || d.name)}</a> (${d.items})` +
+    (d.runs ? ` · trained on by ${d.runs.map((r) => `<a href="#/run/${esc(r)}">${esc(r)}</a>`).join(", ")}` : "") + "</li>").join("")
+    || (data.root ? "<li>No folder with images or clips here.</li>" :
+      "<li>No run trains on a folder with images or clips yet; <code>lorakit ui --datasets DIR</code> lists the dataset folders under DIR.</li>");
 }
 
 function showCheck(c) {
-  $("#check-summary").textContent = c.error ? `not checked: ${c.error}` :
-    `${c.items} items train, ${c.problems.length} problems` + (c.warnings.length ? `; ${c.warnings.join("; ")}` : "");
+  $("#check-summary").textContent = (c.error ? `not checked: ${c.error}` :
+    `${c.items} items train, ${c.problems.length} problems` + (c.warnings.length ? `; ${c.warnings.join("; ")}` : "")) +
+    (c.settings ? ` (checked with ${c.settings})` : "");
   $("#problems tbody").innerHTML = (c.problems || []).map((p) =>
     `<tr><td>${esc(p.path)}</td><td>${esc(p.code)}</td><td>${esc(p.message)}</td></tr>`).join("");
+}
+
+function mediaTag(it) {
+  // images and animated .gif / .webp clips as pictures (the browser plays the latter), other clips as videos
+  if (it.kind === "image" || /\.(gif|webp)$/i.test(it.file)) {
+    return `<img src="${dfileUrl(it.file)}" alt="${esc(it.stem)}" loading="lazy">` + (it.kind === "clip" ? "<p>clip</p>" : "");
+  }
+  return `<video src="${dfileUrl(it.file)}" muted controls preload="metadata"></video><p>clip</p>`;
 }
 
 async function showDataset(name, family) {
   const d = await getJSON("/api/dataset/" + runUrl(name) + (family ? "?family=" + encodeURIComponent(family) : ""));
   family = d.family;
-  $("#dataset-name").textContent = d.name;
+  $("#dataset-name").textContent = d.path;
   $("#family").innerHTML = d.families.map((f) => `<option${f === family ? " selected" : ""}>${f}</option>`).join("");
   $("#family").onchange = () => showDataset(name, $("#family").value);
   showCheck(d.check);
   $("#items").innerHTML = d.items.map((it) => `
     <div class="item" data-stem="${esc(it.stem)}">
-      ${it.kind === "image" ? `<img src="${dfileUrl(it.file)}" alt="${esc(it.stem)}" loading="lazy">` : `<p>clip ${esc(it.file)}</p>`}
+      ${mediaTag(it)}
       <div>${esc(it.file.split("/").pop())} ${it.caption === null ? '<span class="missing">no caption</span>' : ""}</div>
       <textarea>${esc(it.caption ?? "")}</textarea>
       <button>save</button><span class="saved"></span>
@@ -167,7 +178,27 @@ async function jobAction(url, body) {
   return r.ok;
 }
 
+function num(v, unit, digits = 0) {
+  return v === null || v === undefined ? "-" : `${Number(v).toFixed(digits)}${unit}`;
+}
+
+function gib(mib) {
+  return mib === null || mib === undefined ? null : mib / 1024;
+}
+
+async function showMachine() {
+  const m = await getJSON("/api/machine");
+  $("#gpus tbody").innerHTML = m.gpus.length ? m.gpus.map((g) => `<tr><td>${g.index}: ${esc(g.name)}</td>
+    <td>${num(gib(g.memory_used_mib), "", 1)} / ${num(gib(g.memory_total_mib), " GiB", 1)}</td>
+    <td>${num(g.utilization_pct, " %")}</td><td>${num(g.temperature_c, " °C")}</td><td>${num(g.power_w, " W")}</td></tr>`).join("")
+    : `<tr><td colspan="5">${esc(m.note || "no GPU")}</td></tr>`;
+  const h = m.host;
+  $("#host").textContent = `host: load ${num(h.load_1m, "", 2)} on ${h.cpus} cores · memory ${num(h.memory_available_gib, "", 1)} of ` +
+    `${num(h.memory_total_gib, " GiB", 1)} available · disk ${num(h.disk_free_gib, "", 1)} of ${num(h.disk_total_gib, " GiB", 1)} free`;
+}
+
 async function showJobs() {
+  showMachine().catch(() => {});
   const data = await getJSON("/api/jobs");
   $("#jobs tbody").innerHTML = data.jobs.map((j) => {
     const run = j.run || "";

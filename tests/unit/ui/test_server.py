@@ -87,7 +87,19 @@ def test_datasets_are_listed_checked_and_their_captions_edited(runs, tmp_path):
     data = make_demo_dataset(tmp_path / "sets" / "shapes", "flat", count=3, size=64)
     (data / "broken.png").write_bytes(b"not a png")
     c = TestClient(create_app(runs, datasets_root=tmp_path / "sets"), base_url=LOCAL)
-    assert {d["name"]: d["items"] for d in c.get("/api/datasets").json()["datasets"]} == {"shapes": 4}
+    listed = {d["name"]: d for d in c.get("/api/datasets").json()["datasets"]}
+    import yaml
+
+    used = yaml.safe_load((runs / "done" / "config.resolved.yaml").read_text())["data"]["dirs"][0]
+    name = "@" + used.lstrip("/")  # the runs' data folder, outside both roots: named by its absolute path
+    assert {k: v["items"] for k, v in listed.items()} == {"shapes": 4, name: 2} and listed[name]["path"] == used
+    assert sorted(listed[name]["runs"]) == ["broken", "done", "team/stopped"] and "runs" not in listed["shapes"]
+    d = c.get("/api/dataset/" + name).json()
+    assert len(d["items"]) == 2 and d["family"] == "flux" and d["check"]["settings"].startswith("the settings of run")
+    assert c.get("/dfiles/" + d["items"][0]["file"]).status_code == 200
+    assert c.get("/api/dataset/@etc").status_code == 404  # "@" names only the runs' data folders
+    (data / "notes.yaml").write_text("secret: 1\n")  # a dataset folder serves its images, clips and captions only
+    assert c.get("/dfiles/shapes/notes.yaml").status_code == 404
     d = c.get("/api/dataset/shapes?family=flux").json()
     assert len(d["items"]) == 4 and "flux2-klein" in d["families"]
     codes = {(p["path"], p["code"]) for p in d["check"]["problems"]}
@@ -117,3 +129,40 @@ def test_the_job_form_comes_from_the_config_schema_and_is_checked_as_the_cli_che
     assert len(written) == 1 and "rank: 0" in written[0].read_text()  # the form's values, and only those
     assert c.get("/api/jobs").json()["jobs"] == []  # nothing queued
     assert c.post("/api/jobs", json={"form": "not a mapping"}).status_code == 400
+
+
+def test_a_demo_report_folder_lists_its_dataset_only_checked_with_its_runs_settings(runs, tmp_path):
+    """Served from a demo's report folder (no --datasets): the data folder its run trains on is the one dataset (the
+    report's own images and the run folder are not datasets); the dataset is checked with the settings of the run that trains on it (the
+    defaults would read its 64 px images as too small: 0 items); a one-frame .webp is an image as training reads it,
+    an animated one a clip; captions are shown as training reads them."""
+    import yaml
+    from PIL import Image
+
+    from lorakit.data.demo import make_demo_dataset
+
+    report = tmp_path / "report"
+    data = make_demo_dataset(report / "data", "flat", count=4, size=64)
+    (report / "demo.json").write_text("{}")
+    Image.new("RGB", (64, 64)).save(report / "samples_base.png")
+    cfg = yaml.safe_load((runs / "done" / "config.resolved.yaml").read_text())
+    cfg["data"]["dirs"] = [str(data)]
+    (report / "run").mkdir()
+    (report / "run" / "config.resolved.yaml").write_text(yaml.safe_dump(cfg))
+    (report / "run" / "metrics.jsonl").write_text('{"step": 1, "loss": 1.0}\n')
+    Image.new("RGB", (64, 64)).save(report / "run" / "loss_curve.png")
+    frames = [Image.new("RGB", (64, 64), c) for c in ("red", "blue")]
+    frames[0].save(data / "moving.webp", save_all=True, append_images=frames[1:], duration=100)
+    (data / "moving.txt").write_text("a red then blue field\n")
+    c = TestClient(create_app(report), base_url=LOCAL)
+    assert c.get("/api/datasets").json()["datasets"] == [{"name": "data", "path": str(data.resolve()), "items": 5,
+                                                           "runs": ["run"]}]
+    d = c.get("/api/dataset/data").json()
+    assert d["family"] == "flux" and d["check"]["settings"] == "the settings of run run"
+    assert d["check"]["items"] == 4, d["check"]  # the animated one is named: an image family takes no clips
+    assert [(x["path"], x["code"]) for x in d["check"]["problems"]] == [("moving.webp", "unsupported-pixels")]
+    kinds = {it["file"].split("/")[-1]: it["kind"] for it in d["items"]}
+    assert kinds["moving.webp"] == "clip" and [k for f, k in kinds.items() if f.endswith(".webp")].count("image") == 1
+    assert {it["stem"]: it["caption"] for it in d["items"]}["moving"] == "a red then blue field"
+    other = c.get("/api/dataset/data?family=qwen-image").json()["check"]  # another family: its own defaults
+    assert other["settings"] == "the defaults of qwen-image" and other["items"] == 0  # 64 px: under its smallest
