@@ -210,8 +210,13 @@ def create_app(runs_root, token: str | None = None, datasets_root=None, slots: i
 
     @app.get("/api/machine")
     def machine():
-        """Each GPU's memory, utilization, temperature and power; the host's load, memory and free disk."""
-        return M.machine(root)
+        """Each GPU's memory, utilization, temperature and power, and the job running on it (a job runs on the GPU
+        of its slot); the host's load, memory and free disk."""
+        got = M.machine(root)
+        running = {j["slot"]: j for j in queue.jobs() if j["state"] == "running" and j.get("slot") is not None}
+        got["gpus"] = [{**g, "job": {"id": running[g["index"]]["id"], "run": running[g["index"]].get("run")}
+                        if g["index"] in running else None} for g in got["gpus"]]
+        return got
 
     @app.get("/api/jobs")
     def job_list():

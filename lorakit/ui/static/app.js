@@ -190,8 +190,9 @@ async function showMachine() {
   const m = await getJSON("/api/machine");
   $("#gpus tbody").innerHTML = m.gpus.length ? m.gpus.map((g) => `<tr><td>${g.index}: ${esc(g.name)}</td>
     <td>${num(gib(g.memory_used_mib), "", 1)} / ${num(gib(g.memory_total_mib), " GiB", 1)}</td>
-    <td>${num(g.utilization_pct, " %")}</td><td>${num(g.temperature_c, " °C")}</td><td>${num(g.power_w, " W")}</td></tr>`).join("")
-    : `<tr><td colspan="5">${esc(m.note || "no GPU")}</td></tr>`;
+    <td>${num(g.utilization_pct, " %")}</td><td>${num(g.temperature_c, " °C")}</td><td>${num(g.power_w, " W")}</td>
+    <td>${g.job ? `#${g.job.id}` + (g.job.run ? ` <a href="#/run/${esc(g.job.run)}">${esc(g.job.run)}</a>` : "") : "-"}</td></tr>`).join("")
+    : `<tr><td colspan="6">${esc(m.note || "no GPU")}</td></tr>`;
   const h = m.host;
   $("#host").textContent = `host: load ${num(h.load_1m, "", 2)} on ${h.cpus} cores · memory ${num(h.memory_available_gib, "", 1)} of ` +
     `${num(h.memory_total_gib, " GiB", 1)} available · disk ${num(h.disk_free_gib, "", 1)} of ${num(h.disk_total_gib, " GiB", 1)} free`;

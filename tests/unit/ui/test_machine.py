@@ -58,3 +58,30 @@ def test_the_dashboard_answers_with_the_machine(tmp_path):
         h["memory_total_gib"] and 0 < h["disk_free_gib"] <= h["disk_total_gib"]
     if not m["gpus"]:
         assert m["note"]
+
+
+def test_a_running_job_is_shown_on_the_gpu_of_its_slot(tmp_path, tiny, monkeypatch):
+    """A queued run (the real queue, a tiny run) is named on the GPU it runs on, and on none once it has stopped."""
+    import time
+
+    from tests.unit.ui.conftest import run_yaml
+
+    bin_ = tmp_path / "bin"
+    bin_.mkdir()
+    _smi(bin_, "echo '0, NVIDIA H100 80GB HBM3, 1024, 81559, 50, 40, 100.0'\n")
+    monkeypatch.setenv("PATH", f"{bin_}{os.pathsep}{os.environ['PATH']}")
+    root = tmp_path / "runs"
+    root.mkdir()
+    run_yaml(root, tiny, root / "long", steps=4000, sampling={"enabled": False}, output={"save_every": 100000})
+    with TestClient(create_app(root), base_url=LOCAL) as c:  # the queue starts with the app
+        job = c.post("/api/jobs", json={"config": "long.yaml"}).json()
+        assert job["state"] == "running", job
+        M._last.update(at=0.0, gpus=None)
+        gpu = c.get("/api/machine").json()["gpus"][0]
+        assert gpu["job"] == {"id": job["id"], "run": "long"}
+        c.post(f"/api/jobs/{job['id']}/stop")
+        deadline = time.time() + 120
+        while c.get("/api/jobs").json()["jobs"][0]["state"] == "running" and time.time() < deadline:
+            time.sleep(0.2)
+        M._last.update(at=0.0, gpus=None)
+        assert c.get("/api/machine").json()["gpus"][0]["job"] is None
