@@ -210,7 +210,7 @@ def generate(model_dir: Path, req: Request, loras: list[tuple[Path, float]], out
     t_gen = time.perf_counter()
     out_dir.mkdir(parents=True, exist_ok=True)
     model_hash = file_hash(Path(model_dir) / "model_index.json")
-    files, images, gifs, k, gen_times = [], [], [], 0, []
+    files, images, labels, gifs, k, gen_times = [], [], [], [], 0, []
     total = len(req.prompts) * req.batch
     for prompt in req.prompts:
         for _ in range(req.batch):
@@ -261,13 +261,17 @@ def generate(model_dir: Path, req: Request, loras: list[tuple[Path, float]], out
                     img.save(tmp, format="PNG", pnginfo=info)
             files.append(str(path))
             images.append(img)
+            labels.append(f"{path.name}: {prompt}")
             k += 1
             say(f"{k}/{total} {'clips' if video else 'images'} ({gen_times[-1]:.1f} s)")
     sheet = None
     if len(images) > 1:
         sheet = out_dir / "contact_sheet.png"
         with atomic_path(sheet) as tmp:
-            contact_sheet(images).save(tmp, format="PNG")
+            loras = ", ".join(f"{Path(f['path']).name} x{f['scale']:g}" for f in lora_facts) or "no LoRA"
+            guidance = "" if req.guidance is None else f", guidance {req.guidance:g}"
+            title = f"{Path(model_dir).name} · {loras} · {req.steps} steps{guidance}"
+            contact_sheet(images, labels, title).save(tmp, format="PNG")
     # the median generation (the pipeline call; the first one warms up), and everything per image with saving
     timing = {"seconds_per_image": round(sorted(gen_times)[len(gen_times) // 2], 3) if gen_times else None,
               "generation_s": [round(t, 3) for t in gen_times],
@@ -348,14 +352,48 @@ def _placement(model_dir, device: str, dtype, facts, req: Request):
                             decode=_decode(index, facts, req))
 
 
-def contact_sheet(images, columns: int = 4):
-    from PIL import Image
+def contact_sheet(images, labels=None, title: str = "", columns: int = 4, lines: int = 3):
+    """The images in a grid, each above its label (its file, seed and prompt, wrapped to the image's width, at most
+    `lines` lines: a longer prompt ends in "..."), under a title line (the model and LoRAs)."""
+    from PIL import Image, ImageDraw
 
+    labels = labels or [""] * len(images)
     w = max(i.width for i in images)
     h = max(i.height for i in images)
     cols = min(columns, len(images))
     rows = -(-len(images) // cols)
-    sheet = Image.new("RGB", (cols * w, rows * h), "white")
-    for n, im in enumerate(images):
-        sheet.paste(im, ((n % cols) * w, (n // cols) * h))
+    pad, line_h = 4, 12
+    text_h = (lines * line_h + 2 * pad) if any(labels) else 0
+    head = (line_h + 2 * pad) if title else 0
+    sheet = Image.new("RGB", (cols * w, head + rows * (h + text_h)), "white")
+    d = ImageDraw.Draw(sheet)
+    if title:
+        d.text((pad, pad), _wrap(d, title, cols * w - 2 * pad, 1)[0], fill="black")
+    for n, (im, lab) in enumerate(zip(images, labels, strict=True)):
+        x, y = (n % cols) * w, head + (n // cols) * (h + text_h)
+        sheet.paste(im, (x, y))
+        for k, line in enumerate(_wrap(d, lab, w - 2 * pad, lines)):
+            d.text((x + pad, y + h + pad + k * line_h), line, fill="black")
     return sheet
+
+
+def _wrap(draw, text: str, width: float, lines: int) -> list[str]:
+    """Words in lines no wider than `width` (a word too long for a line is cut); past `lines`, the last ends in
+    "..."."""
+    out, cur = [], ""
+    for word in text.split():
+        while draw.textlength(word) > width and len(word) > 1:  # a word wider than a line: cut it
+            word = word[:-1]
+        trial = f"{cur} {word}".strip()
+        if draw.textlength(trial) <= width:
+            cur = trial
+            continue
+        out.append(cur)
+        cur = word
+    out.append(cur)
+    if len(out) > lines:
+        last = out[lines - 1]
+        while last and draw.textlength(last + "...") > width:
+            last = last[:-1]
+        out = out[: lines - 1] + [last + "..."]
+    return [line for line in out if line] or [""]

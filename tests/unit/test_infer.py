@@ -217,3 +217,26 @@ def test_text_encoder_keys_of_a_kohya_file_are_said_not_applied(tiny, tmp_path):
     assert "text-encoder part" in r.output
     data = json.loads(CliRunner().invoke(app, [*args, "--json"]).output)
     assert len(data["warnings"]) == 1 and len(data["loras"][0]["not_applied"]) == 2
+
+
+def test_the_contact_sheet_labels_each_image_with_its_file_and_prompt():
+    from PIL import ImageDraw
+
+    from lorakit.infer import _wrap, contact_sheet
+
+    ims = [Image.new("RGB", (96, 64), c) for c in ("red", "green", "blue")]
+    long = "a very long prompt " * 20
+    sheet = contact_sheet(ims, ["0000-seed1.png: a red circle", "0001-seed2.png: " + long, ""], "model · no LoRA")
+    head, text_h = 4 + 12 + 4, 3 * 12 + 8
+    assert sheet.size == (3 * 96, head + 64 + text_h)
+    px = np.asarray(sheet)
+    for n, im in enumerate(ims):  # each image where it belongs, unchanged
+        assert np.array_equal(px[head:head + 64, n * 96:(n + 1) * 96], np.asarray(im))
+    labels = px[head + 64:, :]
+    assert (labels[:, :96] < 128).any() and (labels[:, 96:192] < 128).any()  # text under the labelled ones
+    assert (labels[:, 192:] == 255).all()  # none under the unlabelled one
+    assert (px[:head] < 128).any()  # the title
+    d = ImageDraw.Draw(sheet)
+    wrapped = _wrap(d, long, 88, 3)
+    assert len(wrapped) == 3 and wrapped[-1].endswith("...") and all(d.textlength(x) <= 88 for x in wrapped)
+    assert _wrap(d, "short", 88, 3) == ["short"] and _wrap(d, "", 88, 3) == [""]
