@@ -13,7 +13,7 @@ from lorakit import __version__
 from lorakit.cli import STOP as _STOP
 from lorakit.cli import bench, cache, convert, demo, doctor, infer, push, said, train, ui
 from lorakit.cli.common import emit, err_console, json_requested, use_json
-from lorakit.errors import InputError, LorakitError, environment_fault, short
+from lorakit.errors import ConfigError, InputError, LorakitError, environment_fault, short
 
 try:  # newer Typer carries its own copy of click: its exceptions are other classes than click's
     from typer._click import exceptions as _typer_click
@@ -45,13 +45,15 @@ def report_error(e: BaseException, as_json: bool) -> int:
         emit(True, data)
         return code
     problems = data.get("problems") or []
-    if len(problems) > 1:  # a config with several mistakes: one line each
+    if len(problems) > 1 and isinstance(e, ConfigError):  # a config with several mistakes: one line each
         where = _escape(f" in {e.source}") if getattr(e, "source", None) else ""
         err_console.print(f"[bold red]error:[/] config{where}: {len(problems)} problems", soft_wrap=True)
         for p in problems:
             err_console.print(f"  - {p}", soft_wrap=True, markup=False)
     else:
         err_console.print("[bold red]error:[/] " + _escape(data["message"] or data["error"]), soft_wrap=True)
+        for p in problems[1:] if len(problems) > 1 else []:  # the others (files: path, problem, detail)
+            err_console.print(f"  - {_problem(p)}", soft_wrap=True, markup=False)
     if data.get("hint"):
         err_console.print("[yellow]hint:[/] " + _escape(data["hint"]), soft_wrap=True)
     return code
@@ -63,6 +65,13 @@ def usage_error(e) -> InputError:
     ctx = getattr(e, "ctx", None)
     where = ctx.command_path if ctx is not None else "lorakit"
     return InputError(e.format_message(), f"`{where} -h` lists its commands and options")
+
+
+def _problem(p) -> str:
+    """One problem of a list in words: a dataset's {path, code, message} as "path: code: message"."""
+    if isinstance(p, dict) and {"path", "code", "message"} <= set(p):
+        return f"{p['path']}: {p['code']}: {p['message']}"
+    return str(p)
 
 
 def _escape(text: str) -> str:

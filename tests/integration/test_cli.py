@@ -168,7 +168,12 @@ def test_cache_check_lists_every_problem_and_strict_fails(tmp_path):
     assert data["items"] == 2 and data["datasets"][0]["controls"] == ["control", "control_2"]
     assert sorted(p["code"] for p in data["problems"]) == ["empty-caption", "no-control"]
     assert data["buckets"] == {"64x64": 2}
-    assert run("cache", str(cfg), "--check", "--strict").exit_code == 2
+    r = run("cache", str(cfg), "--check", "--strict")
+    assert r.exit_code == 2
+    # every file named as "path: problem: detail", never as a Python dict, and not called a config problem
+    assert "{'path'" not in r.stderr and "config:" not in r.stderr, r.stderr
+    assert "edit_001.png: no-control: " in r.stderr and "  - " in r.stderr and \
+        "edit_002.txt: empty-caption: caption file is empty" in r.stderr, r.stderr
     r = run("cache", str(cfg), "--json")  # building needs the model
     assert r.exit_code == 2 and "model.path" in json.loads(r.output)["message"]
 
