@@ -27,6 +27,7 @@ from lorakit.models.tiny import tiny_pipeline
 from lorakit.plan.resolve import resolve
 from lorakit.quiet import quiet_libraries
 from lorakit.train.loop import run
+from lorakit.train.report import loss_summary
 from lorakit.train.resume import clear_results
 
 DEMO_PROMPTS = ("a red circle in the center on a blue background", "a yellow square at the top left on a black background")
@@ -203,9 +204,9 @@ def run_demo(out_dir: Path, family: str | None = None, seed: int = 0, progress=N
         res.files.update(lora=r["lora"], loss_curve=r["loss_curve"], metrics=r["metrics"])
         if r.get("samples"):
             res.files["training_samples"] = r["samples"]
-        first, last = (json.loads(x)["loss"] for x in (open(r["metrics"]).readline(),
-                                                       open(r["metrics"]).readlines()[-1]))
-        return f"{r['steps']} steps in {r['seconds']:.1f} s, loss {first:.3f} -> {last:.3f}, LoRA {Path(r['lora']).name}"
+        rows = [json.loads(x) for x in Path(r["metrics"]).read_text().splitlines() if x.strip()]
+        said = loss_summary([x["loss"] for x in rows], rows[0]["step"])  # as the loss curve's title says it
+        return f"{r['steps']} steps in {r['seconds']:.1f} s, {said}, LoRA {Path(r['lora']).name}"
 
     def sample():
         control = None

@@ -13,6 +13,20 @@ from lorakit.hardware.profiles import choose
 from lorakit.io import atomic_path
 
 
+def window(n: int) -> int:
+    """Steps in the loss curve's moving average (a twentieth of the run, at least one)."""
+    return max(1, n // 20)
+
+
+def loss_summary(losses: list[float], first_step: int = 1) -> str:
+    """The run's loss in one phrase, the same wherever it is said (the curve's title, the demo): the first step's,
+    then the mean of the last steps (the moving average's last point)."""
+    k = window(len(losses))
+    last = sum(losses[-k:]) / k
+    return f"loss {losses[0]:.4f} at step {first_step} -> {last:.4f} " + ("at the last step" if k == 1 else
+                                                              f"(mean of the last {k} steps)")
+
+
 def loss_curve(metrics: Path, out: Path, size=(640, 360)) -> Path:
     """Loss per step (thin) and its moving average (thick), and the held-out val_loss (orange dots joined) where
     the run measured it, on a log-free linear axis."""
@@ -31,7 +45,7 @@ def loss_curve(metrics: Path, out: Path, size=(640, 360)) -> Path:
         return out
     steps = [r["step"] for r in rows]
     loss = [r["loss"] for r in rows]
-    k = max(1, len(loss) // 20)
+    k = window(len(loss))
     avg = [sum(loss[max(0, i - k + 1):i + 1]) / len(loss[max(0, i - k + 1):i + 1]) for i in range(len(loss))]
     val = [(r["step"], r["val_loss"]) for r in rows if r.get("val_loss") is not None]
     lo, hi = min(loss + [v for _, v in val]), max(loss + [v for _, v in val])
@@ -44,7 +58,7 @@ def loss_curve(metrics: Path, out: Path, size=(640, 360)) -> Path:
     d.rectangle([pad, pad, w - pad, h - pad], outline=(180, 180, 180))
     d.line([xy(s, v) for s, v in zip(steps, loss, strict=True)], fill=(160, 190, 230), width=1)
     d.line([xy(s, v) for s, v in zip(steps, avg, strict=True)], fill=(20, 70, 180), width=3)
-    title = f"loss: {loss[0]:.4f} -> {avg[-1]:.4f} (moving average of {k})"
+    title = loss_summary(loss, steps[0])
     if val:
         pts = [xy(s, v) for s, v in val]
         if len(pts) > 1:

@@ -89,3 +89,13 @@ def test_the_loss_curve_draws_val_loss_where_it_was_measured(tmp_path):
     plain.write_text("".join(json.dumps({k: v for k, v in r.items() if k != "val_loss"}) + "\n" for r in rows))
     assert sum(1 for p in Image.open(loss_curve(plain, tmp_path / "p.png")).convert("RGB").getdata()
                if p == (230, 120, 20)) == 0
+
+
+def test_the_runs_loss_is_said_one_way_wherever_it_is_said():
+    """The loss curve's title and the demo's line used to give two different final losses (one raw, one smoothed)."""
+    from lorakit.train.report import loss_summary, window
+
+    losses = [2.0] + [1.0] * 38 + [3.0]
+    assert window(len(losses)) == 2
+    assert loss_summary(losses) == "loss 2.0000 at step 1 -> 2.0000 (mean of the last 2 steps)"
+    assert loss_summary([1.5, 1.25], 7) == "loss 1.5000 at step 7 -> 1.2500 at the last step"
