@@ -9,6 +9,8 @@ from __future__ import annotations
 import contextlib
 import time
 
+PHASES = "phases.jsonl"  # in a run folder: its phases as they happened (`Recorded`)
+
 
 class Events:
     """The interface, and the quiet default. A renderer that draws (a progress bar) does so inside `with events:`."""
@@ -52,3 +54,62 @@ class Events:
             self.phase_failed(_name)
             raise
         self.phase_end(_name, time.perf_counter() - t0, facts)
+
+
+class Recorded(Events):
+    """Another `Events` (the CLI's), and each phase, info and warning appended to a JSON-lines file as it happens
+    (a run's `phases.jsonl`: what the dashboard's run page shows while encoders load, the cache builds, the blocks
+    compile and the first grid renders). A line: {"time", "event": "start" | "end" | "failed" | "info" | "warn",
+    "name" | "message", "seconds", "facts"}. A file that cannot be written is said once and left alone."""
+
+    def __init__(self, inner: Events, path):
+        self.inner, self.path, self._broken, self._begun = inner, path, False, False
+
+    def _write(self, rec: dict) -> None:
+        import json
+
+        if self._broken:
+            return
+        now = round(time.time(), 3)
+        lines = [] if self._begun else [{"time": now, "event": "run"}]  # where this run's (or resume's) lines begin
+        lines.append({"time": now, **rec})
+        try:
+            with open(self.path, "a", encoding="utf-8") as f:
+                f.write("".join(json.dumps(x, default=str) + "\n" for x in lines))
+            self._begun = True
+        except OSError as e:
+            self._broken = True
+            self.inner.warn(f"{self.path}: the run's phases are not recorded ({e.strerror or e}); it trains on")
+
+    def __enter__(self):
+        self.inner.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        return self.inner.__exit__(*exc)
+
+    def phase_start(self, name: str) -> None:
+        self._write({"event": "start", "name": name})
+        self.inner.phase_start(name)
+
+    def phase_end(self, name: str, seconds: float, facts: dict) -> None:
+        self._write({"event": "end", "name": name, "seconds": round(seconds, 2), "facts": facts})
+        self.inner.phase_end(name, seconds, facts)
+
+    def phase_failed(self, name: str) -> None:
+        self._write({"event": "failed", "name": name})
+        self.inner.phase_failed(name)
+
+    def progress(self, what: str, done: int, total: int, detail: str = "") -> None:
+        self.inner.progress(what, done, total, detail)
+
+    def step(self, step: int, total: int, rec: dict) -> None:
+        self.inner.step(step, total, rec)
+
+    def info(self, msg: str) -> None:
+        self._write({"event": "info", "message": msg})
+        self.inner.info(msg)
+
+    def warn(self, msg: str) -> None:
+        self._write({"event": "warn", "message": msg})
+        self.inner.warn(msg)

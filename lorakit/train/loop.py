@@ -5,10 +5,12 @@ about the machine, it follows the config."""
 
 from __future__ import annotations
 
+import os
 import time
+from pathlib import Path
 
 from lorakit.convert.verify import consumer_note
-from lorakit.events import Events
+from lorakit.events import PHASES, Events, Recorded
 from lorakit.plan.resolve import Resolved
 from lorakit.train import checkpoint, warm
 from lorakit.train.allocwatch import AllocWatch
@@ -31,6 +33,8 @@ def run(resolved: Resolved, resume: str | None = None, stop_at: int | None = Non
         force: start over in an output folder that holds an earlier run (refused otherwise: `resume.check_fresh_start`).
     """
     events = events or Events()
+    if not int(os.environ.get("RANK", "0") or 0):  # the phases as they happen, for the dashboard's run page
+        events = Recorded(events, Path(resolved.cfg.output.dir) / PHASES)
     with hold_output(resolved.cfg.output.dir, events):  # one run per output folder
         r = setup(resolved, resume, events, force)
         try:

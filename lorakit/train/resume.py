@@ -128,7 +128,7 @@ def _holds_files(folder: Path) -> bool:
     return any(f.is_file() and not f.name.endswith(".tmp") for f in folder.rglob("*"))
 
 
-RESULTS = ("metrics.jsonl", "checkpoints", "samples", "tensorboard", "loss_curve.png")
+RESULTS = ("metrics.jsonl", "phases.jsonl", "checkpoints", "samples", "tensorboard", "loss_curve.png")
 
 
 def check_fresh_start(out: Path, name: str, resume: str | None, force: bool) -> str | None:

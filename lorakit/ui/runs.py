@@ -1,6 +1,6 @@
 """The run folders under a root, read as `lorakit ui` shows them: what `lorakit train` writes (config.resolved.yaml,
-metrics.jsonl, samples/, checkpoints/, lora.safetensors, the folder lock) — nothing else is needed, so a run started
-from a terminal, a scheduler or the UI looks the same.
+metrics.jsonl, phases.jsonl, samples/, checkpoints/, lora.safetensors, the folder lock) — nothing else is needed, so
+a run started from a terminal, a scheduler or the UI looks the same.
 
 Status: **running** (a process holds the run's folder lock), **finished** (checkpoints/final), **interrupted** (not
 running, step checkpoints but no final: `--resume latest` continues it), **failed** (not running, nothing saved).
@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 from lorakit.errors import InputError
+from lorakit.events import PHASES
 from lorakit.io.lock import holder
 from lorakit.ui.confine import confined, inside, is_dir, is_file, read_text
 
@@ -148,9 +149,39 @@ def detail(run: Path, root: Path) -> dict:
     out["checkpoints"] = [{"name": c.name, "files": [f"{name}/checkpoints/{c.name}/{f.name}"
                                                      for f in sorted(c.iterdir()) if is_file(run, f)]}
                           for c in sorted(ck.iterdir()) if is_dir(run, c)] if is_dir(run, ck) else []
-    out["files"] = [f"{name}/{f}" for f in ("lora.safetensors", "loss_curve.png", "metrics.jsonl", CONFIG)
+    out["files"] = [f"{name}/{f}" for f in ("lora.safetensors", "loss_curve.png", "metrics.jsonl", PHASES, CONFIG)
                     if is_file(run, run / f)]
+    out["prompts"] = prompts(run)
+    out["path"] = str(run)
     return out
+
+
+def read_phases(run: Path, since: int = 0) -> list[dict]:
+    """phases.jsonl lines from line `since` on (the run's phases, infos and warnings as they happened; a line being
+    written is left for the next read); none when the file is missing, unreadable or a link out of the folder."""
+    try:
+        lines = read_text(run, run / PHASES).splitlines(keepends=True)
+    except (OSError, InputError):
+        return []
+    out = []
+    for line in lines[since:]:
+        if not line.endswith("\n"):
+            break
+        try:
+            got = json.loads(line)
+        except ValueError:
+            got = None
+        out.append(got if isinstance(got, dict) else {})  # keeps the line count; the page skips it
+    return out
+
+
+def prompts(run: Path) -> list[str]:
+    """The sampling prompts of the run's resolved config (the rows of its sample grids, in order)."""
+    try:
+        got = (run_config(run).get("sampling") or {}).get("prompts") or []
+    except InputError:
+        return []
+    return [p if isinstance(p, str) else str((p or {}).get("prompt", p)) for p in got]
 
 
 def samples(run: Path) -> list[Path]:

@@ -129,12 +129,16 @@ def create_app(runs_root, token: str | None = None, datasets_root=None, slots: i
         run = run_of(name)
 
         async def stream():
-            seen, samples, state = max(since, 0), None, None
+            seen, samples, state, told = max(since, 0), None, None, 0
             while not await request.is_disconnected():
                 rows = R.read_metrics(run, seen)
                 if rows:
                     seen += len(rows)
                     yield f"event: metrics\ndata: {json.dumps({'next': seen, 'rows': rows})}\n\n"
+                said = R.read_phases(run, told)  # the run's phases, infos and warnings as they happen
+                if said:
+                    told += len(said)
+                    yield f"event: phases\ndata: {json.dumps({'next': told, 'lines': said})}\n\n"
                 now = [p.name for p in R.samples(run)]
                 if now != samples:
                     samples = now

@@ -136,6 +136,10 @@ def test_a_training_run_updates_its_page_live(server, browser, tiny, tmp_path):
             what="the sample grid's image") > 0
         summary = browser.execute_script("return document.getElementById('run-summary').textContent")
         assert "running" in summary and int(summary.split("step ")[1].split()[0]) > first  # the header follows
+        phases = _text(browser, "#phases")  # the phases as they happened, from the run's phases.jsonl
+        assert "cache" in phases and "load model" in phases and "step 1" in phases, phases
+        assert "training flux" in _text(browser, "#run-log")  # its infos: the live log
+        assert "started outside the dashboard" in _text(browser, "#run-actions")  # no stop for a CLI run
         _shot(browser, "run-page-live")
     finally:
         p.terminate()
@@ -278,3 +282,50 @@ def test_the_jobs_page_shows_the_machine_and_a_runs_data_folder_is_its_dataset(s
     assert _wait(lambda: browser.execute_script(  # the thumbnail loads
         "const i = document.querySelector('.item img'); return i && i.complete && i.naturalWidth"), what="a thumbnail")
     _shot(browser, "dataset-of-a-run")
+
+
+def test_a_finished_runs_page_has_its_gallery_prompts_chart_hover_and_the_lora(server, browser, tiny, tmp_path):
+    """A finished run: every sample grid in a gallery under its step (a click shows it large), the prompts in full,
+    the loss chart with a smoothing toggle and the values under the pointer, no val_loss legend where none was
+    measured, the phases with their seconds, the LoRA to download and the `lorakit push` command."""
+    from selenium.webdriver.common.action_chains import ActionChains
+    from typer.testing import CliRunner
+
+    from lorakit.cli.app import app
+    from tests.unit.ui.conftest import run_yaml
+
+    root, url = server
+    long_prompt = "a very long prompt about a red circle in the middle of a blue field, drawn by hand with care"
+    cfg = run_yaml(tmp_path, tiny, root / "done", steps=40, sampling={"every": 20, "steps": 2,
+                                                                      "prompts": [long_prompt, "a square"]})
+    r = CliRunner().invoke(app, ["train", str(cfg), "--json"])
+    assert r.exit_code == 0, r.output
+    browser.get(url + "/#/run/done")
+    _wait(lambda: "40 steps" in _points(browser), what="the chart")
+    import re
+
+    summary = _text(browser, "#run-summary")  # numbers as numbers (a helper's name once shadowed another's)
+    assert re.search(r"step 40 / 40 · loss \d\.\d{4} · \d+\.\d{3} s/step", summary), summary
+    grids = _wait(lambda: browser.execute_script(
+        "return [...document.querySelectorAll('#gallery figcaption')].map(f => f.textContent)"), what="the gallery")
+    assert grids == ["step 0", "step 20", "step 40"], grids
+    assert _text(browser, "#prompts").splitlines() == [long_prompt, "a square"]  # in full, in the grids' order
+    browser.execute_script("document.querySelectorAll('#gallery figure')[0].click()")
+    assert browser.execute_script("return document.querySelector('#latest img').getAttribute('data-sample')") \
+        .endswith("step-000000.png")
+    assert browser.execute_script("return document.querySelector('.legend .val').hidden")  # no validation here
+    chart = browser.find_element("id", "chart")
+    ActionChains(browser).move_to_element_with_offset(chart, 0, 0).perform()
+    hover = _wait(lambda: _text(browser, "#hover"), what="the hover values")
+    assert hover.startswith("step ") and "loss " in hover and "smoothed " in hover, hover
+    _click(browser, "#smooth")
+    ActionChains(browser).move_to_element_with_offset(chart, 5, 0).perform()
+    assert "smoothed" not in _wait(lambda: _text(browser, "#hover"), what="the hover values")
+    phases = _text(browser, "#phases")
+    assert "final checkpoint (step 40)" in phases and "so far" not in phases
+    assert "checkpoint (last: step 40) × 20" in phases and "samples (last: step 40) × 3" in phases, phases  # folded
+    actions = _text(browser, "#run-actions")
+    assert "download the LoRA" in actions and f"lorakit push {root / 'done'} YOU/done" in actions, actions
+    _click(browser, "#smooth")
+    browser.execute_script("window.scrollTo(0, 0)")
+    _shot(browser, "run-page")

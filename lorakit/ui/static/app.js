@@ -44,12 +44,29 @@ async function showList() {
   $("#empty").hidden = data.runs.length > 0;
 }
 
+let phaseLines = [];     // the run page's phases.jsonl lines
+let phaseTimer = null;  // ticks the open phase's seconds
+let chartGeom = null;   // what the hover needs: the steps drawn and their scale
+
+function smoothed(loss) {
+  // the moving average the run's loss_curve.png draws (a twentieth of the run, at least one step)
+  const k = Math.max(1, Math.floor(loss.length / 20));
+  let acc = 0;
+  return loss.map((p, i) => {
+    acc += p.loss;
+    if (i >= k) acc -= loss[i - k].loss;
+    return { step: p.step, loss: acc / Math.min(i + 1, k) };
+  });
+}
+
 function drawChart() {
   const c = $("#chart"), g = c.getContext("2d"), W = c.width, H = c.height, pad = 44;
   g.clearRect(0, 0, W, H);
   const loss = points.filter((p) => typeof p.loss === "number" && typeof p.step === "number");
   const val = points.filter((p) => typeof p.val_loss === "number" && typeof p.step === "number");
   $("#points").textContent = `${loss.length} steps` + (val.length ? `, ${val.length} validations` : "");
+  $(".legend .val").hidden = !val.length;  // a val_loss legend only where the run measured one
+  chartGeom = null;
   if (!loss.length && !val.length) return;
   const all = loss.map((p) => p.loss).concat(val.map((p) => p.val_loss));
   const steps = loss.map((p) => p.step).concat(val.map((p) => p.step));
@@ -63,17 +80,113 @@ function drawChart() {
   g.fillStyle = "#556"; g.font = "12px sans-serif";
   g.fillText(hi.toFixed(3), 2, y(hi) + 4); g.fillText(lo.toFixed(3), 2, y(lo) + 4);
   g.fillText(`step ${s0}`, pad, H - pad + 16); g.fillText(`step ${s1}`, W - pad - 50, H - pad + 16);
-  g.strokeStyle = "#1f6fd1"; g.lineWidth = 1.5; g.beginPath();
-  loss.forEach((p, i) => (i ? g.lineTo(x(p.step), y(p.loss)) : g.moveTo(x(p.step), y(p.loss))));
-  g.stroke();
+  const line = (pts, color, width) => {
+    g.strokeStyle = color; g.lineWidth = width; g.beginPath();
+    pts.forEach((p, i) => (i ? g.lineTo(x(p.step), y(p.loss)) : g.moveTo(x(p.step), y(p.loss))));
+    g.stroke();
+  };
+  const smooth = $("#smooth").checked ? smoothed(loss) : null;
+  line(loss, smooth ? "#a9c6ee" : "#1f6fd1", smooth ? 1 : 1.5);
+  if (smooth) line(smooth, "#1f6fd1", 2.5);
   g.fillStyle = "#e07b00";
   val.forEach((p) => { g.beginPath(); g.arc(x(p.step), y(p.val_loss), 3.5, 0, 2 * Math.PI); g.fill(); });
+  chartGeom = { loss, smooth, val, s0, s1, pad, W };
+}
+
+function hoverChart(e) {
+  // the step under the pointer: its loss (and the smoothed loss, and val_loss where measured there)
+  if (!chartGeom || !chartGeom.loss.length) return;
+  const c = $("#chart"), rect = c.getBoundingClientRect();
+  const px = (e.clientX - rect.left) * (c.width / rect.width);
+  const { loss, smooth, val, s0, s1, pad, W } = chartGeom;
+  const step = s0 + ((px - pad) / (W - 2 * pad)) * (s1 - s0);
+  let best = 0;
+  loss.forEach((p, i) => { if (Math.abs(p.step - step) < Math.abs(loss[best].step - step)) best = i; });
+  const p = loss[best], v = val.find((q) => q.step === p.step);
+  $("#hover").textContent = `step ${p.step}: loss ${p.loss.toFixed(4)}` +
+    (smooth ? `, smoothed ${smooth[best].loss.toFixed(4)}` : "") + (v ? `, val_loss ${v.val_loss.toFixed(4)}` : "");
+}
+
+function stepOf(path) {
+  const m = /step-0*(\d+)\.png$/.exec(path);
+  return m ? Number(m[1]) : null;
+}
+
+function showLatest(path) {
+  $("#latest").innerHTML = path ? `<img src="${fileUrl(path)}" alt="${esc(path)}" data-sample="${esc(path)}">` : "<p>No sample grid yet.</p>";
+  document.querySelectorAll("#gallery figure").forEach((f) => f.classList.toggle("shown", f.dataset.path === path));
 }
 
 function showSamples(list) {
   $("#samples").innerHTML = list.map((s) => `<li><a href="${fileUrl(s)}" target="_blank">${esc(s.split("/").pop())}</a></li>`).join("");
-  const last = list.filter((s) => !s.endsWith("progress.png")).pop() || list[list.length - 1];
-  $("#latest").innerHTML = last ? `<img src="${fileUrl(last)}" alt="${esc(last)}" data-sample="${esc(last)}">` : "<p>No sample grid yet.</p>";
+  const grids = list.filter((s) => stepOf(s) !== null);
+  // every grid of the run, oldest first, each under its step: a click shows it large above
+  $("#gallery").innerHTML = grids.map((s) => `<figure data-path="${esc(s)}"><img src="${fileUrl(s)}" alt="${esc(s)}" loading="lazy">
+    <figcaption>step ${stepOf(s)}</figcaption></figure>`).join("");
+  document.querySelectorAll("#gallery figure").forEach((f) => { f.onclick = () => showLatest(f.dataset.path); });
+  showLatest(grids[grids.length - 1] || list.filter((s) => !s.endsWith("progress.png")).pop() || list[list.length - 1]);
+}
+
+function showPhases() {
+  // the run's phases as they happened (phases.jsonl): each with its seconds and facts, the open one counting up;
+  // a resumed run's lines under a row of their own; infos and warnings as the log below
+  const rows = [], log = [];
+  for (const l of phaseLines) {
+    if (l.event === "run") rows.push({ run: l.time });
+    else if (l.event === "start") rows.push({ name: l.name, start: l.time });
+    else if (l.event === "end" || l.event === "failed") {
+      const open = rows.filter((r) => r.name === l.name && r.end === undefined).pop();
+      if (open) Object.assign(open, { end: l.time, seconds: l.seconds, facts: l.facts, failed: l.event === "failed" });
+    } else if (l.event === "info" || l.event === "warn") {
+      log.push(`[${new Date(l.time * 1000).toLocaleTimeString()}] ${l.event === "warn" ? "warning: " : ""}${l.message}`);
+    }
+  }
+  // repeated phases (a checkpoint or a grid every N steps) in one row each: how many, their seconds, the last facts
+  const folded = [];
+  let since = 0;  // folding stays within one start of the run (a resume begins anew)
+  for (const r of rows) {
+    if (r.run !== undefined) { since = folded.length; folded.push(r); continue; }
+    const kind = r.name.replace(/ \(step \d+\)$/, "");
+    const same = kind !== r.name && r.end !== undefined && !r.failed
+      ? folded.slice(since).filter((f) => f.kind === kind && f.end !== undefined && !f.failed).pop() : null;
+    if (same) {
+      Object.assign(same, { count: same.count + 1, total: same.total + r.seconds, last: r.seconds, facts: r.facts,
+                            name: `${kind} (last: ${r.name.slice(kind.length + 2, -1)})` });
+    } else {
+      folded.push({ ...r, kind, count: 1, total: r.seconds, last: r.seconds });
+    }
+  }
+  rows.length = 0;
+  rows.push(...folded);
+  const running = current && current.status === "running";
+  const now = Date.now() / 1000;
+  const facts = (f) => Object.entries(f || {}).filter(([, v]) => v !== null && v !== "").map(([k, v]) => `${k} ${v}`).join(", ");
+  $("#phases tbody").innerHTML = rows.map((r, i) => r.run !== undefined
+    ? (i ? `<tr class="resumed"><td colspan="3">started again at ${esc(new Date(r.run * 1000).toLocaleString())}</td></tr>` : "")
+    : `<tr class="${r.end === undefined ? (running ? "open" : "failed-phase") : (r.failed ? "failed-phase" : "")}">
+       <td>${esc(r.count > 1 ? `${r.name} × ${r.count}` : r.name)}</td>
+       <td>${r.end === undefined ? (running ? `${(now - r.start).toFixed(0)} so far` : "did not end") : (r.failed ? "failed" :
+         (r.count > 1 ? `${r.total.toFixed(1)} in all, ${r.last.toFixed(1)} the last` : r.seconds.toFixed(1)))}</td>
+       <td>${esc(facts(r.facts))}</td></tr>`).join("") || '<tr><td colspan="3">none recorded (a run from before lorakit recorded its phases)</td></tr>';
+  $("#run-log").hidden = !log.length;
+  $("#run-log").textContent = log.slice(-30).join("\n");
+}
+
+async function showActions(r) {
+  // stop where the dashboard's queue runs this run; the LoRA to download and the command that publishes it
+  const parts = [];
+  const jobs = (await getJSON("/api/jobs")).jobs.filter((j) => j.run === r.name && ["running", "queued"].includes(j.state));
+  if (jobs.length) parts.push(`<button id="run-stop" data-stop="${jobs[0].id}">stop (a checkpoint, then exit)</button>`);
+  else if (r.status === "running") parts.push("started outside the dashboard: stop it where it runs (Ctrl-C keeps a checkpoint)");
+  if (r.files.some((f) => f.endsWith("/lora.safetensors") || f === "lora.safetensors")) {
+    const lora = r.files.find((f) => f.endsWith("lora.safetensors"));
+    parts.push(`<a href="${fileUrl(lora)}" download>download the LoRA</a>`);
+    parts.push(`publish: <code>lorakit push ${esc(r.path)} YOU/${esc(r.name.split("/").pop())}</code>`);
+  }
+  parts.push(`folder: <code>${esc(r.path)}</code>`);
+  $("#run-actions").innerHTML = parts.join(" · ");
+  const stop = $("#run-stop");
+  if (stop) stop.onclick = async () => { stop.disabled = true; await jobAction(`/api/jobs/${stop.dataset.stop}/stop`); };
 }
 
 function showSummary(r) {
@@ -90,10 +203,19 @@ async function showRun(name) {
   $("#checkpoints").innerHTML = r.checkpoints.map((c) => `<li>${esc(c.name)}: ` +
     c.files.map((f) => `<a href="${fileUrl(f)}">${esc(f.split("/").pop())}</a>`).join(", ") + "</li>").join("") +
     r.files.map((f) => `<li><a href="${fileUrl(f)}">${esc(f.split("/").pop())}</a></li>`).join("");
+  $("#prompts").innerHTML = (r.prompts || []).map((p) => `<li>${esc(p)}</li>`).join("");  // the grids' rows, in full
   points = [];
+  phaseLines = [];
   drawChart();
   showSamples(r.samples);
+  showPhases();
+  showActions(r).catch(() => {});
+  $("#smooth").onchange = drawChart;
+  $("#chart").onmousemove = hoverChart;
+  if (phaseTimer) clearInterval(phaseTimer);
+  phaseTimer = setInterval(showPhases, 1000);
   source = new EventSource("/api/events/" + runUrl(name) + "?since=0");
+  source.addEventListener("phases", (e) => { phaseLines = phaseLines.concat(JSON.parse(e.data).lines); showPhases(); });
   source.addEventListener("metrics", (e) => {
     const rows = JSON.parse(e.data).rows;
     points = points.concat(rows);
@@ -107,7 +229,7 @@ async function showRun(name) {
     }
   });
   source.addEventListener("samples", (e) => showSamples(JSON.parse(e.data)));
-  source.addEventListener("status", (e) => showSummary(JSON.parse(e.data)));
+  source.addEventListener("status", (e) => { showSummary(JSON.parse(e.data)); showActions({ ...r, ...JSON.parse(e.data) }).catch(() => {}); });
 }
 
 function dfileUrl(rel) { return "/dfiles/" + rel.split("/").map(encodeURIComponent).join("/"); }
@@ -178,7 +300,7 @@ async function jobAction(url, body) {
   return r.ok;
 }
 
-function num(v, unit, digits = 0) {
+function reading(v, unit, digits = 0) {
   return v === null || v === undefined ? "-" : `${Number(v).toFixed(digits)}${unit}`;
 }
 
@@ -189,13 +311,13 @@ function gib(mib) {
 async function showMachine() {
   const m = await getJSON("/api/machine");
   $("#gpus tbody").innerHTML = m.gpus.length ? m.gpus.map((g) => `<tr><td>${g.index}: ${esc(g.name)}</td>
-    <td>${num(gib(g.memory_used_mib), "", 1)} / ${num(gib(g.memory_total_mib), " GiB", 1)}</td>
-    <td>${num(g.utilization_pct, " %")}</td><td>${num(g.temperature_c, " °C")}</td><td>${num(g.power_w, " W")}</td>
+    <td>${reading(gib(g.memory_used_mib), "", 1)} / ${reading(gib(g.memory_total_mib), " GiB", 1)}</td>
+    <td>${reading(g.utilization_pct, " %")}</td><td>${reading(g.temperature_c, " °C")}</td><td>${reading(g.power_w, " W")}</td>
     <td>${g.job ? `#${g.job.id}` + (g.job.run ? ` <a href="#/run/${esc(g.job.run)}">${esc(g.job.run)}</a>` : "") : "-"}</td></tr>`).join("")
     : `<tr><td colspan="6">${esc(m.note || "no GPU")}</td></tr>`;
   const h = m.host;
-  $("#host").textContent = `host: load ${num(h.load_1m, "", 2)} on ${h.cpus} cores · memory ${num(h.memory_available_gib, "", 1)} of ` +
-    `${num(h.memory_total_gib, " GiB", 1)} available · disk ${num(h.disk_free_gib, "", 1)} of ${num(h.disk_total_gib, " GiB", 1)} free`;
+  $("#host").textContent = `host: load ${reading(h.load_1m, "", 2)} on ${h.cpus} cores · memory ${reading(h.memory_available_gib, "", 1)} of ` +
+    `${reading(h.memory_total_gib, " GiB", 1)} available · disk ${reading(h.disk_free_gib, "", 1)} of ${reading(h.disk_total_gib, " GiB", 1)} free`;
 }
 
 async function showJobs() {
@@ -283,6 +405,7 @@ function formValues() {
 async function route() {
   if (source) { source.close(); source = null; }
   if (listTimer) { clearInterval(listTimer); listTimer = null; }
+  if (phaseTimer) { clearInterval(phaseTimer); phaseTimer = null; }
   const m = location.hash.match(/^#\/run\/(.+)$/);
   const ds = location.hash.match(/^#\/dataset\/(.+)$/);
   const dsList = location.hash === "#/datasets";
