@@ -25,6 +25,7 @@ import lorakit
 from lorakit.errors import LorakitError
 from lorakit.hardware.gpu import compile_cache_dir
 from lorakit.io import atomic_path
+from lorakit.models.batch import Batch
 
 FOLDER = "warm"  # under the compile cache: one JSON per key, the shapes compiled with it
 
@@ -103,8 +104,6 @@ def text_varies(adapter, batch) -> bool:
 
 def shorter_text(batch):
     """The batch with its text one token shorter (the prompt and its mask): a length no caption gave yet."""
-    from lorakit.models.batch import Batch
-
     n = batch.text["prompt_embeds"].shape[1]
     text = {k: (v[:, : n - 1] if k in ("prompt_embeds", "prompt_embeds_mask") and v.dim() >= 2 and v.shape[1] == n
                 else v) for k, v in batch.text.items()}

@@ -13,6 +13,7 @@ from lorakit.data.images import IMAGE_EXTS
 from lorakit.data.video import ANIMATED_EXTS, CLIP_EXTS
 from lorakit.errors import InputError, LorakitError
 from lorakit.io import atomic_path
+from lorakit.ui import runs as R
 from lorakit.ui.confine import confined, is_file, read_text
 
 MEDIA = tuple(IMAGE_EXTS) + tuple(CLIP_EXTS)
@@ -61,8 +62,6 @@ def runs_data(runs_root: Path) -> dict[str, dict]:
     """The data folders the runs under `runs_root` train on (each that exists and holds images or clips): name ->
     {"folder", "runs"}. A folder inside the runs folder is named by its path there, one outside by "@" and its
     absolute path without the first "/" (a name that stays one in a URL)."""
-    from lorakit.ui import runs as R
-
     out: dict[str, dict] = {}
     for run in R.find_runs(runs_root):
         try:
@@ -136,8 +135,6 @@ def run_using(folder: Path, runs_root: Path | None) -> tuple[str, dict] | None:
     and config. None when no run does."""
     if runs_root is None:
         return None
-    from lorakit.ui import runs as R
-
     want = folder.resolve()
     for run in R.find_runs(runs_root):
         try:
