@@ -203,6 +203,17 @@ def test_a_job_is_started_and_stopped_from_the_page(server, browser, tiny, tmp_p
     _click(browser, 'a[data-log="1"]')
     _wait(lambda: "interrupted" in _text(browser, "#job-log").lower(), what="the job's log")
     _shot(browser, "job-stopped")
+    # the run's page: resumed from its checkpoint there, then stopped there
+    browser.get(url + "/#/run/queued")
+    _wait(lambda: browser.find_elements(By.ID, "run-resume"), what="the run page's resume")
+    _click(browser, "#run-resume")
+    browser.get(url + "/#/jobs")
+    _wait(lambda: "running" in _text(browser, 'tr[data-job="2"]'), 120, "the resumed job")
+    browser.get(url + "/#/run/queued")
+    _wait(lambda: browser.find_elements(By.ID, "run-stop"), what="the run page's stop")
+    _click(browser, "#run-stop")
+    browser.get(url + "/#/jobs")
+    _wait(lambda: "interrupted" in _text(browser, 'tr[data-job="2"]'), 120, "the stop from the run page")
 
 
 def test_a_job_is_queued_from_the_form_the_config_schema_generates(server, browser, tiny, tmp_path):
@@ -321,6 +332,13 @@ def test_a_finished_runs_page_has_its_gallery_prompts_chart_hover_and_the_lora(s
     _click(browser, "#smooth")
     ActionChains(browser).move_to_element_with_offset(chart, 5, 0).perform()
     assert "smoothed" not in _wait(lambda: _text(browser, "#hover"), what="the hover values")
+    # zoom: a drag across the chart shows those steps, a double-click all of them again
+    ActionChains(browser).move_to_element_with_offset(chart, -300, 0).click_and_hold().move_by_offset(300, 0) \
+        .release().perform()
+    zoomed = _wait(lambda: "double-click: all" in _points(browser) and _points(browser), what="the zoom")
+    assert int(zoomed.split()[0]) < 40, zoomed
+    ActionChains(browser).double_click(chart).perform()
+    _wait(lambda: _points(browser) == "40 steps", what="the whole run again")
     phases = _text(browser, "#phases")
     assert "final checkpoint (step 40)" in phases and "so far" not in phases
     assert "checkpoint (last: step 40) × 20" in phases and "samples (last: step 40) × 3" in phases, phases  # folded

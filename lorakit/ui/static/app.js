@@ -47,6 +47,8 @@ async function showList() {
 let phaseLines = [];     // the run page's phases.jsonl lines
 let phaseTimer = null;  // ticks the open phase's seconds
 let chartGeom = null;   // what the hover needs: the steps drawn and their scale
+let zoom = null;        // {from, to}: the steps the chart shows (null: all); drag to set, double-click to reset
+let dragFrom = null;
 
 function smoothed(loss) {
   // the moving average the run's loss_curve.png draws (a twentieth of the run, at least one step)
@@ -62,10 +64,12 @@ function smoothed(loss) {
 function drawChart() {
   const c = $("#chart"), g = c.getContext("2d"), W = c.width, H = c.height, pad = 44;
   g.clearRect(0, 0, W, H);
-  const loss = points.filter((p) => typeof p.loss === "number" && typeof p.step === "number");
-  const val = points.filter((p) => typeof p.val_loss === "number" && typeof p.step === "number");
-  $("#points").textContent = `${loss.length} steps` + (val.length ? `, ${val.length} validations` : "");
-  $(".legend .val").hidden = !val.length;  // a val_loss legend only where the run measured one
+  const shown = (p) => typeof p.step === "number" && (!zoom || (p.step >= zoom.from && p.step <= zoom.to));
+  const loss = points.filter((p) => typeof p.loss === "number" && shown(p));
+  const val = points.filter((p) => typeof p.val_loss === "number" && shown(p));
+  $("#points").textContent = `${loss.length} steps` + (val.length ? `, ${val.length} validations` : "") +
+    (zoom ? ` (steps ${zoom.from}-${zoom.to}; double-click: all)` : "");
+  $(".legend .val").hidden = !points.some((p) => typeof p.val_loss === "number");  // only where the run measured one
   chartGeom = null;
   if (!loss.length && !val.length) return;
   const all = loss.map((p) => p.loss).concat(val.map((p) => p.val_loss));
@@ -91,6 +95,23 @@ function drawChart() {
   g.fillStyle = "#e07b00";
   val.forEach((p) => { g.beginPath(); g.arc(x(p.step), y(p.val_loss), 3.5, 0, 2 * Math.PI); g.fill(); });
   chartGeom = { loss, smooth, val, s0, s1, pad, W };
+}
+
+function stepAt(e) {
+  if (!chartGeom) return null;
+  const c = $("#chart"), rect = c.getBoundingClientRect();
+  const px = (e.clientX - rect.left) * (c.width / rect.width);
+  const { s0, s1, pad, W } = chartGeom;
+  return Math.round(s0 + ((px - pad) / (W - 2 * pad)) * (s1 - s0));
+}
+
+function zoomChart(e) {
+  const to = stepAt(e);
+  if (dragFrom !== null && to !== null && Math.abs(to - dragFrom) >= 2) {
+    zoom = { from: Math.min(dragFrom, to), to: Math.max(dragFrom, to) };
+    drawChart();
+  }
+  dragFrom = null;
 }
 
 function hoverChart(e) {
@@ -175,9 +196,13 @@ function showPhases() {
 async function showActions(r) {
   // stop where the dashboard's queue runs this run; the LoRA to download and the command that publishes it
   const parts = [];
-  const jobs = (await getJSON("/api/jobs")).jobs.filter((j) => j.run === r.name && ["running", "queued"].includes(j.state));
+  const all = (await getJSON("/api/jobs")).jobs.filter((j) => j.run === r.name);
+  const jobs = all.filter((j) => ["running", "queued"].includes(j.state));
+  const again = all.filter((j) => j.resumable).pop();  // the queue's newest job of this folder, with a checkpoint
   if (jobs.length) parts.push(`<button id="run-stop" data-stop="${jobs[0].id}">stop (a checkpoint, then exit)</button>`);
   else if (r.status === "running") parts.push("started outside the dashboard: stop it where it runs (Ctrl-C keeps a checkpoint)");
+  else if (again) parts.push(`<button id="run-resume" data-resume="${again.id}">resume from its last checkpoint</button>`);
+  else if (r.status === "interrupted") parts.push("continue it: <code>lorakit train YOUR_CONFIG --resume latest</code>");
   if (r.files.some((f) => f.endsWith("/lora.safetensors") || f === "lora.safetensors")) {
     const lora = r.files.find((f) => f.endsWith("lora.safetensors"));
     parts.push(`<a href="${fileUrl(lora)}" download>download the LoRA</a>`);
@@ -187,6 +212,8 @@ async function showActions(r) {
   $("#run-actions").innerHTML = parts.join(" · ");
   const stop = $("#run-stop");
   if (stop) stop.onclick = async () => { stop.disabled = true; await jobAction(`/api/jobs/${stop.dataset.stop}/stop`); };
+  const resume = $("#run-resume");
+  if (resume) resume.onclick = async () => { resume.disabled = true; await jobAction(`/api/jobs/${resume.dataset.resume}/resume`); };
 }
 
 function showSummary(r) {
@@ -212,6 +239,10 @@ async function showRun(name) {
   showActions(r).catch(() => {});
   $("#smooth").onchange = drawChart;
   $("#chart").onmousemove = hoverChart;
+  zoom = null;
+  $("#chart").onmousedown = (e) => { dragFrom = stepAt(e); };
+  $("#chart").onmouseup = zoomChart;
+  $("#chart").ondblclick = () => { zoom = null; drawChart(); };
   if (phaseTimer) clearInterval(phaseTimer);
   phaseTimer = setInterval(showPhases, 1000);
   source = new EventSource("/api/events/" + runUrl(name) + "?since=0");
