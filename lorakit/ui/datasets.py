@@ -147,18 +147,24 @@ def run_using(folder: Path, runs_root: Path | None) -> tuple[str, dict] | None:
     return None
 
 
-def check(folder: Path, family: str | None = None, runs_root: Path | None = None) -> dict:
+SIZES = ("resolution", "bucket_min_side", "bucket_max_side")  # what a form may set for the check
+
+
+def check(folder: Path, family: str | None = None, runs_root: Path | None = None, sizes: dict | None = None) -> dict:
     """`lorakit cache --check` for this one folder: with the settings of the newest run that trains on it (its
     family, resolution and bucket sizes), else with the family's defaults; says which. Its problems, or the config
-    problem that stopped the check."""
-    used = run_using(folder, runs_root)
+    problem that stopped the check. `sizes`: the form's data sizes (`SIZES`), instead of the run's or the
+    defaults."""
+    sizes = {k: v for k, v in (sizes or {}).items() if k in SIZES and v}
+    used = None if sizes else run_using(folder, runs_root)
     if used and (family is None or family == (used[1].get("model") or {}).get("family")):
         name, cfg = used
         raw = {"model": cfg.get("model"), "data": {**(cfg.get("data") or {}), "dirs": [str(folder)]}}
         settings = f"the settings of run {name}"
     else:
-        raw = {"model": {"family": family}, "data": {"dirs": [str(folder)]}}
-        settings = f"the defaults of {family}"
+        raw = {"model": {"family": family}, "data": {"dirs": [str(folder)], **sizes}}
+        settings = f"the defaults of {family}" + (" with " + ", ".join(f"{k} {v}" for k, v in sizes.items())
+                                                   if sizes else "")
     try:
         report = check_data(validate(raw))
     except LorakitError as e:

@@ -130,9 +130,10 @@ class Queue:
                 return p
         raise InputError(f"{config}: no such config file in the runs or datasets folder")
 
-    def submit(self, config: str, sets: list[str] | None = None, resume: bool = False) -> dict:
-        """Check the run as `lorakit train --dry-run` does, then queue it. InputError with every problem the CLI
-        names when it would be refused."""
+    def check(self, config: str, sets: list[str] | None = None, resume: bool = False) -> dict:
+        """`lorakit train --dry-run --json` of the run, in the runs folder: its answer (the profile and why, the
+        resolved config, the memory estimate, notes). InputError with every problem the CLI names when it would be
+        refused."""
         path = self.config_path(config)
         sets = [s for s in (sets or []) if s.strip()]
         args = [sys.executable, "-m", "lorakit", "train", str(path), "--dry-run", "--json",
@@ -145,7 +146,18 @@ class Queue:
                 err = {"message": (r.stderr or r.stdout).strip().splitlines()[-1:] or ["refused"]}
             problems = err.get("problems") or (err.get("details") or {}).get("problems") or [err.get("message")]
             raise InputError("; ".join(str(p) for p in problems), err.get("hint"), details={"problems": problems})
-        out_dir = self._own_folder(_out_dir(r.stdout))
+        try:
+            got = json.loads(r.stdout)
+        except ValueError:
+            raise InputError(f"{path}: lorakit train --dry-run answered no JSON") from None
+        return {**got, "config_file": str(path), "sets": sets, "resume": resume}
+
+    def submit(self, config: str, sets: list[str] | None = None, resume: bool = False) -> dict:
+        """Check the run as `lorakit train --dry-run` does (`check`), then queue it. InputError with every problem
+        the CLI names when it would be refused."""
+        checked = self.check(config, sets, resume)
+        path, sets = Path(checked["config_file"]), checked["sets"]
+        out_dir = self._own_folder(_out_dir(checked))
         with self.lock:
             cur = self.db.execute("INSERT INTO jobs (config, sets, resume, state, out_dir, created) VALUES "
                                   "(?, ?, ?, 'queued', ?, ?)", (str(path), json.dumps(sets), int(resume), out_dir,
@@ -306,11 +318,8 @@ def free_slots(busy: set, slots: int) -> list[int]:
     return [s for s in range(slots) if s not in busy]
 
 
-def _out_dir(dry_run_json: str) -> str | None:
-    try:
-        got = json.loads(dry_run_json)
-    except ValueError:
-        return None
+def _out_dir(got: dict) -> str | None:
+    """The output folder a dry run's answer names."""
     cfg = got.get("config") or got.get("resolved", {}).get("config") or {}
     return (cfg.get("output") or {}).get("dir")
 

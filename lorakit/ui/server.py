@@ -20,7 +20,8 @@ from fastapi.responses import FileResponse, JSONResponse, StreamingResponse
 
 from lorakit.config.schema import Config
 from lorakit.errors import InputError
-from lorakit.models.registry import family_names
+from lorakit.hardware.profiles import profile_names
+from lorakit.models.registry import family_info, family_names
 from lorakit.ui import datasets as D
 from lorakit.ui import machine as M
 from lorakit.ui import runs as R
@@ -165,7 +166,7 @@ def create_app(runs_root, token: str | None = None, datasets_root=None, slots: i
     @app.get("/api/datasets")
     def dataset_list():
         """The folders under --datasets, then the data folders of the runs (each once, with the runs using it)."""
-        listed = D.find_datasets(droot) if droot else []
+        listed = [{**d, "path": str((droot / d["name"]).resolve())} for d in D.find_datasets(droot)] if droot else []
         seen = {(droot / d["name"]).resolve() for d in listed}
         for name, d in D.runs_data(root).items():
             if d["folder"] in seen:
@@ -178,13 +179,15 @@ def create_app(runs_root, token: str | None = None, datasets_root=None, slots: i
         return {"root": str(droot) if droot else None, "datasets": listed}
 
     @app.get("/api/dataset/{name:path}")
-    def dataset_detail(name: str, family: str | None = None):
+    def dataset_detail(name: str, family: str | None = None, resolution: int | None = None,
+                       bucket_min_side: int | None = None, bucket_max_side: int | None = None):
         folder = dataset_of(name)
         if family is not None and family not in family_names():
             raise HTTPException(400, f"unknown family {family!r}")
         used = D.run_using(folder, root)  # a run that trains on it: its family and settings, until the page picks
         family = family or (used and (used[1].get("model") or {}).get("family")) or family_names()[0]
-        return {"name": name, "path": str(folder), "items": D.items(folder, name), "check": D.check(folder, family, root),
+        return {"name": name, "path": str(folder), "items": D.items(folder, name), "check": D.check(folder, family, root, {"resolution": resolution, "bucket_min_side": bucket_min_side,
+                                                      "bucket_max_side": bucket_max_side}),
                 "family": family, "families": family_names()}
 
     @app.put("/api/caption/{name:path}")
@@ -226,24 +229,38 @@ def create_app(runs_root, token: str | None = None, datasets_root=None, slots: i
     def job_list():
         return {"jobs": queue.jobs(), "slots": queue.slots}
 
+    @app.get("/api/choices")
+    def choices():
+        """What the new-run form offers to pick: the families (with what each is), the profiles, the datasets."""
+        return {"families": [{"name": f, "description": family_info(f).description} for f in family_names()],
+                "profiles": profile_names(), "datasets": dataset_list()["datasets"]}
+
+    @app.post("/api/jobs/check")
+    async def job_check(request: Request):
+        """The dry run of a form or config, not queued: the profile and why, the memory estimate, notes."""
+        config, sets, resume = job_request(json_body(await request.body(), JOB_EXAMPLE))
+        return await asyncio.to_thread(job_call, queue.check, config, sets, resume)
+
     @app.get("/api/schema")
     def schema():
         """The typed config's JSON schema: the job form is generated from it."""
         return Config.model_json_schema()
 
-    @app.post("/api/jobs")
-    async def job_submit(request: Request):
-        example = '{"config": "path/in/the/runs/folder.yaml", "sets": ["key=value"]} or {"form": {section: ' \
-                  '{field: value}}}'
-        got = json_body(await request.body(), example)
+    def job_request(got: dict) -> tuple[str, list[str], bool]:
+        """A job request's config (the form's values written as a config file in the runs folder), sets, resume."""
         try:
-            if isinstance(got.get("form"), dict):  # the generated form: its values become a config file
+            if isinstance(got.get("form"), dict):  # the form: its values become a config file
                 got["config"] = str(_form_config(root, got["form"]))
             config, sets, resume = got["config"], got.get("sets") or [], bool(got.get("resume", False))
             if not isinstance(config, str) or not isinstance(sets, list) or not all(isinstance(x, str) for x in sets):
                 raise TypeError
         except (KeyError, TypeError, AttributeError):
-            raise HTTPException(400, f"send {example}") from None
+            raise HTTPException(400, f"send {JOB_EXAMPLE}") from None
+        return config, sets, resume
+
+    @app.post("/api/jobs")
+    async def job_submit(request: Request):
+        config, sets, resume = job_request(json_body(await request.body(), JOB_EXAMPLE))
         return await asyncio.to_thread(job_call, queue.submit, config, sets, resume)
 
     @app.post("/api/jobs/{job_id}/stop")
@@ -283,6 +300,8 @@ def create_app(runs_root, token: str | None = None, datasets_root=None, slots: i
     return app
 
 
+JOB_EXAMPLE = '{"config": "path/in/the/runs/folder.yaml", "sets": ["key=value"]} or {"form": {section: ' \
+              '{field: value}}}'
 FORMS = ".lorakit-ui-configs"  # configs written from the job form, inside the runs folder
 
 

@@ -243,10 +243,10 @@ def test_a_job_is_queued_from_the_form_the_config_schema_generates(server, brows
     if "profile" in keys:
         field("profile").send_keys("cpu")
     field("lora.rank").send_keys("0")  # refused as the CLI refuses it
-    browser.find_element(By.CSS_SELECTOR, "#schema-form button").click()
+    browser.find_element(By.ID, "q-queue").click()
     _wait(lambda: "lora.rank" in _text(browser, "#job-problems"), 120, "the problems")
     field("lora.rank").clear()
-    browser.find_element(By.CSS_SELECTOR, "#schema-form button").click()
+    browser.find_element(By.ID, "q-queue").click()
     _wait(lambda: "running" in _text(browser, 'tr[data-job="1"]'), 120, "the job from the form")
     browser.execute_script("window.scrollTo(0, 0)")
     _shot(browser, "job-form")
@@ -347,3 +347,59 @@ def test_a_finished_runs_page_has_its_gallery_prompts_chart_hover_and_the_lora(s
     _click(browser, "#smooth")
     browser.execute_script("window.scrollTo(0, 0)")
     _shot(browser, "run-page")
+
+
+def test_a_run_is_started_from_the_new_run_form_with_a_relative_dataset_path(server, browser, tiny, tmp_path):
+    """The new-run form: a family picked from the registry (its description shown), a dataset picked from the
+    listed ones (its first images and its problems as this family at this resolution would cache it), a preset,
+    the dry run's answer (profile and why, the memory estimate) before queueing; then the dataset given as a path
+    relative to the runs folder, queued, and the run in the runs list."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import Select
+
+    from lorakit.data.demo import make_demo_dataset
+
+    root, url = server
+    data = make_demo_dataset(tmp_path / "sets" / "shapes", "flat", count=3, size=64)
+    browser.get(url + "/#/jobs")
+    _wait(lambda: browser.find_elements(By.CSS_SELECTOR, '#q-family option[value="flux"]'), what="the families")
+    Select(browser.find_element(By.ID, "q-family")).select_by_value("flux")
+    assert "FLUX.1" in _text(browser, "#q-about")
+    browser.find_element(By.ID, "q-model").send_keys(str(tiny("flux")))
+    assert str(data.resolve()) in browser.execute_script(
+        "return [...document.querySelectorAll('#q-datasets option')].map(o => o.value)")
+    box = browser.find_element(By.ID, "q-data")
+    box.send_keys(str(data.resolve()))
+    browser.find_element(By.ID, "q-res").send_keys("64")  # a change event: the preview follows
+    browser.find_element(By.CSS_SELECTOR, "#job-form-details summary").click()
+    for key, value in {"data.bucket_min_side": "32", "data.bucket_max_side": "128"}.items():
+        browser.find_element(By.CSS_SELECTOR, f'#schema-fields [data-key="{key}"]').send_keys(value)
+    Select(browser.find_element(By.CSS_SELECTOR, '#schema-fields [data-key="sampling.enabled"]')) \
+        .select_by_visible_text("false")
+    browser.find_element(By.ID, "q-out").click()  # leaves the last field: its change event
+    summary = _wait(lambda: "items train" in _text(browser, "#q-check") and _text(browser, "#q-check"),
+                    what="the dataset preview")
+    assert summary.startswith("3 items train, 0 problems") and "bucket_min_side 32" in summary, summary
+    assert _wait(lambda: browser.execute_script(
+        "return [...document.querySelectorAll('#q-thumbs img')].filter(i => i.complete && i.naturalWidth).length"),
+        what="the thumbnails") == 3
+    Select(browser.find_element(By.ID, "q-preset")).select_by_index(1)  # a first try: 100 steps, rank 16
+    assert browser.find_element(By.ID, "q-steps").get_attribute("value") == "100"
+    box.clear()
+    box.send_keys("../sets/shapes")  # relative: to the runs folder
+    browser.find_element(By.ID, "q-out").send_keys("from-quick-form")
+    browser.find_element(By.ID, "q-check-btn").click()
+    estimate = _wait(lambda: "profile" in _text(browser, "#q-estimate") and _text(browser, "#q-estimate"), 120,
+                     "the dry run's answer")
+    assert "profile cpu" in estimate and "device cpu" in estimate, estimate
+    browser.find_element(By.CSS_SELECTOR, "#job-form-details summary").click()  # the advanced settings folded
+    browser.execute_script("window.scrollTo(0, 0)")
+    _shot(browser, "new-run-form")
+    browser.find_element(By.ID, "q-queue").click()
+    _wait(lambda: "running" in _text(browser, 'tr[data-job="1"]') or "finished" in _text(browser, 'tr[data-job="1"]'),
+          120, "the job from the new-run form")
+    browser.get(url + "/")
+    row = _wait(lambda: _text(browser, 'tr[data-run="from-quick-form"]'), 120, "the run in the runs list")
+    assert "flux" in row
+    cfg = (root / "from-quick-form" / "config.resolved.yaml").read_text()
+    assert "shapes" in cfg and "steps: 100" in cfg

@@ -415,16 +415,77 @@ async function buildSchemaForm() {
   }
   $("#schema-fields").innerHTML = html;
   schemaLoaded = true;
+  await buildQuickForm();
+}
+
+let choices = null;  // the new-run form's families, profiles and datasets
+
+async function buildQuickForm() {
+  choices = await getJSON("/api/choices");
+  $("#q-family").innerHTML = choices.families.map((f) => `<option value="${esc(f.name)}">${esc(f.name)}</option>`).join("");
+  $("#q-profile").innerHTML = `<option value="">this machine's (lorakit doctor decides)</option>` +
+    choices.profiles.map((p) => `<option value="${esc(p)}">${esc(p)}</option>`).join("");
+  $("#q-datasets").innerHTML = choices.datasets.map((d) => `<option value="${esc(d.path || d.name)}">${esc(d.items)} items</option>`).join("");
+  const about = () => { const f = choices.families.find((x) => x.name === $("#q-family").value); $("#q-about").textContent = f ? f.description : ""; };
+  about();
+  $("#q-family").onchange = () => { about(); preview(); };
+  $("#q-preset").onchange = () => {
+    const v = $("#q-preset").value ? JSON.parse($("#q-preset").value) : {};
+    for (const [key, value] of Object.entries(v)) $(`#quick-fields [data-key="${key}"]`).value = value;
+  };
+  for (const id of ["#q-data", "#q-res"]) $(id).onchange = preview;
+  document.querySelectorAll('#schema-fields [data-key^="data.bucket_"]').forEach((el) => { el.onchange = preview; });
+  $("#q-check-btn").onclick = checkRun;
+}
+
+async function preview() {
+  // the chosen dataset as this family at this resolution would cache it: its first images and its problems
+  const path = $("#q-data").value.trim();
+  const d = choices && choices.datasets.find((x) => (x.path || x.name) === path);
+  if (!path) { $("#q-check").textContent = ""; $("#q-thumbs").innerHTML = ""; return; }
+  if (!d) { $("#q-check").textContent = "not one of the dataset folders listed here: the check (dry run) reads it"; $("#q-thumbs").innerHTML = ""; return; }
+  const sizes = { resolution: $("#q-res").value.trim() };
+  document.querySelectorAll('#schema-fields [data-key^="data.bucket_"]').forEach((el) => { sizes[el.dataset.key.slice(5)] = el.value.trim(); });
+  const q = new URLSearchParams({ family: $("#q-family").value });
+  for (const [k, v] of Object.entries(sizes)) if (v) q.set(k, v);
+  const r = await getJSON("/api/dataset/" + runUrl(d.name) + "?" + q);
+  const c = r.check;
+  $("#q-check").textContent = c.error ? `not checked: ${c.error}` :
+    `${c.items} items train, ${c.problems.length} problems (checked with ${c.settings})` +
+    (c.problems.length ? ": " + c.problems.slice(0, 3).map((p) => `${p.path}: ${p.code}`).join("; ") : "");
+  $("#q-thumbs").innerHTML = r.items.slice(0, 8).map((it) => mediaTag(it)).join("");
+}
+
+function showEstimate(out) {
+  const p = out.profile || {}, m = out.memory_estimate;
+  const lines = [`profile ${p.profile || "?"}: ${p.reason || ""}`, `device ${out.device}` + (out.world > 1 ? `, ${out.world} processes` : "")];
+  if (m) lines.push(`GPU memory estimate: ${m.gib} GiB per GPU` + (m.uncompiled_gib ? ` (${m.uncompiled_gib} GiB while the blocks compile)` : ""));
+  else lines.push("no GPU memory estimate (no GPU profile)");
+  if (out.memory_note) lines.push(out.memory_note);
+  for (const n of out.notes || []) lines.push(n);
+  for (const w of p.warnings || []) lines.push("warning: " + w);
+  $("#q-estimate").innerHTML = "<ul>" + lines.map((l) => `<li>${esc(l)}</li>`).join("") + "</ul>";
+}
+
+async function checkRun() {
+  $("#q-estimate").innerHTML = "<p>checking as lorakit train --dry-run does...</p>";
+  const r = await fetch("/api/jobs/check", { method: "POST", credentials: "same-origin",
+    headers: { "Content-Type": "application/json" }, body: JSON.stringify({ form: formValues() }) });
+  const out = await r.json();
+  if (r.ok) showEstimate(out);
+  else $("#q-estimate").innerHTML = '<ul class="error">' + (out.problems || [out.error || out.detail]).map((x) => `<li>${esc(x)}</li>`).join("") + "</ul>";
+  return r.ok;
 }
 
 function formValues() {
+  // the advanced fields, then the ones up front (which win where both are given)
   const out = {};
-  document.querySelectorAll("#schema-fields [data-key]").forEach((el) => {
+  document.querySelectorAll("#schema-fields [data-key], #quick-fields [data-key]").forEach((el) => {
     const raw = el.value.trim();
     if (!raw) return;
     const kind = el.dataset.kind;
     const value = kind === "enum" ? JSON.parse(raw) : kind === "integer" || kind === "number" ? Number(raw)
-      : kind === "lines" ? raw.split("\n").map((x) => x.trim()).filter(Boolean) : raw;
+      : kind === "lines" ? raw.split("\n").map((x) => x.trim()).filter(Boolean) : kind === "list" ? [raw] : raw;
     const path = el.dataset.key.split(".");
     let at = out;
     path.slice(0, -1).forEach((p) => { at = at[p] = at[p] || {}; });
@@ -470,7 +531,8 @@ window.addEventListener("hashchange", route);
 $("#schema-form").onsubmit = async (e) => {
   e.preventDefault();
   $("#job-problems").innerHTML = "<li>checking the config as lorakit train --dry-run does...</li>";
-  await jobAction("/api/jobs", { form: formValues() });
+  const ok = await jobAction("/api/jobs", { form: formValues() });
+  $("#q-estimate").innerHTML = ok ? "<p>queued: see the jobs below</p>" : `<ul class="error">${$("#job-problems").innerHTML}</ul>`;
 };
 $("#job-form").onsubmit = async (e) => {
   e.preventDefault();
