@@ -166,3 +166,24 @@ def test_a_demo_report_folder_lists_its_dataset_only_checked_with_its_runs_setti
     assert {it["stem"]: it["caption"] for it in d["items"]}["moving"] == "a red then blue field"
     other = c.get("/api/dataset/data?family=qwen-image").json()["check"]  # another family: its own defaults
     assert other["settings"] == "the defaults of qwen-image" and other["items"] == 0  # 64 px: under its smallest
+
+
+def test_the_new_run_form_is_offered_its_choices_and_checked_without_queueing(tmp_path, tiny):
+    from lorakit.data.demo import make_demo_dataset
+    from lorakit.models.registry import family_names
+
+    data = make_demo_dataset(tmp_path / "data", "flat", count=2, size=64)
+    (tmp_path / "runs").mkdir()
+    c = TestClient(create_app(tmp_path / "runs"), base_url=LOCAL)
+    got = c.get("/api/choices").json()
+    assert [f["name"] for f in got["families"]] == family_names() and all(f["description"] for f in got["families"])
+    assert "cpu" in got["profiles"] and "rtx4090" in got["profiles"]
+    form = {"model": {"family": "flux", "path": str(tiny("flux"))}, "profile": "cpu",
+            "data": {"dirs": [str(data)], "resolution": 64, "bucket_min_side": 32, "bucket_max_side": 128},
+            "output": {"dir": "checked"}}
+    r = c.post("/api/jobs/check", json={"form": form})
+    assert r.status_code == 200, r.json()
+    assert r.json()["profile"]["profile"] == "cpu" and r.json()["device"] == "cpu"
+    assert c.get("/api/jobs").json()["jobs"] == []  # checked, not queued
+    bad = c.post("/api/jobs/check", json={"form": {**form, "lora": {"rank": 0}}})
+    assert bad.status_code == 400 and any("lora.rank" in p for p in bad.json()["problems"])
