@@ -209,6 +209,11 @@ def test_a_job_is_started_and_stopped_from_the_page(server, browser, tiny, tmp_p
     _click(browser, "#run-resume")
     browser.get(url + "/#/jobs")
     _wait(lambda: "running" in _text(browser, 'tr[data-job="2"]'), 120, "the resumed job")
+    # a second resume of the same run (a page left open before the first) is refused, naming the job that holds it
+    browser.execute_script("jobAction('/api/jobs/1/resume')")
+    refused = _wait(lambda: _text(browser, "#job-problems"), what="the refusal")
+    assert "started again by job 2 (running)" in refused, refused
+    assert not _text(browser, 'tr[data-job="3"]')  # nothing queued
     browser.get(url + "/#/run/queued")
     _wait(lambda: browser.find_elements(By.ID, "run-stop"), what="the run page's stop")
     _click(browser, "#run-stop")
@@ -287,6 +292,7 @@ def test_the_jobs_page_shows_the_machine_and_a_runs_data_folder_is_its_dataset(s
     link = _wait(lambda: browser.find_elements(By.CSS_SELECTOR, f'a[data-dataset="{name}"]'), what="the dataset list")
     listed = _text(browser, "#datasets")
     assert str(data.resolve()) in listed and "trained on by small-run" in listed
+    _shot(browser, "datasets")
     link[0].click()
     summary = _wait(lambda: _text(browser, "#check-summary"), what="the dataset check")
     assert "3 items train" in summary and "checked with the settings of run small-run" in summary, summary
