@@ -273,6 +273,11 @@ def test_the_jobs_page_shows_the_machine_and_a_runs_data_folder_is_its_dataset(s
 
     root, url = server
     data = make_demo_dataset(tmp_path / "elsewhere" / "shapes", "flat", count=3, size=64)
+    from PIL import Image
+
+    frames = [Image.new("RGB", (64, 64), c) for c in ("red", "blue")]  # a clip, as training reads it: told apart
+    frames[0].save(data / "moving.webp", save_all=True, append_images=frames[1:], duration=100)
+    (data / "moving.txt").write_text("a red then blue field\n")
     run = root / "small-run"
     run.mkdir()
     (run / "config.resolved.yaml").write_text(yaml.safe_dump(
@@ -295,7 +300,12 @@ def test_the_jobs_page_shows_the_machine_and_a_runs_data_folder_is_its_dataset(s
     _shot(browser, "datasets")
     link[0].click()
     summary = _wait(lambda: _text(browser, "#check-summary"), what="the dataset check")
-    assert "3 items train" in summary and "checked with the settings of run small-run" in summary, summary
+    assert "3 items train, 1 problems" in summary and "checked with the settings of run small-run" in summary, summary
+    assert "moving.webp" in _text(browser, "#problems") and "unsupported-pixels" in _text(browser, "#problems")
+    clip = browser.find_element(By.CSS_SELECTOR, '.item[data-stem="moving"]')
+    assert "clip" in clip.text and clip.find_element(By.TAG_NAME, "textarea").get_attribute("value") == \
+        "a red then blue field"  # the caption as training reads it (no trailing newline)
+    assert "clip" not in browser.find_element(By.CSS_SELECTOR, '.item[data-stem="item_000"]').text
     assert _wait(lambda: browser.execute_script(  # the thumbnail loads
         "const i = document.querySelector('.item img'); return i && i.complete && i.naturalWidth"), what="a thumbnail")
     _shot(browser, "dataset-of-a-run")
@@ -397,13 +407,15 @@ def test_a_run_is_started_from_the_new_run_form_with_a_relative_dataset_path(ser
     browser.find_element(By.ID, "q-check-btn").click()
     estimate = _wait(lambda: "profile" in _text(browser, "#q-estimate") and _text(browser, "#q-estimate"), 120,
                      "the dry run's answer")
-    assert "profile cpu" in estimate and "device cpu" in estimate, estimate
+    assert "profile cpu" in estimate and "device cpu" in estimate and "the profile's settings: memory" in estimate, \
+        estimate
     browser.find_element(By.CSS_SELECTOR, "#job-form-details summary").click()  # the advanced settings folded
     browser.execute_script("window.scrollTo(0, 0)")
     _shot(browser, "new-run-form")
     browser.find_element(By.ID, "q-queue").click()
     _wait(lambda: "running" in _text(browser, 'tr[data-job="1"]') or "finished" in _text(browser, 'tr[data-job="1"]'),
           120, "the job from the new-run form")
+    assert browser.find_elements(By.CSS_SELECTOR, 'tr[data-job="1"] a[href="#/run/from-quick-form"]')  # its page
     browser.get(url + "/")
     row = _wait(lambda: _text(browser, 'tr[data-run="from-quick-form"]'), 120, "the run in the runs list")
     assert "flux" in row

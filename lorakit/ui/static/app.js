@@ -461,6 +461,10 @@ function showEstimate(out) {
   const lines = [`profile ${p.profile || "?"}: ${p.reason || ""}`, `device ${out.device}` + (out.world > 1 ? `, ${out.world} processes` : "")];
   if (m) lines.push(`GPU memory estimate: ${m.gib} GiB per GPU` + (m.uncompiled_gib ? ` (${m.uncompiled_gib} GiB while the blocks compile)` : ""));
   else lines.push("no GPU memory estimate (no GPU profile)");
+  const mem = (out.config || {}).memory || {};  // what the profile set for this run (the resolved config)
+  const set = ["base_quant", "compile", "cuda_graphs", "checkpoint_blocks", "blocks_to_swap", "attention"]
+    .filter((k) => mem[k] !== undefined && mem[k] !== null).map((k) => `${k} ${JSON.stringify(mem[k])}`);
+  if (set.length) lines.push("the profile's settings: memory " + set.join(", "));
   if (out.memory_note) lines.push(out.memory_note);
   for (const n of out.notes || []) lines.push(n);
   for (const w of p.warnings || []) lines.push("warning: " + w);
