@@ -60,14 +60,16 @@ def find_datasets(root: Path, depth: int = 2) -> list[dict]:
 
 def runs_data(runs_root: Path) -> dict[str, dict]:
     """The data folders the runs under `runs_root` train on (each that exists and holds images or clips): name ->
-    {"folder", "runs"}. A folder inside the runs folder is named by its path there, one outside by "@" and its
-    absolute path without the first "/" (a name that stays one in a URL)."""
+    {"folder", "runs" (newest first), "config" (the newest run's resolved config)}. A folder inside the runs folder
+    is named by its path there, one outside by "@" and its absolute path without the first "/" (a name that stays
+    one in a URL)."""
     out: dict[str, dict] = {}
-    for run in R.find_runs(runs_root):
+    for run in R.find_runs(runs_root):  # newest first
         try:
-            dirs = (R.run_config(run).get("data") or {}).get("dirs") or []
+            cfg = R.run_config(run)
         except InputError:
             continue
+        dirs = (cfg.get("data") or {}).get("dirs") or []
         for d in dirs:
             if not isinstance(d, str):
                 continue
@@ -76,7 +78,7 @@ def runs_data(runs_root: Path) -> dict[str, dict]:
                 continue
             name = str(folder.relative_to(runs_root)) if folder.is_relative_to(runs_root) else \
                 OUTSIDE + str(folder).lstrip("/")
-            entry = out.setdefault(name, {"folder": folder, "runs": []})
+            entry = out.setdefault(name, {"folder": folder, "runs": [], "config": cfg})
             entry["runs"].append(str(run.relative_to(runs_root)) if run != runs_root else ".")
     return out
 
@@ -130,33 +132,27 @@ def set_caption(folder: Path, stem: str, text: str) -> Path:
     return path
 
 
-def run_using(folder: Path, runs_root: Path | None) -> tuple[str, dict] | None:
-    """The newest run under `runs_root` that trains on `folder` (its resolved config's data.dirs name it): its name
-    and config. None when no run does."""
-    if runs_root is None:
-        return None
+def run_using(folder: Path, known: dict[str, dict]) -> tuple[str, dict] | None:
+    """The newest run that trains on `folder`, from `runs_data`'s answer: its name and resolved config. None when
+    no run does."""
     want = folder.resolve()
-    for run in R.find_runs(runs_root):
-        try:
-            cfg = R.run_config(run)
-        except InputError:
-            continue
-        dirs = (cfg.get("data") or {}).get("dirs") or []
-        if any(isinstance(d, str) and (run / d if not os.path.isabs(d) else Path(d)).resolve() == want for d in dirs):
-            return str(run.relative_to(runs_root)) if run != runs_root else ".", cfg
+    for entry in known.values():
+        if entry["folder"] == want:
+            return entry["runs"][0], entry["config"]
     return None
 
 
 SIZES = ("resolution", "bucket_min_side", "bucket_max_side")  # what a form may set for the check
 
 
-def check(folder: Path, family: str | None = None, runs_root: Path | None = None, sizes: dict | None = None) -> dict:
-    """`lorakit cache --check` for this one folder: with the settings of the newest run that trains on it (its
-    family, resolution and bucket sizes), else with the family's defaults; says which. Its problems, or the config
-    problem that stopped the check. `sizes`: the form's data sizes (`SIZES`), instead of the run's or the
-    defaults."""
+def check(folder: Path, family: str | None = None, used: tuple[str, dict] | None = None,
+          sizes: dict | None = None) -> dict:
+    """`lorakit cache --check` for this one folder: with the settings of `used`, the newest run that trains on it
+    (`run_using`: its family, resolution and bucket sizes), else with the family's defaults; says which. Its
+    problems, or the config problem that stopped the check. `sizes`: the form's data sizes (`SIZES`), instead of the
+    run's or the defaults."""
     sizes = {k: v for k, v in (sizes or {}).items() if k in SIZES and v}
-    used = None if sizes else run_using(folder, runs_root)
+    used = None if sizes else used
     if used and (family is None or family == (used[1].get("model") or {}).get("family")):
         name, cfg = used
         raw = {"model": cfg.get("model"), "data": {**(cfg.get("data") or {}), "dirs": [str(folder)]}}

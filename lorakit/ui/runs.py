@@ -57,11 +57,12 @@ def _mtime(run: Path) -> float:
     return 0.0
 
 
-def read_metrics(run: Path, since: int = 0) -> list[dict]:
-    """metrics.jsonl lines from line `since` on (a line being written is left for the next read); none when the
+def read_lines(run: Path, name: str, since: int = 0) -> list[dict]:
+    """A JSON-lines file of the run (metrics.jsonl, phases.jsonl) from line `since` on: a line being written is left
+    for the next read, one that is not a JSON object is {} (the line count kept; the page skips it); none when the
     file is missing, unreadable or a link out of the run folder."""
     try:
-        lines = read_text(run, run / "metrics.jsonl").splitlines(keepends=True)
+        lines = read_text(run, run / name).splitlines(keepends=True)
     except (OSError, InputError):
         return []
     out = []
@@ -69,10 +70,16 @@ def read_metrics(run: Path, since: int = 0) -> list[dict]:
         if not line.endswith("\n"):
             break
         try:
-            out.append(json.loads(line))
+            got = json.loads(line)
         except ValueError:
-            out.append({})  # keeps the line count; the chart skips it
+            got = None
+        out.append(got if isinstance(got, dict) else {})
     return out
+
+
+def read_metrics(run: Path, since: int = 0) -> list[dict]:
+    """metrics.jsonl's records from line `since` on (`read_lines`)."""
+    return read_lines(run, "metrics.jsonl", since)
 
 
 def run_config(run: Path) -> dict:
@@ -157,22 +164,8 @@ def detail(run: Path, root: Path) -> dict:
 
 
 def read_phases(run: Path, since: int = 0) -> list[dict]:
-    """phases.jsonl lines from line `since` on (the run's phases, infos and warnings as they happened; a line being
-    written is left for the next read); none when the file is missing, unreadable or a link out of the folder."""
-    try:
-        lines = read_text(run, run / PHASES).splitlines(keepends=True)
-    except (OSError, InputError):
-        return []
-    out = []
-    for line in lines[since:]:
-        if not line.endswith("\n"):
-            break
-        try:
-            got = json.loads(line)
-        except ValueError:
-            got = None
-        out.append(got if isinstance(got, dict) else {})  # keeps the line count; the page skips it
-    return out
+    """phases.jsonl's lines (the run's phases, infos and warnings as they happened) from line `since` on."""
+    return read_lines(run, PHASES, since)
 
 
 def prompts(run: Path) -> list[str]:

@@ -153,9 +153,10 @@ def create_app(runs_root, token: str | None = None, datasets_root=None, slots: i
         return StreamingResponse(stream(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-store", "X-Accel-Buffering": "no"})
 
-    def dataset_of(name: str) -> Path:
-        """A dataset folder by its name in the list: a folder under --datasets, or a data folder of a run."""
-        known = D.runs_data(root)
+    def dataset_of(name: str, known: dict | None = None) -> Path:
+        """A dataset folder by its name in the list: a data folder of a run (`known`: `D.runs_data`, read here when
+        not given), or a folder under --datasets."""
+        known = D.runs_data(root) if known is None else known
         if name in known:
             return known[name]["folder"]
         if droot is None or name.startswith(D.OUTSIDE):
@@ -167,28 +168,27 @@ def create_app(runs_root, token: str | None = None, datasets_root=None, slots: i
     def dataset_list():
         """The folders under --datasets, then the data folders of the runs (each once, with the runs using it)."""
         listed = [{**d, "path": str((droot / d["name"]).resolve())} for d in D.find_datasets(droot)] if droot else []
-        seen = {(droot / d["name"]).resolve() for d in listed}
+        by_path = {x["path"]: x for x in listed}
         for name, d in D.runs_data(root).items():
-            if d["folder"] in seen:
-                for x in listed:
-                    if (droot / x["name"]).resolve() == d["folder"]:
-                        x["runs"] = d["runs"]
-                continue
-            listed.append({"name": name, "path": str(d["folder"]), "items": len(D.media(d["folder"])),
-                           "runs": d["runs"]})
+            if str(d["folder"]) in by_path:  # under --datasets too: listed once, with its runs
+                by_path[str(d["folder"])]["runs"] = d["runs"]
+            else:
+                listed.append({"name": name, "path": str(d["folder"]), "items": len(D.media(d["folder"])),
+                               "runs": d["runs"]})
         return {"root": str(droot) if droot else None, "datasets": listed}
 
     @app.get("/api/dataset/{name:path}")
     def dataset_detail(name: str, family: str | None = None, resolution: int | None = None,
                        bucket_min_side: int | None = None, bucket_max_side: int | None = None):
-        folder = dataset_of(name)
+        known = D.runs_data(root)  # read once: the folder, and the run that trains on it
+        folder = dataset_of(name, known)
         if family is not None and family not in family_names():
             raise HTTPException(400, f"unknown family {family!r}")
-        used = D.run_using(folder, root)  # a run that trains on it: its family and settings, until the page picks
+        used = D.run_using(folder, known)  # its family and settings, until the page picks another family
         family = family or (used and (used[1].get("model") or {}).get("family")) or family_names()[0]
-        return {"name": name, "path": str(folder), "items": D.items(folder, name), "check": D.check(folder, family, root, {"resolution": resolution, "bucket_min_side": bucket_min_side,
-                                                      "bucket_max_side": bucket_max_side}),
-                "family": family, "families": family_names()}
+        sizes = {"resolution": resolution, "bucket_min_side": bucket_min_side, "bucket_max_side": bucket_max_side}
+        return {"name": name, "path": str(folder), "items": D.items(folder, name),
+                "check": D.check(folder, family, used, sizes), "family": family, "families": family_names()}
 
     @app.put("/api/caption/{name:path}")
     async def caption(name: str, request: Request):
