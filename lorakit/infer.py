@@ -81,49 +81,82 @@ def add_loras(pipe, loras: list[tuple], arch: str | None, bake: bool = False, de
     import torch
 
     read = loras if loras and len(loras[0]) == 3 else read_loras(loras, arch)
-    tr = pipe.transformer
-    params = dict(tr.named_parameters())
-    names, scales, facts = [], [], []
+    names: dict = {}  # component -> (adapter names, scales)
+    facts = []
     for i, (path, scale, lora) in enumerate(read):
-        missing = [m for m in lora.weights if f"{m}.weight" not in params] + \
-                  [m for m in lora.biases if f"{m}.bias" not in params]
-        if missing:
-            raise InputError(f"{path}: modules this model does not have: {', '.join(missing[:3])}",
-                             "is the LoRA for another model size or family?")
-        peft_ok = {} if bake else {m: p for m, p in lora.weights.items()
-                                   if isinstance(p, LowRank) and (p.magnitude is not None or p.dora_scale is None)}
+        parts, why = expert_parts(pipe, path, lora)
         baked = 0
-        with torch.no_grad():
-            for m, p in lora.weights.items():
-                if m in peft_ok:
-                    continue
-                if defer is not None and m in defer and isinstance(p, LowRank) and not p.dora:
-                    defer[m].append((p.B, p.A, p.scale * scale))  # summed where the layer is rounded to 8 bits
-                else:
-                    w = params[f"{m}.weight"]
-                    w += (p.delta(w) * scale).to(w.dtype)
-                baked += 1
-            for m, b in lora.biases.items():
-                params[f"{m}.bias"] += (b.double() * scale).to(params[f"{m}.bias"].dtype)
-        if peft_ok:
-            sd, cfg = L.to_peft(peft_ok)
-            sd = {k: v.to(torch.float32) for k, v in sd.items()}
-            name = f"lora{i}"
-            try:
-                # the transformer's own peft loader, given rank and alpha as diffusers reads them from a file
-                tr.load_lora_adapter(sd, prefix="transformer", network_alphas=None, adapter_name=name,
-                                     metadata={f"transformer.{k}": v for k, v in cfg.items()}, _pipeline=pipe)
-            except (ValueError, RuntimeError, KeyError) as e:
-                raise InputError(f"{path}: does not fit this model's transformer ({str(e).splitlines()[0][:160]})",
-                                 "is the LoRA for another model size or family?") from None
-            names.append(name)
-            scales.append(scale)
+        for part in parts:
+            baked = _add_one(pipe, part, i, path, scale, lora, bake, defer if part == "transformer" else None, names)
         facts.append({"path": str(path), "scale": scale, "sha256_16": file_hash(path), **lora.facts,
                       "added_to_weights": baked + len(lora.biases),
+                      **({"applied_to": parts, "applied_to_why": why} if why else {}),
                       "not_applied": [{"key": k, "why": w} for k, w in lora.unused]})
-    if names:
-        pipe.set_adapters(names, adapter_weights=scales)
-    return facts
+    for part, (ns, scales) in names.items():
+        getattr(pipe, part).set_adapters(ns, scales)  # each expert its own adapters (diffusers' pipeline-level
+    return facts  # set_adapters wants every name in every expert)
+
+
+EXPERT_NAMES = {"high": "transformer", "low": "transformer_2"}
+
+
+def expert_parts(pipe, path: Path, lora) -> tuple[list[str], str]:
+    """The transformers of the pipeline a LoRA applies to, and why where there is a choice (Wan 2.2 A14B: the expert
+    the file names in its metadata (lorakit_expert) or its name (`_high_noise` / `_low_noise`, as ai-toolkit and
+    musubi-tuner name theirs), else both experts)."""
+    if getattr(pipe, "transformer_2", None) is None:
+        return ["transformer"], ""
+    expert = lora.facts.get("expert")
+    if expert in EXPERT_NAMES:
+        return [EXPERT_NAMES[expert]], f"the {expert}-noise expert, as the file's metadata says (lorakit_expert)"
+    stem = Path(path).stem.lower()
+    for expert in EXPERT_NAMES:
+        if f"{expert}_noise" in stem or f"{expert}noise" in stem or stem.endswith(f"_{expert}"):
+            return [EXPERT_NAMES[expert]], f"the {expert}-noise expert, as the file's name says"
+    return list(EXPERT_NAMES.values()), "both experts: the file names no expert (lorakit_expert, _high_noise/_low_noise)"
+
+
+def _add_one(pipe, part: str, i: int, path, scale: float, lora, bake: bool, defer, names: dict) -> int:
+    """One LoRA into one transformer of the pipeline; returns how many modules went into the weights."""
+    import torch
+
+    tr = getattr(pipe, part)
+    params = dict(tr.named_parameters())
+    missing = [m for m in lora.weights if f"{m}.weight" not in params] + \
+              [m for m in lora.biases if f"{m}.bias" not in params]
+    if missing:
+        raise InputError(f"{path}: modules this model does not have: {', '.join(missing[:3])}",
+                         "is the LoRA for another model size or family?")
+    peft_ok = {} if bake else {m: p for m, p in lora.weights.items()
+                               if isinstance(p, LowRank) and (p.magnitude is not None or p.dora_scale is None)}
+    baked = 0
+    with torch.no_grad():
+        for m, p in lora.weights.items():
+            if m in peft_ok:
+                continue
+            if defer is not None and m in defer and isinstance(p, LowRank) and not p.dora:
+                defer[m].append((p.B, p.A, p.scale * scale))  # summed where the layer is rounded to 8 bits
+            else:
+                w = params[f"{m}.weight"]
+                w += (p.delta(w) * scale).to(w.dtype)
+            baked += 1
+        for m, b in lora.biases.items():
+            params[f"{m}.bias"] += (b.double() * scale).to(params[f"{m}.bias"].dtype)
+    if peft_ok:
+        sd, cfg = L.to_peft(peft_ok)
+        sd = {k: v.to(torch.float32) for k, v in sd.items()}
+        name = f"lora{i}"
+        try:
+            # the transformer's own peft loader, given rank and alpha as diffusers reads them from a file
+            tr.load_lora_adapter(sd, prefix="transformer", network_alphas=None, adapter_name=name,
+                                 metadata={f"transformer.{k}": v for k, v in cfg.items()}, _pipeline=pipe)
+        except (ValueError, RuntimeError, KeyError) as e:
+            raise InputError(f"{path}: does not fit this model's transformer ({str(e).splitlines()[0][:160]})",
+                             "is the LoRA for another model size or family?") from None
+        ns, scales = names.setdefault(part, ([], []))
+        ns.append(name)
+        scales.append(scale)
+    return baked
 
 
 def _to_pil(img):
@@ -160,15 +193,18 @@ def generate(model_dir: Path, req: Request, loras: list[tuple[Path, float]], out
         except (OSError, ValueError, SyntaxError):
             raise InputError(f"--image {p}: not a readable image") from None
     facts = family_adapter(family_of_folder(model_dir))
-    if controls and facts.layout != "edit":  # one pipeline for both (FLUX.2): reference images make it the edit family
-        facts = next((family_adapter(f) for f in family_names() if family_info(f).pipeline_class ==
-                      facts.info.pipeline_class and family_adapter(f).layout == "edit"), facts)
+    if controls and facts.layout != "edit" and not facts.first_frame:  # one pipeline for both (FLUX.2): reference
+        facts = next((family_adapter(f) for f in family_names() if family_info(f).pipeline_class ==  # images make it
+                      facts.info.pipeline_class and family_adapter(f).layout == "edit"), facts)  # the edit family
     family, edit, video = facts.family, facts.layout == "edit", facts.layout == "video"
     if edit and not controls:
         raise InputError(f"{family} edits an image", f"give --image PATH (up to {facts.max_controls})")
-    if controls and not edit:
+    if facts.first_frame and len(controls) != 1:
+        raise InputError(f"{family} starts each clip from an image: one --image, got {len(controls)}",
+                         "give --image PATH (the first frame)")
+    if controls and not edit and not facts.first_frame:
         raise InputError(f"{family} takes no --image")
-    if len(controls) > facts.max_controls:
+    if len(controls) > max(facts.max_controls, int(facts.first_frame)):
         raise InputError(f"{family} takes at most {facts.max_controls} --image, got {len(controls)}")
     if video and (req.frames < 1 or (req.frames - 1) % facts.temporal):
         t = facts.temporal
@@ -224,7 +260,7 @@ def generate(model_dir: Path, req: Request, loras: list[tuple[Path, float]], out
             if req.guidance is not None:
                 kw[adapter.guidance_arg] = req.guidance
             if controls:
-                kw["image"] = controls[0] if adapter.max_controls == 1 else controls
+                kw["image"] = controls[0] if adapter.max_controls == 1 or adapter.first_frame else controls
             if video:
                 kw["num_frames"] = req.frames
             if device.startswith("cuda"):

@@ -239,8 +239,12 @@ def _encode_one(adapter, store: Store, put, entry, read, cfg) -> int:
         return 0
     tensors = {}
     controls = read.get("controls")
+    clip = read["pixels"].permute(1, 0, 2, 3).unsqueeze(0) if e.window is not None else read["pixels"].unsqueeze(2)
+    cond = adapter.encode_clip_condition(clip)  # image-to-video: the first frame the clip starts from
+    if cond is not None:
+        tensors["control_latents_0"] = cond[0] if e.window is not None else cond[0, :, 0]
     if e.window is not None:
-        tensors["latents"] = adapter.encode_video(read["pixels"].permute(1, 0, 2, 3).unsqueeze(0))[0]
+        tensors["latents"] = adapter.encode_video(clip)[0]
     else:
         tensors["latents"] = adapter.encode_images(read["pixels"])[0]
         if it.mask is not None:  # the loss mask at latent resolution (each latent: its pixels' mean)

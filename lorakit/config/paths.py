@@ -69,6 +69,13 @@ def model_folder_problems(folder: Path, key: str = "model.path", family: str | N
         return [f"{key}: {folder} holds a {got}, not the {want} that model.family {family} needs"
                 + (f" (the folder is a {theirs} model: set model.family: {theirs}, or give a {family} model)"
                    if theirs else "")]
+    if want and FAMILIES[family].index_marks:  # one pipeline class, several families (Wan 2.1 / 2.2 A14B / TI2V-5B)
+        theirs = family_of_pipeline(want, index)
+        if theirs != family:
+            marks = ", ".join(f"{k} {'set' if v else 'unset'}" for k, v in FAMILIES[family].index_marks)
+            return [f"{key}: {folder} is not a {family} model (its model_index.json lacks: {marks})"
+                    + (f"; it is a {theirs} model: set model.family: {theirs}, or give a {family} model"
+                       if theirs else "")]
     lacking = []
     for name, spec in index.items():
         if name.startswith("_") or not (isinstance(spec, list) and len(spec) == 2 and all(spec)):

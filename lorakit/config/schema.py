@@ -29,6 +29,10 @@ class ModelConfig(_Section):
                                                "or repo id), whose text encoders, VAE and scheduler go with it "
                                                "(its transformer is not downloaded)")
     dtype: Literal["bf16", "fp16", "fp32"] = Field("bf16", description="compute dtype of the trainable model")
+    expert: Literal["high", "low"] | None = Field(
+        None, description="Wan 2.2 A14B: the expert the LoRA is for — high (transformer: the high-noise steps, "
+                          "layout and motion) or low (transformer_2: the low-noise steps, details; the default); "
+                          "sigmas are drawn in that expert's range only. Other families: leave it out")
 
     @field_validator("family")
     @classmethod
@@ -38,6 +42,12 @@ class ModelConfig(_Section):
             tip = f" (did you mean {close[0]!r}?)" if close else f" (valid: {', '.join(family_names())})"
             raise ValueError(f"unknown family{tip}")
         return v
+
+    @model_validator(mode="after")
+    def _expert(self) -> ModelConfig:
+        if self.expert is not None and not family_adapter(self.family).experts:
+            raise ValueError(f"expert: {self.family} has one transformer, no experts (leave model.expert out)")
+        return self
 
 TargetPreset = Literal["attention", "attention_mlp", "all_linear"]
 

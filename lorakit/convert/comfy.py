@@ -114,7 +114,10 @@ def key_map(arch: str, keys: dict) -> dict:
 def takes_diffusers_name(arch: str):
     """A test: does ComfyUI's key map for this architecture take a LoRA for this diffusers module name under its
     diffusers prefixes (`Adapter.comfy_diffusers_names`; every name when the architecture lists none)?"""
-    names = arch_adapter(arch).comfy_diffusers_names
+    a = arch_adapter(arch)
+    names = a.comfy_diffusers_names
+    if not a.comfy_diffusers_prefixes:  # Wan: ComfyUI's key map takes the original names only
+        return lambda module: False
     if names is None:
         return lambda module: True
     pats = [re.compile(p) for p in names]

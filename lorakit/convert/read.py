@@ -232,6 +232,8 @@ def _read(path, arch: str | None, base: dict | None) -> Lora:
                   "ranks": sorted({p.rank for p in lora.weights.values() if isinstance(p, LowRank)}),
                   "kinds": kinds, "biases": len(lora.biases), "keys": len(tensors), "unused": len(lora.unused),
                   "dtype": str(_first_tensor(first).dtype).removeprefix("torch.") if first is not None else None}
+    if meta.get("lorakit_expert"):  # the expert of a two-expert model it was trained for (Wan 2.2 A14B)
+        lora.facts["expert"] = meta["lorakit_expert"]
     return lora
 
 

@@ -220,6 +220,10 @@ def _comfy_probe_check(path, arch, expected, base, rtol, shapes) -> str:
                                                           and k.replace(".lora_magnitude_vector", ".dora_scale") in sd)]
     if unused:
         return f"{len(unused)} key(s) ComfyUI would not load, e.g. {unused[0]}"
+    if native_only and not expected.weights:
+        return (f"{PARTIAL} it takes none of the {len(native_only)} module(s) of this file under their diffusers "
+                f"names, only by their native names (e.g. {native_only[0]}). `lorakit convert FILE --to comfyui` "
+                "writes a file ComfyUI reads whole")
     if native_only:
         return (f"{PARTIAL} it skips {len(native_only)} module(s) of this file, which it takes by their native names "
                 f"only (e.g. {native_only[0]}); the other {len(expected.weights)} equal. `lorakit convert FILE "

@@ -22,7 +22,7 @@ import json
 import re
 from pathlib import Path
 
-from lorakit.errors import InputError
+from lorakit.errors import ConfigError, InputError
 from lorakit.io.modules import load_component
 from lorakit.io.stream import stream
 from lorakit.models.facts import AttentionCase, LoraPresets, NativeName, Published
@@ -78,6 +78,9 @@ class Adapter(abc.ABC):
     # (diffusers' FLUX.2 reader of ai-toolkit files refuses them), `--to comfyui` folds alpha into the up matrices
     native_alpha_keys = True
     vae_part = "vae"
+    lora_file_layout = "diffusers"  # the layout a run writes its LoRA in (Wan: "comfyui", the layout both read)
+    first_frame = False  # image-to-video: generation starts from an image (infer's --image; training: the clip's own)
+    experts: tuple[str, ...] = ()  # the experts of a mixture-of-experts pipeline (Wan 2.2 A14B: high, low)
     vae_factor = 8  # pixels per latent row/column (an 8x VAE; FLUX.2 folds 2x2 patches in: 16)
     latent_channels = 16  # channels of the cached latents (FLUX.2: 128)
 
@@ -222,6 +225,32 @@ class Adapter(abc.ABC):
         Called on the training transformer just before its blocks are compiled."""
         return None  # the stock blocks of most families compile whole as they are
 
+    def trained_part(self, expert: str | None = None) -> str:
+        """The pipeline component a run trains (`model.expert` picks one of several experts)."""
+        self.expert(expert)
+        return "transformer"
+
+    def expert(self, expert: str | None) -> str | None:
+        """The expert a run trains (None: the family has one transformer).
+
+        Raises:
+            ConfigError: an expert named for a family without experts.
+        """
+        if expert is not None:
+            raise ConfigError(f"model.expert: {expert} — {self.family} has one transformer, no experts",
+                              "leave model.expert out")
+        return None
+
+    def sigma_range(self, expert: str | None = None) -> tuple[float, float]:
+        """The sigmas the trained transformer denoises at sampling time (an expert: its part of the trajectory);
+        training draws its sigmas in this range only."""
+        return (0.0, 1.0)
+
+    def encode_clip_condition(self, frames):
+        """What a clip (B, 3, T, H, W) conditions its own generation with (image-to-video: its first frame), cached
+        as the item's control latents; None where the family has no such condition."""
+        return None
+
     @abc.abstractmethod
     def attention_model_config(self) -> dict:
         """The full-width transformer config with one block of each kind (doctor's in-model attention case)."""
@@ -346,6 +375,14 @@ def load_adapter(family: str, model_dir, device: str = "cpu", dtype=None, backen
 def family_adapter(family: str) -> Adapter:
     """The conventions-only adapter of a family (facts and pure functions; shared, cached)."""
     return load_adapter(family, None)
+
+
+def trained_dir(cfg) -> Path | None:
+    """The folder of the transformer a run trains (`<model>/transformer`; an expert's, `model.expert`), None without
+    a model folder."""
+    if not cfg.model.path:
+        return None
+    return Path(cfg.model.path) / family_adapter(cfg.model.family).trained_part(cfg.model.expert)
 
 
 def arch_adapter(arch: str) -> Adapter:

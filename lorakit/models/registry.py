@@ -32,6 +32,9 @@ class FamilyInfo:
     transformer_class: str
     patch: int  # image sides must be multiples of this many pixels (VAE factor x patch size)
     description: str
+    # model_index.json entries that tell apart families of one pipeline class: (key, set?) — a component present
+    # or a flag true (Wan 2.2 A14B has transformer_2, TI2V-5B expand_timesteps)
+    index_marks: tuple[tuple[str, bool], ...] = ()
 
 
 FAMILIES: dict[str, FamilyInfo] = {
@@ -64,6 +67,17 @@ FAMILIES: dict[str, FamilyInfo] = {
                    "Flux2Transformer2DModel", 16, "FLUX.2 [klein] editing with 1-4 reference images"),
         FamilyInfo("flux-kontext", "flux", "flux_kontext", "", "FluxKontextPipeline", "FluxTransformer2DModel", 16,
                    "FLUX.1 Kontext dev (image editing with one control image)"),
+        FamilyInfo("wan2.1-t2v", "wan", "wan", "2.1-t2v", "WanPipeline", "WanTransformer3DModel", 16,
+                   "Wan 2.1 text-to-video (one transformer: 14B or 1.3B)",
+                   (("transformer_2", False), ("expand_timesteps", False))),
+        FamilyInfo("wan2.2-t2v", "wan", "wan", "2.2-t2v", "WanPipeline", "WanTransformer3DModel", 16,
+                   "Wan 2.2 T2V-A14B (two experts: model.expert high or low)", (("transformer_2", True),)),
+        FamilyInfo("wan2.2-i2v", "wan", "wan", "2.2-i2v", "WanImageToVideoPipeline", "WanTransformer3DModel", 16,
+                   "Wan 2.2 I2V-A14B (first frame in, two experts: model.expert high or low)",
+                   (("transformer_2", True),)),
+        FamilyInfo("wan2.2-ti2v-5b", "wan", "wan", "2.2-ti2v", "WanPipeline", "WanTransformer3DModel", 32,
+                   "Wan 2.2 TI2V-5B (one transformer, the Wan 2.2 VAE; trained text-to-video)",
+                   (("expand_timesteps", True),)),
     ]
 }
 
@@ -110,9 +124,17 @@ def family_of_arch(arch: str) -> str:
     return next(f.name for f in FAMILIES.values() if f.arch == arch_of(arch))
 
 
-def family_of_pipeline(pipeline_class: str) -> str | None:
-    """The family whose stock pipeline class this is (None if lorakit has none)."""
-    return next((f.name for f in FAMILIES.values() if f.pipeline_class == pipeline_class), None)
+def family_of_pipeline(pipeline_class: str, index: dict | None = None) -> str | None:
+    """The family whose stock pipeline class this is (None if lorakit has none); `index` (model_index.json) tells
+    apart the families of one class by their `index_marks`."""
+    def is_set(v) -> bool:
+        return bool(v[0] is not None) if isinstance(v, list) and v else bool(v)
+
+    for f in FAMILIES.values():
+        if f.pipeline_class == pipeline_class and \
+                all(is_set((index or {}).get(k)) == want for k, want in f.index_marks):
+            return f.name
+    return None
 
 
 def families_help() -> str:
@@ -131,10 +153,11 @@ def family_of_folder(model_dir: Path) -> str:
     if not index_file.is_file():
         raise InputError(f"{model_dir} is not a diffusers model folder (no model_index.json)")
     try:
-        cls_name = json.loads(index_file.read_text(encoding="utf-8")).get("_class_name")
+        index = json.loads(index_file.read_text(encoding="utf-8"))
+        cls_name = index.get("_class_name")
     except (OSError, UnicodeDecodeError, ValueError, AttributeError) as e:
         raise InputError(f"{index_file}: not a readable model index ({type(e).__name__})") from None
-    family = family_of_pipeline(cls_name)
+    family = family_of_pipeline(cls_name, index)
     if family is None:
         raise InputError(f"{model_dir} holds a {cls_name}, which is not a lorakit family",
                          "supported pipelines: " + families_help())

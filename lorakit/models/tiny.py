@@ -185,6 +185,18 @@ def t5_text(tokenizer, seed: int, d_model: int = 32):
     return T5EncoderModel(cfg).eval()
 
 
+def umt5_text(tokenizer, seed: int, d_model: int = 32):
+    """umT5's encoder class (Wan's text encoder), tiny."""
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    seeded(seed)
+    cfg = UMT5Config(vocab_size=len(tokenizer), d_model=d_model, d_kv=8, d_ff=2 * d_model, num_layers=2,
+                     num_heads=4, relative_attention_num_buckets=8, relative_attention_max_distance=32,
+                     feed_forward_proj="gated-gelu", pad_token_id=tokenizer.pad_token_id,
+                     eos_token_id=tokenizer.eos_token_id, decoder_start_token_id=tokenizer.pad_token_id)
+    return UMT5EncoderModel(cfg).eval()
+
+
 def qwen_vl(tokenizer, seed: int, hidden: int = 32):
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
@@ -286,6 +298,24 @@ def qwen_vae(seed: int):
     seeded(seed)
     return AutoencoderKLQwenImage(base_dim=8, z_dim=16, dim_mult=[1, 2, 2, 2], num_res_blocks=1, attn_scales=[],
                                   temperal_downsample=[False, True, True]).eval()
+
+
+def wan_vae(seed: int, variant: str = ""):
+    """AutoencoderKLWan: Wan 2.1's (16 channels, 8x) or, for TI2V-5B, Wan 2.2's (48 channels, 2x2 patches folded
+    in: 16x, residual blocks); per-channel statistics away from 0 / 1 so that a missed normalisation shows."""
+    import torch
+    from diffusers import AutoencoderKLWan
+
+    seeded(seed)
+    ti2v = variant == "2.2-ti2v"
+    z = 48 if ti2v else 16
+    g = torch.Generator().manual_seed(seed)
+    mean = (0.3 * torch.randn(z, generator=g)).tolist()
+    std = (0.5 + torch.rand(z, generator=g)).tolist()
+    kw = dict(is_residual=True, patch_size=2, scale_factor_spatial=16, in_channels=12, out_channels=12) if ti2v else {}
+    return AutoencoderKLWan(base_dim=8, z_dim=z, dim_mult=[1, 2, 2, 2], num_res_blocks=1, attn_scales=[],
+                            temperal_downsample=[False, True, True], latents_mean=mean, latents_std=std,
+                            **kw).eval()
 
 
 def hunyuan_video_vae(seed: int):

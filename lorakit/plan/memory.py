@@ -27,7 +27,7 @@ from lorakit.hardware.gpu import env_cap_gib
 from lorakit.hardware.profiles import load_profile
 from lorakit.io.header import DTYPES, FLOATS, read_header
 from lorakit.io.reader import resolve_files
-from lorakit.models.base import family_adapter
+from lorakit.models.base import family_adapter, trained_dir
 from lorakit.models.native import block_of
 
 GIB = 2**30
@@ -75,7 +75,7 @@ def _transformer_facts(cfg) -> tuple[int, int, float, str]:
     pub = adapter.published
     hidden, blocks, params = pub.hidden, pub.blocks, pub.params
     source = f"published size: {pub.source}"
-    folder = Path(cfg.model.path) / "transformer" if cfg.model.path else None
+    folder = trained_dir(cfg)
     if folder is not None and (folder / "config.json").is_file():
         try:
             c = json.loads((folder / "config.json").read_text(encoding="utf-8"))
@@ -111,8 +111,8 @@ def estimate(cfg, world: int = 1) -> dict:
     bpp = BYTES_PER_PARAM[cfg.memory.base_quant] or dtype_bytes
     swapped = min(cfg.memory.blocks_to_swap, blocks)
     base = params * bpp * (1 - swapped / blocks)
-    split = folder_split(str(Path(cfg.model.path) / "transformer"), cfg.memory.base_quant, dtype_bytes) \
-        if cfg.model.path and (Path(cfg.model.path) / "transformer").is_dir() else None
+    folder = trained_dir(cfg)
+    split = folder_split(str(folder), cfg.memory.base_quant, dtype_bytes) if folder and folder.is_dir() else None
     if split and split[1]:  # the folder's own sizes: what stays unquantized, and blocks of unequal size
         rest, sizes = split[0], sorted(split[1])  # (FLUX.2's double blocks hold twice a single block's weights)
         away = sizes[:swapped]  # counted as the smallest that could go (the swapper sends the last: the small ones)

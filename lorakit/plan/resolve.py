@@ -15,6 +15,7 @@ from lorakit.events import Events
 from lorakit.hardware.gpu import device_for
 from lorakit.io import resolve_files
 from lorakit.io.prefetch import Prefetch
+from lorakit.models.base import trained_dir
 from lorakit.models.sources import model_folder
 from lorakit.plan.decide import (
     attention_backend,
@@ -92,14 +93,15 @@ def resolve(source: Path | dict | Config | None = None, overrides: list[str] | N
     device = device_for(cfg.profile)
     out = Resolved(cfg, prov, device, world, notes=found)
     if read_ahead and cfg.model.path and int(os.environ.get("LOCAL_RANK", "0") or 0) == 0:
-        out.read_ahead = transformer_read_ahead(Path(cfg.model.path))
+        out.read_ahead = transformer_read_ahead(trained_dir(cfg))
     return plan_run(out, cap_gib, defer_attention) if train else out
 
 
-def transformer_read_ahead(model: Path) -> Prefetch | None:
-    """The transformer's weight files read ahead (None where the folder has none: the load names the problem)."""
+def transformer_read_ahead(folder: Path) -> Prefetch | None:
+    """The trained transformer's weight files read ahead (None where the folder has none: the load names the
+    problem)."""
     try:
-        files = resolve_files(model / "transformer")
+        files = resolve_files(folder)
     except (OSError, LorakitError):  # the load reports them
         return None
     return Prefetch(files) if files else None

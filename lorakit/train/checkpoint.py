@@ -62,7 +62,9 @@ def save(tr, final: bool = False, name: str | None = None, background: bool = Fa
             with tr.averaged():  # the LoRA file holds the EMA weights when EMA is on
                 consumer_check = save_lora(tr.transformer, ck / "lora.safetensors", tr.cfg.model.family,
                                            {"lorakit_step": tr.step, **({"lorakit_ema_decay": tr.ema.decay}
-                                                                        if tr.ema else {})}, clock=clock)
+                                                                        if tr.ema else {}),
+                                            **({"lorakit_expert": e} if (e := tr.adapter.expert(tr.cfg.model.expert))
+                                               else {})}, clock=clock)
             opt_state = tr.opt.state_dict()
         state = _state(tr, optimizer=opt_state)
         if not tr.full:  # the trainable tensors bit for bit (the file has alpha folded into B)

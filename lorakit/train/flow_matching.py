@@ -57,6 +57,26 @@ def sample_sigmas(n: int, method: str = "uniform", generator=None, *, shift: flo
     return u
 
 
+def in_range(draw, n: int, lo: float, hi: float, rounds: int = 64):
+    """n sigmas from `draw(k)` (k new sigmas) restricted to [lo, hi) ([lo, 1] when hi is 1): those outside are
+    drawn again, so the method's distribution is kept within the range (an expert's part of the trajectory);
+    after `rounds` draws the few still outside are clamped into it."""
+    import torch
+
+    def inside(s):
+        return (s >= lo) & ((s < hi) if hi < 1.0 else torch.ones_like(s, dtype=torch.bool))
+
+    s = draw(n)
+    for _ in range(rounds):
+        bad = ~inside(s)
+        k = int(bad.sum())
+        if not k:
+            return s
+        s = s.clone()
+        s[bad] = draw(k)
+    return s.clamp(lo, hi - 1e-6 if hi < 1.0 else 1.0)
+
+
 def noisy(x0, noise, sigmas):
     """(x_t, target) for latents x0 (B, ...) and per-item sigmas (B,)."""
     s = sigmas.view(-1, *([1] * (x0.dim() - 1))).to(x0.dtype)

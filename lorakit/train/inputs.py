@@ -48,9 +48,14 @@ def draw(tr, step: int, micro: int) -> StepInputs:
         variants = [v[i] for i in idx]
     batch = tr.data.load([keys[i] for i in idx], [drop[i] for i in idx], variants)
     seq = tr.adapter.image_seq_len(batch.latents.shape)
-    sigmas = fm.sample_sigmas(n, s.timesteps, g, shift=s.shift, logit_mean=s.logit_mean, logit_std=s.logit_std,
-                              image_seq_len=seq, scheduler_config=tr.sched_cfg, scale=s.scale,
-                              mu=tr.adapter.shift_mu(seq, tr.sched_cfg))
+    mu = tr.adapter.shift_mu(seq, tr.sched_cfg)
+
+    def sigmas_of(k: int):
+        return fm.sample_sigmas(k, s.timesteps, g, shift=s.shift, logit_mean=s.logit_mean, logit_std=s.logit_std,
+                                image_seq_len=seq, scheduler_config=tr.sched_cfg, scale=s.scale, mu=mu)
+
+    lo, hi = tr.adapter.sigma_range(cfg.model.expert)  # an expert trains on its own part of the trajectory only
+    sigmas = sigmas_of(n) if (lo, hi) == (0.0, 1.0) else fm.in_range(sigmas_of, n, lo, hi)
     noise = torch.randn((n, *batch.latents.shape[1:]), generator=g)
     if idx != list(range(n)):
         sigmas, noise = sigmas[idx], noise[idx]

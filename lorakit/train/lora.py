@@ -8,6 +8,7 @@ from lorakit.convert import lora as L
 from lorakit.convert import verify as V
 from lorakit.errors import ConfigError, FileFormatError
 from lorakit.io import load
+from lorakit.models.base import family_adapter
 from lorakit.models.native import in_block
 from lorakit.models.registry import family_info
 
@@ -77,8 +78,8 @@ def lora_state_dict(transformer) -> dict:
 
 def save_lora(transformer, path: Path, family: str, extra: dict | None = None, check: bool = True,
               clock=None) -> dict | None:
-    """Write the LoRA the way every consumer reads alike (`convert.lora.write`, diffusers layout: alpha folded
-    into B; DoRA with ComfyUI's dora_scale beside peft's magnitude), then read it back as diffusers and as
+    """Write the LoRA the way every consumer reads alike (`convert.lora.write`, in the family's
+    `lora_file_layout`: diffusers names, alpha folded into B, for most; DoRA with ComfyUI's dora_scale beside peft's magnitude), then read it back as diffusers and as
     ComfyUI would and compare with the trained modules (`convert.verify`). Returns that comparison. `clock`: a
     `train.prepare.Clock` told when the file is written and when it is checked.
 
@@ -89,7 +90,8 @@ def save_lora(transformer, path: Path, family: str, extra: dict | None = None, c
     dora = any(getattr(p, "dora", False) for p in t.weights.values())  # LoKr/LoHa patches have no DoRA
     base = V.base_weights(transformer, t.weights) if dora else None
     meta = {k: str(v) for k, v in (extra or {}).items()}
-    L.write(t, path, "diffusers", family_info(family).arch, extra_metadata=meta, base=base)
+    layout = family_adapter(family).lora_file_layout  # Wan: the original names, which ComfyUI and diffusers read
+    L.write(t, path, layout, family_info(family).arch, extra_metadata=meta, base=base)
     if clock:
         clock.lap("LoRA file")
     if not check:

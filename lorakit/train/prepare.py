@@ -10,6 +10,7 @@ import time
 from dataclasses import dataclass, field
 
 from lorakit.io.modules import load_component
+from lorakit.models.base import trained_dir
 from lorakit.train.compile_bg import BackgroundCompile, thread_own_fx_patches
 from lorakit.train.lora import add_lora
 from lorakit.train.swap import BlockSwapper, repeated_blocks, swapped_names
@@ -50,7 +51,7 @@ def load_base(cfg, device: str, dtype):
 
     on_gpu = device != "cpu"
     to_cpu = on_gpu and (cfg.memory.base_quant != "none" or cfg.memory.blocks_to_swap > 0)
-    return load_component(Path(cfg.model.path) / "transformer", "cpu" if to_cpu else device, dtype,
+    return load_component(trained_dir(cfg), "cpu" if to_cpu else device, dtype,
                           cfg.memory.loader, unified_memory=cfg.memory.unified_memory)
 
 

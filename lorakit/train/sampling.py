@@ -107,11 +107,14 @@ def sigma_schedule(steps: int, image_seq_len: int, scheduler_config: dict, mu: f
     import torch
 
     s = torch.linspace(1.0, 1.0 / steps, steps, dtype=torch.float64)
+    if scheduler_config.get("use_flow_sigmas"):  # UniPC's flow sigmas (Wan): steps + 1 points from 1 to 1/T, the last
+        bottom = 1.0 / scheduler_config.get("num_train_timesteps", 1000)  # left out
+        s = torch.linspace(1.0, bottom, steps + 1, dtype=torch.float64)[:-1]
     if scheduler_config.get("use_dynamic_shifting"):
         mu = resolution_mu(image_seq_len, scheduler_config) if mu is None else mu
         s = math.exp(mu) / (math.exp(mu) + (1 / s - 1))
     else:
-        k = float(scheduler_config.get("shift", 1.0))
+        k = float(scheduler_config.get("shift", scheduler_config.get("flow_shift", 1.0)))
         s = k * s / (1 + (k - 1) * s)
     return torch.cat([s, torch.zeros(1, dtype=torch.float64)]).float()
 

@@ -29,7 +29,10 @@ from lorakit.train.warm import pixels
 def scheduler_config(model_path) -> dict:
     """The model's flow-matching scheduler config (its sigma shift), {} without a model folder."""
     f = Path(model_path or ".") / "scheduler" / "scheduler_config.json"
-    return json.loads(f.read_text()) if model_path and f.is_file() else {}
+    cfg = json.loads(f.read_text()) if model_path and f.is_file() else {}
+    if "flow_shift" in cfg and "shift" not in cfg:  # UniPC's name for the same shift (Wan's scheduler)
+        cfg["shift"] = cfg["flow_shift"]
+    return cfg
 
 
 class Trainer:

@@ -25,6 +25,7 @@ import lorakit
 from lorakit.errors import LorakitError
 from lorakit.hardware.gpu import compile_cache_dir
 from lorakit.io import atomic_path
+from lorakit.models.base import trained_dir
 from lorakit.models.batch import Batch
 
 FOLDER = "warm"  # under the compile cache: one JSON per key, the shapes compiled with it
@@ -36,7 +37,7 @@ def warm_key(cfg, device: str) -> str:
     import torch
 
     try:
-        config = (Path(cfg.model.path) / "transformer" / "config.json").read_text(encoding="utf-8")
+        config = (trained_dir(cfg) / "config.json").read_text(encoding="utf-8")
     except OSError:
         config = str(cfg.model.path)
     card = torch.cuda.get_device_name(torch.device(device)) if device.startswith("cuda") else "cpu"

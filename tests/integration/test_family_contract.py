@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 
 from lorakit.cli.app import app
 from lorakit.data.demo import demo_layout_for, make_demo_dataset
-from lorakit.models.base import family_adapter, load_adapter
+from lorakit.models.base import family_adapter, load_adapter, trained_dir
 from lorakit.models.registry import family_info, family_names
 
 FAMILIES = family_names()
@@ -124,7 +124,7 @@ def _resumed(tmp_path, tiny, family, path, overrides):
     a = load_adapter(family, tiny(family))
     st = Store(cache_dir_for(cfg))
     data = CachedData(st, st.read_manifest(), 1, 0)
-    tr = Trainer(cfg, a, load_component(tiny(family) / "transformer"), data, tmp_path / "x", "cpu", torch.float32)
+    tr = Trainer(cfg, a, load_component(trained_dir(cfg)), data, tmp_path / "x", "cpu", torch.float32)
     tr.resume(tmp_path / "out" / "checkpoints" / "final")
     tr.transformer.eval()
     return cfg, a, data, tr
@@ -136,6 +136,11 @@ def _infer(run, tiny, family, ds, lora, tmp_path):
             "--height", "64", "--frames", "5", "-o", str(tmp_path / "img"), "--json"]
     for folder in sorted(p for p in ds.iterdir() if p.name.startswith("control")):
         args += ["--image", str(sorted(folder.iterdir())[0])]
+    if family_adapter(family).first_frame:  # image-to-video: the clip starts from this image
+        from PIL import Image
+
+        Image.new("RGB", (64, 64), (200, 30, 30)).save(tmp_path / "first.png")
+        args += ["--image", str(tmp_path / "first.png")]
     r = run.invoke(app, args)
     assert r.exit_code == 0, r.output
     return r
@@ -164,14 +169,15 @@ def test_default_config_runs_every_path(tmp_path, tiny, family):
     # the LoRA moved the model, and stock diffusers reproduces lorakit's predictions from the file
     cfg, a, data, tr = _resumed(tmp_path, tiny, family, path, [])
     pipe = a.pipeline_class().from_pretrained(tiny(family))
-    pipe.load_lora_weights(res["lora"])
+    part = a.trained_part(cfg.model.expert)  # Wan 2.2 A14B: the low-noise expert by default (transformer_2)
+    pipe.load_lora_weights(res["lora"], **({"load_into_transformer_2": True} if part == "transformer_2" else {}))
     b = data.load([data.items[0]["key"]])
     xt = torch.randn(b.latents.shape, generator=torch.Generator().manual_seed(0))
     s = torch.tensor([0.6])
     with torch.no_grad():
         ours = a.predict(tr.transformer, xt, s, b.text, controls=b.controls)
-        stock = a.predict(pipe.transformer, xt, s, b.text, controls=b.controls)
-        base = a.predict(load_component(tiny(family) / "transformer"), xt, s, b.text, controls=b.controls)
+        stock = a.predict(getattr(pipe, part), xt, s, b.text, controls=b.controls)
+        base = a.predict(load_component(trained_dir(cfg)), xt, s, b.text, controls=b.controls)
     torch.testing.assert_close(ours, stock, rtol=1e-5, atol=1e-5)
     assert (ours - base).abs().max() > 0  # three steps at the default learning rate changed the output
 
@@ -212,13 +218,18 @@ def test_lycoris_adapters_train_and_stock_peft_reproduces_them(tmp_path, tiny, f
     assert res["consumer_check"]["comfyui"] == "equal"
     cfg, a, data, tr = _resumed(tmp_path, tiny, family, path, [f"lora.type={kind}"])
 
-    sd = {k.removeprefix("transformer."): v for k, v in load(res["lora"]).items()}
+    lora = res["lora"]
+    if family_adapter(family).lora_file_layout != "diffusers":  # Wan writes the original names: peft reads diffusers'
+        lora = str(tmp_path / "as-diffusers.safetensors")
+        r = run.invoke(app, ["convert", "lora", res["lora"], lora, "--to", "diffusers", "--family", family, "--json"])
+        assert r.exit_code == 0 and json.loads(r.output)["deltas_equal"], r.output
+    sd = {k.removeprefix("transformer."): v for k, v in load(lora).items()}
     assert all(".lokr_" in k or ".hada_" in k for k in sd)
     modules = sorted({k.rsplit(".", 1)[0] for k in sd})
     # the file needs no alpha (the scale is folded in): peft's scale alpha / r is 1
     pcfg = (LoKrConfig if kind == "lokr" else LoHaConfig)(r=cfg.lora.rank, alpha=cfg.lora.rank,
                                                           target_modules=modules)
-    stock_tr = a.pipeline_class().from_pretrained(tiny(family)).transformer
+    stock_tr = getattr(a.pipeline_class().from_pretrained(tiny(family)), a.trained_part(cfg.model.expert))
     inject_adapter_in_model(pcfg, stock_tr)
     result = set_peft_model_state_dict(stock_tr, sd)
     assert not result.unexpected_keys
@@ -228,7 +239,7 @@ def test_lycoris_adapters_train_and_stock_peft_reproduces_them(tmp_path, tiny, f
     with torch.no_grad():
         ours = a.predict(tr.transformer, xt, s, b.text, controls=b.controls)
         stock = a.predict(stock_tr.eval(), xt, s, b.text, controls=b.controls)
-        base = a.predict(load_component(tiny(family) / "transformer"), xt, s, b.text, controls=b.controls)
+        base = a.predict(load_component(trained_dir(cfg)), xt, s, b.text, controls=b.controls)
     torch.testing.assert_close(ours, stock, rtol=1e-5, atol=1e-5)
     assert (ours - base).abs().max() > 0
 
