@@ -78,7 +78,6 @@ def add_loras(pipe, loras: list[tuple], arch: str | None, bake: bool = False, de
     layers about to be rounded to 8 bits: a plain LoRA on one is appended there as (B, A, coefficient) for the
     rounding pass to sum on the GPU (`train.quant.quantize_blocks`). `loras`: paths and scales, or what
     `read_loras` returned."""
-    import torch
 
     read = loras if loras and len(loras[0]) == 3 else read_loras(loras, arch)
     names: dict = {}  # component -> (adapter names, scales)

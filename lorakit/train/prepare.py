@@ -47,7 +47,6 @@ def load_base(cfg, device: str, dtype):
     """The model's transformer, read through lorakit.io. An 8-bit or 4-bit base is loaded to the CPU (mapped, no
     copy) and reaches the GPU layer by layer in its storage; with block swapping, the swapped blocks' weights
     never visit the GPU outside their turn."""
-    from pathlib import Path
 
     on_gpu = device != "cpu"
     to_cpu = on_gpu and (cfg.memory.base_quant != "none" or cfg.memory.blocks_to_swap > 0)
