@@ -38,7 +38,7 @@ def _build(adapter, name: str, part, pipe, device: str):
     torch.set_default_dtype(torch.bfloat16)
     try:
         with torch.device(device):
-            if name == "transformer":
+            if name in ("transformer", "transformer_2"):  # transformer_2: Wan 2.2 A14B's low-noise expert
                 return getattr(__import__("diffusers"), adapter.info.transformer_class)(**adapter.full_config)
             return full_component(name, part, _tokenizer_for(name, pipe))
     finally:

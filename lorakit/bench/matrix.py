@@ -187,6 +187,11 @@ def run_cell(cell: Cell, model: Path, data: Path, work: Path, steps: int, res: i
         env["LORAKIT_MEMORY_CAP_GIB"] = str(cell.cap_gib)
     lk = [sys.executable, "-m", "lorakit"]
     controls = [str(p) for p in sorted((data / "control").glob("*.png"))[:1]] if facts.max_controls else []
+    if facts.first_frame:  # image-to-video: infer and stock start the clip from the same image
+        from PIL import Image
+
+        Image.new("RGB", (res, res), (200, 30, 30)).save(work / "first.png")
+        controls = [str(work / "first.png")]
     infer_steps = 2 if tiny else 10
     todo = list(stages)
     while todo:

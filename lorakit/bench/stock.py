@@ -93,10 +93,13 @@ def run(a: dict) -> dict:
         else:
             pipe = pipe.to(dev)
     pipe.set_progress_bar_config(disable=True)
-    pipe.load_lora_weights(a["lora"])
+    from lorakit.convert.lora import read
+
+    low = read(a["lora"], arch=ad.arch).facts.get("expert") == "low"  # Wan 2.2 A14B: the low-noise expert's LoRA
+    pipe.load_lora_weights(a["lora"], **({"load_into_transformer_2": True} if low else {}))
     if a["image"]:
         imgs = [open_image(p) for p in a["image"]]
-        kw["image"] = imgs[0] if ad.max_controls == 1 else imgs
+        kw["image"] = imgs[0] if ad.max_controls == 1 or ad.first_frame else imgs
     if ad.layout == "video":
         kw["num_frames"] = a["frames"]
     out = pipe(**kw)

@@ -301,7 +301,10 @@ class Adapter(abc.ABC):
 
             cls = self.pipeline_class()
             wanted = [p for p in inspect.signature(cls.__init__).parameters if p != "self"]
-            self._pipe = cls(**{k: self.parts.get(k) for k in wanted})
+            # the pipeline's own settings from model_index.json (Wan: boundary_ratio, expand_timesteps), components
+            # as loaded (those not loaded are None)
+            settings = {k: v for k, v in self.index.items() if k in wanted and not isinstance(v, list)}
+            self._pipe = cls(**{k: settings[k] if k in settings else self.parts.get(k) for k in wanted})
         return self._pipe
 
     def pipeline_class(self):

@@ -33,6 +33,15 @@ FLUX_VAE = dict(in_channels=3, out_channels=3, down_block_types=("DownEncoderBlo
                 up_block_types=("UpDecoderBlock2D",) * 4, block_out_channels=(128, 256, 512, 512), layers_per_block=2,
                 norm_num_groups=32, latent_channels=16, scaling_factor=0.3611, shift_factor=0.1159,
                 use_quant_conv=False, use_post_quant_conv=False, sample_size=1024)
+# Wan's text encoder: umT5-XXL's encoder (google/umt5-xxl; the Wan-AI -Diffusers repositories' text_encoder)
+UMT5_XXL = dict(d_model=4096, d_kv=64, d_ff=10240, num_layers=24, num_heads=64, relative_attention_num_buckets=32,
+                relative_attention_max_distance=128, feed_forward_proj="gated-gelu", vocab_size=256384,
+                tie_word_embeddings=False)
+# the Wan 2.2 VAE (TI2V-5B): 48 channels, 2x2 patches folded in (16x), residual blocks; the Wan 2.1 VAE (every other
+# Wan model) is AutoencoderKLWan()'s defaults
+WAN22_VAE = dict(base_dim=160, decoder_base_dim=256, z_dim=48, dim_mult=[1, 2, 4, 4], num_res_blocks=2,
+                 temperal_downsample=[False, True, True], is_residual=True, in_channels=12, out_channels=12,
+                 patch_size=2, scale_factor_spatial=16, scale_factor_temporal=4)
 # AutoencoderKLQwenImage(), AutoencoderKLHunyuanVideo() and AutoencoderKLFlux2() defaults are the published configs
 SHARD_BYTES = {"diffusers": 10 * 10**9, "transformers": 5 * 10**9}  # as the hub repositories shard them
 # Where the published files name a class's tensors otherwise than the installed transformers names its modules
@@ -67,6 +76,13 @@ def full_component(name: str, part, tokenizer):
         ids = dict(pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
                    decoder_start_token_id=tokenizer.pad_token_id)
         return transformers.T5EncoderModel(transformers.T5Config(**T5_XXL, **ids))
+    if cls == "UMT5EncoderModel":
+        ids = dict(pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+                   decoder_start_token_id=tokenizer.pad_token_id)
+        return transformers.UMT5EncoderModel(transformers.UMT5Config(**UMT5_XXL, **ids))
+    if cls == "AutoencoderKLWan":  # the statistics as the tiny one holds them (48 of them for Wan 2.2's)
+        stats = {k: list(part.config[k]) for k in ("latents_mean", "latents_std")}
+        return diffusers.AutoencoderKLWan(**(WAN22_VAE if part.config.z_dim == 48 else {}), **stats)
     if cls == "Qwen2_5_VLForConditionalGeneration":
         tok = getattr(tokenizer, "tokenizer", tokenizer)
         ids = {k: getattr(part.config, k) for k in ("image_token_id", "video_token_id", "vision_start_token_id",

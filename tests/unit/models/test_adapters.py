@@ -39,6 +39,11 @@ def test_text_embeddings_equal_the_pipeline(tiny, family):
             elif family_adapter(family).arch == "flux2":  # the whole padded sequence, three layers stacked
                 e, _ = pipe.encode_prompt(prompt=[text])
                 close(ours[i]["prompt_embeds"], e[0])
+            elif family_adapter(family).arch == "wan":  # padded with zeros to 512 tokens: the padding dropped
+                e, _ = pipe.encode_prompt(prompt=[text], do_classifier_free_guidance=False)
+                n = ours[i]["prompt_embeds"].shape[0]
+                close(ours[i]["prompt_embeds"], e[0, :n])
+                assert n < 512 and not e[0, n:].any()
             elif family == "z-image":  # a list of unpadded captions
                 e, _ = pipe.encode_prompt(prompt=[text], do_classifier_free_guidance=False)
                 close(ours[i]["prompt_embeds"], e[0])
@@ -82,6 +87,13 @@ def test_latents_equal_the_pipeline_convention(tiny, family):
             lat = retrieve_latents(pipe.vae.encode(pix), sample_mode="argmax")
             ref = (lat - pipe.vae.config.shift_factor) * pipe.vae.config.scaling_factor
             close(a.encode_images(pix), ref)
+        elif family_adapter(family).arch == "wan":  # the pipelines decode latents * std + mean
+            x = pix.unsqueeze(2).repeat(1, 1, 5, 1, 1)
+            n = pipe.vae.config.z_dim
+            mean = torch.tensor(pipe.vae.config.latents_mean).view(1, n, 1, 1, 1)
+            std = torch.tensor(pipe.vae.config.latents_std).view(1, n, 1, 1, 1)
+            close(a.encode_video(x) * std + mean, pipe.vae.encode(x).latent_dist.mode())
+            close(a.encode_images(pix), a.encode_video(pix.unsqueeze(2))[:, :, 0])
         else:  # Kandinsky 5 decodes latents / scaling_factor: encoding is its inverse on the VAE mean
             vid = family.endswith("t2v")
             x = pix.unsqueeze(2).repeat(1, 1, 5, 1, 1) if vid else pix
