@@ -57,9 +57,17 @@ def expected_shapes(folder) -> dict[str, tuple[int, ...]]:
     return {k: tuple(v.shape) for k, v in _empty_model(kind, cls, folder).state_dict().items()}
 
 
-def _fp32_names(model) -> list[str]:
-    keep = getattr(model, "_keep_in_fp32_modules", None) or []
-    return list(keep)
+def _fp32_names(model, dtype=None) -> list[str]:
+    """The modules kept in float32 when the model is loaded in `dtype`, by its library's rule: diffusers keeps
+    `_keep_in_fp32_modules` in float32 at any dtype; transformers keeps them so only for float16 (its
+    `_keep_in_fp32_modules_strict`: for float16 and bfloat16) — umT5 and T5 load their `wo` in bfloat16 at bf16."""
+    import torch
+
+    keep = list(getattr(model, "_keep_in_fp32_modules", None) or [])
+    if type(model).__module__.startswith("transformers"):
+        strict = list(getattr(model, "_keep_in_fp32_modules_strict", None) or [])
+        return keep + strict if dtype in (None, torch.float16) else strict if dtype == torch.bfloat16 else []
+    return keep
 
 
 def _kept_fp32(name: str, keep: list[str]) -> bool:
@@ -137,7 +145,7 @@ def load_component(folder, device: str = "cpu", dtype=None, backend: str = "auto
                               "the weights belong to another model or version")
     sd = load(folder, device=device, backend=backend, unified_memory=unified_memory)
     if dtype is not None:
-        _cast(sd, dtype, _fp32_names(model))
+        _cast(sd, dtype, _fp32_names(model, dtype))
     missing = model.load_state_dict(sd, strict=False, assign=True).missing_keys
     if hasattr(model, "tie_weights"):
         model.tie_weights()
