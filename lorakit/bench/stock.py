@@ -23,6 +23,7 @@ from diffusers import DiffusionPipeline
 from PIL import Image
 
 from lorakit.bench.hub import weight_files
+from lorakit.convert.lora import read
 from lorakit.data.images import open_image
 from lorakit.data.video import write_clip
 from lorakit.models.base import family_adapter
@@ -93,8 +94,6 @@ def run(a: dict) -> dict:
         else:
             pipe = pipe.to(dev)
     pipe.set_progress_bar_config(disable=True)
-    from lorakit.convert.lora import read
-
     low = read(a["lora"], arch=ad.arch).facts.get("expert") == "low"  # Wan 2.2 A14B: the low-noise expert's LoRA
     pipe.load_lora_weights(a["lora"], **({"load_into_transformer_2": True} if low else {}))
     if a["image"]:

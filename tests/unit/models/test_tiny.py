@@ -18,7 +18,8 @@ EXPECTED_SHAPE = {  # (batch, [frames,] height, width, channels) of output_type=
     # Kandinsky 5 T2I only accepts its listed sizes; the tiny VAE decodes 1024² requests to 1024²
     "kandinsky5-t2i": (1, 1024, 1024, 3), "kandinsky5-t2v": (1, 5, 64, 64, 3), "flux-kontext": (1, 64, 64, 3),
     "flux2-dev": (1, 64, 64, 3), "flux2-klein": (1, 64, 64, 3), "flux2-dev-edit": (1, 64, 64, 3),
-    "flux2-klein-edit": (1, 64, 64, 3),
+    "flux2-klein-edit": (1, 64, 64, 3), "wan2.1-t2v": (1, 5, 64, 64, 3), "wan2.2-t2v": (1, 5, 64, 64, 3),
+    "wan2.2-i2v": (1, 5, 64, 64, 3), "wan2.2-ti2v-5b": (1, 5, 64, 64, 3),
 }
 
 
@@ -27,12 +28,12 @@ def _call_kwargs(family):
               generator=torch.Generator().manual_seed(0), output_type="np")
     if family == "kandinsky5-t2i":
         kw.update(height=1024, width=1024)
-    elif family == "kandinsky5-t2v":
+    elif family == "kandinsky5-t2v" or family.startswith("wan"):
         kw.update(height=64, width=64, num_frames=5)
     else:
         kw.update(height=64, width=64)
     red = Image.new("RGB", (64, 64), (220, 40, 40))
-    if family == "qwen-image-edit":
+    if family in ("qwen-image-edit", "wan2.2-i2v"):  # Wan I2V: the first frame
         kw["image"] = red
     elif family == "flux-kontext":
         # it scales the output to max_area and the control to a preferred 1024-class size unless told not to
