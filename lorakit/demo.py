@@ -82,12 +82,15 @@ def sample_grid(model_dir: Path, family: str, prompts, size: int, steps: int, se
     adapter = family_adapter(family)
     pipe = DiffusionPipeline.from_pretrained(model_dir, dtype=torch.float32)
     pipe.set_progress_bar_config(disable=True)
-    if lora is not None:
-        pipe.load_lora_weights(str(lora))
+    if lora is not None:  # Wan 2.2 A14B: into the expert the demo trained (the low-noise one, transformer_2)
+        second = adapter.trained_part(None) == "transformer_2"
+        pipe.load_lora_weights(str(lora), **({"load_into_transformer_2": True} if second else {}))
     images = []
     for i, prompt in enumerate(prompts):
         kw = dict(prompt=prompt, num_inference_steps=steps, generator=torch.Generator().manual_seed(seed + i))
         kw.update(adapter.call_kwargs(size, size, frames=5))
+        if adapter.first_frame:  # image-to-video: each clip starts from a plain first frame
+            kw["image"] = Image.new("RGB", (size, size), (200, 30, 30))
         if control is not None:
             kw["image"] = control
         out = pipe(**kw)
