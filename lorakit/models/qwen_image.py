@@ -8,6 +8,7 @@ from lorakit.models import tiny
 from lorakit.models.base import Adapter
 from lorakit.models.batch import Batch
 from lorakit.models.facts import AttentionCase, LoraPresets, NativeName, Published
+from lorakit.models.shift_scale import channel_stats
 
 CONDITION_AREA = 384 * 384  # Edit-Plus: prompt images are resized to this area, as the pipeline does
 VAE_AREA = 1024 * 1024  # Edit and Edit-Plus: control images are VAE-encoded at this area, at their aspect ratio
@@ -118,15 +119,6 @@ class QwenImageAdapter(Adapter):
                 out.append({"prompt_embeds": embeds[0, :n]})
         return out
 
-    def _stats(self, device, dtype):
-        import torch
-
-        vae = self.parts[self.vae_part]
-        c = vae.config.z_dim
-        mean = torch.tensor(vae.config.latents_mean).view(1, c, 1, 1, 1).to(device, dtype)
-        std = torch.tensor(vae.config.latents_std).view(1, c, 1, 1, 1).to(device, dtype)
-        return mean, std
-
     def encode_images(self, pixels):
         import torch
 
@@ -134,7 +126,7 @@ class QwenImageAdapter(Adapter):
         vae = self.parts[self.vae_part]
         with torch.no_grad():
             lat = vae.encode(pixels.to(vae.device, vae.dtype).unsqueeze(2)).latent_dist.mode()
-        mean, std = self._stats(lat.device, lat.dtype)
+        mean, std = channel_stats(vae, lat.device, lat.dtype)
         return ((lat - mean) / std)[:, :, 0]
 
     def decode_latents(self, latents):
@@ -143,7 +135,7 @@ class QwenImageAdapter(Adapter):
 
         self.load((self.vae_part,))
         vae = self.parts[self.vae_part]
-        mean, std = self._stats(vae.device, vae.dtype)
+        mean, std = channel_stats(vae, vae.device, vae.dtype)
         with torch.no_grad():
             lat = latents.to(vae.device, vae.dtype).unsqueeze(2) * std + mean
             return vae.decode(lat).sample[:, :, 0]

@@ -1,7 +1,18 @@
-"""The latent normalisation FLUX.1 and Z-Image share: an AutoencoderKL's mean, `(z - shift_factor) *
-scaling_factor` (the VAE config's numbers), and its inverse before decoding — as their stock pipelines do."""
+"""The latent normalisations families share, as their stock pipelines apply them: FLUX.1 and Z-Image's
+AutoencoderKL mean, `(z - shift_factor) * scaling_factor`, and its inverse before decoding; Qwen-Image's and Wan's
+per-channel `(z - latents_mean) / latents_std` (`channel_stats`)."""
 
 from __future__ import annotations
+
+
+def channel_stats(vae, device, dtype):
+    """(mean, std) of a Wan-style VAE's latent channels (config latents_mean / latents_std), shaped (1, C, 1, 1, 1)."""
+    import torch
+
+    n = vae.config.z_dim
+    mean = torch.tensor(vae.config.latents_mean).view(1, n, 1, 1, 1).to(device, dtype)
+    std = torch.tensor(vae.config.latents_std).view(1, n, 1, 1, 1).to(device, dtype)
+    return mean, std
 
 
 class ShiftScaleLatents:

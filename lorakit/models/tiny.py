@@ -174,27 +174,18 @@ def clip_text(tokenizer, seed: int, hidden: int = 32):
     return CLIPTextModel(cfg).eval()
 
 
-def t5_text(tokenizer, seed: int, d_model: int = 32):
-    from transformers import T5Config, T5EncoderModel
+def t5_text(tokenizer, seed: int, d_model: int = 32, umt5: bool = False):
+    """T5's encoder class (FLUX.1's text encoder), tiny; `umt5`: umT5's (Wan's), the same shape."""
+    import transformers
 
     seeded(seed)
-    cfg = T5Config(vocab_size=len(tokenizer), d_model=d_model, d_kv=8, d_ff=2 * d_model, num_layers=2,
-                   num_heads=4, relative_attention_num_buckets=8, relative_attention_max_distance=32,
-                   feed_forward_proj="gated-gelu", pad_token_id=tokenizer.pad_token_id,
-                   eos_token_id=tokenizer.eos_token_id, decoder_start_token_id=tokenizer.pad_token_id)
-    return T5EncoderModel(cfg).eval()
-
-
-def umt5_text(tokenizer, seed: int, d_model: int = 32):
-    """umT5's encoder class (Wan's text encoder), tiny."""
-    from transformers import UMT5Config, UMT5EncoderModel
-
-    seeded(seed)
-    cfg = UMT5Config(vocab_size=len(tokenizer), d_model=d_model, d_kv=8, d_ff=2 * d_model, num_layers=2,
-                     num_heads=4, relative_attention_num_buckets=8, relative_attention_max_distance=32,
-                     feed_forward_proj="gated-gelu", pad_token_id=tokenizer.pad_token_id,
-                     eos_token_id=tokenizer.eos_token_id, decoder_start_token_id=tokenizer.pad_token_id)
-    return UMT5EncoderModel(cfg).eval()
+    config, model = ("UMT5Config", "UMT5EncoderModel") if umt5 else ("T5Config", "T5EncoderModel")
+    cfg = getattr(transformers, config)(
+        vocab_size=len(tokenizer), d_model=d_model, d_kv=8, d_ff=2 * d_model, num_layers=2, num_heads=4,
+        relative_attention_num_buckets=8, relative_attention_max_distance=32, feed_forward_proj="gated-gelu",
+        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+        decoder_start_token_id=tokenizer.pad_token_id)
+    return getattr(transformers, model)(cfg).eval()
 
 
 def qwen_vl(tokenizer, seed: int, hidden: int = 32):

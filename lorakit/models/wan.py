@@ -18,6 +18,7 @@ from lorakit.models import tiny
 from lorakit.models.base import Adapter
 from lorakit.models.batch import Batch
 from lorakit.models.facts import AttentionCase, LoraPresets, NativeName, Published
+from lorakit.models.shift_scale import channel_stats
 
 _ATTN = (("to_q", "q"), ("to_k", "k"), ("to_v", "v"), ("to_out.0", "o"))
 # the original checkpoints' names (Wan-AI's WanModel; ComfyUI's comfy/ldm/wan/model.py keeps them): diffusers'
@@ -157,14 +158,6 @@ class WanAdapter(Adapter):
         lengths = mask.gt(0).sum(dim=1).tolist()
         return [{"prompt_embeds": embeds[i, :lengths[i]]} for i in range(len(texts))]  # the zero padding dropped
 
-    def _stats(self, vae, device, dtype):
-        import torch
-
-        n = vae.config.z_dim
-        mean = torch.tensor(vae.config.latents_mean).view(1, n, 1, 1, 1).to(device, dtype)
-        std = torch.tensor(vae.config.latents_std).view(1, n, 1, 1, 1).to(device, dtype)
-        return mean, std
-
     def encode_video(self, frames):
         """frames (B, 3, T, H, W) in [-1, 1] -> (B, C, T', h, w), normalised as the pipelines normalise."""
         import torch
@@ -173,7 +166,7 @@ class WanAdapter(Adapter):
         vae = self.parts[self.vae_part]
         with torch.no_grad():
             lat = vae.encode(frames.to(vae.device, vae.dtype)).latent_dist.mode()
-        mean, std = self._stats(vae, lat.device, lat.dtype)
+        mean, std = channel_stats(vae, lat.device, lat.dtype)
         return (lat - mean) / std
 
     def encode_images(self, pixels):
@@ -207,7 +200,7 @@ class WanAdapter(Adapter):
         if latents.shape[1] == vae.config.z_dim + 4:  # an I2V condition: the first frame it holds
             latents = latents[:, 4:, :1]
         x = latents if latents.dim() == 5 else latents.unsqueeze(2)
-        mean, std = self._stats(vae, vae.device, vae.dtype)
+        mean, std = channel_stats(vae, vae.device, vae.dtype)
         with torch.no_grad():
             out = vae.decode(x.to(vae.device, vae.dtype) * std + mean).sample
         return out[:, :, out.shape[2] // 2]
@@ -281,7 +274,7 @@ class WanAdapter(Adapter):
 
         sched = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True,
                                         flow_shift=5.0 if v == "2.2-ti2v" else 3.0)
-        parts = dict(tokenizer=tok, text_encoder=tiny.umt5_text(tok, seed + 30), vae=tiny.wan_vae(seed + 20, v),
+        parts = dict(tokenizer=tok, text_encoder=tiny.t5_text(tok, seed + 30, umt5=True), vae=tiny.wan_vae(seed + 20, v),
                      scheduler=sched, transformer=transformer(10))
         if v in BOUNDARY:
             parts.update(transformer_2=transformer(11), boundary_ratio=BOUNDARY[v])
