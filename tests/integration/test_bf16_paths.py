@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 import yaml
+from PIL import Image
 from typer.testing import CliRunner
 
 from lorakit.bench.hub import write_model
@@ -45,8 +46,6 @@ def test_cache_train_and_infer_in_bf16_from_a_hub_layout_folder(tmp_path, family
     if facts.max_controls:
         controls = ["--image", str(sorted((data / "control").glob("*.png"))[0])]
     if facts.first_frame:  # image-to-video: the clip starts from an image
-        from PIL import Image
-
         Image.new("RGB", (64, 64), (200, 30, 30)).save(tmp_path / "first.png")
         controls = ["--image", str(tmp_path / "first.png")]
     r = runner.invoke(app, ["infer", str(model), "-p", "a red circle", "--steps", "2", "--width", "64", "--height", "64",
