@@ -287,10 +287,12 @@ def model_flops(family: str, size: str, res: int) -> float:
     import torch
     from torch.utils.flop_counter import FlopCounterMode
 
+    adapter = _adapter(family)
+    if not adapter.meta_forward:
+        return 2.0 * adapter.forward_flops(architecture(family, size)[1], synthetic_batch(family, size, res))
     with torch.device("meta"):
         model = build_meta(family, size)
         batch = synthetic_batch(family, size, res)
-    adapter = _adapter(family)
     with FlopCounterMode(display=False) as fc, torch.no_grad():
         b = batch
         x0 = b.latents.to("meta")

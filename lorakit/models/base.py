@@ -83,6 +83,10 @@ class Adapter(abc.ABC):
     experts: tuple[str, ...] = ()  # the experts of a mixture-of-experts pipeline (Wan 2.2 A14B: high, low)
     vae_factor = 8  # pixels per latent row/column (an 8x VAE; FLUX.2 folds 2x2 patches in: 16)
     latent_channels = 16  # channels of the cached latents (FLUX.2: 128)
+    meta_forward = True  # the transformer runs on the meta device (shapes alone: bench's FLOP count); Qwen-Image-2.1's
+    # reads its token layout from the slot mask's values, so it counts its FLOPs itself (`forward_flops`)
+    token_pixels: int | None = None  # pixels per transformer token side (None: the pixel multiple, `info.patch`;
+    # Qwen-Image-2.1: 16, one token per latent, though sides are multiples of 32)
 
     def __init__(self, family: str, model_dir, device: str = "cpu", dtype=None, backend: str = "auto"):
         self.info = family_info(family)
@@ -140,8 +144,13 @@ class Adapter(abc.ABC):
     def image_seq_len(self, latent_shape) -> int:
         """Transformer tokens of one latent frame of this shape (the flow-matching scheduler's resolution shift
         counts them): (rows / p) x (columns / p) for the transformer's patch of p latents a side."""
-        p = self.info.patch // self.vae_factor
+        p = self.token_side // self.vae_factor
         return (latent_shape[-2] // p) * (latent_shape[-1] // p)
+
+    @property
+    def token_side(self) -> int:
+        """Pixels per transformer token side."""
+        return self.token_pixels or self.info.patch
 
     @abc.abstractmethod
     def transformer_size(self, config: dict) -> tuple[int, int]:
@@ -163,13 +172,13 @@ class Adapter(abc.ABC):
                      control_resolution: int | None = None) -> int:
         """Transformer tokens of one item at a square resolution: its latents (frames counted) and its control
         images (default: the family's maximum) at the size the family encodes them (`control_size`)."""
-        per_image = (resolution // self.info.patch) ** 2
+        per_image = (resolution // self.token_side) ** 2
         latent_frames = (frames - 1) // self.temporal + 1 if self.layout == "video" else 1
         n = self.max_controls if controls is None else controls
         per_control = 0
         if n:
             w, h = self.control_size(resolution, resolution, control_resolution)
-            per_control = (w // self.info.patch) * (h // self.info.patch)
+            per_control = (w // self.token_side) * (h // self.token_side)
         return per_image * latent_frames + n * per_control
 
     def control_size(self, width: int, height: int, resolution: int | None = None) -> tuple[int, int]:
@@ -219,6 +228,16 @@ class Adapter(abc.ABC):
     def call_kwargs(self, width: int, height: int, frames: int = 1) -> dict:
         """Size arguments for the stock pipeline's __call__ (families that accept only some sizes override)."""
         return {"width": width, "height": height}
+
+    def forward_flops(self, config: dict, batch) -> float | None:
+        """FLOPs of one forward (matmuls and attention, as torch's FlopCounterMode counts them) for a family whose
+        transformer cannot run on the meta device (`meta_forward` False); None: count them there."""
+        return None
+
+    def file_layout(self, modules) -> str:
+        """The layout a run writes a LoRA on these modules (diffusers names) in: `lora_file_layout`, unless the
+        family chooses per file (Qwen-Image-2.1)."""
+        return self.lora_file_layout
 
     def before_compile(self, transformer) -> None:
         """Changes that let the compiler generate each repeated block whole, same numbers (default: none).

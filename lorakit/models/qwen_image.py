@@ -205,22 +205,30 @@ class QwenImageAdapter(Adapter):
 ADAPTER = QwenImageAdapter
 
 
-def real_rotary(transformer) -> None:
+def real_rotary(transformer, module=None) -> None:
     """The rotary embedding of this transformer's blocks in real arithmetic. Diffusers hands Qwen-Image's blocks
     complex frequencies and rotates queries and keys with a complex product, which inductor cannot generate code
     for ("does not support code generation for complex operators"): each compiled block then leaves that part to
     eager kernels. Here the positional module's output becomes (cos, sin) pairs (`view_as_real`, outside the
     blocks) and the rotation is the same product written out in float32: (a + ib)(c + id) = (ac - bd) + i(ad + bc).
     Only this transformer changes: the rotation function still takes complex frequencies as before, so a stock
-    pipeline in the same process computes exactly what it did."""
+    pipeline in the same process computes exactly what it did. `module`: the diffusers module whose
+    `apply_rotary_emb_qwen` the blocks call (Qwen-Image's by default; Qwen-Image-2.1 has its own, and its
+    positional module returns one tensor rather than a pair)."""
     import torch
-    from diffusers.models.transformers import transformer_qwenimage as module
+
+    if module is None:
+        from diffusers.models.transformers import transformer_qwenimage as module
+
+    def real(freqs):
+        if torch.is_tensor(freqs):
+            return torch.view_as_real(freqs) if freqs.is_complex() else freqs
+        return tuple(real(f) for f in freqs)
 
     if not getattr(module.apply_rotary_emb_qwen, "lorakit_real", False):
         module.apply_rotary_emb_qwen = _real_or_stock(module.apply_rotary_emb_qwen)
     if not getattr(transformer.pos_embed, "_lorakit_real_rotary", False):
-        transformer.pos_embed.register_forward_hook(
-            lambda _module, _args, freqs: tuple(torch.view_as_real(f) if f.is_complex() else f for f in freqs))
+        transformer.pos_embed.register_forward_hook(lambda _module, _args, freqs: real(freqs))
         transformer.pos_embed._lorakit_real_rotary = True
 
 

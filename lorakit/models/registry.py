@@ -51,6 +51,9 @@ FAMILIES: dict[str, FamilyInfo] = {
         FamilyInfo("qwen-image-edit-2511", "qwen-image", "qwen_image", "edit-plus", "QwenImageEditPlusPipeline",
                    "QwenImageTransformer2DModel", 16,
                    "Qwen-Image-Edit-2511 (several control images, modulated at timestep 0: zero_cond_t)"),
+        FamilyInfo("qwen-image-2.1", "qwen-image-2.1", "qwen_image21", "", "QwenImage21Pipeline",
+                   "QwenImage21Transformer2DModel", 32, "Qwen-Image-2.1 (Qwen3-VL text encoder, block-causal "
+                   "single-stream transformer)"),
         FamilyInfo("kandinsky5-t2i", "kandinsky5", "kandinsky5", "t2i", "Kandinsky5T2IPipeline",
                    "Kandinsky5Transformer3DModel", 16, "Kandinsky 5 text-to-image"),
         FamilyInfo("kandinsky5-t2v", "kandinsky5", "kandinsky5", "t2v", "Kandinsky5T2VPipeline",

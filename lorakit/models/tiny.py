@@ -144,6 +144,26 @@ def mistral3_processor():
                             chat_template=MISTRAL3_CHAT)
 
 
+# Qwen3-VL's chat format for a list of typed parts (Qwen-Image-2.1's pipeline renders its system message with it
+# to count the prefix it drops)
+QWEN3_VL_CHAT = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['content'] is string %}{{ m['content'] }}"
+                 "{% else %}{% for p in m['content'] %}{% if p['type'] == 'text' %}{{ p['text'] }}{% else %}"
+                 "<|vision_start|><|image_pad|><|vision_end|>{% endif %}{% endfor %}{% endif %}<|im_end|>\n"
+                 "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def qwen3_vl_processor(tokenizer):
+    """Qwen-Image-2.1's processor: Qwen3-VL's (16-pixel patches) with small pixel budgets."""
+    from transformers import Qwen2VLImageProcessor, Qwen3VLProcessor
+    from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
+
+    size = {"shortest_edge": 64 * 64, "longest_edge": 128 * 128}
+    images = Qwen2VLImageProcessor(patch_size=16, merge_size=2, size=size)
+    videos = Qwen3VLVideoProcessor(patch_size=16, merge_size=2, size=size)
+    return Qwen3VLProcessor(image_processor=images, tokenizer=tokenizer, video_processor=videos,
+                            chat_template=QWEN3_VL_CHAT)
+
+
 def qwen_processor(tokenizer):
     from transformers import Qwen2VLImageProcessor, Qwen2VLProcessor, Qwen2VLVideoProcessor
 
@@ -212,6 +232,29 @@ def qwen_vl(tokenizer, seed: int, hidden: int = 32):
         **ids,
     )
     return Qwen2_5_VLForConditionalGeneration(cfg).eval()
+
+
+def qwen3_vl(tokenizer, seed: int, hidden: int = 32):
+    """Qwen3-VL (Qwen-Image-2.1's text encoder): interleaved multimodal rotary sections, deepstack vision layers."""
+    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+
+    seeded(seed)
+    ids = {name: tokenizer.convert_tokens_to_ids(tok) for name, tok in [
+        ("image_token_id", "<|image_pad|>"), ("video_token_id", "<|video_pad|>"),
+        ("vision_start_token_id", "<|vision_start|>"), ("vision_end_token_id", "<|vision_end|>")]}
+    head = 16
+    cfg = Qwen3VLConfig(
+        text_config=dict(vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=2 * hidden,
+                         num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=head,
+                         max_position_embeddings=4096, rms_norm_eps=1e-6,
+                         rope_parameters={"rope_type": "default", "rope_theta": 5000000.0, "mrope_section": [2, 3, 3],
+                                          "mrope_interleaved": True},
+                         pad_token_id=tokenizer.pad_token_id),
+        vision_config=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, in_channels=3, patch_size=16,
+                           spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=hidden,
+                           num_position_embeddings=64, deepstack_visual_indexes=[1]),
+        tie_word_embeddings=False, **ids)
+    return Qwen3VLForConditionalGeneration(cfg).eval()
 
 
 def qwen3_text(tokenizer, seed: int, hidden: int = 32):
@@ -289,6 +332,21 @@ def qwen_vae(seed: int):
     seeded(seed)
     return AutoencoderKLQwenImage(base_dim=8, z_dim=16, dim_mult=[1, 2, 2, 2], num_res_blocks=1, attn_scales=[],
                                   temperal_downsample=[False, True, True]).eval()
+
+
+def qwen_image21_vae(seed: int):
+    """AutoencoderKLQwenImage21: RGBA in and out, 64 channels, 16x (four downsamplings), residual blocks;
+    per-channel statistics away from 0 / 1 so that a missed normalisation shows."""
+    import torch
+    from diffusers import AutoencoderKLQwenImage21
+
+    seeded(seed)
+    g = torch.Generator().manual_seed(seed)
+    mean = (0.3 * torch.randn(64, generator=g)).tolist()
+    std = (0.5 + torch.rand(64, generator=g)).tolist()
+    return AutoencoderKLQwenImage21(base_dim=8, decoder_base_dim=8, z_dim=64, dim_mult=[1, 2, 2, 2, 2],
+                                    num_res_blocks=1, temperal_downsample=[False, True, True, True],
+                                    latents_mean=mean, latents_std=std).eval()
 
 
 def wan_vae(seed: int, variant: str = ""):

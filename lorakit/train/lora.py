@@ -90,7 +90,7 @@ def save_lora(transformer, path: Path, family: str, extra: dict | None = None, c
     dora = any(getattr(p, "dora", False) for p in t.weights.values())  # LoKr/LoHa patches have no DoRA
     base = V.base_weights(transformer, t.weights) if dora else None
     meta = {k: str(v) for k, v in (extra or {}).items()}
-    layout = family_adapter(family).lora_file_layout  # Wan: the original names, which ComfyUI and diffusers read
+    layout = family_adapter(family).file_layout(t.weights)  # Wan: the original names, which both readers read
     L.write(t, path, layout, family_info(family).arch, extra_metadata=meta, base=base)
     if clock:
         clock.lap("LoRA file")

@@ -116,6 +116,9 @@ def sigma_schedule(steps: int, image_seq_len: int, scheduler_config: dict, mu: f
     else:
         k = float(scheduler_config.get("shift", scheduler_config.get("flow_shift", 1.0)))
         s = k * s / (1 + (k - 1) * s)
+    end = scheduler_config.get("shift_terminal")
+    if end:  # stretched so that the last sigma before 0 is `shift_terminal` (Qwen-Image's 0.02), as the scheduler does
+        s = 1 - (1 - s) * (1 - end) / (1 - s[-1])
     return torch.cat([s, torch.zeros(1, dtype=torch.float64)]).float()
 
 

@@ -44,6 +44,11 @@ def test_text_embeddings_equal_the_pipeline(tiny, family):
                 n = ours[i]["prompt_embeds"].shape[0]
                 close(ours[i]["prompt_embeds"], e[0, :n])
                 assert n < 512 and not e[0, n:].any()
+            elif family == "qwen-image-2.1":  # Qwen3-VL's pre-norm hidden states, the system prefix dropped
+                e, m, slots = pipe.encode_prompt(prompt=[text])
+                n = int(m[0].sum()) if m is not None else e.shape[1]
+                close(ours[i]["prompt_embeds"], e[0, :n])
+                assert not slots.any()  # text only: no image slot in the prompt
             elif family == "z-image":  # a list of unpadded captions
                 e, _ = pipe.encode_prompt(prompt=[text], do_classifier_free_guidance=False)
                 close(ours[i]["prompt_embeds"], e[0])
@@ -69,7 +74,14 @@ def test_latents_equal_the_pipeline_convention(tiny, family):
     g = torch.Generator().manual_seed(0)
     pix = torch.rand(2, 3, 64, 64, generator=g) * 2 - 1
     with torch.no_grad():
-        if family.startswith("qwen"):
+        if family == "qwen-image-2.1":  # RGBA in: an RGB picture with alpha 1, as the pipeline converts it
+            rgba = torch.cat([pix, torch.ones_like(pix[:, :1])], dim=1).unsqueeze(2)
+            close(a.encode_images(pix), pipe._encode_vae_image(rgba, None)[:, :, 0])
+            mean, std = (torch.tensor(pipe.vae.config[k]).view(1, 64, 1, 1, 1) for k in ("latents_mean", "latents_std"))
+            lat = pipe.vae.encode(rgba).latent_dist.mode()
+            close(a.decode_latents(a.encode_images(pix)), pipe.vae.decode(lat).sample[:, :3, 0])
+            assert (lat - mean).abs().max() > 0 and (std != 1).any()  # the normalisation is not the identity
+        elif family.startswith("qwen"):
             from diffusers import QwenImageEditPipeline
 
             ref = QwenImageEditPipeline(**{k: v for k, v in pipe.components.items() if k != "processor"},

@@ -20,6 +20,7 @@ EXPECTED_SHAPE = {  # (batch, [frames,] height, width, channels) of output_type=
     "flux2-dev": (1, 64, 64, 3), "flux2-klein": (1, 64, 64, 3), "flux2-dev-edit": (1, 64, 64, 3),
     "flux2-klein-edit": (1, 64, 64, 3), "wan2.1-t2v": (1, 5, 64, 64, 3), "wan2.2-t2v": (1, 5, 64, 64, 3),
     "wan2.2-i2v": (1, 5, 64, 64, 3), "wan2.2-ti2v-5b": (1, 5, 64, 64, 3),
+    "qwen-image-2.1": (1, 64, 64, 4),  # RGBA: its VAE decodes an alpha channel
 }
 
 
