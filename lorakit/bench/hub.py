@@ -26,8 +26,9 @@ from lorakit.models.published import SHARD_BYTES, full_component, hub_names
 
 
 def _tokenizer_for(name: str, pipe):
-    """The tokenizer that feeds a text encoder component (text_encoder -> tokenizer, text_encoder_2 -> tokenizer_2)."""
-    return getattr(pipe, name.replace("text_encoder", "tokenizer"), None)
+    """The tokenizer that feeds a text encoder component (text_encoder -> tokenizer, text_encoder_2 -> tokenizer_2;
+    the processor where the pipeline has no tokenizer: Qwen-Image-2.1)."""
+    return getattr(pipe, name.replace("text_encoder", "tokenizer"), None) or getattr(pipe, "processor", None)
 
 
 def _build(adapter, name: str, part, pipe, device: str):

@@ -18,6 +18,15 @@ QWEN25_VL_7B_TEXT = dict(hidden_size=3584, intermediate_size=18944, num_hidden_l
 QWEN25_VL_7B_VISION = dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, in_channels=3,
                            patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=112,
                            out_hidden_size=3584, fullatt_block_indexes=[7, 15, 23, 31])
+# Qwen-Image-2.1's text encoder: Qwen3-VL-8B (hidden size 4096 = the transformer's context_in_dim; 8.77B parameters
+# with its vision tower); its hub files name the modules as the installed transformers does
+QWEN3_VL_8B_TEXT = dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
+                        num_key_value_heads=8, head_dim=128, vocab_size=151936, max_position_embeddings=262144,
+                        rms_norm_eps=1e-6, rope_parameters={"rope_type": "default", "rope_theta": 5000000.0,
+                                                            "mrope_section": [24, 20, 20], "mrope_interleaved": True})
+QWEN3_VL_8B_VISION = dict(depth=27, hidden_size=1152, intermediate_size=4304, num_heads=16, in_channels=3, patch_size=16,
+                          spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=4096, num_position_embeddings=2304,
+                          deepstack_visual_indexes=[8, 16, 24])
 # Z-Image-Turbo's text encoder: Qwen3-4B's config (its hidden size is the transformer's cap_feat_dim, 2560)
 QWEN3_4B = dict(hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32,
                 num_key_value_heads=8, head_dim=128, vocab_size=151936, max_position_embeddings=40960,
@@ -92,6 +101,16 @@ def full_component(name: str, part, tokenizer):
         cfg = transformers.Qwen2_5_VLConfig(text_config=text, vision_config=QWEN25_VL_7B_VISION,
                                             tie_word_embeddings=False, **ids)
         return transformers.Qwen2_5_VLForConditionalGeneration(cfg)
+    if cls == "Qwen3VLForConditionalGeneration":
+        tok = getattr(tokenizer, "tokenizer", tokenizer)
+        ids = {k: getattr(part.config, k) for k in ("image_token_id", "video_token_id", "vision_start_token_id",
+                                                    "vision_end_token_id")}
+        cfg = transformers.Qwen3VLConfig(text_config=dict(QWEN3_VL_8B_TEXT, pad_token_id=tok.pad_token_id),
+                                         vision_config=QWEN3_VL_8B_VISION, tie_word_embeddings=False, **ids)
+        return transformers.Qwen3VLForConditionalGeneration(cfg)
+    if cls == "AutoencoderKLQwenImage21":  # the published config is the class's defaults; the statistics as the
+        stats = {k: list(part.config[k]) for k in ("latents_mean", "latents_std")}  # tiny one holds them
+        return diffusers.AutoencoderKLQwenImage21(**stats)
     if cls == "Qwen3Model":
         return transformers.Qwen3Model(transformers.Qwen3Config(**QWEN3_4B, pad_token_id=tokenizer.pad_token_id))
     if cls == "Qwen3ForCausalLM":  # FLUX.2 klein 4B's text encoder

@@ -50,7 +50,7 @@ class QwenImage21Adapter(Adapter):
         attention=("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0"),
         mlp=("img_mlp.gate_layer", "img_mlp.proj", "img_mlp.out"),
         io=("img_in", "norm_out.linear", "proj_out"))
-    published = Published(hidden=4096, blocks=32, params=7.16e9, text_tokens=512,
+    published = Published(hidden=4096, blocks=32, params=7.12e9, text_tokens=512,
                           source="Qwen-Image-2.1 transformer/config.json (32 single-stream blocks of 4096, "
                                  "SwiGLU 3x)")
     # one causal-text + bidirectional-image sequence, 32 heads of 128: the target image attends to every key

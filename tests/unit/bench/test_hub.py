@@ -22,6 +22,9 @@ PUBLISHED = {
     # Z-Image-Turbo: the transformer config FACTS.md read from diffusers (dim 3840, 30 + 2 + 2 layers), Qwen3-4B's
     # config (tied embeddings), FLUX's VAE; not checked against the hub's files (no hub here)
     "z-image": {"transformer": 6_154_908_736, "text_encoder": 4_022_468_096, "vae": 83_819_683},
+    # Qwen-Image-2.1: the class defaults (its published transformer and VAE configs, as diffusers states them) and
+    # Qwen3-VL-8B's config (8.77B parameters with its vision tower, as its model card says); no hub files here
+    "qwen-image-2.1": {"transformer": 7_115_124_736, "text_encoder": 8_767_123_696, "vae": 337_740_404},
 }
 
 
