@@ -56,8 +56,11 @@ def bench(family: str, res: int, profile: str | None, steps: int = 10, warmup: i
           device: str | None = None, memory_cap: float | None = None, sets: list[str] | None = None,
           ways: tuple[str, ...] = ("plain", "lorakit"), attention: str | None = None,
           timeout: float = 900, progress=None, trace_dir: str | None = None, gpus: int = 1,
-          checkpoint_dir: str | None = None) -> dict:
+          checkpoint_dir: str | None = None, frames: int = 1) -> dict:
     """Run each way in a child process; the figures side by side with the ratio to `plain`.
+
+    frames: video families' clip length (frames = 4k + 1); the synthetic batch and lorakit's memory plan both
+    take it (images: 1).
 
     gpus > 1 adds lorakit on that many GPUs (one process each: data parallel, FSDP for method=full), with its
     throughput against lorakit on one GPU. checkpoint_dir: the lorakit rows also save, resume and continue."""
@@ -72,11 +75,15 @@ def bench(family: str, res: int, profile: str | None, steps: int = 10, warmup: i
     if device == "cpu" and size == "full":
         raise InputError("a full-size step on the CPU would take hours", "add --tiny, or run on a GPU")
     cuda = device.startswith("cuda")
+    if frames != 1 and (adapter.layout != "video" or (frames - 1) % adapter.temporal):
+        raise InputError(f"--frames {frames}: " + (f"{family} trains images" if adapter.layout != "video" else
+                                                   f"a clip of {family} has {adapter.temporal}k + 1 frames"),
+                         "leave --frames out (1)" if adapter.layout != "video" else "e.g. --frames 17")
     masked = family_masked(family)
     if attention is None and cuda:
         attention = "flash+efficient" if masked else "flash"
-    flops = model_flops(family, size, res) if cuda else None
-    base = dict(family=family, size=size, res=res, device=device, seed=0, rank=16, steps=steps, warmup=warmup,
+    flops = model_flops(family, size, res, frames) if cuda else None
+    base = dict(family=family, size=size, res=res, frames=frames, device=device, seed=0, rank=16, steps=steps, warmup=warmup,
                 dtype="bf16" if cuda else "fp32", profile=profile or ("datacenter" if cuda else "cpu"),
                 sets=list(sets or []), memory_cap=memory_cap, model_flops=flops, attention=attention,
                 plain_attention=("efficient" if masked else "flash") if cuda else None,
@@ -109,7 +116,7 @@ def bench(family: str, res: int, profile: str | None, steps: int = 10, warmup: i
     if cuda:
         env["cuda"] = torch.version.cuda
         env["cudnn"] = torch.backends.cudnn.version()
-    return {"family": family, "res": res, "size": size, "profile": base["profile"], "memory_cap_gib": memory_cap,
+    return {"family": family, "res": res, "frames": frames, "size": size, "profile": base["profile"], "memory_cap_gib": memory_cap,
             "steps": steps, "warmup": warmup, "model_flops_per_step": flops, "environment": env, "rows": rows}
 
 

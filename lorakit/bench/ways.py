@@ -139,6 +139,7 @@ def lorakit_config(spec: dict, device: str):
             f"lora.targets={json.dumps(reference_targets(spec['family']))}", "lora.dropout=0", f"seed={spec['seed']}",
             f"schedule.steps={spec['warmup'] + spec['steps']}", "schedule.warmup_steps=0",
             f"model.dtype={spec['dtype']}", "memory.compile_background=false",  # the steady step, compiled at once
+            *([f"data.frames={spec.get('frames', 1)}"] if _adapter(spec["family"]).layout == "video" else []),
             *([f"memory.attention={spec['attention']}"] if spec.get("attention") else []), *spec["sets"]]
     return resolve(None, sets, profile=spec["profile"], paths=(), world=spec.get("gpus", 1),
                    cap_gib=spec.get("memory_cap")).cfg
@@ -180,7 +181,7 @@ def prepare(spec: dict):
                          keep_on="cpu" if eight_bit else None)
     info: dict = {"build_s": round(time.perf_counter() - t0, 2)}
     adapter = _adapter(spec["family"])
-    batch = synthetic_batch(spec["family"], spec["size"], spec["res"], seed=spec["seed"])
+    batch = synthetic_batch(spec["family"], spec["size"], spec["res"], seed=spec["seed"], frames=spec.get("frames", 1))
     if spec["way"] == "plain":
         if cuda and spec["plain_attention"]:
             apply(spec["plain_attention"])
@@ -281,7 +282,7 @@ def checkpoint_check(tr, cuda: bool, steps: int = 2) -> dict:
             "losses_after_save": [round(x, 5) for x in after], "losses_after_resume": [round(x, 5) for x in again]}
 
 
-def model_flops(family: str, size: str, res: int) -> float:
+def model_flops(family: str, size: str, res: int, frames: int = 1) -> float:
     """FLOPs of one LoRA step counted as forward + input-gradient backward of the frozen base (2x the forward),
     with the forward counted by torch's FlopCounterMode on the meta device (matmuls and attention)."""
     import torch
@@ -292,7 +293,7 @@ def model_flops(family: str, size: str, res: int) -> float:
         return 2.0 * adapter.forward_flops(architecture(family, size)[1], synthetic_batch(family, size, res))
     with torch.device("meta"):
         model = build_meta(family, size)
-        batch = synthetic_batch(family, size, res)
+        batch = synthetic_batch(family, size, res, frames=frames)
     with FlopCounterMode(display=False) as fc, torch.no_grad():
         b = batch
         x0 = b.latents.to("meta")

@@ -158,6 +158,8 @@ def checkpoint(family: str = typer.Option(family_names()[0], "--family", help="m
 @app.command("step", help="Time lorakit's training step against plain diffusers + peft, in the same run.")
 def step(family: str = typer.Option(family_names()[0], "--family", help="model family: " + ", ".join(family_names())),
          res: int = typer.Option(1024, "--res", help="training resolution (square, pixels)"),
+         frames: int = typer.Option(1, "--frames", min=1, help="video families: frames per clip (4k + 1, e.g. "
+                                                               "17); the memory plan takes it too"),
          steps: int = typer.Option(10, "--steps", min=1, help="timed steps per way (median reported)"),
          warmup: int = typer.Option(3, "--warmup", min=0, help="untimed steps first (compilation, allocator)"),
          profile: str | None = ProfileOpt,
@@ -181,7 +183,8 @@ def step(family: str = typer.Option(family_names()[0], "--family", help="model f
     bad = [w for w in chosen if w not in ("plain", "lorakit")]
     if bad or not chosen:
         raise InputError(f"--ways: unknown way {bad[0] if bad else ways!r}", "plain, lorakit, or both")
-    kw = dict(family=family, res=res, profile=profile, steps=steps, warmup=warmup, size="tiny" if tiny else "full",
+    kw = dict(family=family, res=res, frames=frames, profile=profile, steps=steps, warmup=warmup,
+              size="tiny" if tiny else "full",
               device=device, memory_cap=memory_cap, sets=sets, ways=chosen, attention=attention,
               trace_dir=str(trace.resolve()) if trace else None, gpus=gpus,
               checkpoint_dir=str(checkpoint_dir.resolve()) if checkpoint_dir else None)

@@ -36,6 +36,18 @@ def test_full_size_flops_are_the_published_architectures():
     assert model_flops("qwen-image", "full", 512) < model_flops("qwen-image", "full", 1024) / 2
 
 
+def test_a_video_step_plans_the_clip_it_runs():
+    """--frames reaches the synthetic batch and lorakit's config alike: the memory plan is made for the clip the
+    step runs (a plan for the default 17 frames recomputed 28 of Wan 2.1's 40 blocks for a one-frame batch)."""
+    from lorakit.bench.ways import lorakit_config
+
+    spec = dict(family="wan2.1-t2v", size="tiny", res=64, rank=4, seed=0, warmup=0, steps=1, dtype="fp32", sets=[],
+                profile="cpu", frames=5)
+    assert lorakit_config(spec, "cpu").data.frames == 5
+    assert synthetic_batch("wan2.1-t2v", "tiny", 64, frames=5).latents.shape[2] == 2  # (5 - 1) / 4 + 1 latent frames
+    assert model_flops("wan2.1-t2v", "tiny", 64, frames=5) > model_flops("wan2.1-t2v", "tiny", 64)
+
+
 def test_full_mask_is_dropped_only_when_it_masks_nothing():
     b = synthetic_batch("qwen-image", "tiny", 64)
     assert "prompt_embeds_mask" not in drop_full_mask(b).text
@@ -61,6 +73,8 @@ def test_bench_step_cli_on_tiny_model():
     (["--tiny", "--ways", "fast"], "unknown way"),
     (["--tiny", "--res", "100"], "multiple of 16"),
     (["--device", "cpu"], "would take hours"),
+    (["--tiny", "--frames", "5"], "flux trains images"),
+    (["--tiny", "--family", "wan2.1-t2v", "--frames", "6"], "4k + 1 frames"),
 ])
 def test_bench_step_bad_input(args, words):
     r = CliRunner().invoke(app, ["bench", "step", *args])
