@@ -21,6 +21,7 @@ from lorakit.hardware.gpu import apply_cap, budget_gib
 from lorakit.io import atomic_path
 from lorakit.io.digest import file_hash
 from lorakit.models.base import family_adapter, load_adapter
+from lorakit.models.grid import sampling_steps
 from lorakit.models.registry import family_info, family_names, family_of_folder
 from lorakit.placement import apply
 
@@ -29,7 +30,7 @@ from lorakit.placement import apply
 class Request:
     prompts: list[str]
     seed: int = 0
-    steps: int = 28
+    steps: int | None = None  # None: the model's own sampling grid (its pipeline's sample_sigmas) where it has one,
     guidance: float | None = None
     negative: str | None = None
     width: int | None = None
@@ -242,6 +243,9 @@ def generate(model_dir: Path, req: Request, loras: list[tuple[Path, float]], out
     unpinned = unpinned_warnings(streamed) if str(device).startswith("cuda") else []  # a CPU run pins nothing
     for w in unpinned:
         say(w)
+    steps, sigmas, sampling = sampling_steps(pipe, req.steps)
+    if sampling:
+        say(f"sampling: {sampling}")
     t_gen = time.perf_counter()
     out_dir.mkdir(parents=True, exist_ok=True)
     model_hash = file_hash(Path(model_dir) / "model_index.json")
@@ -250,7 +254,8 @@ def generate(model_dir: Path, req: Request, loras: list[tuple[Path, float]], out
     for prompt in req.prompts:
         for _ in range(req.batch):
             seed = req.seed + k
-            kw = dict(prompt=prompt, num_inference_steps=req.steps, generator=torch.Generator().manual_seed(seed))
+            kw = dict(prompt=prompt, num_inference_steps=steps, generator=torch.Generator().manual_seed(seed),
+                      **({"sigmas": sigmas} if sigmas else {}))
             if req.width or req.height:  # the sizes the family's pipeline takes (Kandinsky 5 T2I: its list)
                 w, h = req.width or req.height, req.height or req.width
                 kw.update({k: v for k, v in adapter.call_kwargs(w, h, req.frames).items() if k != "num_frames"})
@@ -270,7 +275,7 @@ def generate(model_dir: Path, req: Request, loras: list[tuple[Path, float]], out
                 torch.cuda.synchronize()
             gen_times.append(time.perf_counter() - t_one)
             info = PngInfo()
-            meta = {"prompt": prompt, "negative_prompt": req.negative or "", "seed": seed, "steps": req.steps,
+            meta = {"prompt": prompt, "negative_prompt": req.negative or "", "seed": seed, "steps": steps,
                     "guidance": req.guidance, "model": str(model_dir), "model_sha256_16": model_hash,
                     "loras": [{"sha256_16": f["sha256_16"], "scale": f["scale"], "path": f["path"]}
                               for f in lora_facts], "lorakit": __version__,
@@ -305,7 +310,7 @@ def generate(model_dir: Path, req: Request, loras: list[tuple[Path, float]], out
         with atomic_path(sheet) as tmp:
             loras = ", ".join(f"{Path(f['path']).name} x{f['scale']:g}" for f in lora_facts) or "no LoRA"
             guidance = "" if req.guidance is None else f", guidance {req.guidance:g}"
-            title = f"{Path(model_dir).name} · {loras} · {req.steps} steps{guidance}"
+            title = f"{Path(model_dir).name} · {loras} · {steps} steps{guidance}"
             contact_sheet(images, labels, title).save(tmp, format="PNG")
     # the median generation (the pipeline call; the first one warms up), and everything per image with saving
     timing = {"seconds_per_image": round(sorted(gen_times)[len(gen_times) // 2], 3) if gen_times else None,
@@ -315,7 +320,8 @@ def generate(model_dir: Path, req: Request, loras: list[tuple[Path, float]], out
               "offload": plan.mode, "offload_why": plan.why, **({"streamed": streamed} if streamed else {})}
     if device.startswith("cuda"):
         timing["peak_gpu_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
-    return {"files": files, **({"gifs": gifs} if gifs else {}), **timing,
+    return {"files": files, **({"gifs": gifs} if gifs else {}), **timing, "steps": steps,
+            **({"sampling": sampling} if sampling else {}),
             "contact_sheet": str(sheet) if sheet else None, "model": str(model_dir),
             "family": family, "device": device, "dtype": dtype_name, "loras": lora_facts,
             "warnings": not_applied_warnings(lora_facts) + unpinned}

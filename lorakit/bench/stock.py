@@ -26,7 +26,8 @@ from lorakit.bench.hub import weight_files
 from lorakit.convert.lora import read
 from lorakit.data.images import open_image
 from lorakit.data.video import write_clip
-from lorakit.models.base import family_adapter
+from lorakit.models.base import component_entry, family_adapter
+from lorakit.models.grid import sampling_steps
 
 # what a pipeline's encode_prompt returns, in order, that its __call__ takes back (FLUX.1: embeddings, pooled, the
 # text ids it makes again itself; FLUX.2: embeddings, text ids; Qwen-Image: embeddings, mask)
@@ -47,7 +48,7 @@ def placement(size: int, gpu: int | None, host: int | None, offload: bool) -> st
 def _encoders(model: str) -> tuple[list[str], list[str]]:
     """(the pipeline's text encoders and their tokenizers/processors, the rest of its modules) from model_index.json."""
     config = DiffusionPipeline.load_config(model)
-    parts = [n for n, v in config.items() if not n.startswith("_") and isinstance(v, list) and v[0] is not None]
+    parts = [n for n, v in config.items() if not n.startswith("_") and component_entry(v) and v[0] is not None]
     text = [n for n in parts if n.startswith(("text_encoder", "tokenizer", "processor"))]
     return text, [n for n in parts if n not in text and n != "scheduler"]
 
@@ -94,6 +95,9 @@ def run(a: dict) -> dict:
         else:
             pipe = pipe.to(dev)
     pipe.set_progress_bar_config(disable=True)
+    _, sigmas, _ = sampling_steps(pipe, a["steps"])  # the steps lorakit infer was asked for, on a model with its own
+    if sigmas:  # grid (sample_sigmas) too
+        kw["sigmas"] = sigmas
     low = read(a["lora"], arch=ad.arch).facts.get("expert") == "low"  # Wan 2.2 A14B: the low-noise expert's LoRA
     pipe.load_lora_weights(a["lora"], **({"load_into_transformer_2": True} if low else {}))
     if a["image"]:

@@ -27,7 +27,8 @@ def infer(
     image: list[Path] | None = typer.Option(None, "--image", help="control image for edit families (repeatable: "
                                             "Qwen-Image-Edit-Plus takes up to 3, in order)"),
     seed: int = typer.Option(0, "--seed", help="seed of the first image; image k uses seed + k"),
-    steps: int = typer.Option(28, "--steps", min=1),
+    steps: int | None = typer.Option(None, "--steps", min=1, help="sampling steps (default: 28, or the model's own "
+                                     "grid where its pipeline sets one: Qwen-Image-2.1's sample_sigmas)"),
     guidance: float | None = typer.Option(None, "--guidance", help="FLUX guidance / Qwen true-CFG scale"),
     width: int | None = typer.Option(None, "--width"),
     height: int | None = typer.Option(None, "--height"),
@@ -96,5 +97,7 @@ def _render(result: dict) -> None:
 
     for w in result["warnings"]:
         console.print(f"[yellow]warning:[/] {escape(w)}", soft_wrap=True)
+    if result.get("sampling"):
+        console.print(f"sampling: {result['sampling']}", markup=False, soft_wrap=True)
     console.print("\n".join(result["files"]) + (f"\ncontact sheet: {result['contact_sheet']}" if result["contact_sheet"]
                                                 else ""), markup=False)

@@ -282,7 +282,7 @@ class Adapter(abc.ABC):
             if name in self.parts:
                 continue
             entry = self.index.get(name)
-            if not isinstance(entry, list) or entry[0] is None:
+            if not component_entry(entry) or entry[0] is None:  # absent, or a setting (boundary_ratio, ...)
                 self.parts[name] = None
                 continue
             folder = self.model_dir / name
@@ -322,7 +322,7 @@ class Adapter(abc.ABC):
             wanted = [p for p in inspect.signature(cls.__init__).parameters if p != "self"]
             # the pipeline's own settings from model_index.json (Wan: boundary_ratio, expand_timesteps), components
             # as loaded (those not loaded are None)
-            settings = {k: v for k, v in self.index.items() if k in wanted and not isinstance(v, list)}
+            settings = {k: v for k, v in self.index.items() if k in wanted and not component_entry(v)}
             self._pipe = cls(**{k: settings[k] if k in settings else self.parts.get(k) for k in wanted})
         return self._pipe
 
@@ -383,6 +383,12 @@ class Adapter(abc.ABC):
     @abc.abstractmethod
     def build_tiny(self, seed: int):
         """The tiny random pipeline object of this family (`lorakit.models.tiny` saves and caches it)."""
+
+
+def component_entry(value) -> bool:
+    """Is this model_index.json value a component (["library", "Class"], [null, null] when absent) rather than a
+    setting of the pipeline (a number, a flag, a list of numbers such as Qwen-Image-2.1's sample_sigmas)?"""
+    return isinstance(value, list) and len(value) == 2 and all(v is None or isinstance(v, str) for v in value)
 
 
 def load_adapter(family: str, model_dir, device: str = "cpu", dtype=None, backend: str = "auto") -> Adapter:

@@ -240,3 +240,32 @@ def test_the_contact_sheet_labels_each_image_with_its_file_and_prompt():
     wrapped = _wrap(d, long, 88, 3)
     assert len(wrapped) == 3 and wrapped[-1].endswith("...") and all(d.textlength(x) <= 88 for x in wrapped)
     assert _wrap(d, "short", 88, 3) == ["short"] and _wrap(d, "", 88, 3) == [""]
+
+
+def test_a_models_own_sampling_grid_is_used_or_replaced_as_asked_and_said(tiny, tmp_path):
+    """Qwen-Image-2.1's pipeline config may set `sample_sigmas` (the author's grid), which makes the stock pipeline
+    ignore num_inference_steps. Without --steps lorakit samples with that grid and records its length; with --steps
+    it passes that many evenly spaced sigmas: either way the image equals the stock pipeline's for those steps and
+    the PNG says the steps that ran."""
+    import shutil
+
+    folder = shutil.copytree(tiny("qwen-image-2.1"), tmp_path / "m")
+    index = json.loads((folder / "model_index.json").read_text())
+    index["sample_sigmas"] = [1.0, 0.8, 0.45]
+    (folder / "model_index.json").write_text(json.dumps(index))
+    images = {}
+    for extra, steps, stock_kw in (([], 3, {}), (["--steps", "2"], 2, {"sigmas": [1.0, 0.5]})):
+        r = CliRunner().invoke(app, ["infer", str(folder), "-p", "a red circle", "--width", "64", "--height", "64",
+                                     "-o", str(tmp_path / f"out{steps}"), "--json", *extra])
+        assert r.exit_code == 0, r.output
+        data = json.loads(r.output)
+        assert data["steps"] == steps
+        png = Image.open(data["files"][0])
+        assert png.text["lorakit:steps"] == str(steps)
+        ref = _stock(folder, None, "a red circle", 0, width=64, height=64, num_inference_steps=99, **stock_kw)
+        images[steps] = np.asarray(png)
+        assert np.array_equal(images[steps], np.asarray(ref))
+    assert not np.array_equal(images[3], images[2])  # the two grids give different images
+    r = CliRunner().invoke(app, ["infer", str(folder), "-p", "a red circle", "--width", "64", "--height", "64",
+                                 "-o", str(tmp_path / "said")])
+    assert "the model's own 3 steps (its pipeline's sample_sigmas)" in r.output
