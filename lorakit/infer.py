@@ -23,7 +23,7 @@ from lorakit.io.digest import file_hash
 from lorakit.models.base import family_adapter, load_adapter
 from lorakit.models.grid import sampling_steps
 from lorakit.models.registry import family_info, family_names, family_of_folder
-from lorakit.placement import apply
+from lorakit.placement import apply, transformer_parts
 
 
 @dataclass
@@ -75,8 +75,8 @@ def add_loras(pipe, loras: list[tuple], arch: str | None, bake: bool = False, de
     """Apply each LoRA to the pipeline's transformer at its scale: LoRA and DoRA modules as peft adapters (one
     per file, as `load_lora_weights` makes them); what peft cannot hold — LyCORIS LoKr/LoHa, full and bias
     differences, ComfyUI-convention DoRA — is added into the weights (W += scale * delta), as ComfyUI does;
-    with `bake`, everything is (weights about to be stored in 8 bits). `defer`: module name -> list, for the
-    layers about to be rounded to 8 bits: a plain LoRA on one is appended there as (B, A, coefficient) for the
+    with `bake`, everything is (weights about to be stored in 8 bits). `defer`: transformer part -> module name ->
+    list, for the layers about to be rounded to 8 bits: a plain LoRA on one is appended there as (B, A, coefficient) for the
     rounding pass to sum on the GPU (`train.quant.quantize_blocks`). `loras`: paths and scales, or what
     `read_loras` returned."""
 
@@ -87,7 +87,7 @@ def add_loras(pipe, loras: list[tuple], arch: str | None, bake: bool = False, de
         parts, why = expert_parts(pipe, path, lora)
         baked = 0
         for part in parts:
-            baked = _add_one(pipe, part, i, path, scale, lora, bake, defer if part == "transformer" else None, names)
+            baked = _add_one(pipe, part, i, path, scale, lora, bake, (defer or {}).get(part), names)
         facts.append({"path": str(path), "scale": scale, "sha256_16": file_hash(path), **lora.facts,
                       "added_to_weights": baked + len(lora.biases),
                       **({"applied_to": parts, "applied_to_why": why} if why else {}),
@@ -231,7 +231,8 @@ def generate(model_dir: Path, req: Request, loras: list[tuple[Path, float]], out
     if fp8:
         from lorakit.train.quant import block_linears
 
-        pending = {name: [] for name in block_linears(pipe.transformer)}
+        pending = {part: {name: [] for name in block_linears(getattr(pipe, part))}
+                   for part in transformer_parts(pipe)}
     lora_facts = add_loras(pipe, read, adapter.arch, bake=fp8, defer=pending)
     phases["loras_s"] = round(time.perf_counter() - t, 2)
 
@@ -388,7 +389,7 @@ def _placement(model_dir, device: str, dtype, facts, req: Request):
     names = [k for k in index if not k.startswith("_")]  # those with weight files are counted
     nbytes = torch.empty((), dtype=dtype).element_size()
     sizes = placement.component_gib(model_dir, names, nbytes)
-    fp8 = placement.fp8_gib(Path(model_dir) / "transformer", nbytes) if "transformer" in sizes else None
+    fp8 = {n: placement.fp8_gib(Path(model_dir) / n, nbytes) for n in sizes if n.startswith("transformer")} or None
     return placement.choose(sizes, budget_gib(device), mode, fp8_transformer_gib=fp8,
                             decode=_decode(index, facts, req))
 

@@ -111,13 +111,14 @@ def fp8_gib(folder: Path, dtype_bytes: int) -> float:
     return round(fp8_bytes(folder, dtype_bytes) / 2**30, 2)
 
 
-def _fits_alone(sizes: dict[str, float], budget_gib: float, transformer_gib: float | None = None,
+def _fits_alone(sizes: dict[str, float], budget_gib: float, fp8: dict[str, float] | None = None,
                 decode_gib: float = HEADROOM_GIB) -> bool:
-    """Each component on the GPU by itself: the transformer with a denoising forward's room, the VAE with its
-    decode's, the others with the headroom (a text encoder's forward)."""
+    """Each component on the GPU by itself: a transformer (Wan 2.2 A14B: either expert) with a denoising forward's
+    room, at its fp8 size where `fp8` gives one; the VAE with its decode's; the others with the headroom (a text
+    encoder's forward)."""
     for name, gib in sizes.items():
-        need = (transformer_gib if transformer_gib is not None else gib) + DENOISE_GIB \
-            if name == "transformer" else gib + (decode_gib if name == "vae" else HEADROOM_GIB)
+        need = (fp8 or {}).get(name, gib) + DENOISE_GIB if name.startswith("transformer") \
+            else gib + (decode_gib if name == "vae" else HEADROOM_GIB)
         if need > budget_gib:
             return False
     return True
@@ -137,10 +138,10 @@ def _tiles(sizes: dict[str, float], budget_gib: float, decode: Decode | None) ->
 
 
 def choose(sizes: dict[str, float], budget_gib: float, mode: str = "auto",
-           headroom_gib: float = HEADROOM_GIB, fp8_transformer_gib: float | None = None,
+           headroom_gib: float = HEADROOM_GIB, fp8_transformer_gib: float | dict | None = None,
            decode: Decode | None = None) -> Plan:
     """`sizes`: each component's GiB at the run's dtype; `fp8_transformer_gib`: the transformer's with fp8
-    blocks (`fp8_gib`), None where that is not offered; `decode`: the VAE's decode at the output size
+    blocks (`fp8_gib`; a dict: each transformer's, Wan 2.2 A14B's two experts), None where that is not offered; `decode`: the VAE's decode at the output size
     (`decode_need`), which widens the headroom where it is larger."""
     if mode not in MODES:
         raise InputError(f"--offload {mode}: not one of {', '.join(MODES)}")
@@ -149,13 +150,15 @@ def choose(sizes: dict[str, float], budget_gib: float, mode: str = "auto",
     headroom_gib = max(headroom_gib, decode_gib)
     if mode != "auto":
         return Plan(mode, f"--offload {mode}{tiled}", sizes, tile_vae=tile)
-    plan = _choose(sizes, budget_gib, headroom_gib, fp8_transformer_gib, decode_gib)
+    fp8 = {"transformer": fp8_transformer_gib} if isinstance(fp8_transformer_gib, (int, float)) \
+        else fp8_transformer_gib
+    plan = _choose(sizes, budget_gib, headroom_gib, fp8, decode_gib)
     plan.why += tiled
     plan.tile_vae = tile
     return plan
 
 
-def _choose(sizes, budget_gib, headroom_gib, fp8_transformer_gib, decode_gib) -> Plan:
+def _choose(sizes, budget_gib, headroom_gib, fp8, decode_gib) -> Plan:
     total, largest = sum(sizes.values()), max(sizes.values(), default=0.0)
     if total + headroom_gib <= budget_gib:
         return Plan("none", f"all weights ({total:.1f} GiB) + {headroom_gib:.1f} GiB to work in fit in "
@@ -169,13 +172,15 @@ def _choose(sizes, budget_gib, headroom_gib, fp8_transformer_gib, decode_gib) ->
         return Plan("model", f"weights {total:.1f} GiB + {headroom_gib:.1f} GiB to work in > {budget_gib:.1f} GiB: "
                              f"each component on the GPU while it runs (largest {largest:.1f} GiB){also}", sizes,
                     streamed)
-    tr = sizes.get("transformer")
-    if fp8_transformer_gib is not None and tr is not None and \
-            _fits_alone(rest, budget_gib, fp8_transformer_gib, decode_gib):
-        return Plan("fp8", f"the transformer ({tr:.1f} GiB) does not fit {budget_gib:.1f} GiB: its block weights "
-                           f"in fp8 ({fp8_transformer_gib:.1f} GiB, as the small-card profiles train), each "
-                           f"component on the GPU while it runs; images close to bf16's, not equal "
-                           f"(--offload group keeps bf16, slower){also}", sizes, streamed)
+    trs = {n: gib for n, gib in sizes.items() if n.startswith("transformer")}
+    if fp8 and trs and set(trs) <= set(fp8) and _fits_alone(rest, budget_gib, fp8, decode_gib):
+        were = " + ".join(f"{gib:.1f}" for gib in trs.values())
+        now = " + ".join(f"{fp8[n]:.1f}" for n in trs)
+        which = "the transformer" if len(trs) == 1 else f"each of the {len(trs)} transformers"
+        return Plan("fp8", f"{which} ({were} GiB) does not fit {budget_gib:.1f} GiB: its block weights in fp8 "
+                           f"({now} GiB, as the small-card profiles train), each component on the GPU while it "
+                           f"runs; images close to bf16's, not equal (--offload group keeps bf16, slower){also}",
+                    sizes, streamed)
     return Plan("group", f"the largest component ({largest:.1f} GiB) does not fit {budget_gib:.1f} GiB with "
                          f"room to work in: its blocks stream from CPU memory", sizes)
 
@@ -238,8 +243,8 @@ def _hook_class():
 
 def apply(pipe, plan: Plan, device: str, dtype=None, add: dict | None = None, streamed: dict | None = None):
     """Put the pipeline (loaded on the CPU unless plan.mode is none) where the plan says; returns the `Swap`
-    for `model` and `fp8`. For `fp8`: LoRAs are already in the weights, or in `add` (block Linear ->
-    low-rank changes summed as each layer is rounded); `dtype`: the compute dtype. `streamed`: filled with what
+    for `model` and `fp8`. For `fp8`: LoRAs are already in the weights, or in `add` (transformer part -> block
+    Linear -> low-rank changes summed as each layer is rounded); `dtype`: the compute dtype. `streamed`: filled with what
     `io.stream.stream` did per component it streamed (how much, page-locked or not)."""
     import torch
 
@@ -251,13 +256,15 @@ def apply(pipe, plan: Plan, device: str, dtype=None, add: dict | None = None, st
     if plan.mode == "fp8":
         from lorakit.train.quant import quantize_blocks
 
-        tr = pipe.transformer
         on_gpu = str(device).startswith("cuda")
-        # one layer at a time on the GPU (fast), each 8-bit layer then kept on the CPU for the swap
-        quantize_blocks(tr, dtype or tr.dtype, device if on_gpu else None, add)
+        for name in transformer_parts(pipe):  # Wan 2.2 A14B: both experts
+            tr = getattr(pipe, name)
+            # one layer at a time on the GPU (fast), each 8-bit layer then kept on the CPU for the swap
+            quantize_blocks(tr, dtype or tr.dtype, device if on_gpu else None, (add or {}).get(name))
+            if on_gpu:
+                tr.to("cpu")
         if not on_gpu:
             return None
-        tr.to("cpu")
         torch.cuda.empty_cache()
     if plan.mode in ("model", "fp8"):
         swap = Swap(device)
@@ -273,6 +280,14 @@ def apply(pipe, plan: Plan, device: str, dtype=None, add: dict | None = None, st
         if isinstance(part, torch.nn.Module):
             said[name] = stream(part, device)
     return None
+
+
+def transformer_parts(pipe) -> list[str]:
+    """The pipeline's denoising transformers present: `transformer`, and Wan 2.2 A14B's `transformer_2`."""
+    import torch
+
+    return [n for n, part in pipe.components.items() if n.startswith("transformer") and
+            isinstance(part, torch.nn.Module)]
 
 
 def every_step_first(components: dict) -> list:

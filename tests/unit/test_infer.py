@@ -169,6 +169,46 @@ def test_fp8_placement_bakes_the_lora_then_stores_the_blocks_in_8_bits(tiny, tmp
     assert d_exact.mean() > 10 * max(d_ref.mean(), 0.01)  # and 8-bit weights, visibly not the exact ones
 
 
+def test_fp8_placement_stores_both_wan_experts_in_8_bits_with_the_lora_in_its_own(tiny, tmp_path, monkeypatch):
+    """Wan 2.2 A14B under `--offload fp8` (what auto picks on a 24 GiB card): both experts' block weights are rounded
+    to e4m3, and a low-noise LoRA is summed into transformer_2's weights only."""
+    from lorakit import placement as P
+    from lorakit.train import quant
+
+    folder = tiny("wan2.2-t2v")
+    lora = trained_like(tiny, "wan2.2-t2v", tmp_path / "my_low_noise.safetensors", targets="attention", alpha=8,
+                        seed=3, scale=0.5)
+    seen = {}
+    real = quant.quantize_blocks
+
+    def spy(model, dtype, device, add=None):
+        seen[id(model)] = sum(len(v) for v in (add or {}).values())
+        return real(model, dtype, device, add)
+
+    monkeypatch.setattr(quant, "quantize_blocks", spy)
+    kept = {}
+    real_apply = P.apply
+
+    def keep(pipe, plan, *a, **kw):
+        kept["pipe"] = pipe
+        return real_apply(pipe, plan, *a, **kw)
+
+    monkeypatch.setattr("lorakit.infer.apply", keep)
+    r = CliRunner().invoke(app, ["infer", str(folder), "-p", "a red circle", "--steps", "2", "--width", "64",
+                                 "--height", "64", "--frames", "5", "--lora", str(lora), "--offload", "fp8",
+                                 "-o", str(tmp_path / "out"), "--json"])
+    assert r.exit_code == 0, r.output
+    data = json.loads(r.output)
+    assert data["offload"] == "fp8" and data["loras"][0]["applied_to"] == ["transformer_2"]
+    pipe = kept["pipe"]
+    for part in ("transformer", "transformer_2"):
+        tr = getattr(pipe, part)
+        rounded = [m for n, m in tr.named_modules() if type(m).__name__ != "Linear" and "blocks." in n
+                   and getattr(m, "weight", None) is not None and m.weight.dtype == torch.float8_e4m3fn]
+        assert rounded, part  # every expert's block Linears are stored in 8 bits
+    assert seen[id(pipe.transformer)] == 0 and seen[id(pipe.transformer_2)] > 0  # the LoRA in its own expert
+
+
 def test_a_lora_summed_as_its_layer_is_rounded_equals_one_baked_first(tiny, tmp_path):
     from lorakit.infer import add_loras, assemble
     from lorakit.train.quant import block_linears, quantize_blocks

@@ -36,6 +36,16 @@ def test_qwen_image_fits_a_24_gib_card_with_fp8_blocks_and_its_encoder_alone():
     assert placement.choose(sizes, 20, fp8_transformer_gib=19.1).mode == "group"
 
 
+def test_wan_a14b_fits_a_24_gib_card_with_both_experts_in_fp8():
+    # Wan 2.2 T2V-A14B: two 14B experts of 26.6 GiB in bf16 (13.8 each with fp8 blocks), umT5-XXL 10.6, VAE 0.5. Where
+    # only the first transformer was offered fp8 the second (26.6 GiB) sent every component to `group`: bf16 blocks
+    # streamed from 65 GiB of host memory (H100 at 24 GiB, 2026-11-27)
+    sizes = {"transformer": 26.6, "transformer_2": 26.6, "text_encoder": 10.6, "vae": 0.5}
+    plan = placement.choose(sizes, 24, fp8_transformer_gib={"transformer": 13.8, "transformer_2": 13.8})
+    assert plan.mode == "fp8" and "each of the 2 transformers (26.6 + 26.6 GiB)" in plan.why
+    assert placement.choose(sizes, 24, fp8_transformer_gib={"transformer": 13.8}).mode == "group"  # one not offered
+
+
 def test_fp8_size_is_what_quantize_blocks_makes(tiny):
     import torch
 
