@@ -8,7 +8,7 @@ from lorakit.models import tiny
 from lorakit.models.base import Adapter
 from lorakit.models.batch import Batch
 from lorakit.models.facts import AttentionCase, LoraPresets, NativeName, Published
-from lorakit.models.shift_scale import channel_stats
+from lorakit.models.shift_scale import decode_per_channel, encode_per_channel
 
 CONDITION_AREA = 384 * 384  # Edit-Plus: prompt images are resized to this area, as the pipeline does
 VAE_AREA = 1024 * 1024  # Edit and Edit-Plus: control images are VAE-encoded at this area, at their aspect ratio
@@ -120,25 +120,13 @@ class QwenImageAdapter(Adapter):
         return out
 
     def encode_images(self, pixels):
-        import torch
-
         self.load((self.vae_part,))
-        vae = self.parts[self.vae_part]
-        with torch.no_grad():
-            lat = vae.encode(pixels.to(vae.device, vae.dtype).unsqueeze(2)).latent_dist.mode()
-        mean, std = channel_stats(vae, lat.device, lat.dtype)
-        return ((lat - mean) / std)[:, :, 0]
+        return encode_per_channel(self.parts[self.vae_part], pixels.unsqueeze(2))[:, :, 0]
 
     def decode_latents(self, latents):
         """Normalised latents (B, 16, h, w) -> pixels (B, 3, H, W) in [-1, 1]."""
-        import torch
-
         self.load((self.vae_part,))
-        vae = self.parts[self.vae_part]
-        mean, std = channel_stats(vae, vae.device, vae.dtype)
-        with torch.no_grad():
-            lat = latents.to(vae.device, vae.dtype).unsqueeze(2) * std + mean
-            return vae.decode(lat).sample[:, :, 0]
+        return decode_per_channel(self.parts[self.vae_part], latents.unsqueeze(2))[:, :, 0]
 
     def predict(self, transformer, x_t, sigmas, text: dict, guidance: float = 1.0, controls=None):
         """The velocity for x_t (B, 16, h, w), as the Qwen-Image pipelines call the transformer: 2x2-packed

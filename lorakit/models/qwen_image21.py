@@ -19,7 +19,7 @@ from lorakit.models.base import Adapter
 from lorakit.models.batch import Batch
 from lorakit.models.facts import AttentionCase, LoraPresets, NativeName, Published
 from lorakit.models.qwen_image import real_rotary
-from lorakit.models.shift_scale import channel_stats
+from lorakit.models.shift_scale import decode_per_channel, encode_per_channel
 
 _B = "transformer_blocks.{i}."
 _SAME = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "attn.norm_q", "attn.norm_k", "img_mlp.out")
@@ -111,25 +111,14 @@ class QwenImage21Adapter(Adapter):
         import torch
 
         self.load((self.vae_part,))
-        vae = self.parts[self.vae_part]
-        x = pixels.to(vae.device, vae.dtype)
-        if x.shape[1] == 3:
-            x = torch.cat([x, torch.ones_like(x[:, :1])], dim=1)
-        with torch.no_grad():
-            lat = vae.encode(x.unsqueeze(2)).latent_dist.mode()
-        mean, std = channel_stats(vae, lat.device, lat.dtype)
-        return ((lat - mean) / std)[:, :, 0]
+        if pixels.shape[1] == 3:
+            pixels = torch.cat([pixels, torch.ones_like(pixels[:, :1])], dim=1)
+        return encode_per_channel(self.parts[self.vae_part], pixels.unsqueeze(2))[:, :, 0]
 
     def decode_latents(self, latents):
         """Normalised latents (B, 64, h, w) -> RGB pixels (B, 3, 16h, 16w) in [-1, 1] (the VAE's alpha left out)."""
-        import torch
-
         self.load((self.vae_part,))
-        vae = self.parts[self.vae_part]
-        mean, std = channel_stats(vae, vae.device, vae.dtype)
-        with torch.no_grad():
-            lat = latents.to(vae.device, vae.dtype).unsqueeze(2) * std + mean
-            return vae.decode(lat).sample[:, :3, 0]
+        return decode_per_channel(self.parts[self.vae_part], latents.unsqueeze(2))[:, :3, 0]
 
     def predict(self, transformer, x_t, sigmas, text: dict, guidance: float = 1.0, controls=None):
         """The velocity for x_t (B, 64, h, w), as QwenImage21Pipeline calls the transformer: the latents flattened

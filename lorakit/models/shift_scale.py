@@ -15,6 +15,27 @@ def channel_stats(vae, device, dtype):
     return mean, std
 
 
+def encode_per_channel(vae, frames):
+    """Pixels (B, C, T, H, W) -> the VAE's mean latents normalised per channel, `(z - latents_mean) / latents_std`
+    (Qwen-Image, Qwen-Image-2.1, Wan), without gradients."""
+    import torch
+
+    with torch.no_grad():
+        lat = vae.encode(frames.to(vae.device, vae.dtype)).latent_dist.mode()
+    mean, std = channel_stats(vae, lat.device, lat.dtype)
+    return (lat - mean) / std
+
+
+def decode_per_channel(vae, latents):
+    """Normalised latents (B, C, T, h, w) -> the VAE's decoded pixels (B, C', T', H, W): the inverse normalisation,
+    then decode, as the pipelines do, without gradients."""
+    import torch
+
+    mean, std = channel_stats(vae, vae.device, vae.dtype)
+    with torch.no_grad():
+        return vae.decode(latents.to(vae.device, vae.dtype) * std + mean).sample
+
+
 class ShiftScaleLatents:
     """encode_images / decode_latents for adapters whose VAE is an AutoencoderKL with shift and scaling factors."""
 

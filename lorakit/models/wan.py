@@ -18,7 +18,7 @@ from lorakit.models import tiny
 from lorakit.models.base import Adapter
 from lorakit.models.batch import Batch
 from lorakit.models.facts import AttentionCase, LoraPresets, NativeName, Published
-from lorakit.models.shift_scale import channel_stats
+from lorakit.models.shift_scale import decode_per_channel, encode_per_channel
 
 _ATTN = (("to_q", "q"), ("to_k", "k"), ("to_v", "v"), ("to_out.0", "o"))
 # the original checkpoints' names (Wan-AI's WanModel; ComfyUI's comfy/ldm/wan/model.py keeps them): diffusers'
@@ -160,14 +160,8 @@ class WanAdapter(Adapter):
 
     def encode_video(self, frames):
         """frames (B, 3, T, H, W) in [-1, 1] -> (B, C, T', h, w), normalised as the pipelines normalise."""
-        import torch
-
         self.load((self.vae_part,))
-        vae = self.parts[self.vae_part]
-        with torch.no_grad():
-            lat = vae.encode(frames.to(vae.device, vae.dtype)).latent_dist.mode()
-        mean, std = channel_stats(vae, lat.device, lat.dtype)
-        return (lat - mean) / std
+        return encode_per_channel(self.parts[self.vae_part], frames)
 
     def encode_images(self, pixels):
         return self.encode_video(pixels.unsqueeze(2))[:, :, 0]
@@ -193,16 +187,12 @@ class WanAdapter(Adapter):
     def decode_latents(self, latents):
         """Latents (B, C, h, w) or clips (B, C, T, h, w) -> pixels in [-1, 1] (a clip: its middle frame; an I2V
         condition, mask channels first: its first frame)."""
-        import torch
 
         self.load((self.vae_part,))
         vae = self.parts[self.vae_part]
         if latents.shape[1] == vae.config.z_dim + 4:  # an I2V condition: the first frame it holds
             latents = latents[:, 4:, :1]
-        x = latents if latents.dim() == 5 else latents.unsqueeze(2)
-        mean, std = channel_stats(vae, vae.device, vae.dtype)
-        with torch.no_grad():
-            out = vae.decode(x.to(vae.device, vae.dtype) * std + mean).sample
+        out = decode_per_channel(vae, latents if latents.dim() == 5 else latents.unsqueeze(2))
         return out[:, :, out.shape[2] // 2]
 
     # ------------------------------------------------------------------ the transformer call
