@@ -212,13 +212,18 @@ def t5_text(tokenizer, seed: int, d_model: int = 32, umt5: bool = False):
     return getattr(transformers, model)(cfg).eval()
 
 
+def _vision_ids(tokenizer) -> dict:
+    """The Qwen vision-language configs' special token ids, from the tokenizer."""
+    return {name: tokenizer.convert_tokens_to_ids(tok) for name, tok in [
+        ("image_token_id", "<|image_pad|>"), ("video_token_id", "<|video_pad|>"),
+        ("vision_start_token_id", "<|vision_start|>"), ("vision_end_token_id", "<|vision_end|>")]}
+
+
 def qwen_vl(tokenizer, seed: int, hidden: int = 32):
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
     seeded(seed)
-    ids = {name: tokenizer.convert_tokens_to_ids(tok) for name, tok in [
-        ("image_token_id", "<|image_pad|>"), ("video_token_id", "<|video_pad|>"),
-        ("vision_start_token_id", "<|vision_start|>"), ("vision_end_token_id", "<|vision_end|>")]}
+    ids = _vision_ids(tokenizer)
     heads = 2
     half_head = hidden // heads // 2
     section = [half_head - 2 * (half_head // 3), half_head // 3, half_head // 3]
@@ -243,9 +248,7 @@ def qwen3_vl(tokenizer, seed: int, hidden: int = 32):
     from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
 
     seeded(seed)
-    ids = {name: tokenizer.convert_tokens_to_ids(tok) for name, tok in [
-        ("image_token_id", "<|image_pad|>"), ("video_token_id", "<|video_pad|>"),
-        ("vision_start_token_id", "<|vision_start|>"), ("vision_end_token_id", "<|vision_end|>")]}
+    ids = _vision_ids(tokenizer)
     head = 16
     cfg = Qwen3VLConfig(
         text_config=dict(vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=2 * hidden,
