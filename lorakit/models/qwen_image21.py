@@ -54,7 +54,7 @@ class QwenImage21Adapter(Adapter):
                           source="Qwen-Image-2.1 transformer/config.json (32 single-stream blocks of 4096, "
                                  "SwiGLU 3x)")
     # one causal-text + bidirectional-image sequence, 32 heads of 128: the target image attends to every key
-    # (the padding mask where captions of one batch differ in length)
+    # unmasked (lorakit calls it once per caption length); the text's own causal segment attends with a mask
     attention_cases = (AttentionCase("512px", 1024 + 128, False, heads=32),
                        AttentionCase("1024px", 4096 + 128, False, heads=32),
                        AttentionCase("1024px+mask", 4096 + 128, True, heads=32))
