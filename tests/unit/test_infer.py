@@ -218,10 +218,10 @@ def test_a_lora_summed_as_its_layer_is_rounded_equals_one_baked_first(tiny, tmp_
     weights = []
     for deferred in (False, True):
         pipe, adapter = assemble(folder, "cpu", torch.float32)
-        pending = {n: [] for n in block_linears(pipe.transformer)} if deferred else None
+        pending = {"transformer": {n: [] for n in block_linears(pipe.transformer)}} if deferred else None
         facts = add_loras(pipe, [(lora, 0.7)], adapter.arch, bake=True, defer=pending)
         assert facts[0]["added_to_weights"] == facts[0]["modules"] > 0
-        add = {k: v for k, v in (pending or {}).items() if v}
+        add = {k: v for k, v in (pending or {}).get("transformer", {}).items() if v}
         assert len(add) == (facts[0]["modules"] if deferred else 0)  # every target here is a block Linear
         quantize_blocks(pipe.transformer, torch.float32, add=add)
         weights.append({k: v.float() for k, v in pipe.transformer.state_dict().items()})
