@@ -75,10 +75,10 @@ def add_loras(pipe, loras: list[tuple], arch: str | None, bake: bool = False, de
     """Apply each LoRA to the pipeline's transformer at its scale: LoRA and DoRA modules as peft adapters (one
     per file, as `load_lora_weights` makes them); what peft cannot hold — LyCORIS LoKr/LoHa, full and bias
     differences, ComfyUI-convention DoRA — is added into the weights (W += scale * delta), as ComfyUI does;
-    with `bake`, everything is (weights about to be stored in 8 bits). `defer`: transformer part -> module name ->
-    list, for the layers about to be rounded to 8 bits: a plain LoRA on one is appended there as (B, A, coefficient) for the
-    rounding pass to sum on the GPU (`train.quant.quantize_blocks`). `loras`: paths and scales, or what
-    `read_loras` returned."""
+    with `bake`, everything is (weights about to be stored in 8 bits). `defer`: transformer part -> module name
+    -> list, for the layers about to be rounded to 8 bits: a plain LoRA on one is appended there as (B, A,
+    coefficient) for the rounding pass to sum on the GPU (`train.quant.quantize_blocks`). `loras`: paths and
+    scales, or what `read_loras` returned."""
 
     read = loras if loras and len(loras[0]) == 3 else read_loras(loras, arch)
     names: dict = {}  # component -> (adapter names, scales)
@@ -389,8 +389,8 @@ def _placement(model_dir, device: str, dtype, facts, req: Request):
     names = [k for k in index if not k.startswith("_")]  # those with weight files are counted
     nbytes = torch.empty((), dtype=dtype).element_size()
     sizes = placement.component_gib(model_dir, names, nbytes)
-    fp8 = {n: placement.fp8_gib(Path(model_dir) / n, nbytes) for n in sizes if n.startswith("transformer")} or None
-    return placement.choose(sizes, budget_gib(device), mode, fp8_transformer_gib=fp8,
+    fp8 = {n: placement.fp8_gib(Path(model_dir) / n, nbytes) for n in sizes if n.startswith("transformer")}
+    return placement.choose(sizes, budget_gib(device), mode, fp8_sizes=fp8 or None,
                             decode=_decode(index, facts, req))
 
 

@@ -138,11 +138,11 @@ def _tiles(sizes: dict[str, float], budget_gib: float, decode: Decode | None) ->
 
 
 def choose(sizes: dict[str, float], budget_gib: float, mode: str = "auto",
-           headroom_gib: float = HEADROOM_GIB, fp8_transformer_gib: float | dict | None = None,
+           headroom_gib: float = HEADROOM_GIB, fp8_sizes: dict[str, float] | None = None,
            decode: Decode | None = None) -> Plan:
-    """`sizes`: each component's GiB at the run's dtype; `fp8_transformer_gib`: the transformer's with fp8
-    blocks (`fp8_gib`; a dict: each transformer's, Wan 2.2 A14B's two experts), None where that is not offered; `decode`: the VAE's decode at the output size
-    (`decode_need`), which widens the headroom where it is larger."""
+    """`sizes`: each component's GiB at the run's dtype; `fp8_sizes`: each transformer's GiB with fp8 blocks
+    (`fp8_gib`: `transformer`, and Wan 2.2 A14B's `transformer_2`), None where that is not offered; `decode`:
+    the VAE's decode at the output size (`decode_need`), which widens the headroom where it is larger."""
     if mode not in MODES:
         raise InputError(f"--offload {mode}: not one of {', '.join(MODES)}")
     tile, tiled = _tiles(sizes, budget_gib, decode)
@@ -150,9 +150,7 @@ def choose(sizes: dict[str, float], budget_gib: float, mode: str = "auto",
     headroom_gib = max(headroom_gib, decode_gib)
     if mode != "auto":
         return Plan(mode, f"--offload {mode}{tiled}", sizes, tile_vae=tile)
-    fp8 = {"transformer": fp8_transformer_gib} if isinstance(fp8_transformer_gib, (int, float)) \
-        else fp8_transformer_gib
-    plan = _choose(sizes, budget_gib, headroom_gib, fp8, decode_gib)
+    plan = _choose(sizes, budget_gib, headroom_gib, fp8_sizes, decode_gib)
     plan.why += tiled
     plan.tile_vae = tile
     return plan
@@ -244,8 +242,8 @@ def _hook_class():
 def apply(pipe, plan: Plan, device: str, dtype=None, add: dict | None = None, streamed: dict | None = None):
     """Put the pipeline (loaded on the CPU unless plan.mode is none) where the plan says; returns the `Swap`
     for `model` and `fp8`. For `fp8`: LoRAs are already in the weights, or in `add` (transformer part -> block
-    Linear -> low-rank changes summed as each layer is rounded); `dtype`: the compute dtype. `streamed`: filled with what
-    `io.stream.stream` did per component it streamed (how much, page-locked or not)."""
+    Linear -> low-rank changes summed as each layer is rounded); `dtype`: the compute dtype. `streamed`: filled
+    with what `io.stream.stream` did per component it streamed (how much, page-locked or not)."""
     import torch
 
     said = streamed if streamed is not None else {}

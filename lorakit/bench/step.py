@@ -83,7 +83,8 @@ def bench(family: str, res: int, profile: str | None, steps: int = 10, warmup: i
     if attention is None and cuda:
         attention = "flash+efficient" if masked else "flash"
     flops = model_flops(family, size, res, frames) if cuda else None
-    base = dict(family=family, size=size, res=res, frames=frames, device=device, seed=0, rank=16, steps=steps, warmup=warmup,
+    base = dict(family=family, size=size, res=res, frames=frames, device=device, seed=0, rank=16, steps=steps,
+                warmup=warmup,
                 dtype="bf16" if cuda else "fp32", profile=profile or ("datacenter" if cuda else "cpu"),
                 sets=list(sets or []), memory_cap=memory_cap, model_flops=flops, attention=attention,
                 plain_attention=("efficient" if masked else "flash") if cuda else None,
@@ -116,7 +117,8 @@ def bench(family: str, res: int, profile: str | None, steps: int = 10, warmup: i
     if cuda:
         env["cuda"] = torch.version.cuda
         env["cudnn"] = torch.backends.cudnn.version()
-    return {"family": family, "res": res, "frames": frames, "size": size, "profile": base["profile"], "memory_cap_gib": memory_cap,
+    return {"family": family, "res": res, "frames": frames, "size": size, "profile": base["profile"],
+            "memory_cap_gib": memory_cap,
             "steps": steps, "warmup": warmup, "model_flops_per_step": flops, "environment": env, "rows": rows}
 
 

@@ -181,7 +181,8 @@ def prepare(spec: dict):
                          keep_on="cpu" if eight_bit else None)
     info: dict = {"build_s": round(time.perf_counter() - t0, 2)}
     adapter = _adapter(spec["family"])
-    batch = synthetic_batch(spec["family"], spec["size"], spec["res"], seed=spec["seed"], frames=spec.get("frames", 1))
+    batch = synthetic_batch(spec["family"], spec["size"], spec["res"], seed=spec["seed"],
+                            frames=spec.get("frames", 1))
     if spec["way"] == "plain":
         if cuda and spec["plain_attention"]:
             apply(spec["plain_attention"])
@@ -290,7 +291,8 @@ def model_flops(family: str, size: str, res: int, frames: int = 1) -> float:
 
     adapter = _adapter(family)
     if not adapter.meta_forward:
-        return 2.0 * adapter.forward_flops(architecture(family, size)[1], synthetic_batch(family, size, res))
+        batch = synthetic_batch(family, size, res, frames=frames)
+        return 2.0 * adapter.forward_flops(architecture(family, size)[1], batch)
     with torch.device("meta"):
         model = build_meta(family, size)
         batch = synthetic_batch(family, size, res, frames=frames)

@@ -24,9 +24,9 @@ QWEN3_VL_8B_TEXT = dict(hidden_size=4096, intermediate_size=12288, num_hidden_la
                         num_key_value_heads=8, head_dim=128, vocab_size=151936, max_position_embeddings=262144,
                         rms_norm_eps=1e-6, rope_parameters={"rope_type": "default", "rope_theta": 5000000.0,
                                                             "mrope_section": [24, 20, 20], "mrope_interleaved": True})
-QWEN3_VL_8B_VISION = dict(depth=27, hidden_size=1152, intermediate_size=4304, num_heads=16, in_channels=3, patch_size=16,
-                          spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=4096, num_position_embeddings=2304,
-                          deepstack_visual_indexes=[8, 16, 24])
+QWEN3_VL_8B_VISION = dict(depth=27, hidden_size=1152, intermediate_size=4304, num_heads=16, in_channels=3,
+                          patch_size=16, spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=4096,
+                          num_position_embeddings=2304, deepstack_visual_indexes=[8, 16, 24])
 # Z-Image-Turbo's text encoder: Qwen3-4B's config (its hidden size is the transformer's cap_feat_dim, 2560)
 QWEN3_4B = dict(hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32,
                 num_key_value_heads=8, head_dim=128, vocab_size=151936, max_position_embeddings=40960,
@@ -71,6 +71,17 @@ def hub_names(cls_name: str, tensors: dict) -> dict:
     return {rename(k): v for k, v in tensors.items()}
 
 
+def _vision_ids(part) -> dict:
+    """A Qwen vision-language encoder's special token ids, as the (tiny) part's config holds them."""
+    return {k: getattr(part.config, k) for k in ("image_token_id", "video_token_id", "vision_start_token_id",
+                                                 "vision_end_token_id")}
+
+
+def _stats(part) -> dict:
+    """A per-channel VAE's latent statistics, as the (tiny) part's config holds them."""
+    return {k: list(part.config[k]) for k in ("latents_mean", "latents_std")}
+
+
 def full_component(name: str, part, tokenizer):
     """The published-size module for a pipeline component (built on the current default device and dtype)."""
     import diffusers
@@ -90,12 +101,10 @@ def full_component(name: str, part, tokenizer):
                    decoder_start_token_id=tokenizer.pad_token_id)
         return transformers.UMT5EncoderModel(transformers.UMT5Config(**UMT5_XXL, **ids))
     if cls == "AutoencoderKLWan":  # the statistics as the tiny one holds them (48 of them for Wan 2.2's)
-        stats = {k: list(part.config[k]) for k in ("latents_mean", "latents_std")}
-        return diffusers.AutoencoderKLWan(**(WAN22_VAE if part.config.z_dim == 48 else {}), **stats)
+        return diffusers.AutoencoderKLWan(**(WAN22_VAE if part.config.z_dim == 48 else {}), **_stats(part))
     if cls == "Qwen2_5_VLForConditionalGeneration":
         tok = getattr(tokenizer, "tokenizer", tokenizer)
-        ids = {k: getattr(part.config, k) for k in ("image_token_id", "video_token_id", "vision_start_token_id",
-                                                    "vision_end_token_id")}
+        ids = _vision_ids(part)
         text = dict(QWEN25_VL_7B_TEXT, bos_token_id=None, eos_token_id=tok.eos_token_id,
                     pad_token_id=tok.pad_token_id)
         cfg = transformers.Qwen2_5_VLConfig(text_config=text, vision_config=QWEN25_VL_7B_VISION,
@@ -103,14 +112,12 @@ def full_component(name: str, part, tokenizer):
         return transformers.Qwen2_5_VLForConditionalGeneration(cfg)
     if cls == "Qwen3VLForConditionalGeneration":
         tok = getattr(tokenizer, "tokenizer", tokenizer)
-        ids = {k: getattr(part.config, k) for k in ("image_token_id", "video_token_id", "vision_start_token_id",
-                                                    "vision_end_token_id")}
+        ids = _vision_ids(part)
         cfg = transformers.Qwen3VLConfig(text_config=dict(QWEN3_VL_8B_TEXT, pad_token_id=tok.pad_token_id),
                                          vision_config=QWEN3_VL_8B_VISION, tie_word_embeddings=False, **ids)
         return transformers.Qwen3VLForConditionalGeneration(cfg)
-    if cls == "AutoencoderKLQwenImage21":  # the published config is the class's defaults; the statistics as the
-        stats = {k: list(part.config[k]) for k in ("latents_mean", "latents_std")}  # tiny one holds them
-        return diffusers.AutoencoderKLQwenImage21(**stats)
+    if cls == "AutoencoderKLQwenImage21":  # the published config is the class's defaults; the statistics as
+        return diffusers.AutoencoderKLQwenImage21(**_stats(part))  # the tiny one holds them
     if cls == "Qwen3Model":
         return transformers.Qwen3Model(transformers.Qwen3Config(**QWEN3_4B, pad_token_id=tokenizer.pad_token_id))
     if cls == "Qwen3ForCausalLM":  # FLUX.2 klein 4B's text encoder

@@ -130,11 +130,11 @@ class QwenImage21Adapter(Adapter):
         against other positions than the pipeline samples a single prompt with."""
         import torch
 
-        mask = text.get("prompt_embeds_mask")
+        mask = text.get("prompt_embeds_mask")  # None where nothing is padded (`batch.drop_full_mask`)
         embeds = text["prompt_embeds"]
-        if mask is None or x_t.device.type == "meta" or bool(mask.bool().all()):
+        lengths = [] if mask is None else mask.bool().sum(dim=1).tolist()
+        if all(n == embeds.shape[1] for n in lengths):
             return self._call(transformer, x_t, sigmas, embeds)
-        lengths = mask.bool().sum(dim=1).tolist()
         return torch.cat([self._call(transformer, x_t[i:i + 1], sigmas[i:i + 1], embeds[i:i + 1, :n])
                           for i, n in enumerate(lengths)])
 

@@ -187,7 +187,6 @@ class WanAdapter(Adapter):
     def decode_latents(self, latents):
         """Latents (B, C, h, w) or clips (B, C, T, h, w) -> pixels in [-1, 1] (a clip: its middle frame; an I2V
         condition, mask channels first: its first frame)."""
-
         self.load((self.vae_part,))
         vae = self.parts[self.vae_part]
         if latents.shape[1] == vae.config.z_dim + 4:  # an I2V condition: the first frame it holds
@@ -264,8 +263,8 @@ class WanAdapter(Adapter):
 
         sched = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True,
                                         flow_shift=5.0 if v == "2.2-ti2v" else 3.0)
-        parts = dict(tokenizer=tok, text_encoder=tiny.t5_text(tok, seed + 30, umt5=True), vae=tiny.wan_vae(seed + 20, v),
-                     scheduler=sched, transformer=transformer(10))
+        parts = dict(tokenizer=tok, text_encoder=tiny.t5_text(tok, seed + 30, umt5=True),
+                     vae=tiny.wan_vae(seed + 20, v), scheduler=sched, transformer=transformer(10))
         if v in BOUNDARY:
             parts.update(transformer_2=transformer(11), boundary_ratio=BOUNDARY[v])
         if v == "2.2-ti2v":

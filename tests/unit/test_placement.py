@@ -24,7 +24,7 @@ def test_component_sizes_come_from_the_headers_at_the_run_dtype(tiny):
 def test_the_plan_follows_the_card(budget, fp8, mode):
     # FLUX.1-dev in bf16: transformer 22.2 (11.9 with fp8 blocks), T5 8.9, CLIP 0.2, VAE 0.2 GiB
     sizes = {"transformer": 22.2, "text_encoder_2": 8.9, "text_encoder": 0.2, "vae": 0.2}
-    plan = placement.choose(sizes, budget, fp8_transformer_gib=fp8)
+    plan = placement.choose(sizes, budget, fp8_sizes=fp8 and {"transformer": fp8})
     assert plan.mode == mode
     assert f"{budget:.1f} GiB" in plan.why
 
@@ -32,8 +32,8 @@ def test_the_plan_follows_the_card(budget, fp8, mode):
 def test_qwen_image_fits_a_24_gib_card_with_fp8_blocks_and_its_encoder_alone():
     # Qwen-Image: transformer 38.1 GiB in bf16 (19.1 with fp8 blocks), Qwen2.5-VL 15.4, VAE 0.2
     sizes = {"transformer": 38.1, "text_encoder": 15.4, "vae": 0.2}
-    assert placement.choose(sizes, 24, fp8_transformer_gib=19.1).mode == "fp8"
-    assert placement.choose(sizes, 20, fp8_transformer_gib=19.1).mode == "group"
+    assert placement.choose(sizes, 24, fp8_sizes={"transformer": 19.1}).mode == "fp8"
+    assert placement.choose(sizes, 20, fp8_sizes={"transformer": 19.1}).mode == "group"
 
 
 def test_wan_a14b_fits_a_24_gib_card_with_both_experts_in_fp8():
@@ -41,9 +41,9 @@ def test_wan_a14b_fits_a_24_gib_card_with_both_experts_in_fp8():
     # only the first transformer was offered fp8 the second (26.6 GiB) sent every component to `group`: bf16 blocks
     # streamed from 65 GiB of host memory (H100 at 24 GiB, 2026-11-27)
     sizes = {"transformer": 26.6, "transformer_2": 26.6, "text_encoder": 10.6, "vae": 0.5}
-    plan = placement.choose(sizes, 24, fp8_transformer_gib={"transformer": 13.8, "transformer_2": 13.8})
+    plan = placement.choose(sizes, 24, fp8_sizes={"transformer": 13.8, "transformer_2": 13.8})
     assert plan.mode == "fp8" and "each of the 2 transformers (26.6 + 26.6 GiB)" in plan.why
-    assert placement.choose(sizes, 24, fp8_transformer_gib={"transformer": 13.8}).mode == "group"  # one not offered
+    assert placement.choose(sizes, 24, fp8_sizes={"transformer": 13.8}).mode == "group"  # one not offered
 
 
 def test_fp8_size_is_what_quantize_blocks_makes(tiny):
@@ -108,10 +108,11 @@ def test_a_text_encoder_larger_than_the_card_streams_while_the_rest_is_placed():
     """A 45 GiB encoder (FLUX.2 [dev]'s) beside a transformer whose fp8 form fits the card: the encoder cannot
     visit whole, so its blocks stream; the rest is placed as before."""
     sizes = {"text_encoder": 44.7, "transformer": 60.0, "vae": 0.2}
-    plan = placement.choose(sizes, 32, fp8_transformer_gib=30.8 - 3.5)
+    plan = placement.choose(sizes, 32, fp8_sizes={"transformer": 30.8 - 3.5})
     assert plan.mode == "fp8" and plan.streamed == ("text_encoder",) and "streamed block by block" in plan.why
-    assert placement.choose(sizes, 24, fp8_transformer_gib=30.8).mode == "group"  # the transformer cannot either
-    small = placement.choose({"text_encoder": 15.4, "transformer": 38.1, "vae": 0.2}, 24, fp8_transformer_gib=19.1)
+    assert placement.choose(sizes, 24, fp8_sizes={"transformer": 30.8}).mode == "group"  # the transformer cannot either
+    small = placement.choose({"text_encoder": 15.4, "transformer": 38.1, "vae": 0.2}, 24,
+                             fp8_sizes={"transformer": 19.1})
     assert small.mode == "fp8" and small.streamed == ()  # Qwen-Image on 24 GiB: as before
 
 
@@ -199,7 +200,7 @@ def test_a_decode_larger_than_the_card_or_its_kernels_runs_in_tiles():
 @pytest.mark.parametrize("budget,fp8,mode", [(80, 11.9, "none"), (30, 11.9, "model"), (24, 11.9, "fp8")])
 def test_flux_at_1024_is_placed_as_before_its_decode_was_counted(budget, fp8, mode):
     sizes = {"transformer": 22.2, "text_encoder_2": 8.9, "text_encoder": 0.2, "vae": 0.2}
-    plan = placement.choose(sizes, budget, fp8_transformer_gib=fp8,
+    plan = placement.choose(sizes, budget, fp8_sizes=fp8 and {"transformer": fp8},
                             decode=placement.decode_need("AutoencoderKL", 1024, 1024))
     assert (plan.mode, plan.tile_vae) == (mode, False)
 
