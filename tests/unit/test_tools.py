@@ -76,3 +76,68 @@ def test_race_runs_lorakit_as_a_user_does_and_reports_the_whole_job(tmp_path):
     (rec,) = json.loads((work / "race.json").read_text())
     assert rec["rc"] == 0 and rec["steps"] == 4 and 0 < rec["first_step_s"] < rec["lora_s"] <= rec["whole_s"]
     assert rec["median_s"] > 0 and "| lorakit run 1 | cpu |" in r.stdout
+
+
+def _fake_aitk(root: Path, steps: int = 3) -> Path:
+    """A stand-in for an ai-toolkit checkout, as far as peer_aitoolkit reads it: the example config's keys, a
+    progress bar class, and a run.py that trains `steps` steps and writes the LoRA file where ai-toolkit does."""
+    ex = root / "config" / "examples"
+    ex.mkdir(parents=True)
+    proc = {"type": "sd_trainer", "training_folder": "output", "device": "cuda:0",
+            "network": {"type": "lora", "linear": 16, "linear_alpha": 16},
+            "save": {"dtype": "float16", "save_every": 250},
+            "datasets": [{"folder_path": "/x", "caption_ext": "txt", "resolution": [512, 768, 1024]}],
+            "train": {"steps": 2000, "optimizer": "adamw8bit", "gradient_checkpointing": True},
+            "model": {"name_or_path": "black-forest-labs/FLUX.1-dev", "is_flux": True, "quantize": True},
+            "sample": {"sample_every": 250, "width": 1024, "height": 1024, "prompts": ["a", "b", "c"],
+                       "sample_steps": 20}}
+    (ex / "train_lora_flux_24gb.yaml").write_text(yaml.safe_dump({"job": "extension", "config": {
+        "name": "example", "process": [proc]}}))
+    (root / "toolkit").mkdir()
+    (root / "toolkit" / "__init__.py").write_text("")
+    (root / "toolkit" / "progress_bar.py").write_text(
+        "from tqdm import tqdm\n\n\nclass ToolkitProgressBar(tqdm):\n"
+        "    def __init__(self, *a, **k):\n        super().__init__(*a, **k)\n        self.paused = False\n\n"
+        "    def update(self, *a, **k):\n        if not self.paused:\n            super().update(*a, **k)\n")
+    (root / "run.py").write_text(
+        "import sys, time, yaml\nfrom pathlib import Path\nfrom toolkit.progress_bar import ToolkitProgressBar\n"
+        "cfg = yaml.safe_load(open(sys.argv[1]))['config']\nproc = cfg['process'][0]\n"
+        "bar = ToolkitProgressBar(total=proc['train']['steps'])\n"
+        "bar.paused = True\nbar.update(0)\nbar.paused = False\n"  # a paused bar (sampling) is no step
+        "for _ in range(proc['train']['steps']):\n    time.sleep(0.05)\n    bar.update(1)\n"
+        "out = Path(proc['training_folder']) / cfg['name']\nout.mkdir(parents=True)\n"
+        "from safetensors.torch import save_file\nimport torch\n"
+        "save_file({'m.lora_down.weight': torch.zeros(1), 'm.lora_up.weight': torch.zeros(1)},"
+        " str(out / (cfg['name'] + '.safetensors')))\n")
+    return root
+
+
+def test_peer_aitoolkit_writes_its_documented_config_with_the_race_changes_and_times_its_steps(tmp_path):
+    import argparse
+
+    import peer_aitoolkit as pa
+
+    src = _fake_aitk(tmp_path / "aitk", steps=3)
+    a = argparse.Namespace(aitk=str(src), family="flux", models=str(tmp_path / "m"), data=tmp_path / "d", steps=3,
+                           setting="datacenter", tiny=False, cap=None, limit=120, aitk_path=None,
+                           aitk_cudnn_sdpa=False)
+    work = tmp_path / "w"
+    work.mkdir()
+    path, changed = pa.aitk_config(a, work / "aitk-datacenter")
+    proc = yaml.safe_load(path.read_text())["config"]["process"][0]
+    assert proc["datasets"][0]["resolution"] == [1024] and proc["train"]["steps"] == 3
+    assert proc["network"]["network_kwargs"]["only_if_contains"] == [
+        "attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "attn.add_q_proj", "attn.add_k_proj",
+        "attn.add_v_proj", "attn.to_add_out"]
+    assert proc["model"]["quantize"] is False and proc["train"]["optimizer"] == "adamw8bit"  # as documented
+    assert proc["save"]["save_every"] == proc["sample"]["sample_every"] == 3
+    assert any("resolution" in c for c in changed) and any("quantize" in c for c in changed)
+    a.setting = "24gb"
+    proc = yaml.safe_load(pa.aitk_config(a, work / "aitk-24gb")[0].read_text())["config"]["process"][0]
+    assert proc["model"]["quantize"] is True  # the 24 GB example as it is
+    a.setting = "datacenter"
+    (work / "aitk-datacenter").mkdir()
+    rec = pa.aitk_run(a, work)  # the launcher runs the stand-in's run.py and times its progress bar
+    assert rec["rc"] == 0, rec["log_tail"]
+    assert rec["steps"] == 3 and rec["lora_modules"] == 1 and 0 < rec["first_step_s"] < rec["lora_s"]
+    assert pa.ratios([rec, {**rec, "side": "lorakit", "lora_s": rec["lora_s"] / 2}])["whole_job"] == 2.0

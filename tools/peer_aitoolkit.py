@@ -1,0 +1,239 @@
+"""lorakit beside ai-toolkit (ostris) training the same LoRA on the same GPU, data and random-weight folder, each
+side timed as the wall clock shows it (tools/race.py's `measure`): command -> first step, -> the final LoRA file
+(the whole job), steady s/step (median and p90 of the wall time between consecutive steps after the second),
+GPU peak (NVML) and the private host peak of the process tree.
+
+    python tools/race.py synth --family flux --models M && python tools/race.py data --out D --count 16
+    python tools/peer_aitoolkit.py race --aitk SRC --family flux --models M --data D --work W \
+        --setting datacenter|24gb --steps 300 [--only aitk lorakit]
+
+SRC is a checkout of ai-toolkit (github.com/ostris/ai-toolkit); its runtime packages must be importable, from
+`--aitk-path DIR` (put first on ai-toolkit's PYTHONPATH alone: it pins a diffusers commit of its own, lorakit keeps
+its own) or the environment. ai-toolkit is not part of lorakit; docs/benchmarks.md names the commit and versions
+measured. ai-toolkit runs ITS documented
+config for the case, `config/examples/train_lora_<flux|qwen_image>_24gb.yaml` read from SRC, with only these
+changes (each said in the report's `changed`):
+  - the model folder, the dataset folder, the output folder, the steps, device;
+  - resolution [1024] instead of [512, 768, 1024]: both trainers see the same 1024-class buckets;
+  - the LoRA on lorakit's default modules (`network_kwargs.only_if_contains`: the family's attention preset), rank
+    and alpha 16 as documented — both train the same modules;
+  - save_every = steps: one LoRA file at the end, as lorakit writes (no intermediate saves);
+  - sample_every = steps: a grid before the first step and after the last, as lorakit's default (its own 10
+    prompts at 20 steps kept);
+  - `datacenter`: quantize / quantize_te off (the 80 GB card needs no 8-bit base); `24gb`: as documented, and both
+    processes held to 24 GiB (torch's allocator capped: `set_per_process_memory_fraction`).
+lorakit runs `lorakit train` as a user does (race.py's lorakit side: own YAML, the profile's defaults, rtx4090
+under the 24 GiB cap). ai-toolkit's steps are timed where it counts them (its progress bar's update, through the
+launcher below); lorakit's from metrics.jsonl. `--tiny` runs both on the tiny layout on a CPU (the tool's test).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import race  # noqa: E402 - tools/ is not a package
+
+EXAMPLES = {"flux": "train_lora_flux_24gb.yaml", "qwen-image": "train_lora_qwen_image_24gb.yaml"}
+SETTINGS = {"datacenter": ("datacenter", None), "24gb": ("rtx4090", 24)}  # -> lorakit profile, cap GiB
+
+
+# ---- in the measured process ----
+
+def launch(a) -> None:
+    """ai-toolkit's run.py as __main__ (cwd = SRC, as its docs run it), with the cap applied and the time of each
+    progress-bar update (one per optimizer step) written to `--stats` at exit."""
+    import atexit
+    import runpy
+
+    import torch
+
+    rec: dict = {"steps": []}
+    if a.cap and torch.cuda.is_available():
+        total = torch.cuda.get_device_properties(0).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, a.cap * 2**30 / total))
+        rec["cap_gib"] = a.cap
+    if not a.cudnn_sdpa:  # see race --aitk-cudnn-sdpa
+        torch.backends.cuda.enable_cudnn_sdp(False)
+        rec["cudnn_sdpa"] = False
+    os.chdir(a.aitk)
+    sys.path.insert(0, a.aitk)
+    from toolkit.progress_bar import ToolkitProgressBar
+
+    update = ToolkitProgressBar.update
+
+    def timed(self, n=1):
+        out = update(self, n)
+        if n and not self.paused:
+            rec["steps"].extend([time.time()] * int(n))
+            if len(rec["steps"]) % 10 == 0:  # a run stopped at the time limit keeps its step times
+                Path(a.stats).write_text(json.dumps(rec))
+        return out
+    ToolkitProgressBar.update = timed
+
+    def done():
+        if torch.cuda.is_available():
+            rec["torch_peak_reserved_gib"] = round(torch.cuda.max_memory_reserved() / 2**30, 2)
+        Path(a.stats).write_text(json.dumps(rec))
+    atexit.register(done)
+    sys.argv = ["run.py", a.config]
+    runpy.run_path(str(Path(a.aitk) / "run.py"), run_name="__main__")
+
+
+# ---- the driver ----
+
+def aitk_config(a, out: Path) -> tuple[Path, list[str]]:
+    """ai-toolkit's documented example for the family, with the race's changes (module docstring); returns the
+    written YAML and the list of what was changed."""
+    from lorakit.models.base import family_adapter
+
+    doc = yaml.safe_load((Path(a.aitk) / "config" / "examples" / EXAMPLES[a.family]).read_text())
+    proc = doc["config"]["process"][0]
+    doc["config"]["name"] = "aitk"
+    changed = ["model, dataset and output folders", f"steps {proc['train']['steps']} -> {a.steps}"]
+    proc["training_folder"] = str(out)
+    proc["device"] = "cpu" if a.tiny else "cuda:0"
+    proc["model"]["name_or_path"] = str(Path(a.models) / a.family)
+    ds = proc["datasets"][0]
+    ds["folder_path"] = str(a.data)
+    res = 64 if a.tiny else 1024
+    changed.append(f"resolution {ds['resolution']} -> [{res}]")
+    ds["resolution"] = [res]
+    proc["train"]["steps"] = a.steps
+    modules = [f"attn.{m}" for m in family_adapter(a.family).preset_modules("attention")]
+    proc["network"]["network_kwargs"] = {"only_if_contains": modules}
+    changed.append("LoRA modules: lorakit's attention preset (" + ", ".join(modules) + ")")
+    proc["save"]["save_every"] = a.steps
+    proc["sample"]["sample_every"] = a.steps
+    changed.append(f"save_every and sample_every {a.steps} (one file, grids before and after)")
+    if a.setting == "datacenter":
+        proc["model"]["quantize"] = False
+        proc["model"]["quantize_te"] = False
+        changed.append("quantize and quantize_te off (80 GB card)")
+    if a.tiny:
+        proc["sample"]["sample_steps"] = 2
+        proc["sample"]["width"] = proc["sample"]["height"] = 64
+        proc["sample"]["prompts"] = proc["sample"]["prompts"][:2]
+        proc["train"]["optimizer"] = "adamw"  # bitsandbytes' 8-bit AdamW needs a GPU
+    path = out.parent / f"{out.name}.yaml"
+    path.write_text(yaml.safe_dump(doc, sort_keys=False))
+    return path, changed
+
+
+def lora_file(out: Path) -> Path | None:
+    """ai-toolkit's final LoRA: TRAINING_FOLDER/aitk/aitk.safetensors."""
+    f = out / "aitk" / "aitk.safetensors"
+    return f if f.is_file() else None
+
+
+def lora_modules(path: Path | None) -> int | None:
+    """LoRA modules in a trained file, from its header (down/A matrices)."""
+    from lorakit.io import read_header
+
+    if path is None or not path.is_file():
+        return None
+    return sum(1 for n in read_header(path).tensors if n.endswith(("lora_A.weight", "lora_down.weight")))
+
+
+def aitk_run(a, work: Path) -> dict:
+    out = work / f"aitk-{a.setting}"
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    cfg, changed = aitk_config(a, out)
+    stats = work / f"aitk-{a.setting}.stats.json"
+    stats.unlink(missing_ok=True)
+    cmd = [sys.executable, str(Path(__file__).resolve()), "launch", "--aitk", str(Path(a.aitk).resolve()),
+           "--stats", str(stats), *(["--cap", str(a.cap)] if a.cap else []),
+           *(["--cudnn-sdpa"] if a.aitk_cudnn_sdpa else []), str(cfg)]
+    path = [*(a.aitk_path or []), str(Path(a.aitk).resolve()), os.environ.get("PYTHONPATH")]
+    env = {"PYTHONPATH": os.pathsep.join(p for p in path if p), "NO_ALBUMENTATIONS_UPDATE": "1",
+           "HF_HUB_OFFLINE": "1"}
+    rec = race.measure(cmd, work / f"aitk-{a.setting}.log", env, timeout=a.limit)
+    times = json.loads(stats.read_text())["steps"] if stats.is_file() else []
+    lora = lora_file(out)
+    rec.update(side="ai-toolkit", run=1, profile=a.setting, cap_gib=a.cap, steps=len(times), changed=changed,
+               first_step_s=round(times[0] - rec["started"], 1) if times else None,
+               step_100_s=round(times[99] - rec["started"], 1) if len(times) >= 100 else None,
+               lora_s=round(lora.stat().st_mtime - rec["started"], 1) if lora else None,
+               lora_modules=lora_modules(lora), **race.steady(times))
+    rec["log_tail"] = (work / f"aitk-{a.setting}.log").read_text(errors="replace")[-3000:]
+    return rec
+
+
+def lorakit_side(a, work: Path) -> dict:
+    ns = argparse.Namespace(family=a.family, models=a.models, data=a.data, steps=a.steps, tiny=a.tiny, cap=a.cap,
+                            profile=a.profile, set=a.set)
+    rec = race.lorakit_run(ns, work, 1)
+    rec["lora_modules"] = lora_modules(work / "lorakit-run1" / "lora.safetensors")
+    return rec
+
+
+def ratios(recs: list[dict]) -> dict:
+    """lorakit against ai-toolkit in this run: whole job and steady step (above 1: lorakit faster)."""
+    by = {r["side"]: r for r in recs}
+    lk, pe = by.get("lorakit"), by.get("ai-toolkit")
+    if not (lk and pe):
+        return {}
+    out = {}
+    for key, name in (("lora_s", "whole_job"), ("median_s", "steady_step"), ("first_step_s", "first_step")):
+        if lk.get(key) and pe.get(key):
+            out[name] = round(pe[key] / lk[key], 2)
+    return out
+
+
+def race_cmd(a) -> None:
+    work = Path(a.work) / f"{a.family}-{a.setting}"
+    work.mkdir(parents=True, exist_ok=True)
+    a.profile, a.cap = SETTINGS[a.setting]
+    report = {"family": a.family, "setting": a.setting, "steps": a.steps, "records": []}
+    print(race.HEAD)
+    for side in a.only or ["aitk", "lorakit"]:
+        rec = aitk_run(a, work) if side == "aitk" else lorakit_side(a, work)
+        report["records"].append(rec)
+        print(race.row(rec), flush=True)
+        (work / "report.json").write_text(json.dumps(report, indent=1))  # after each: a plan stopped midway keeps it
+    report["lorakit_vs_aitk"] = ratios(report["records"])
+    (work / "report.json").write_text(json.dumps(report, indent=1))
+    print(json.dumps(report["lorakit_vs_aitk"]))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    la = sub.add_parser("launch")
+    la.add_argument("--aitk", required=True)
+    la.add_argument("--stats", required=True)
+    la.add_argument("--cap", type=float)
+    la.add_argument("--cudnn-sdpa", action="store_true")
+    la.add_argument("config")
+    r = sub.add_parser("race")
+    r.add_argument("--aitk", required=True, help="a checkout of ai-toolkit")
+    r.add_argument("--aitk-path", action="append", help="a folder of ai-toolkit's own packages (its pinned "
+                   "diffusers, ...), put first on its PYTHONPATH only: lorakit keeps its own")
+    r.add_argument("--family", choices=sorted(EXAMPLES), default="flux")
+    r.add_argument("--models", required=True)
+    r.add_argument("--data", required=True)
+    r.add_argument("--work", required=True)
+    r.add_argument("--setting", choices=sorted(SETTINGS), default="datacenter")
+    r.add_argument("--steps", type=int, default=300)
+    r.add_argument("--limit", type=float, default=3600, help="seconds for each side")
+    r.add_argument("--only", nargs="*", choices=["aitk", "lorakit"], help="these sides, in this order")
+    r.add_argument("--set", action="append", help="a lorakit setting key=value")
+    r.add_argument("--aitk-cudnn-sdpa", action="store_true", help="leave torch's cuDNN attention on for ai-toolkit "
+                   "(off by default: on torch 2.11 / cuDNN 9.19 its backward failed ai-toolkit's first step, "
+                   "'mha_graph.execute ... is_good()' / illegal memory access; flash and efficient SDPA stay on)")
+    r.add_argument("--tiny", action="store_true")
+    a = p.parse_args()
+    launch(a) if a.cmd == "launch" else race_cmd(a)
+
+
+if __name__ == "__main__":
+    main()
