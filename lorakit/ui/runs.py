@@ -132,7 +132,8 @@ def _summary(run: Path, name: str) -> dict:
     rows = [m for m in read_metrics(run) if "loss" in m]
     total = (cfg.get("schedule") or {}).get("steps")
     step = rows[-1].get("step", 0) if rows else 0
-    recent = [m["s_per_step"] for m in rows[-20:] if isinstance(m.get("s_per_step"), (int, float))]
+    # the pace of the last 20 intervals; the first step record (the compile, the first allocations) is its own figure
+    recent = [m["s_per_step"] for m in rows[1:][-20:] if isinstance(m.get("s_per_step"), (int, float))]
     sps = statistics.median(recent) if recent else None
     st = status(run)
     val = [m["val_loss"] for m in rows if isinstance(m.get("val_loss"), (int, float))]

@@ -40,16 +40,19 @@ def test_step_lines_come_at_the_first_step_each_tenth_every_10_s_and_the_last():
 def test_the_step_line_shows_the_moving_average_and_an_eta_not_the_last_step():
     out, clock = io.StringIO(), Clock()
     ev = LineEvents(out, clock=clock)
-    ev.step(1, 2000, {**_rec(1, s=0.43), "gpu_gib": 42.2})
-    assert out.getvalue().endswith("step 1/2000  loss 0.2500  lr 1.0e-04  0.43 s/step  eta 14m20s  42.2 GiB\n")
-    for i in range(2, 20):
+    ev.step(1, 2000, {**_rec(1, s=47.4), "gpu_gib": 42.2})  # step 1 held the compile: its own figure, no ETA from it
+    assert out.getvalue().endswith("step 1/2000  loss 0.2500  lr 1.0e-04  first step 47.40 s  42.2 GiB\n")
+    clock.t += 11
+    ev.step(2, 2000, _rec(2, s=0.43))
+    assert out.getvalue().splitlines()[-1].endswith("0.43 s/step  eta 14m19s")
+    for i in range(3, 21):
         ev.step(i, 2000, _rec(i, s=1.0))
     clock.t += 11  # 10 s on: a line is due, after one slow step
-    ev.step(20, 2000, _rec(20, s=9.0))
+    ev.step(21, 2000, _rec(21, s=9.0))
     last = out.getvalue().splitlines()[-1]
-    window = [0.43] + [1.0] * 18 + [9.0]  # shown: the average of these 20 steps, not the slow step's 9 s
-    assert f"{sum(window) / 20:.2f} s/step" in last and "step 20/2000" in last
-    assert f"eta {(2000 - 20) * sum(window) / 20 // 60:.0f}m" in last
+    window = [0.43] + [1.0] * 18 + [9.0]  # shown: the average of these 20 intervals, not the slow step's 9 s
+    assert f"{sum(window) / 20:.2f} s/step" in last and "step 21/2000" in last
+    assert f"eta {(2000 - 21) * sum(window) / 20 // 60:.0f}m" in last
 
 
 def test_a_phase_line_names_its_duration_and_what_it_did():
@@ -91,13 +94,15 @@ def test_json_lines_carry_the_same_events():
     ev = LineEvents(out, as_json=True, clock=Clock())
     ev.phase_end("load model", 2.0, {"gib": 1.5, "gb_per_s": 0.75})
     ev.step(1, 10, _rec(1))
+    ev.step(2, 10, _rec(2))
     ev.warn("a warning")
     ev.result({"steps": 10})
     recs = [json.loads(x) for x in out.getvalue().splitlines()]
-    assert [r["event"] for r in recs] == ["phase", "step", "warning", "result"]
+    assert [r["event"] for r in recs] == ["phase", "step", "step", "warning", "result"]
     assert recs[0] == {"t": 0.0, "event": "phase", "name": "load model", "seconds": 2.0, "gib": 1.5,
                        "gb_per_s": 0.75}
-    assert recs[1]["s_per_step_avg"] == 0.5 and recs[1]["eta_s"] == 4.5 and recs[1]["total"] == 10
+    assert recs[1]["s_per_step_avg"] is None and recs[1]["eta_s"] is None  # the first step: no pace yet
+    assert recs[2]["s_per_step_avg"] == 0.5 and recs[2]["eta_s"] == 4.0 and recs[2]["total"] == 10
 
 
 def test_lines_are_never_cut_to_a_terminal_width():

@@ -46,5 +46,6 @@ def runs(tmp_path_factory, tiny):
     broken = root / "broken"
     (broken / "checkpoints").mkdir(parents=True)
     (broken / "config.resolved.yaml").write_text((root / "done" / "config.resolved.yaml").read_text())
-    (broken / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 1.5, "s_per_step": 0.1}) + "\n")
+    (broken / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 1.5, "s_per_step": 30.0}) + "\n"  # compiling
+                                          + json.dumps({"step": 2, "loss": 1.4, "s_per_step": 0.1}) + "\n")
     return root

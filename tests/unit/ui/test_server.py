@@ -60,7 +60,7 @@ def test_the_event_stream_sends_new_metrics_samples_and_status(runs, tmp_path):
     before = metrics.read_text()
     try:
         events = []
-        with httpx.stream("GET", f"http://127.0.0.1:{port}/api/events/broken?since=1", timeout=10) as r:
+        with httpx.stream("GET", f"http://127.0.0.1:{port}/api/events/broken?since=2", timeout=10) as r:
             assert r.headers["content-type"].startswith("text/event-stream")
             appended = False
             for line in r.iter_lines():
@@ -68,11 +68,11 @@ def test_the_event_stream_sends_new_metrics_samples_and_status(runs, tmp_path):
                     events.append(line.removeprefix("event: "))
                 elif line.startswith("data: ") and events[-1] == "metrics":
                     rows = json.loads(line.removeprefix("data: "))["rows"]
-                    assert [x["step"] for x in rows] == [2]
+                    assert [x["step"] for x in rows] == [3]
                     break
                 if not appended and "status" in events:  # the stream is open: a step lands
                     with open(metrics, "a") as f:
-                        f.write(json.dumps({"step": 2, "loss": 1.4, "s_per_step": 0.1}) + "\n")
+                        f.write(json.dumps({"step": 3, "loss": 1.3, "s_per_step": 0.1}) + "\n")
                     appended = True
         assert events[:1] == ["samples"] or "status" in events
     finally:
