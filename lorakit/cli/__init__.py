@@ -3,8 +3,12 @@
 import os
 import time
 
+from lorakit.errors import (
+    STOP,  # a SIGTERM arrived: known even where Python swallowed the interrupt it raised
+)
+
 STARTED = time.monotonic()  # when the command began (its log lines count from here)
-STOP = {"asked": False}  # a SIGTERM arrived: known even where Python swallowed the interrupt it raised
+__all__ = ["STARTED", "STOP", "said"]
 
 
 def said() -> None:

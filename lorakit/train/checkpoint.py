@@ -22,7 +22,7 @@ from pathlib import Path
 from lorakit.convert.checkpoint import DIR as SHARDS
 from lorakit.convert.checkpoint import export_checkpoint
 from lorakit.convert.checkpoint import intact as shards_intact
-from lorakit.errors import FileFormatError, InputError, LorakitError, environment_fault
+from lorakit.errors import STOP, FileFormatError, InputError, LorakitError, environment_fault
 from lorakit.io import atomic_path, load, read_header, resolve_files, save_sharded
 from lorakit.io.pt import NotPlainData, load_pt
 from lorakit.train import shards
@@ -267,7 +267,8 @@ class StopFlag:
 
 @contextlib.contextmanager
 def stop_on_signals(flag: StopFlag):
-    """SIGINT/SIGTERM set `flag` for the duration."""
+    """SIGINT/SIGTERM set `flag` for the duration. A SIGTERM that came before (its interrupt swallowed where Python
+    ignores exceptions: `errors.STOP`) stops the run here, before its first step: exit 130, nothing saved."""
     old = {}
 
     def _stop(signum, frame):
@@ -277,6 +278,8 @@ def stop_on_signals(flag: StopFlag):
         with contextlib.suppress(ValueError):  # not the main thread
             old[sig] = signal.signal(sig, _stop)
     try:
+        if STOP["asked"]:
+            raise KeyboardInterrupt
         yield
     finally:
         for sig, h in old.items():

@@ -40,3 +40,20 @@ def test_sigterm_sets_the_flag_and_the_old_handler_comes_back():
         os.kill(os.getpid(), signal.SIGTERM)
         flag.share(Ranks())  # a signal between steps survives the exchange
     assert flag.requested and signal.getsignal(signal.SIGTERM) is before
+
+
+def test_a_sigterm_swallowed_before_the_run_took_signals_over_stops_it_before_its_first_step(monkeypatch):
+    # the CLI's handler raised KeyboardInterrupt inside a finalizer, where Python ignores it ("Exception ignored in:
+    # 'Path'"); the run then trained to the end and exited 0 (2026-11-27). The flag it left stops the run here.
+    import pytest
+
+    from lorakit.errors import STOP
+
+    monkeypatch.setitem(STOP, "asked", True)
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(KeyboardInterrupt), stop_on_signals(StopFlag()):
+        raise AssertionError("the run went on")
+    assert signal.getsignal(signal.SIGTERM) is before  # the handlers put back
+    monkeypatch.setitem(STOP, "asked", False)
+    with stop_on_signals(StopFlag()):
+        pass
