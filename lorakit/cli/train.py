@@ -19,6 +19,7 @@ from lorakit.cli.common import (
     resolve_config,
     use_json,
 )
+from lorakit.cli.experts import expert_phases
 from lorakit.dist import from_slurm
 
 HELP = """Train a LoRA (or, with method: full, every weight) from a config (YAML).
@@ -49,6 +50,9 @@ def train(
     use_json(as_json)
     from_slurm()  # `srun lorakit train`: one process per task, its rank and peers from SLURM's variables
     launching = gpus > 1 and int(os.environ.get("WORLD_SIZE", "1") or 1) == 1
+    phases = expert_phases(config, sets, resume)  # model.expert both: one run per expert, high then low
+    if phases:
+        return _train_experts(phases, profile, dry_run, launching, gpus, config, as_json, log_format, force)
     if dry_run or launching:  # the config and every path are checked first; launched processes resolve their own
         resolved = resolve_config(config, sets, profile, world=gpus if launching else None, train=dry_run)
         _check_start(resolved.cfg, resume, force)  # what the run itself refuses, refused before it launches
@@ -57,22 +61,37 @@ def train(
             return
         raise typer.Exit(_launch(gpus, config, sets, profile, resume, as_json, log_format, force))
     rank = int(os.environ.get("RANK", "0") or 0)
-    from lorakit.cli.logs import events_for, finish
+    events = _events(rank, log_format, as_json)
+    with events:
+        resolved, result = _run_one(config, sets, profile, resume, events, force)
+    _finish(rank, resolved, result, events, as_json)
+
+
+def _events(rank: int, log_format: str, as_json: bool):
+    from lorakit.cli.logs import events_for
     from lorakit.events import Events
     from lorakit.quiet import quiet_libraries
-    from lorakit.train.loop import run
 
     quiet_libraries()  # before anything imports them (bitsandbytes speaks at import)
-    events = Events() if rank else events_for(log_format, as_json, console, err_console)
-    with events:
-        # the first run on a machine measures its attention backends here, or while its model loads where the
-        # card has room (once, cached): the log says so
-        with events.phase("check config and machine") as facts:
-            resolved = resolve_config(config, sets, profile, events=events, defer_attention=True,
-                                      read_ahead=True)
-            facts.update(profile=resolved.cfg.profile, attention="measured while the model loads"
-                         if resolved.attention_deferred else resolved.cfg.memory.attention)
-        result = run(resolved, resume=resume, events=events, force=force)
+    return Events() if rank else events_for(log_format, as_json, console, err_console)
+
+
+def _run_one(config: Path, sets, profile, resume, events, force: bool):
+    """Resolve the config (timed as a phase of the log) and train it; (resolved, the run's result)."""
+    from lorakit.train.loop import run
+
+    # the first run on a machine measures its attention backends here, or while its model loads where the card
+    # has room (once, cached): the log says so
+    with events.phase("check config and machine") as facts:
+        resolved = resolve_config(config, sets, profile, events=events, defer_attention=True, read_ahead=True)
+        facts.update(profile=resolved.cfg.profile, attention="measured while the model loads"
+                     if resolved.attention_deferred else resolved.cfg.memory.attention)
+    return resolved, run(resolved, resume=resume, events=events, force=force)
+
+
+def _finish(rank: int, resolved, result: dict, events, as_json: bool) -> None:
+    from lorakit.cli.logs import finish
+
     if rank:
         from lorakit.errors import EXIT_INTERRUPTED_RESUMABLE
 
@@ -84,6 +103,74 @@ def train(
         from lorakit.errors import EXIT_INTERRUPTED_RESUMABLE
 
         raise typer.Exit(EXIT_INTERRUPTED_RESUMABLE)
+
+
+def _train_experts(phases, profile, dry_run: bool, launching: bool, gpus: int, config: Path, as_json: bool,
+                   log_format: str, force: bool) -> None:
+    """model.expert both: the high-noise expert's run, then the low-noise one's (`cli/experts.py`)."""
+    if dry_run or launching:
+        shown = {}
+        for ph in phases:
+            shown[ph.expert] = r = resolve_config(config, ph.sets, profile, world=gpus if launching else None,
+                                                  train=dry_run)
+            if not ph.skip:
+                _check_start(r.cfg, ph.resume, force)
+        if dry_run:
+            def show():
+                for e, r in shown.items():
+                    console.print(f"[bold]model.expert both — the {e}-noise expert's run:[/]")
+                    print_resolved(r)
+            emit(as_json, {"experts": {e: r.to_dict() for e, r in shown.items()}}, show)
+            return
+        for ph in phases:
+            rc = 0 if ph.skip else _launch(gpus, config, ph.sets, profile, ph.resume, as_json, log_format, force)
+            if rc:
+                raise typer.Exit(rc)
+        return
+    rank = int(os.environ.get("RANK", "0") or 0)
+    events = _events(rank, log_format, as_json)
+    results: dict[str, dict] = {}
+    with events:
+        for ph in phases:
+            if ph.skip:
+                events.info(f"model.expert both: the {ph.expert}-noise expert's run finished before ({ph.out} "
+                            f"holds {ph.skip}); not trained again")
+                results[ph.expert] = {"skipped": ph.skip, "dir": str(ph.out), "lora": str(ph.lora)}
+                continue
+            events.info(f"model.expert both: the {ph.expert}-noise expert, into {ph.out}")
+            _, results[ph.expert] = _run_one(config, ph.sets, profile, ph.resume, events, force)
+            if results[ph.expert]["interrupted"]:
+                break  # --resume latest continues this expert, then trains the other
+    result = {"experts": results, "interrupted": any(r.get("interrupted") for r in results.values()),
+              "loras": {e: r["lora"] for e, r in results.items() if r.get("lora")}}
+    if rank:
+        raise typer.Exit(_exit_code(result))
+    finish_experts(events, as_json, result, phases[0].model)
+    if result["interrupted"]:
+        raise typer.Exit(_exit_code(result))
+
+
+def _exit_code(result: dict) -> int:
+    from lorakit.errors import EXIT_INTERRUPTED_RESUMABLE
+
+    return EXIT_INTERRUPTED_RESUMABLE if result["interrupted"] else 0
+
+
+def finish_experts(events, as_json: bool, result: dict, model: str) -> None:
+    """Both experts' results: each run's lines, then the command that samples with both LoRAs."""
+    from lorakit.cli.logs import finish
+
+    def show():
+        for e, r in result["experts"].items():
+            console.print(f"[bold]the {e}-noise expert:[/]" + (f" not trained again ({r['skipped']})"
+                                                               if r.get("skipped") else ""))
+            if not r.get("skipped"):
+                _render(r)
+        if len(result["loras"]) == 2:
+            loras = " ".join(f"--lora {p}" for p in result["loras"].values())
+            console.print(f"sample with both: lorakit infer {model} -p PROMPT {loras}")
+
+    finish(events, as_json, result, show)
 
 
 def _share(cfg, events) -> dict:

@@ -29,10 +29,12 @@ class ModelConfig(_Section):
                                                "or repo id), whose text encoders, VAE and scheduler go with it "
                                                "(its transformer is not downloaded)")
     dtype: Literal["bf16", "fp16", "fp32"] = Field("bf16", description="compute dtype of the trainable model")
-    expert: Literal["high", "low"] | None = Field(
+    expert: Literal["high", "low", "both"] | None = Field(
         None, description="Wan 2.2 A14B: the expert the LoRA is for — high (transformer: the high-noise steps, "
                           "layout and motion) or low (transformer_2: the low-noise steps, details; the default); "
-                          "sigmas are drawn in that expert's range only. Other families: leave it out")
+                          "sigmas are drawn in that expert's range only. both: `lorakit train` trains high, then "
+                          "low, schedule.steps each, into output.dir/high and output.dir/low (one LoRA file each, "
+                          "one cache; --resume continues the unfinished one). Other families: leave it out")
 
     @field_validator("family")
     @classmethod

@@ -256,8 +256,8 @@ class Adapter(abc.ABC):
             ConfigError: an expert named for a family without experts.
         """
         if expert is not None:
-            raise ConfigError(f"model.expert: {expert} — {self.family} has one transformer, no experts",
-                              "leave model.expert out")
+            raise ConfigError([f"model.expert: {expert} — {self.family} has one transformer, no experts"],
+                              hint="leave model.expert out")
         return None
 
     def sigma_range(self, expert: str | None = None) -> tuple[float, float]:
@@ -406,11 +406,12 @@ def family_adapter(family: str) -> Adapter:
 
 
 def trained_dir(cfg) -> Path | None:
-    """The folder of the transformer a run trains (`<model>/transformer`; an expert's, `model.expert`), None without
-    a model folder."""
+    """The folder of the transformer a run trains (`<model>/transformer`; an expert's, `model.expert`; with both,
+    the first one trained: the experts share an architecture), None without a model folder."""
     if not cfg.model.path:
         return None
-    return Path(cfg.model.path) / family_adapter(cfg.model.family).trained_part(cfg.model.expert)
+    expert = "high" if cfg.model.expert == "both" else cfg.model.expert
+    return Path(cfg.model.path) / family_adapter(cfg.model.family).trained_part(expert)
 
 
 def arch_adapter(arch: str) -> Adapter:

@@ -126,8 +126,8 @@ class WanAdapter(Adapter):
         if not self.experts:
             return super().expert(expert)
         if expert not in (None, *self.experts):
-            raise ConfigError(f"model.expert: {expert!r} is not an expert of {self.family}",
-                              "high (the high-noise expert: layout, motion) or low (details)")
+            raise ConfigError([f"model.expert: {expert!r} is not an expert of {self.family}"],
+                              hint="high (the high-noise expert: layout, motion) or low (details)")
         return expert or "low"
 
     def sigma_range(self, expert: str | None = None) -> tuple[float, float]:

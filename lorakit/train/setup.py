@@ -15,6 +15,7 @@ from lorakit.cache.builder import build, cache_dir_for
 from lorakit.cache.store import Store
 from lorakit.config import dump_yaml
 from lorakit.dtypes import torch_dtype
+from lorakit.errors import ConfigError
 from lorakit.events import Events
 from lorakit.hardware.attention import self_test_family
 from lorakit.hardware.gpu import apply_cap, compile_cache, expandable_segments
@@ -74,6 +75,9 @@ def setup(resolved: Resolved, resume: str | None, events: Events, force: bool = 
     from lorakit.train.trainer import Trainer
 
     cfg, note, mark = resolved.cfg, Notes(events.warn), Timeline()  # the timeline: seconds since the run began
+    if cfg.model.expert == "both":  # `lorakit train` runs one phase per expert (cli/train.py); a run trains one
+        raise ConfigError(["model.expert: both is two runs, one per expert, which `lorakit train CONFIG` makes"],
+                          hint="run `lorakit train`, or one expert per run here: model.expert high or low")
     device = resolved.device
     apply_cap(device)  # LORAKIT_MEMORY_CAP_GIB: a smaller card, emulated
     if device.startswith("cuda") and cfg.memory.expandable_segments:

@@ -125,8 +125,10 @@ def test_an_expert_trains_its_own_transformer_on_its_own_sigmas(tiny):
     assert family_adapter("wan2.2-ti2v-5b").sigma_range(None) == (0.0, 1.0)
     with pytest.raises(ConfigError, match="flux has one transformer, no experts"):
         validate({"model": {"family": "flux", "expert": "low"}})
-    with pytest.raises(InputError):
-        family_adapter("wan2.1-t2v").expert("high")
+    with pytest.raises(InputError, match=r"model.expert: high — wan2.1-t2v has one transformer, no experts"):
+        family_adapter("wan2.1-t2v").expert("high")  # one sentence, not its letters as a list of problems
+    with pytest.raises(ConfigError, match=r"model.expert: 'both' is not an expert of wan2.2-t2v"):
+        family_adapter("wan2.2-t2v").expert("both")  # `lorakit train` splits both into its two runs first
 
 
 def test_the_boundary_is_read_from_the_folder(tiny, tmp_path):
