@@ -11,7 +11,7 @@ from typer.core import TyperGroup
 
 from lorakit import __version__
 from lorakit.cli import STOP as _STOP
-from lorakit.cli import bench, cache, convert, demo, doctor, infer, push, said, train, ui
+from lorakit.cli import bench, cache, convert, demo, doctor, gone, infer, push, train, ui
 from lorakit.cli.common import emit, err_console, json_requested, use_json
 from lorakit.errors import ConfigError, InputError, LorakitError, environment_fault, short
 
@@ -82,9 +82,8 @@ def _escape(text: str) -> str:
 
 def _interrupted(ctx) -> None:
     """Exit 130 saying so, in plain writes: the interrupt may have cut an import short, and a library imported
-    now (rich's console) could fail on the half-made module."""
-    said()
-    ctx.exit(130)
+    now (rich's console) could fail on the half-made module (`cli.gone`)."""
+    gone()
 
 
 def _terminate_like_interrupt() -> None:
@@ -172,11 +171,10 @@ def main() -> None:
     try:
         app()
     except KeyboardInterrupt:  # before or after a command ran
-        said()
-        sys.exit(130)
+        gone()
     except SystemExit as e:  # typer turns an interrupt while the options are parsed into a bare exit 130
         if e.code == 130 and _STOP["asked"]:
-            said()
+            gone()
         raise
     except LorakitError as e:  # raised outside a command (e.g. while parsing)
         if _debug():

@@ -5,10 +5,9 @@ and the CLI's own handler (`cli.app`) takes over from there."""
 from __future__ import annotations
 
 import signal
-import sys
 import threading
 
-from lorakit.cli import STOP, said
+from lorakit.cli import STOP, gone
 
 
 def _interrupt(signum, frame):
@@ -18,14 +17,13 @@ def _interrupt(signum, frame):
 
 def main() -> None:
     """Console-script entry point (and `python -m lorakit`)."""
+    STOP["entry"] = True  # a process of its own: an interrupted command ends at once (`cli.gone`)
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _interrupt)
     try:
         from lorakit.cli.app import main as cli_main
     except KeyboardInterrupt:
-        said()
-        sys.exit(130)
+        gone()
     if STOP["asked"]:  # the interrupt was raised where Python swallows it (an import lock's callback, seen once)
-        said()
-        sys.exit(130)
+        gone()
     cli_main()
