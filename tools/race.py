@@ -67,6 +67,19 @@ def _gpu_used_mib() -> int:
         return 0
 
 
+def gpu_name() -> str | None:
+    """GPU 0's name (NVML; None without one): each record says the card it ran on (a later call may land on
+    another kind of card)."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        name = pynvml.nvmlDeviceGetName(pynvml.nvmlDeviceGetHandleByIndex(0))
+        return name.decode() if isinstance(name, bytes) else str(name)
+    except Exception:  # noqa: BLE001 - no NVML here (the CPU)
+        return None
+
+
 def _tree(pid: int) -> list[int]:
     """The process and its descendants (compile workers, launched ranks)."""
     out, todo = [], [pid]
@@ -99,7 +112,7 @@ def measure(cmd: list[str], log: Path, env: dict | None = None, timeout: float =
             peak_gpu = max(peak_gpu, (_gpu_used_mib() - base) / 1024)
             time.sleep(0.5)
     return {"cmd": " ".join(cmd), "rc": p.returncode, "started": started, "whole_s": round(time.time() - started, 1),
-            "gpu_peak_gib": round(peak_gpu, 2), "private_peak_gib": round(peak_private, 2)}
+            "gpu_peak_gib": round(peak_gpu, 2), "private_peak_gib": round(peak_private, 2), "gpu": gpu_name()}
 
 
 def steady(times: list[float], skip: int = 2) -> dict:

@@ -140,4 +140,5 @@ def test_peer_aitoolkit_writes_its_documented_config_with_the_race_changes_and_t
     rec = pa.aitk_run(a, work)  # the launcher runs the stand-in's run.py and times its progress bar
     assert rec["rc"] == 0, rec["log_tail"]
     assert rec["steps"] == 3 and rec["lora_modules"] == 1 and 0 < rec["first_step_s"] < rec["lora_s"]
+    assert "gpu" in rec  # the card each side ran on (None here: no GPU)
     assert pa.ratios([rec, {**rec, "side": "lorakit", "lora_s": rec["lora_s"] / 2}])["whole_job"] == 2.0
