@@ -128,21 +128,6 @@ def aitk_config(a, out: Path) -> tuple[Path, list[str]]:
     return path, changed
 
 
-def lora_file(out: Path) -> Path | None:
-    """ai-toolkit's final LoRA: TRAINING_FOLDER/aitk/aitk.safetensors."""
-    f = out / "aitk" / "aitk.safetensors"
-    return f if f.is_file() else None
-
-
-def lora_modules(path: Path | None) -> int | None:
-    """LoRA modules in a trained file, from its header (down/A matrices)."""
-    from lorakit.io import read_header
-
-    if path is None or not path.is_file():
-        return None
-    return sum(1 for n in read_header(path).tensors if n.endswith(("lora_A.weight", "lora_down.weight")))
-
-
 def aitk_run(a, work: Path) -> dict:
     out = work / f"aitk-{a.setting}"
     shutil.rmtree(out, ignore_errors=True)
@@ -158,12 +143,9 @@ def aitk_run(a, work: Path) -> dict:
            "HF_HUB_OFFLINE": "1"}
     rec = race.measure(cmd, work / f"aitk-{a.setting}.log", env, timeout=a.limit)
     times = json.loads(stats.read_text())["steps"] if stats.is_file() else []
-    lora = lora_file(out)
-    rec.update(side="ai-toolkit", run=1, profile=a.setting, cap_gib=a.cap, steps=len(times), changed=changed,
-               first_step_s=round(times[0] - rec["started"], 1) if times else None,
-               step_100_s=round(times[99] - rec["started"], 1) if len(times) >= 100 else None,
-               lora_s=round(lora.stat().st_mtime - rec["started"], 1) if lora else None,
-               lora_modules=lora_modules(lora), **race.steady(times))
+    # ai-toolkit's final LoRA: TRAINING_FOLDER/<name>/<name>.safetensors
+    rec.update(side="ai-toolkit", run=1, profile=a.setting, cap_gib=a.cap, changed=changed,
+               **race.timeline(rec["started"], times, out / "aitk" / "aitk.safetensors"))
     rec["log_tail"] = (work / f"aitk-{a.setting}.log").read_text(errors="replace")[-3000:]
     return rec
 
@@ -171,9 +153,7 @@ def aitk_run(a, work: Path) -> dict:
 def lorakit_side(a, work: Path) -> dict:
     ns = argparse.Namespace(family=a.family, models=a.models, data=a.data, steps=a.steps, tiny=a.tiny, cap=a.cap,
                             profile=a.profile, set=a.set)
-    rec = race.lorakit_run(ns, work, 1)
-    rec["lora_modules"] = lora_modules(work / "lorakit-run1" / "lora.safetensors")
-    return rec
+    return race.lorakit_run(ns, work, 1)
 
 
 def ratios(recs: list[dict]) -> dict:

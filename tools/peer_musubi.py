@@ -39,6 +39,9 @@ from pathlib import Path
 from lorakit.bench.poll import Peak
 from lorakit.models.base import family_adapter
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import race  # noqa: E402 - tools/ is not a package
+
 MUSUBI_COMMON = ["--mixed_precision", "bf16", "--sdpa", "--timestep_sampling", "shift", "--weighting_scheme", "none",
                  "--discrete_flow_shift", "2.2", "--optimizer_type", "AdamW", "--learning_rate", "5e-5",
                  "--network_module", "networks.lora_qwen_image", "--network_dim", "16", "--seed", "42",
@@ -162,16 +165,6 @@ def measured(label: str, module_args: list[str], out: Path, cap: float | None, e
     return rec
 
 
-def lora_modules(path: Path) -> int | None:
-    """LoRA modules in a trained file (lorakit: lora_A; musubi: lora_down), from its header."""
-    from lorakit.io import read_header
-
-    if not path.is_file():
-        return None
-    names = read_header(path).tensors
-    return sum(1 for n in names if n.endswith(("lora_A.weight", "lora_down.weight")))
-
-
 def export(cache: Path, out: Path, musubi: Path) -> dict:
     """lorakit's cache items -> musubi's Qwen-Image cache files (through musubi's own writers)."""
     sys.path.insert(0, str(musubi))
@@ -279,7 +272,7 @@ def compare(a) -> None:
         rec.update(median_step(rec.get("step_times") or []))
         if rec.get("step_times"):
             rec["command_to_first_step_s"] = round(rec["step_times"][0] - rec["started"], 1)
-        rec["lora_modules"] = lora_modules(out / ("lorakit-run/lora.safetensors" if label == "lorakit" else
+        rec["lora_modules"] = race.lora_modules(out / ("lorakit-run/lora.safetensors" if label == "lorakit" else
                                                   f"{label}/{label}.safetensors"))
         report["records"].append(rec)
         brief = {k: v for k, v in rec.items() if k not in ("step_times", "log_tail", "json", "stdout_tail")}

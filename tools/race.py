@@ -127,6 +127,28 @@ def steady(times: list[float], skip: int = 2) -> dict:
             "intervals": len(gaps)}
 
 
+def timeline(started: float, times: list[float], lora: Path | None) -> dict:
+    """A run's figures from the command's start, its step times and its LoRA file: first step, step 100, the LoRA
+    written (the whole job), the steady step (`steady`), the opening's target (command -> step 100 within the
+    first step + 100 x 1.15 x the steady step) and the LoRA modules the file holds."""
+    rec = {"steps": len(times), "first_step_s": round(times[0] - started, 1) if times else None,
+           "step_100_s": round(times[99] - started, 1) if len(times) >= 100 else None,
+           "lora_s": round(lora.stat().st_mtime - started, 1) if lora is not None and lora.is_file() else None,
+           "lora_modules": lora_modules(lora), **steady(times)}
+    if rec["first_step_s"] is not None and rec["step_100_s"] is not None and rec["median_s"]:
+        rec["step_100_allowed_s"] = round(rec["first_step_s"] + 100 * 1.15 * rec["median_s"], 1)
+    return rec
+
+
+def lora_modules(path: Path | None) -> int | None:
+    """LoRA modules in a trained file, from its header (lorakit and peft: lora_A; kohya-style: lora_down)."""
+    from lorakit.io import read_header
+
+    if path is None or not path.is_file():
+        return None
+    return sum(1 for n in read_header(path).tensors if n.endswith(("lora_A.weight", "lora_down.weight")))
+
+
 def lorakit_run(a, work: Path, k: int) -> dict:
     """`lorakit train` as a user runs it, timed (see the module)."""
     out = work / f"lorakit-run{k}"
@@ -148,16 +170,9 @@ def lorakit_run(a, work: Path, k: int) -> dict:
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()] \
         if (out / "metrics.jsonl").is_file() else []
     times = [r["time"] for r in rows if "loss" in r]
-    lora = out / "lora.safetensors"
-    rec.update(side="lorakit", run=k, profile=a.profile, cap_gib=a.cap, steps=len(times),
-               first_step_s=round(times[0] - rec["started"], 1) if times else None,
-               step_100_s=round(times[99] - rec["started"], 1) if len(times) >= 100 else None,
-               lora_s=round(lora.stat().st_mtime - rec["started"], 1) if lora.is_file() else None,
+    rec.update(side="lorakit", run=k, profile=a.profile, cap_gib=a.cap,
                step_s_median=round(statistics.median(r["step_s"] for r in rows if "step_s" in r), 4) if rows else None,
-               **steady(times))
-    if rec["first_step_s"] is not None and rec["step_100_s"] is not None and rec["median_s"]:
-        # the opening's target: command -> step 100 within first step + 100 x 1.15 x the steady step
-        rec["step_100_allowed_s"] = round(rec["first_step_s"] + 100 * 1.15 * rec["median_s"], 1)
+               **timeline(rec["started"], times, out / "lora.safetensors"))
     return rec
 
 

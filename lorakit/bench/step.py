@@ -84,8 +84,7 @@ def bench(family: str, res: int, profile: str | None, steps: int = 10, warmup: i
         attention = "flash+efficient" if masked else "flash"
     flops = model_flops(family, size, res, frames) if cuda else None
     base = dict(family=family, size=size, res=res, frames=frames, device=device, seed=0, rank=16, steps=steps,
-                warmup=warmup,
-                dtype="bf16" if cuda else "fp32", profile=profile or ("datacenter" if cuda else "cpu"),
+                warmup=warmup, dtype="bf16" if cuda else "fp32", profile=profile or ("datacenter" if cuda else "cpu"),
                 sets=list(sets or []), memory_cap=memory_cap, model_flops=flops, attention=attention,
                 plain_attention=("efficient" if masked else "flash") if cuda else None,
                 plain_checkpointing=adapter.published.params > PLAIN_CHECKPOINTING_ABOVE,
@@ -118,8 +117,7 @@ def bench(family: str, res: int, profile: str | None, steps: int = 10, warmup: i
         env["cuda"] = torch.version.cuda
         env["cudnn"] = torch.backends.cudnn.version()
     return {"family": family, "res": res, "frames": frames, "size": size, "profile": base["profile"],
-            "memory_cap_gib": memory_cap,
-            "steps": steps, "warmup": warmup, "model_flops_per_step": flops, "environment": env, "rows": rows}
+            "memory_cap_gib": memory_cap, "steps": steps, "warmup": warmup, "model_flops_per_step": flops, "environment": env, "rows": rows}
 
 
 if __name__ == "__main__":  # child process: one way

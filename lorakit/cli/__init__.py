@@ -3,9 +3,8 @@
 import os
 import time
 
-from lorakit.errors import (
-    STOP,  # a SIGTERM arrived: known even where Python swallowed the interrupt it raised
-)
+# a SIGTERM arrived: known even where Python swallowed the interrupt it raised
+from lorakit.errors import STOP
 
 STARTED = time.monotonic()  # when the command began (its log lines count from here)
 __all__ = ["STARTED", "STOP", "gone", "said"]
@@ -41,4 +40,3 @@ def gone() -> None:
         except Exception:  # noqa: BLE001, S110 - a stream the interrupt left broken: the exit code still stands
             pass
     os._exit(130)
-

@@ -93,16 +93,12 @@ def _finish(rank: int, resolved, result: dict, events, as_json: bool) -> None:
     from lorakit.cli.logs import finish
 
     if rank:
-        from lorakit.errors import EXIT_INTERRUPTED_RESUMABLE
-
-        raise typer.Exit(EXIT_INTERRUPTED_RESUMABLE if result["interrupted"] else 0)
+        raise typer.Exit(_exit_code(result))
     if resolved.cfg.output.hub_repo and not result["interrupted"]:
         result["hub"] = _share(resolved.cfg, events)
     finish(events, as_json, result, lambda: _render(result))
     if result["interrupted"]:  # a scheduler must not see success: the run can be resumed
-        from lorakit.errors import EXIT_INTERRUPTED_RESUMABLE
-
-        raise typer.Exit(EXIT_INTERRUPTED_RESUMABLE)
+        raise typer.Exit(_exit_code(result))
 
 
 def _train_experts(phases, profile, dry_run: bool, launching: bool, gpus: int, config: Path, as_json: bool,
@@ -145,7 +141,7 @@ def _train_experts(phases, profile, dry_run: bool, launching: bool, gpus: int, c
               "loras": {e: r["lora"] for e, r in results.items() if r.get("lora")}}
     if rank:
         raise typer.Exit(_exit_code(result))
-    finish_experts(events, as_json, result, phases[0].model)
+    _finish_experts(events, as_json, result, phases[0].model)
     if result["interrupted"]:
         raise typer.Exit(_exit_code(result))
 
@@ -156,7 +152,7 @@ def _exit_code(result: dict) -> int:
     return EXIT_INTERRUPTED_RESUMABLE if result["interrupted"] else 0
 
 
-def finish_experts(events, as_json: bool, result: dict, model: str) -> None:
+def _finish_experts(events, as_json: bool, result: dict, model: str) -> None:
     """Both experts' results: each run's lines, then the command that samples with both LoRAs."""
     from lorakit.cli.logs import finish
 
