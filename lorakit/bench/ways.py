@@ -13,7 +13,7 @@ from lorakit import dist as dist_mod
 from lorakit.bench.trace import trace
 from lorakit.dtypes import torch_dtype
 from lorakit.hardware.sdpa import apply
-from lorakit.io.modules import keep_fp32
+from lorakit.io.modules import fill_random
 from lorakit.models.base import family_adapter, load_adapter
 from lorakit.models.batch import drop_full_mask
 from lorakit.models.tiny import tiny_pipeline
@@ -46,27 +46,13 @@ def build_random(family: str, size: str, device: str, dtype, seed: int = 0, keep
     Weights ~ N(0, 0.02), biases 0, norm scales 1: activations stay finite through every block in bf16.
     """
     import diffusers
-    import torch
     from accelerate import init_empty_weights
 
     name, kwargs = architecture(family, size)
     cls = getattr(diffusers, name)
     with init_empty_weights(include_buffers=False):
         model = cls(**kwargs)
-    g = torch.Generator(device=device).manual_seed(seed)
-    sd = {}
-    for n, p in model.named_parameters():
-        t = torch.empty(p.shape, device=device, dtype=dtype)
-        if n.endswith("bias"):
-            t.zero_()
-        elif "norm" in n and p.dim() == 1:
-            t.fill_(1.0)
-        else:
-            t.normal_(0.0, 0.02, generator=g)
-        sd[n] = t if keep_on is None else t.to(keep_on)
-    model.load_state_dict(sd, strict=True, assign=True)
-
-    return keep_fp32(model.to(keep_on or device)).eval().requires_grad_(False)
+    return fill_random(model, device, dtype, seed, keep_on)
 
 
 def reference_targets(family: str) -> list[str]:

@@ -160,6 +160,47 @@ def load_component(folder, device: str = "cpu", dtype=None, backend: str = "auto
 
 
 
+def fill_random(model, device: str, dtype, seed: int = 0, keep_on: str | None = None):
+    """A module built on the meta device given random weights made on `device` (kept there or moved to `keep_on`),
+    in `dtype` except what its class keeps in float32: weights ~ N(0, 0.02), biases 0, norm scales 1 (activations
+    stay finite through every block in bf16). Returns the module, in eval mode, with requires_grad False."""
+    import torch
+
+    g = torch.Generator(device=device).manual_seed(seed)
+    sd = {}
+    for n, p in model.named_parameters():
+        t = torch.empty(p.shape, device=device, dtype=dtype)
+        if n.endswith("bias"):
+            t.zero_()
+        elif "norm" in n and p.dim() == 1:
+            t.fill_(1.0)
+        else:
+            t.normal_(0.0, 0.02, generator=g)
+        sd[n] = t if keep_on is None else t.to(keep_on)
+    model.load_state_dict(sd, strict=True, assign=True)
+    return keep_fp32(model.to(keep_on or device)).eval().requires_grad_(False)
+
+
+def random_component(folder, device: str, dtype, blocks: int | None = None, seed: int = 0):
+    """The component of a folder's config.json with random weights (nothing read): the class, shapes and dtypes
+    `load_component` gives. `blocks`: each list of the class's repeated blocks (diffusers' `_repeated_blocks`)
+    cut to its first `blocks` — the same kinds of block, called with the same inputs, at a fraction of the size."""
+    import torch
+
+    folder = Path(folder)
+    kind, cls, name = _class_of(folder)
+    if cls is None:
+        raise FileFormatError(f"{folder}: class {name} is not in the installed {kind}", f"pip install -U {kind}")
+    model = _empty_model(kind, cls, folder)
+    names = set(getattr(model, "_repeated_blocks", None) or ())
+    if blocks is not None and names:
+        for parent in list(model.modules()):
+            for attr, child in list(parent.named_children()):
+                if isinstance(child, torch.nn.ModuleList) and any(type(b).__name__ in names for b in child):
+                    setattr(parent, attr, torch.nn.ModuleList(list(child)[:blocks]))
+    return fill_random(model, device, dtype, seed)
+
+
 def load_facts(modules, seconds: float) -> dict:
     """What a timed load read, for a phase line: its GiB and GB/s."""
     params = [p for m in modules for p in m.parameters()]

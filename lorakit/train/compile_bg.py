@@ -177,6 +177,7 @@ class BackgroundCompile:
         self.eager_calls = 0  # block calls that ran eager since the last `advance`
         self.failures = 0  # descriptions the worker could not compile (compiled in the run)
         self.pending = 0  # descriptions given to the worker and not yet finished
+        self.ahead = None  # train.precompile.Rehearsal: the process compiling into the cache, waited for first
         self._copies: dict = {}  # block kind -> (copy, its compiled call)
         for b in blocks:
             kind = type(b).__name__
@@ -248,9 +249,13 @@ class BackgroundCompile:
         """Stop the worker: what it has not begun is dropped, the compile it is in finishes (a process that exits
         while the compiler runs in a thread aborts). Called again, it returns at once."""
         if not self._thread.is_alive():
+            if self.ahead:
+                self.ahead.close()
             return
         self._drain()
         self._jobs.put(None)
+        if self.ahead:  # the worker may be waiting for it: it then finds nothing to begin
+            self.ahead.close()
         self._go.set()
         self._thread.join()
 
@@ -282,6 +287,8 @@ class BackgroundCompile:
         if self._index is not None:
             torch.cuda.set_device(self._index)
         self._go.wait()
+        if self.ahead:  # its graphs are compiled in a separate process first: here they then load from the cache
+            self.ahead.wait()
         while True:
             job = self._jobs.get()
             if job is None:

@@ -182,6 +182,9 @@ def background_news(r: Run, bg, ready: list, step: int) -> list:
     """What the background compile finished, said once the worker has nothing left (every block call met so far
     runs compiled from this step on); a failed one at once (the run compiles it itself at its next call). Returns
     what is still to be said."""
+    said = bg.ahead.news() if bg.ahead else None  # the separate compile process ended (train.precompile)
+    if said:
+        (r.events.info if bg.ahead.result().get("ok") else r.note)(said)
     for x in ready:
         if x.failed:
             r.note(f"the background compile of {summary(x.what)} failed ({x.failed}); the run compiles it at its "
@@ -189,9 +192,18 @@ def background_news(r: Run, bg, ready: list, step: int) -> list:
     done = [x for x in ready if not x.failed]
     if bg.pending or not done:
         return done
-    r.events.info(f"compiled in the background ({sum(x.seconds for x in done):.1f} s): "
+    r.events.info(f"compiled in the background ({sum(x.seconds for x in done):.1f} s{cache_news()}): "
                   f"{', '.join(summary(x.what) for x in done)}; the blocks run compiled from step {step}")
     return []
+
+
+def cache_news() -> str:
+    """How many of the process's Inductor graphs came from the compile cache (", 8 of 8 graphs from the compile
+    cache"; empty where Inductor made none)."""
+    from torch._dynamo.utils import counters
+
+    hit, miss = counters["inductor"]["fxgraph_cache_hit"], counters["inductor"]["fxgraph_cache_miss"]
+    return f", {hit} of {hit + miss} graphs from the compile cache" if hit + miss else ""
 
 
 def finish(r: Run) -> dict:

@@ -128,9 +128,7 @@ def render(trainer, conds: list[Condition], problems: list | None = None) -> lis
     gets one line per sample that came out non-finite, naming where (a black square says nothing)."""
     import torch
 
-    cfg, dev, dt = trainer.cfg, trainer.device, trainer.dtype
-    guidance = cfg.sampling.guidance
-    embedded = trainer.adapter.guidance == "embedded"
+    cfg, dev = trainer.cfg, trainer.device
     was = trainer.transformer.training
     trainer.transformer.eval()
     images = []
@@ -139,29 +137,7 @@ def render(trainer, conds: list[Condition], problems: list | None = None) -> lis
         vae.to(dev)
     try:
         for k, c in enumerate(conds):
-            bad = None
-            with torch.no_grad(), torch.autocast(dev.split(":")[0], dtype=dt, enabled=dt != torch.float32):
-                g = torch.Generator().manual_seed(cfg.sampling.seed + k)
-                x = torch.randn((1, *c.shape), generator=g).to(dev, torch.float32)
-                seq = trainer.adapter.image_seq_len(c.shape)
-                sig = sigma_schedule(cfg.sampling.steps, seq, trainer.sched_cfg,
-                                     trainer.adapter.shift_mu(seq, trainer.sched_cfg, cfg.sampling.steps))
-                text = {k2: v.to(dev, dt) for k2, v in c.text.items()}
-                controls = [t.to(dev, dt) for t in c.controls]
-                un = {k2: v.to(dev, dt) for k2, v in c.uncond.items()} if c.uncond and guidance > 1 and not embedded \
-                    else None
-                if un is not None and "pooled" in text and "pooled" not in un:
-                    un["pooled"] = torch.zeros_like(text["pooled"])
-                for i, (s, s_next) in enumerate(zip(sig[:-1], sig[1:], strict=True)):
-                    st = s.view(1).to(dev)
-                    v = trainer.adapter.predict(trainer.transformer, x.to(dt), st, text,
-                                                guidance=guidance if embedded else 1.0, controls=controls).float()
-                    if un is not None:
-                        vu = trainer.adapter.predict(trainer.transformer, x.to(dt), st, un, controls=controls).float()
-                        v = vu + guidance * (v - vu)
-                    x = x + (float(s_next) - float(s)) * v
-                    if bad is None and not torch.isfinite(x).all():
-                        bad = f"the transformer's prediction at sampling step {i + 1} of {len(sig) - 1}"
+            x, bad = denoise(trainer, c, k, cfg.sampling.steps)
             with torch.no_grad():
                 pix = trainer.adapter.decode_latents(x)[0]
             if bad is None and not torch.isfinite(pix).all():
@@ -175,6 +151,39 @@ def render(trainer, conds: list[Condition], problems: list | None = None) -> lis
         if vae is not None:
             vae.to("cpu")
     return images
+
+
+def denoise(trainer, c: Condition, k: int, steps: int):
+    """Condition k's latents after `steps` sampling steps from its seeded noise (no gradients, under autocast as
+    training runs), in the transformer's mode as it is; and where they first came out non-finite (None: never)."""
+    import torch
+
+    cfg, dev, dt = trainer.cfg, trainer.device, trainer.dtype
+    guidance = cfg.sampling.guidance
+    embedded = trainer.adapter.guidance == "embedded"
+    bad = None
+    with torch.no_grad(), torch.autocast(dev.split(":")[0], dtype=dt, enabled=dt != torch.float32):
+        g = torch.Generator().manual_seed(cfg.sampling.seed + k)
+        x = torch.randn((1, *c.shape), generator=g).to(dev, torch.float32)
+        seq = trainer.adapter.image_seq_len(c.shape)
+        sig = sigma_schedule(steps, seq, trainer.sched_cfg, trainer.adapter.shift_mu(seq, trainer.sched_cfg, steps))
+        text = {k2: v.to(dev, dt) for k2, v in c.text.items()}
+        controls = [t.to(dev, dt) for t in c.controls]
+        un = {k2: v.to(dev, dt) for k2, v in c.uncond.items()} if c.uncond and guidance > 1 and not embedded \
+            else None
+        if un is not None and "pooled" in text and "pooled" not in un:
+            un["pooled"] = torch.zeros_like(text["pooled"])
+        for i, (s, s_next) in enumerate(zip(sig[:-1], sig[1:], strict=True)):
+            st = s.view(1).to(dev)
+            v = trainer.adapter.predict(trainer.transformer, x.to(dt), st, text,
+                                        guidance=guidance if embedded else 1.0, controls=controls).float()
+            if un is not None:
+                vu = trainer.adapter.predict(trainer.transformer, x.to(dt), st, un, controls=controls).float()
+                v = vu + guidance * (v - vu)
+            x = x + (float(s_next) - float(s)) * v
+            if bad is None and not torch.isfinite(x).all():
+                bad = f"the transformer's prediction at sampling step {i + 1} of {len(sig) - 1}"
+    return x, bad
 
 
 def _fit_box(im, w: int, h: int):

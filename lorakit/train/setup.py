@@ -26,7 +26,7 @@ from lorakit.io.modules import load_facts
 from lorakit.models.base import load_adapter
 from lorakit.plan.decide import choice_from
 from lorakit.plan.resolve import Resolved
-from lorakit.train import checkpoint, sampling, warm
+from lorakit.train import checkpoint, precompile, sampling, warm
 from lorakit.train import resume as resume_mod
 from lorakit.train.data import CachedData
 from lorakit.train.prepare import load_base
@@ -133,17 +133,6 @@ def setup(resolved: Resolved, resume: str | None, events: Events, force: bool = 
         apply_attention(attention, fallback=True)  # in force for the whole run: forward, backward, recompute
         if d.main:
             doctor_summary(out, cfg.profile, attention)
-    ahead = resolved.read_ahead  # the transformer's files, read into the page cache since the config was checked
-    with events.phase("load model") as facts:
-        t0 = time.perf_counter()
-        base = load_base(cfg, device, dtype)
-        facts.update(load_facts([base], time.perf_counter() - t0))
-        mapped = device.startswith("cuda") and next(base.parameters()).device.type == "cpu"
-        if mapped:
-            del facts["gb_per_s"]  # 8-bit base or swapped blocks: mapped now, read while the model is prepared
-            facts["mapped"] = "read while the model is prepared"
-        elif ahead:
-            facts.update(ahead.stop())
     key = warm.warm_key(cfg, device) if cfg.memory.compile else None
     sizes = set(warm.shapes(data, adapter)) if key else set()
     if key and cfg.memory.compile_background and warm.known(key, sizes):  # compiled here before: from the cache
@@ -154,38 +143,63 @@ def setup(resolved: Resolved, resume: str | None, events: Events, force: bool = 
         if d.main:
             with atomic_path(out / "config.resolved.yaml") as tmp:
                 tmp.write_text(dump_yaml(cfg))
-    with events.phase("prepare model") as facts:  # storage, LoRA, checkpointing, compiled blocks (compiled at step 1)
-        tr = Trainer(cfg, adapter, base, data, out, device, dtype, dist=d)
-        facts.update(trainable=sum(p.numel() for p in tr.params), compiled=tr.compiled, buckets=data.shapes,
-                     of_which=", ".join(f"{k} {v:.1f} s" for k, v in tr.took.items() if v >= 0.1) or None)
-        if tr.swapper:
-            facts["swapped"] = tr.swapper.said()
-        if mapped and ahead:
-            facts.update(ahead.stop())
-    resolved.read_ahead = None
-    del base
-    if measuring:  # the first run here: the family's attention was measured while the model loaded
-        cfg = tr.cfg = choose_attention(resolved, measuring, out, events, note)
-        key = warm.warm_key(cfg, device) if key else None  # the compile depends on the backend chosen now
-    mark("model_ready")
-    resumed = tr.resume(ck) if ck else None
-    if d.main:
-        s = cfg.schedule
-        events.info(f"global batch {tr.global_batch} = {s.batch_size} per process x {d.world} process(es) x "
-                    f"{s.grad_accum} accumulation")
-        if resumed:
-            events.info(f"resumed at step {tr.step} (written by {resumed['from_world']} process(es))"
-                        + (f"; {resumed['note']}" if resumed["note"] else ""))
-    log = MetricsLog(out, tr.step if ck else None, main=d.main, warn=note, wandb_run=wandb_run)
-    sampler = sampling.Sampler(tr, conds, out / "samples", warn=note) if conds and (d.main or tr.sharded) else None
-    r = Run(resolved, tr, data, log, sampler, cache, d, note, mark, events, resumed, started=time.perf_counter(),
-            warm_key=key, sizes=sizes)
-    if sampler and tr.step == 0 and cfg.sampling.first:
-        if tr.full:  # every weight trains: the grid before step 1 (FSDP: every rank takes part)
-            render_samples(r, 0)
-        else:  # the step-0 grid renders right after step 1 from these weights: it does not hold up the first step
-            r.initial = checkpoint.snapshot(tr)
-    return r
+    rehearsal = precompile.Rehearsal(cfg, device) if precompile.wanted(cfg, device, d.world) else None
+    try:  # the compile process ends with a run that fails to start
+        ahead = resolved.read_ahead  # the transformer's files, read into the page cache since the config was checked
+        with events.phase("load model") as facts:
+            t0 = time.perf_counter()
+            base = load_base(cfg, device, dtype)
+            facts.update(load_facts([base], time.perf_counter() - t0))
+            mapped = device.startswith("cuda") and next(base.parameters()).device.type == "cpu"
+            if mapped:
+                del facts["gb_per_s"]  # 8-bit base or swapped blocks: mapped now, read while the model is prepared
+                facts["mapped"] = "read while the model is prepared"
+            elif ahead:
+                facts.update(ahead.stop())
+        with events.phase("prepare model") as facts:  # storage, LoRA, checkpointing, compiled blocks (at step 1)
+            tr = Trainer(cfg, adapter, base, data, out, device, dtype, dist=d)
+            facts.update(trainable=sum(p.numel() for p in tr.params), compiled=tr.compiled, buckets=data.shapes,
+                         of_which=", ".join(f"{k} {v:.1f} s" for k, v in tr.took.items() if v >= 0.1) or None)
+            if tr.swapper:
+                facts["swapped"] = tr.swapper.said()
+            if mapped and ahead:
+                facts.update(ahead.stop())
+        resolved.read_ahead = None
+        del base
+        if measuring:  # the first run here: the family's attention was measured while the model loaded
+            cfg = tr.cfg = choose_attention(resolved, measuring, out, events, note)
+            key = warm.warm_key(cfg, device) if key else None  # the compile depends on the backend chosen now
+        mark("model_ready")
+        resumed = tr.resume(ck) if ck else None
+        if d.main:
+            s = cfg.schedule
+            events.info(f"global batch {tr.global_batch} = {s.batch_size} per process x {d.world} process(es) x "
+                        f"{s.grad_accum} accumulation")
+            if resumed:
+                events.info(f"resumed at step {tr.step} (written by {resumed['from_world']} process(es))"
+                            + (f"; {resumed['note']}" if resumed["note"] else ""))
+        log = MetricsLog(out, tr.step if ck else None, main=d.main, warn=note, wandb_run=wandb_run)
+        sampler = sampling.Sampler(tr, conds, out / "samples", warn=note) if conds and (d.main or tr.sharded) else None
+        r = Run(resolved, tr, data, log, sampler, cache, d, note, mark, events, resumed, started=time.perf_counter(),
+                warm_key=key, sizes=sizes)
+        if sampler and tr.step == 0 and cfg.sampling.first:
+            if tr.full:  # every weight trains: the grid before step 1 (FSDP: every rank takes part)
+                render_samples(r, 0)
+            else:  # the step-0 grid renders right after step 1 from these weights: it does not hold up the first step
+                r.initial = checkpoint.snapshot(tr)
+        if rehearsal and tr.background and tr.step < cfg.schedule.steps:
+            rehearsal.go(tr, conds if sampler else None)
+            tr.background.ahead = rehearsal
+            events.info("the blocks compile in a separate process (a first run with these settings here): the "
+                        "first steps run them uncompiled meanwhile, then they switch between two steps")
+        elif rehearsal:
+            rehearsal.close()
+        return r
+
+    except BaseException:
+        if rehearsal:
+            rehearsal.close()
+        raise
 
 
 class AttentionTest:

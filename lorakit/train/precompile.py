@@ -1,0 +1,220 @@
+"""The blocks' graphs compiled ahead, in a process of their own, on a background compile's first run on a machine.
+
+The background compile (`train.compile_bg`) runs the first steps eager while a worker thread compiles the blocks.
+The compiler holds Python's interpreter for long stretches, so the run's own thread was starved beside it: FLUX.1-dev
+1024² on an H100 (2026-11-27, `tools/race.py lorakit`, a first run on the machine), steps 2-100 took 180 s where 100
+steps at the steady pace take 44, and the worker needed 111 s. Here a child process does that compiling: it
+rehearses the run's block calls — step 1's batch, the other bucket shapes in the order `train.warm` hands them to
+the worker, one sampling step of each grid prompt — on a copy of the transformer with two blocks of each repeated
+list and random weights, prepared by the same code (storage, LoRA, dtypes, compile options, attention backend).
+Torch compiles the same graphs there, in the same order, and keeps them in this machine's compile cache.
+Meanwhile the run trains eager with the interpreter to itself; its worker waits for the child, then compiles each
+call from the cache, and the blocks switch to compiled code between two steps as before.
+
+The child starts before the model loads (its imports and its copy of the model overlap the load), is handed its
+inputs once the model is prepared and the attention backend chosen (`Rehearsal.go`), and ends with the run (also
+when the run's process is gone). One that fails leaves the compiling to the worker, as before; the run says why
+(the end of its log)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from lorakit.config.schema import Config
+from lorakit.dtypes import torch_dtype
+from lorakit.hardware.sdpa import apply as apply_attention
+from lorakit.io.modules import random_component
+from lorakit.models.base import load_adapter, trained_dir
+from lorakit.train import sampling, warm
+from lorakit.train.inputs import draw
+
+BLOCKS = 2  # of each repeated list: the first block's inputs need no gradient, the next ones' do
+ENV = "LORAKIT_PRECOMPILE"  # "0": the worker thread compiles alone; "1": the CPU too (where its blocks compile)
+
+
+def wanted(cfg, device: str, world: int) -> bool:
+    """Does this run compile its blocks in the background, alone (one process, no CUDA graphs, no swapped blocks),
+    on a GPU (or anywhere, with LORAKIT_PRECOMPILE=1)?"""
+    m, env = cfg.memory, os.environ.get(ENV, "")
+    return ((device.startswith("cuda") or env == "1") and env != "0" and m.compile and m.compile_background is True
+            and world == 1 and not m.cuda_graphs and not m.blocks_to_swap)
+
+
+class Rehearsal:
+    """The child process (see the module): started now, handed its inputs by `go`, waited for by the worker."""
+
+    def __init__(self, cfg, device: str):
+        self.folder = Path(tempfile.mkdtemp(prefix="lorakit-compile-"))
+        self.log = self.folder / "compile.log"
+        self.started = time.perf_counter()
+        self.handed: float | None = None  # when `go` gave the inputs
+        self.ended: float | None = None
+        self.said = False
+        self._result: dict | None = None
+        self._lock = threading.Lock()
+        with open(self.log, "wb") as log:
+            self.proc = subprocess.Popen([sys.executable, "-m", "lorakit.train.precompile"], stdin=subprocess.PIPE,
+                                         stdout=log, stderr=subprocess.STDOUT, text=True, cwd=self.folder)
+        spec = {"config": cfg.model_dump(mode="json"), "device": device, "result": str(self.folder / "result.json")}
+        self._send(spec)
+
+    def _send(self, line: dict | None) -> None:
+        try:
+            if line is not None:
+                self.proc.stdin.write(json.dumps(line) + "\n")
+                self.proc.stdin.flush()
+            else:
+                self.proc.stdin.close()
+        except (OSError, ValueError):  # the child is gone: `wait` says why
+            pass
+
+    def go(self, tr, conds) -> None:
+        """Hand the child the run's inputs (step 1's, the other shapes', the grid's prompts) and the attention
+        backend in force: it compiles now."""
+        import torch
+
+        inputs = rehearsal_inputs(tr, conds)
+        path = self.folder / "inputs.pt"
+        torch.save(inputs, path)
+        self.handed = time.perf_counter()
+        self._send({"inputs": str(path), "attention": tr.cfg.memory.attention})
+        self._send(None)
+
+    def wait(self, timeout: float | None = None) -> dict:
+        """Block until the child ends (the GIL released meanwhile). Returns {"ok", "seconds", "graphs"} or
+        {"ok": False, "why"}."""
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            return {"ok": False, "why": f"still compiling after {timeout:.0f} s"}
+        return self.result()
+
+    def result(self) -> dict:
+        with self._lock:
+            if self._result is None and self.proc.poll() is not None:
+                self.ended = time.perf_counter()
+                try:
+                    self._result = json.loads((self.folder / "result.json").read_text(encoding="utf-8"))
+                except (OSError, ValueError):
+                    tail = self.log.read_text(encoding="utf-8", errors="replace").strip().splitlines()[-3:] \
+                        if self.log.is_file() else []
+                    self._result = {"ok": False, "why": f"exited with code {self.proc.returncode}"
+                                    + (": " + " | ".join(ln.strip()[:200] for ln in tail) if tail else "")}
+            return dict(self._result) if self._result is not None else {"ok": None}
+
+    @property
+    def done(self) -> bool:
+        return self.proc.poll() is not None
+
+    def news(self) -> str | None:
+        """Once the child has ended: what it did, in one line, said once (None before, and after it was said)."""
+        if self.said or not self.done:
+            return None
+        self.said = True
+        r = self.result()
+        if r.get("ok"):
+            return (f"the blocks' {r.get('graphs', '?')} graphs compiled in a separate process in {r['seconds']:.1f} s "
+                    f"(into this machine's compile cache); the worker now takes them from there")
+        return f"the separate compile process failed ({r.get('why')}); the worker compiles the blocks itself"
+
+    def close(self) -> None:
+        """End the child if it still runs and remove its folder. Called again, it returns at once."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self.result()
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+
+def rehearsal_inputs(tr, conds) -> dict:
+    """What the child runs, in the run's order: step 1's inputs, the other shapes `train.warm` passes to the
+    worker after it, the grid's conditions (their images left out)."""
+    from dataclasses import replace
+
+    first = draw(tr, tr.step, 0)
+    size = warm.pixels(tr.adapter, first.batch.latents.shape)
+    return {"first": (first.batch, first.sigmas, first.noise), "warm": warm.to_warm(tr, {size}),
+            "conds": [replace(c, control_images=[]) for c in conds or []]}
+
+
+def rehearse(tr, inputs: dict) -> None:
+    """The run's block calls, in its order: step 1 (forward and backward), the other shapes, a sampling step of each
+    grid prompt (eval mode, no gradients)."""
+    batch, sigmas, noise = inputs["first"]
+    tr.loss_on(batch, sigmas, noise).backward()
+    tr.opt.zero_grad(set_to_none=True)
+    warm.warm_shapes(tr, inputs["warm"])
+    tr.transformer.eval()
+    try:
+        for k, c in enumerate(inputs["conds"]):
+            sampling.denoise(tr, c, k, steps=1)
+    finally:
+        tr.transformer.train()
+
+
+def build_copy(cfg, device: str):
+    """The run's trainer over a copy of its transformer: `BLOCKS` blocks of each repeated list, random weights,
+    prepared by the same code (storage, LoRA, dtypes, compiled blocks, compiled as the calls come)."""
+    from lorakit.train.trainer import Trainer
+
+    cfg = cfg.model_copy(update={"memory": cfg.memory.model_copy(update={"compile_background": False})})
+    dtype = torch_dtype(cfg.model.dtype)
+    transformer = random_component(trained_dir(cfg), device, dtype, blocks=BLOCKS, seed=cfg.seed)
+    adapter = load_adapter(cfg.model.family, cfg.model.path, device=device, dtype=dtype, backend=cfg.memory.loader)
+    return Trainer(cfg, adapter, transformer, None, None, device, dtype)
+
+
+def _orphaned(parent: int) -> None:
+    """End this process when the run's is gone (killed: nothing else would end it)."""
+    while True:
+        time.sleep(2)
+        if os.getppid() != parent:
+            os._exit(3)
+
+
+def main() -> int:
+    line = sys.stdin.readline()
+    if not line.strip():
+        return 0
+    spec = json.loads(line)
+    threading.Thread(target=_orphaned, args=(os.getppid(),), daemon=True).start()
+    import torch
+    from torch._dynamo.utils import counters
+
+
+    cfg = Config.model_validate(spec["config"])
+    device = spec["device"]
+    if device.startswith("cuda"):
+        torch.cuda.set_device(torch.device(device))
+    t0 = time.perf_counter()
+    tr = build_copy(cfg, device)
+    print(f"built in {time.perf_counter() - t0:.1f} s; waiting for the run's inputs", flush=True)
+    line = sys.stdin.readline()
+    if not line.strip():  # the run did not need it
+        return 0
+    go = json.loads(line)
+    apply_attention(None if go["attention"] == "auto" else go["attention"], fallback=True)
+    inputs = torch.load(go["inputs"], weights_only=False)
+    print(f"rehearsing {1 + len(inputs['warm'])} training shape(s) and {len(inputs['conds'])} grid prompt(s)",
+          flush=True)
+    t1 = time.perf_counter()
+    rehearse(tr, inputs)
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+    graphs = int(counters["stats"]["unique_graphs"])
+    result = {"ok": True, "seconds": round(time.perf_counter() - t1, 1), "graphs": graphs}
+    Path(spec["result"]).write_text(json.dumps(result), encoding="utf-8")
+    print(json.dumps(result), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,169 @@
+"""The blocks' graphs compiled ahead in a process of their own (train/precompile.py): the copy it rehearses on, the
+calls it makes (those the run hands its worker, in the same order), and the process as the run drives it."""
+
+import functools
+import json
+
+import pytest
+import torch
+
+from lorakit.data.demo import make_demo_dataset
+from lorakit.io.modules import load_component, random_component
+from lorakit.plan.resolve import resolve
+from lorakit.train import precompile
+from lorakit.train.compile_bg import BackgroundCompile, describe
+from lorakit.train.loop import run
+from lorakit.train.swap import repeated_blocks
+from tests.unit.train.test_compile_bg import _Heard
+from tests.unit.train.test_loop import make_cfg
+
+
+def test_the_copy_has_each_kind_of_block_with_the_loaded_models_dtypes_and_shapes(tiny):
+    folder = tiny("flux") / "transformer"
+    whole = load_component(folder, "cpu", torch.bfloat16)
+    copy = random_component(folder, "cpu", torch.bfloat16, blocks=1)
+    assert {type(b).__name__ for b in repeated_blocks(copy)} == {type(b).__name__ for b in repeated_blocks(whole)}
+    assert len(repeated_blocks(copy)) == 2 < len(repeated_blocks(whole))  # one of each list
+    kept = dict(copy.named_parameters())
+    for name, p in whole.named_parameters():
+        if name in kept:
+            assert (kept[name].shape, kept[name].dtype) == (p.shape, p.dtype), name
+    assert all(torch.isfinite(p).all() for p in kept.values())
+    assert not any(p.requires_grad for p in kept.values())
+
+
+class _Recorder:
+    """Stands in for the process at the run's side: records what `go` hands it (the real `rehearsal_inputs`)."""
+
+    made: list = []
+
+    def __init__(self, cfg, device):
+        self.cfg, self.inputs = cfg, None
+        _Recorder.made.append(self)
+
+    def go(self, tr, conds):
+        self.inputs = precompile.rehearsal_inputs(tr, conds)
+
+    def wait(self, timeout=None):
+        return {"ok": True, "seconds": 0.0, "graphs": 0}
+
+    result = wait
+
+    def news(self):
+        return None
+
+    def close(self):
+        pass
+
+
+@pytest.mark.slow
+def test_the_copy_meets_the_calls_the_run_hands_its_worker_in_the_same_order(tmp_path, tiny, monkeypatch):
+    """The graphs the process compiles are found by the run's worker only if it compiles them for the same calls
+    (shapes, strides, grad and autocast modes, train or eval) in the same order (torch makes sizes symbolic at the
+    second shape it meets): the run's own loop — step 1, the other bucket shapes, the step-0 grid — against the
+    copy's rehearsal of the inputs the run handed over."""
+    import lorakit.plan.resolve as resolve_mod
+
+    monkeypatch.setattr(resolve_mod, "compile_decision", lambda *a: (True, None))
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="aot_eager"))
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "compile-cache"))  # a first run on this machine
+    monkeypatch.setenv(precompile.ENV, "1")  # the CPU too
+    monkeypatch.setattr(precompile, "Rehearsal", _Recorder)
+    _Recorder.made = []
+    handed = []
+    call = BackgroundCompile.call
+
+    def recording(self, block, compiled, args, kwargs):
+        what = describe(block, args, kwargs)
+        if what not in self._seen:
+            handed.append(what)
+        return call(self, block, compiled, args, kwargs)
+
+    monkeypatch.setattr(BackgroundCompile, "call", recording)
+    torch._dynamo.reset()
+    two = make_demo_dataset(tmp_path / "two", count=4, size=[64, (96, 48)])  # two bucket shapes
+    cfg = make_cfg(tmp_path, "flux", tiny("flux"), steps=3, lora={"dropout": 0.0}, output={"save_every": 0},
+                   data={"dirs": [str(two)]}, sampling={"prompts": ["a", "b c d"]})
+    try:
+        r = run(resolve(cfg), events=_Heard())
+    finally:
+        torch._dynamo.reset()
+    assert r["steps"] == 3
+    (rec,) = _Recorder.made
+    assert rec.inputs is not None
+    cfg = rec.cfg.model_copy(update={"memory": rec.cfg.memory.model_copy(update={"compile": False})})
+    copy = precompile.build_copy(cfg, "cpu")
+    met = []
+
+    def hook(block, args, kwargs):
+        what = describe(block, args, kwargs)
+        if what not in met:
+            met.append(what)
+
+    for b in repeated_blocks(copy.transformer):
+        b.register_forward_pre_hook(hook, with_kwargs=True)
+    precompile.rehearse(copy, rec.inputs)
+    assert any(not what[2] for what in handed)  # the grid's calls (no grad) were handed over too
+    assert met == handed[:len(met)] and len(met) == len(handed)
+
+
+class _Eager(precompile.Rehearsal):
+    """The real process, rehearsing without compiling (Inductor on 2 CPU cores takes minutes for the tiny model)."""
+
+    def __init__(self, cfg, device):
+        super().__init__(cfg.model_copy(update={"memory": cfg.memory.model_copy(update={"compile": False})}), device)
+
+
+@pytest.mark.slow
+def test_the_run_waits_for_the_process_then_its_worker_compiles_and_says_both(tmp_path, tiny, monkeypatch):
+    import lorakit.plan.resolve as resolve_mod
+
+    monkeypatch.setattr(resolve_mod, "compile_decision", lambda *a: (True, None))
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="aot_eager"))
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "compile-cache"))
+    monkeypatch.setenv(precompile.ENV, "1")
+    monkeypatch.setattr(precompile, "Rehearsal", _Eager)
+    made = []
+    init = BackgroundCompile.__init__
+
+    def keep(self, *a, **k):
+        init(self, *a, **k)
+        made.append(self)
+
+    monkeypatch.setattr(BackgroundCompile, "__init__", keep)
+    torch._dynamo.reset()
+    cfg = make_cfg(tmp_path, "flux", tiny("flux"), steps=300, lora={"dropout": 0.0}, output={"save_every": 0},
+                   sampling={"enabled": False})
+    heard = _Heard()
+    try:
+        r = run(resolve(cfg), events=heard)
+    finally:
+        torch._dynamo.reset()
+    (bg,) = made
+    assert bg.ahead is not None and bg.ahead.result()["ok"] is True
+    assert not bg.ahead.folder.exists() and bg.ahead.proc.poll() is not None  # ended and cleaned up with the run
+    said = [m for m in heard.lines if "compiled in a separate process" in m]
+    assert len(said) == 1 and said[0].startswith("the blocks' 0 graphs compiled in a separate process in")
+    rows = [json.loads(x) for x in open(r["metrics"])]
+    compiled = [x["step"] for x in rows if not x.get("eager_blocks")]
+    assert compiled, "the worker never compiled after the process ended"
+    assert any(m.startswith("compiled in the background") for m in heard.lines)
+    assert heard.lines.index(said[0]) < next(i for i, m in enumerate(heard.lines)
+                                             if m.startswith("compiled in the background"))
+
+
+def test_a_process_that_fails_says_why_in_the_runs_words_and_ends(tmp_path, tiny):
+    cfg = make_cfg(tmp_path, "flux", tiny("flux"))
+    broken = cfg.model_copy(update={"model": cfg.model.model_copy(update={"path": str(tmp_path / "gone")})})
+    p = precompile.Rehearsal(broken, "cpu")
+    try:
+        got = p.wait(120)
+        assert got["ok"] is False and "exited with code 1" in got["why"] and "gone" in got["why"]
+        said = p.news()
+        assert said.startswith("the separate compile process failed (exited with code 1") and said.endswith(
+            "the worker compiles the blocks itself")
+        assert p.news() is None  # said once
+    finally:
+        p.close()
+    assert not p.folder.exists()
+    p.close()  # again: nothing left to do
