@@ -66,17 +66,32 @@ def expandable_segments() -> None:
 
 
 def compile_cache_dir() -> str:
-    """Where torch.compile's artefacts are kept: an explicit TORCHINDUCTOR_CACHE_DIR, else lorakit's cache."""
-    return os.environ.get("TORCHINDUCTOR_CACHE_DIR") or str(cache_root() / "compile")
+    """Where torch.compile's artefacts are kept: an explicit TORCHINDUCTOR_CACHE_DIR, else lorakit's cache
+    (Inductor's own default in that variable is not the user's: see `compile_cache`)."""
+    given = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if given and os.path.abspath(given) == _inductor_default():
+        given = None
+    return given or str(cache_root() / "compile")
 
 
 def compile_cache() -> str:
     """torch.compile's artefacts (Inductor's FX graphs and Triton kernels) kept in lorakit's cache, so a later run
     on this machine reuses them (its blocks compile in seconds) also where /tmp is cleared between jobs; an
-    explicit TORCHINDUCTOR_CACHE_DIR is kept. Returns the folder."""
-    folder = os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", compile_cache_dir())
+    explicit TORCHINDUCTOR_CACHE_DIR is kept. Inductor writes its own default (/tmp/torchinductor_<user>) into
+    TORCHINDUCTOR_CACHE_DIR the first time anything asks it for its folder; that value is not the user's and is
+    replaced (on an H100, 2026-11-27, a run's graphs went there, past lorakit's cache). Returns the folder."""
+    folder = os.environ["TORCHINDUCTOR_CACHE_DIR"] = compile_cache_dir()
     os.makedirs(folder, exist_ok=True)
     return folder
+
+
+def _inductor_default() -> str | None:
+    """The folder Inductor falls back to (None where this torch does not say)."""
+    try:
+        from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+    except ImportError:
+        return None
+    return os.path.abspath(default_cache_dir())
 
 
 def budget_gib(device: str) -> float:

@@ -192,7 +192,7 @@ def main() -> int:
 
     cfg = Config.model_validate(spec["config"])
     device = spec["device"]
-    if device.startswith("cuda"):
+    if device.startswith("cuda") and torch.device(device).index is not None:  # "cuda": the current one
         torch.cuda.set_device(torch.device(device))
     t0 = time.perf_counter()
     tr = build_copy(cfg, device)
