@@ -182,7 +182,9 @@ class MemoryConfig(_Section):
                               "slower to compile: FLUX 1024² on an H100, 174 s for step 1 against ~52 s)")
     compile_background: bool | Literal["auto"] = Field(
         "auto", description="with compile: the first steps run the blocks uncompiled while a worker thread "
-                            "compiles them for the shapes they meet, so step 1 does not wait for the compiler "
+                            "compiles them for the shapes they meet (on a first run with these settings on the "
+                            "machine, from what a separate process compiled into the compile cache meanwhile: "
+                            "LORAKIT_PRECOMPILE=0 leaves it to the thread), so step 1 does not wait for the compiler "
                             "(those steps are slower; a shape met after the compiled blocks came into use compiles "
                             "as with off); auto: on where the memory plan saved nothing (no 8-bit base, recompute "
                             "or swap: uncompiled blocks hold more) and the estimate leaves room for the worker's "

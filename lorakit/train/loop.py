@@ -14,7 +14,7 @@ from lorakit.events import PHASES, Events, Recorded
 from lorakit.plan.resolve import Resolved
 from lorakit.train import checkpoint, warm
 from lorakit.train.allocwatch import AllocWatch
-from lorakit.train.compile_bg import summary
+from lorakit.train.compile_bg import cache_news, summary
 from lorakit.train.gcpause import Collector
 from lorakit.train.report import loss_curve, peak_rss_gib
 from lorakit.train.setup import Run, hold_output, render_samples, setup
@@ -195,15 +195,6 @@ def background_news(r: Run, bg, ready: list, step: int) -> list:
     r.events.info(f"compiled in the background ({sum(x.seconds for x in done):.1f} s{cache_news()}): "
                   f"{', '.join(summary(x.what) for x in done)}; the blocks run compiled from step {step}")
     return []
-
-
-def cache_news() -> str:
-    """How many of the process's Inductor graphs came from the compile cache (", 8 of 8 graphs from the compile
-    cache"; empty where Inductor made none)."""
-    from torch._dynamo.utils import counters
-
-    hit, miss = counters["inductor"]["fxgraph_cache_hit"], counters["inductor"]["fxgraph_cache_miss"]
-    return f", {hit} of {hit + miss} graphs from the compile cache" if hit + miss else ""
 
 
 def finish(r: Run) -> dict:
