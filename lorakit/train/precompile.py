@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import site
 import subprocess
 import sys
 import tempfile
@@ -60,9 +61,13 @@ class Rehearsal:
         self.said = False
         self._result: dict | None = None
         self._lock = threading.Lock()
+        env = dict(os.environ)
+        root = str(Path(__file__).resolve().parents[2])  # the folder holding this lorakit
+        if root not in site.getsitepackages() + [site.getusersitepackages()]:  # a source checkout: found from there
+            env["PYTHONPATH"] = os.pathsep.join(x for x in (root, os.environ.get("PYTHONPATH")) if x)
         with open(self.log, "wb") as log:
             self.proc = subprocess.Popen([sys.executable, "-m", "lorakit.train.precompile"], stdin=subprocess.PIPE,
-                                         stdout=log, stderr=subprocess.STDOUT, text=True, cwd=self.folder)
+                                         stdout=log, stderr=subprocess.STDOUT, text=True, env=env)
         spec = {"config": cfg.model_dump(mode="json"), "device": device, "result": str(self.folder / "result.json")}
         self._send(spec)
 
