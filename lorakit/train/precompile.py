@@ -34,6 +34,7 @@ from lorakit.dtypes import torch_dtype
 from lorakit.hardware.sdpa import apply as apply_attention
 from lorakit.io.modules import random_component
 from lorakit.models.base import load_adapter, trained_dir
+from lorakit.plan.memory import PLAN_MARGIN_GIB
 from lorakit.train import sampling, warm
 from lorakit.train.inputs import draw
 
@@ -47,6 +48,24 @@ def wanted(cfg, device: str, world: int) -> bool:
     m, env = cfg.memory, os.environ.get(ENV, "")
     return ((device.startswith("cuda") or env == "1") and env != "0" and m.compile and m.compile_background is True
             and world == 1 and not m.cuda_graphs and not m.blocks_to_swap)
+
+
+def child_gib(est: dict) -> float:
+    """GPU memory the process holds beside the run, from the run's estimate: its CUDA context, `BLOCKS` blocks of
+    (at most) two kinds out of the run's blocks, and their working sets in one pass (FLUX.1-dev 1024²: about 4.2 GiB;
+    measured on an H100, 2026-11-27: the card's peak 53.4 GiB against 49.5 without it)."""
+    kept = min(2 * BLOCKS, est["blocks"])
+    return 1.0 + est["parts"]["base"] * kept / est["blocks"] + kept * est["block_gib"]
+
+
+def lacks_room(est: dict | None, budget: float) -> str | None:
+    """Why the card has no room for the process beside the run's uncompiled steps (None: it has)."""
+    if not est:
+        return None
+    need = est.get("uncompiled_gib", est["gib"]) + child_gib(est)
+    if need > budget - PLAN_MARGIN_GIB:
+        return f"no room beside the run for a separate compile process (about {need:.1f} GiB of {budget:.0f})"
+    return None
 
 
 class Rehearsal:

@@ -18,7 +18,7 @@ from lorakit.dtypes import torch_dtype
 from lorakit.errors import ConfigError
 from lorakit.events import Events
 from lorakit.hardware.attention import self_test_family
-from lorakit.hardware.gpu import apply_cap, compile_cache, expandable_segments
+from lorakit.hardware.gpu import apply_cap, budget_gib, compile_cache, expandable_segments
 from lorakit.hardware.sdpa import apply as apply_attention
 from lorakit.io import atomic_path, clean_orphans
 from lorakit.io.lock import FolderLock
@@ -143,7 +143,13 @@ def setup(resolved: Resolved, resume: str | None, events: Events, force: bool = 
         if d.main:
             with atomic_path(out / "config.resolved.yaml") as tmp:
                 tmp.write_text(dump_yaml(cfg))
-    rehearsal = precompile.Rehearsal(cfg, device) if precompile.wanted(cfg, device, d.world) else None
+    rehearsal = None
+    if precompile.wanted(cfg, device, d.world):  # a first run: the blocks compile in a process of their own
+        why = precompile.lacks_room(resolved.estimate, budget_gib(device)) if device.startswith("cuda") else None
+        if why:
+            events.info(f"the blocks compile in the background in this process: {why}")
+        else:
+            rehearsal = precompile.Rehearsal(cfg, device)
     try:  # the compile process ends with a run that fails to start
         ahead = resolved.read_ahead  # the transformer's files, read into the page cache since the config was checked
         with events.phase("load model") as facts:

@@ -181,3 +181,16 @@ def test_a_process_that_fails_says_why_in_the_runs_words_and_ends(tmp_path, tiny
         p.close()
     assert not p.folder.exists()
     p.close()  # again: nothing left to do
+
+
+def test_the_process_runs_only_where_the_card_has_room_for_it_beside_the_uncompiled_steps():
+    from lorakit.config import assemble
+    from lorakit.plan.memory import estimate
+
+    cfg, _ = assemble(None, ["model.family=flux", "data.resolution=1024"], "datacenter")
+    est = estimate(cfg, 1)
+    assert 3.0 < precompile.child_gib(est) < 6.0  # FLUX.1-dev 1024²: 3.9 GiB more at the card's peak (H100)
+    assert precompile.lacks_room(est, 79.2) is None  # an 80 GB card
+    why = precompile.lacks_room(est, 56.0)
+    assert why.startswith("no room beside the run for a separate compile process (about")
+    assert precompile.lacks_room(None, 56.0) is None  # no estimate (the CPU): nothing to refuse on
