@@ -292,7 +292,7 @@ class BackgroundCompile:
             torch.cuda.set_device(self._index)
         self._go.wait()
         if self.ahead:  # its graphs are compiled in a separate process first: here they then load from the cache
-            self.ahead.wait()
+            self.ahead.wait(self.ahead.WAIT_S)
         while True:
             job = self._jobs.get()
             if job is None:

@@ -39,6 +39,7 @@ from lorakit.train import sampling, warm
 from lorakit.train.inputs import draw
 
 BLOCKS = 2  # of each repeated list: the first block's inputs need no gradient, the next ones' do
+WAIT_S = 1800.0  # the longest the worker waits for the process (a hung compile must not keep a run uncompiled)
 ENV = "LORAKIT_PRECOMPILE"  # "0": the worker thread compiles alone; "1": the CPU too (where its blocks compile)
 
 
@@ -70,6 +71,8 @@ def lacks_room(est: dict | None, budget: float) -> str | None:
 
 class Rehearsal:
     """The child process (see the module): started now, handed its inputs by `go`, waited for by the worker."""
+
+    WAIT_S = WAIT_S
 
     def __init__(self, cfg, device: str):
         self.folder = Path(tempfile.mkdtemp(prefix="lorakit-compile-"))
@@ -113,12 +116,15 @@ class Rehearsal:
         self._send(None)
 
     def wait(self, timeout: float | None = None) -> dict:
-        """Block until the child ends (the GIL released meanwhile). Returns {"ok", "seconds", "graphs"} or
-        {"ok": False, "why"}."""
+        """Block until the child ends (the GIL released meanwhile); one still running after `timeout` seconds is
+        ended. Returns {"ok", "seconds", "graphs"} or {"ok": False, "why"}."""
         try:
             self.proc.wait(timeout)
         except subprocess.TimeoutExpired:
-            return {"ok": False, "why": f"still compiling after {timeout:.0f} s"}
+            self.proc.kill()
+            self.proc.wait()
+            with self._lock:
+                self._result = {"ok": False, "why": f"no result after {timeout:.0f} s, ended"}
         return self.result()
 
     def result(self) -> dict:

@@ -36,6 +36,7 @@ class _Recorder:
     """Stands in for the process at the run's side: records what `go` hands it (the real `rehearsal_inputs`)."""
 
     made: list = []
+    WAIT_S = 1.0
 
     def __init__(self, cfg, device):
         self.cfg, self.inputs = cfg, None
@@ -194,3 +195,14 @@ def test_the_process_runs_only_where_the_card_has_room_for_it_beside_the_uncompi
     why = precompile.lacks_room(est, 56.0)
     assert why.startswith("no room beside the run for a separate compile process (about")
     assert precompile.lacks_room(None, 56.0) is None  # no estimate (the CPU): nothing to refuse on
+
+
+def test_a_process_that_gives_no_result_in_time_is_ended_and_said(tmp_path, tiny):
+    p = precompile.Rehearsal(make_cfg(tmp_path, "flux", tiny("flux")), "cpu")  # never handed its inputs: it waits
+    try:
+        got = p.wait(1.5)
+        assert got == {"ok": False, "why": "no result after 2 s, ended"} and p.proc.poll() is not None
+        assert p.news() == "the separate compile process failed (no result after 2 s, ended); the worker compiles " \
+                           "the blocks itself"
+    finally:
+        p.close()
