@@ -27,6 +27,7 @@ import sys
 import tempfile
 import threading
 import time
+from dataclasses import fields
 from pathlib import Path
 
 from lorakit.config.schema import Config
@@ -34,6 +35,7 @@ from lorakit.dtypes import torch_dtype
 from lorakit.hardware.sdpa import apply as apply_attention
 from lorakit.io.modules import random_component
 from lorakit.models.base import load_adapter, trained_dir
+from lorakit.models.batch import Batch
 from lorakit.plan.memory import PLAN_MARGIN_GIB
 from lorakit.train import sampling, warm
 from lorakit.train.inputs import draw
@@ -108,9 +110,8 @@ class Rehearsal:
         backend in force: it compiles now."""
         import torch
 
-        inputs = rehearsal_inputs(tr, conds)
         path = self.folder / "inputs.pt"
-        torch.save(inputs, path)
+        torch.save(plain(rehearsal_inputs(tr, conds)), path)  # read back with weights_only=True
         self.handed = time.perf_counter()
         self._send({"inputs": str(path), "attention": tr.cfg.memory.attention})
         self._send(None)
@@ -175,6 +176,32 @@ def rehearsal_inputs(tr, conds) -> dict:
             "conds": [replace(c, control_images=[]) for c in conds or []]}
 
 
+def plain(x):
+    """The inputs as tensors, numbers, strings, lists and dicts (what `torch.load(weights_only=True)` reads): each
+    Batch or Condition a dict naming its class."""
+    if isinstance(x, (Batch, sampling.Condition)):
+        return {"class": type(x).__name__, **{f.name: plain(getattr(x, f.name)) for f in fields(x)}}
+    if isinstance(x, dict):
+        return {k: plain(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [plain(v) for v in x]
+    return x
+
+
+def rebuilt(x):
+    """`plain`'s inverse (a Condition's shape a tuple again; other tuples come back as lists, which the rehearsal
+    only unpacks)."""
+    if isinstance(x, dict) and x.get("class") in ("Batch", "Condition"):
+        cls = Batch if x["class"] == "Batch" else sampling.Condition
+        got = {k: rebuilt(v) for k, v in x.items() if k != "class"}
+        return cls(**(got | ({"shape": tuple(got["shape"])} if "shape" in got else {})))
+    if isinstance(x, dict):
+        return {k: rebuilt(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [rebuilt(v) for v in x]
+    return x
+
+
 def rehearse(tr, inputs: dict) -> None:
     """The run's block calls, in its order: step 1 (forward and backward), the other shapes, a sampling step of each
     grid prompt (eval mode, no gradients)."""
@@ -232,7 +259,7 @@ def main() -> int:
         return 0
     go = json.loads(line)
     apply_attention(None if go["attention"] == "auto" else go["attention"], fallback=True)
-    inputs = torch.load(go["inputs"], weights_only=False)
+    inputs = rebuilt(torch.load(go["inputs"], weights_only=True))
     print(f"rehearsing {1 + len(inputs['warm'])} training shape(s) and {len(inputs['conds'])} grid prompt(s)",
           flush=True)
     t1 = time.perf_counter()

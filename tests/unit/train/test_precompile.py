@@ -206,3 +206,20 @@ def test_a_process_that_gives_no_result_in_time_is_ended_and_said(tmp_path, tiny
                            "the blocks itself"
     finally:
         p.close()
+
+
+def test_the_inputs_reach_the_process_through_a_file_read_without_unpickling_objects(tmp_path):
+    from lorakit.models.batch import Batch
+    from lorakit.train.sampling import Condition
+
+    b = Batch(["a"], torch.ones(1, 4, 8, 8), {"prompt_embeds": torch.zeros(1, 5, 3)}, [], None, torch.ones(1))
+    c = Condition("a red square", {"prompt_embeds": torch.zeros(1, 5, 3)}, (4, 8, 8))
+    inputs = {"first": (b, torch.tensor([0.5]), torch.zeros(1, 4, 8, 8)), "warm": [("64x64", b)], "conds": [c]}
+    torch.save(precompile.plain(inputs), tmp_path / "inputs.pt")
+    got = precompile.rebuilt(torch.load(tmp_path / "inputs.pt", weights_only=True))
+    batch, sigmas, noise = got["first"]
+    assert isinstance(batch, Batch) and batch.keys == ["a"] and torch.equal(batch.latents, b.latents)
+    assert batch.mask is None and torch.equal(batch.weights, b.weights) and torch.equal(sigmas, torch.tensor([0.5]))
+    assert got["warm"][0][0] == "64x64" and isinstance(got["warm"][0][1], Batch)
+    (cond,) = got["conds"]
+    assert isinstance(cond, Condition) and cond.label == "a red square" and cond.shape == (4, 8, 8)
