@@ -105,20 +105,37 @@ def _meta(v):
     return type(v).__name__
 
 
-def _detached(v):
-    """The inputs for the worker: each tensor copied (its own memory), detached, with its grad requirement."""
+def _detached(v, bases: dict | None = None):
+    """The inputs for the worker: each tensor copied (its own memory), detached, with its grad requirement. A view
+    stays a view of a copy of its base (inputs that view one tensor view one copy, as in the run): how inputs alias
+    each other is part of the graph torch compiles (FLUX's single blocks take two views of one tensor; copied apart,
+    their graphs missed the compile process's in the cache once their sizes were symbolic)."""
     import torch
 
-    if isinstance(v, torch.Tensor):  # the same strides (a view's too: compiled graphs are specialised to them)
-        c = torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=v.device).copy_(v.detach())
-        return c.requires_grad_(v.requires_grad) if v.is_floating_point() else c
+    bases = {} if bases is None else bases
+    if isinstance(v, torch.Tensor):
+        base = v._base
+        if base is not None:
+            if id(base) not in bases:
+                bases[id(base)] = _copy(base)
+            return bases[id(base)].as_strided(v.shape, v.stride(), v.storage_offset())
+        return _copy(v)
     if isinstance(v, tuple):
-        return tuple(_detached(x) for x in v)
+        return tuple(_detached(x, bases) for x in v)
     if isinstance(v, list):
-        return [_detached(x) for x in v]
+        return [_detached(x, bases) for x in v]
     if isinstance(v, dict):
-        return {k: _detached(x) for k, x in v.items()}
+        return {k: _detached(x, bases) for k, x in v.items()}
     return v
+
+
+def _copy(t):
+    """A detached copy with the same strides (a view of a wider tensor: compiled graphs are specialised to them)
+    and grad requirement."""
+    import torch
+
+    c = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device).copy_(t.detach())
+    return c.requires_grad_(t.requires_grad) if t.is_floating_point() else c
 
 
 def _tensors(v) -> list:
@@ -203,7 +220,8 @@ class BackgroundCompile:
         if what not in self._seen:
             self._seen.add(what)
             self.pending += 1
-            self._jobs.put((what, type(block).__name__, _detached(args), _detached(kwargs)))
+            bases: dict = {}  # the inputs' views of one tensor stay views of one copy
+            self._jobs.put((what, type(block).__name__, _detached(args, bases), _detached(kwargs, bases)))
         self.eager_calls += 1
         return block._call_impl(*args, **kwargs)
 
