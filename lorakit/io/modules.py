@@ -37,6 +37,14 @@ def _class_of(folder: Path):
     raise FileFormatError(f"{folder}/config.json names no class (_class_name or architectures)")
 
 
+def _installed_class(folder: Path):
+    """(library, class) of a component folder's config.json; a class the installed library lacks is refused."""
+    kind, cls, name = _class_of(folder)
+    if cls is None:
+        raise FileFormatError(f"{folder}: class {name} is not in the installed {kind}", f"pip install -U {kind}")
+    return kind, cls
+
+
 def _empty_model(kind: str, cls, folder: Path):
     from accelerate import init_empty_weights
 
@@ -51,9 +59,7 @@ def _empty_model(kind: str, cls, folder: Path):
 def expected_shapes(folder) -> dict[str, tuple[int, ...]]:
     """name -> shape of every weight a component folder's class holds (its config.json; nothing is read)."""
     folder = Path(folder)
-    kind, cls, name = _class_of(folder)
-    if cls is None:
-        raise FileFormatError(f"{folder}: class {name} is not in the installed {kind}", f"pip install -U {kind}")
+    kind, cls = _installed_class(folder)
     return {k: tuple(v.shape) for k, v in _empty_model(kind, cls, folder).state_dict().items()}
 
 
@@ -132,16 +138,14 @@ def load_component(folder, device: str = "cpu", dtype=None, backend: str = "auto
     """
 
     folder = Path(folder)
-    kind, cls, name = _class_of(folder)
-    if cls is None:
-        raise FileFormatError(f"{folder}: class {name} is not in the installed {kind}", f"pip install -U {kind}")
+    kind, cls = _installed_class(folder)
     model = _empty_model(kind, cls, folder)
     expected = dict(model.state_dict(keep_vars=True))
     unexpected = [k for f in resolve_files(folder) for k in read_header(f).tensors if k not in expected]
     if unexpected and kind == "transformers":
         return _renamed(cls, folder, device, dtype)
     if unexpected:
-        raise FileFormatError(f"{folder}: keys the {name} class does not have: {', '.join(unexpected[:5])}",
+        raise FileFormatError(f"{folder}: keys the {cls.__name__} class does not have: {', '.join(unexpected[:5])}",
                               "the weights belong to another model or version")
     sd = load(folder, device=device, backend=backend, unified_memory=unified_memory)
     if dtype is not None:
@@ -188,9 +192,7 @@ def random_component(folder, device: str, dtype, blocks: int | None = None, seed
     import torch
 
     folder = Path(folder)
-    kind, cls, name = _class_of(folder)
-    if cls is None:
-        raise FileFormatError(f"{folder}: class {name} is not in the installed {kind}", f"pip install -U {kind}")
+    kind, cls = _installed_class(folder)
     model = _empty_model(kind, cls, folder)
     names = set(getattr(model, "_repeated_blocks", None) or ())
     if blocks is not None and names:

@@ -270,16 +270,15 @@ class BackgroundCompile:
     def close(self) -> None:
         """Stop the worker: what it has not begun is dropped, the compile it is in finishes (a process that exits
         while the compiler runs in a thread aborts). Called again, it returns at once."""
-        if not self._thread.is_alive():
-            if self.ahead:
-                self.ahead.close()
-            return
-        self._drain()
-        self._jobs.put(None)
+        alive = self._thread.is_alive()
+        if alive:
+            self._drain()
+            self._jobs.put(None)
         if self.ahead:  # the worker may be waiting for it: it then finds nothing to begin
             self.ahead.close()
-        self._go.set()
-        self._thread.join()
+        if alive:
+            self._go.set()
+            self._thread.join()
 
     def _drain(self) -> list:
         """The jobs given and not begun, taken off the queue."""
@@ -310,7 +309,7 @@ class BackgroundCompile:
             torch.cuda.set_device(self._index)
         self._go.wait()
         if self.ahead:  # its graphs are compiled in a separate process first: here they then load from the cache
-            self.ahead.wait(self.ahead.WAIT_S)
+            self.ahead.wait()
         while True:
             job = self._jobs.get()
             if job is None:

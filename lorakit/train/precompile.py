@@ -74,14 +74,9 @@ def lacks_room(est: dict | None, budget: float) -> str | None:
 class Rehearsal:
     """The child process (see the module): started now, handed its inputs by `go`, waited for by the worker."""
 
-    WAIT_S = WAIT_S
-
     def __init__(self, cfg, device: str):
         self.folder = Path(tempfile.mkdtemp(prefix="lorakit-compile-"))
         self.log = self.folder / "compile.log"
-        self.started = time.perf_counter()
-        self.handed: float | None = None  # when `go` gave the inputs
-        self.ended: float | None = None
         self.said = False
         self._result: dict | None = None
         self._lock = threading.Lock()
@@ -112,11 +107,10 @@ class Rehearsal:
 
         path = self.folder / "inputs.pt"
         torch.save(plain(rehearsal_inputs(tr, conds)), path)  # read back with weights_only=True
-        self.handed = time.perf_counter()
         self._send({"inputs": str(path), "attention": tr.cfg.memory.attention})
         self._send(None)
 
-    def wait(self, timeout: float | None = None) -> dict:
+    def wait(self, timeout: float = WAIT_S) -> dict:
         """Block until the child ends (the GIL released meanwhile); one still running after `timeout` seconds is
         ended. Returns {"ok", "seconds", "graphs"} or {"ok": False, "why"}."""
         try:
@@ -131,7 +125,6 @@ class Rehearsal:
     def result(self) -> dict:
         with self._lock:
             if self._result is None and self.proc.poll() is not None:
-                self.ended = time.perf_counter()
                 try:
                     self._result = json.loads((self.folder / "result.json").read_text(encoding="utf-8"))
                 except (OSError, ValueError):

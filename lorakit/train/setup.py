@@ -201,7 +201,6 @@ def setup(resolved: Resolved, resume: str | None, events: Events, force: bool = 
         elif rehearsal:
             rehearsal.close()
         return r
-
     except BaseException:
         if rehearsal:
             rehearsal.close()

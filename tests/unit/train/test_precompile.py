@@ -36,7 +36,6 @@ class _Recorder:
     """Stands in for the process at the run's side: records what `go` hands it (the real `rehearsal_inputs`)."""
 
     made: list = []
-    WAIT_S = 1.0
 
     def __init__(self, cfg, device):
         self.cfg, self.inputs = cfg, None
