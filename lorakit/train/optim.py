@@ -3,7 +3,8 @@
 Full fine-tuning keeps the weights in bf16 (a 20 B model: 41 GB of weights instead of 82). Plain AdamW on bf16
 weights loses every update smaller than half a bf16 step (lr 1e-5 on weights of 0.02 is 400x below it), so
 `AdamWBf16` does the arithmetic in fp32 and rounds the new weight to bf16 stochastically (unbiased: small
-updates land with the right probability). Its moments are bf16 too: 8 bytes per parameter in all.
+updates land with the right probability). Its moments are bf16 too: 8 bytes per parameter in all. Its update is
+one pass over each parameter's memory (`train.adam_kernel`).
 FSDP-sharded parameters are DTensors; the optimizers here work on each rank's local shard.
 """
 
@@ -15,6 +16,7 @@ import math
 import torch
 
 from lorakit.errors import InputError
+from lorakit.train import adam_kernel
 
 
 def local(t):
@@ -22,34 +24,57 @@ def local(t):
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-def round_stochastic(x, generator=None):
-    """fp32 -> bf16, rounding up with probability equal to the distance to the lower bf16 value."""
-    bits = x.contiguous().view(torch.int32)
-    noise = torch.randint(0, 1 << 16, bits.shape, dtype=torch.int32, device=x.device, generator=generator)
-    return ((bits + noise) & -65536).view(torch.float32).to(torch.bfloat16)
+def flat_offset(p) -> int:
+    """Where a parameter's rank-local part starts in the whole parameter, in elements (0 unless sharded)."""
+    if not hasattr(p, "to_local"):
+        return 0
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    _, at = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+    stride, offset = 1, 0
+    for size, first in zip(reversed(p.shape), reversed(at), strict=True):
+        offset, stride = offset + first * stride, stride * size
+    return offset
+
+
+def clip_grad_norm(params, max_norm: float) -> None:
+    """torch's clip_grad_norm_ (the L2 norm of all gradients, scaled to max_norm where larger); FSDP-sharded
+    gradients are clipped on each rank's local shards, their squared norms summed in one all-reduce, instead of
+    through DTensor's dispatch, operation by operation, for every gradient tensor."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if not any(hasattr(g, "to_local") for g in grads):
+        torch.nn.utils.clip_grad_norm_(params, max_norm)
+        return
+    import torch.distributed as td
+
+    shards = [local(g) for g in grads]
+    if not shards:
+        return
+    squared = torch.stack(torch._foreach_norm(shards, 2, dtype=torch.float32)).square().sum()
+    td.all_reduce(squared)
+    scale = (max_norm / (squared.sqrt() + 1e-6)).clamp(max=1.0)
+    torch._foreach_mul_(shards, scale)
 
 
 class AdamWBf16(torch.optim.Optimizer):
-    """Decoupled-weight-decay Adam for bf16 weights: fp32 math, bf16 moments, stochastic rounding."""
+    """Decoupled-weight-decay Adam for bf16 weights: fp32 math, bf16 moments, stochastic rounding — one kernel per
+    parameter on a GPU (`adam_kernel`). The rounding noise is a hash of (seed, step, parameter number, element):
+    a resumed run, on any number of ranks, rounds exactly as the uninterrupted one."""
 
     def __init__(self, params, lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, seed=0):
         super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
         self._seed = seed
-        self._gen: dict = {}
-
-    def _generator(self, device):
-        if device not in self._gen:
-            self._gen[device] = torch.Generator(device=device).manual_seed(self._seed)
-        return self._gen[device]
+        self._offsets: dict = {}
 
     @torch.no_grad()
     def step(self, closure=None):
+        number = 0
         for group in self.param_groups:
             b1, b2 = group["betas"]
             for p in group["params"]:
+                number += 1
                 if p.grad is None:
                     continue
-                w, g = local(p), local(p.grad).float()
                 st = self.state[p]
                 if not st:
                     st["step"] = torch.zeros((), dtype=torch.float32)
@@ -57,18 +82,13 @@ class AdamWBf16(torch.optim.Optimizer):
                     st["exp_avg"] = torch.zeros_like(p, dtype=torch.bfloat16)
                     st["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.bfloat16)
                 st["step"] += 1
-                t = float(st["step"])
-                m = local(st["exp_avg"]).float().mul_(b1).add_(g, alpha=1 - b1)
-                v = local(st["exp_avg_sq"]).float().mul_(b2).addcmul_(g, g, value=1 - b2)
-                local(st["exp_avg"]).copy_(m)
-                local(st["exp_avg_sq"]).copy_(v)
-                denom = (v / (1 - b2 ** t)).sqrt_().add_(group["eps"])
-                new = w.float().mul_(1 - group["lr"] * group["weight_decay"])
-                new.addcdiv_(m, denom, value=-group["lr"] / (1 - b1 ** t))
-                if w.dtype == torch.bfloat16:
-                    w.copy_(round_stochastic(new, self._generator(w.device)))
-                else:
-                    w.copy_(new)
+                t = int(st["step"])
+                if id(p) not in self._offsets:
+                    self._offsets[id(p)] = flat_offset(p)
+                tensors = local(p), local(p.grad), local(st["exp_avg"]), local(st["exp_avg_sq"])
+                update = adam_kernel.update if adam_kernel.usable(*tensors) else adam_kernel.update_reference
+                update(*tensors, lr=group["lr"], b1=b1, b2=b2, eps=group["eps"], weight_decay=group["weight_decay"],
+                       step=t, key=adam_kernel.noise_key(self._seed, t, number), offset=self._offsets[id(p)])
 
 
 def on_default_streams(devices) -> bool:

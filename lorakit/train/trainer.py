@@ -19,7 +19,7 @@ from lorakit.train import checkpoint
 from lorakit.train import flow_matching as fm
 from lorakit.train.ema import EMA
 from lorakit.train.inputs import Ahead
-from lorakit.train.optim import lr_lambda, make_optimizer
+from lorakit.train.optim import clip_grad_norm, lr_lambda, make_optimizer
 from lorakit.train.prepare import prepare
 from lorakit.train.state import TrainState
 from lorakit.train.validation import Best
@@ -144,12 +144,10 @@ class Trainer:
         return pixels(self.adapter, shape)
 
     def _update(self) -> None:
-        import torch
-
         if not self.sharded:
             self.dist.sum_grads(self.params)
         if self.cfg.optim.max_grad_norm:
-            torch.nn.utils.clip_grad_norm_(self.params, self.cfg.optim.max_grad_norm)
+            clip_grad_norm(self.params, self.cfg.optim.max_grad_norm)
         self.opt.step()
 
     @property
