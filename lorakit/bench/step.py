@@ -82,7 +82,8 @@ def bench(family: str, res: int, profile: str | None, steps: int = 10, warmup: i
     masked = family_masked(family)
     if attention is None and cuda:
         attention = "flash+efficient" if masked else "flash"
-    flops = model_flops(family, size, res, frames) if cuda else None
+    full = any(s.replace(" ", "") == "method=full" for s in sets or ())  # weight gradients: 3x the forward
+    flops = model_flops(family, size, res, frames, full=full) if cuda else None
     base = dict(family=family, size=size, res=res, frames=frames, device=device, seed=0, rank=16, steps=steps,
                 warmup=warmup, dtype="bf16" if cuda else "fp32", profile=profile or ("datacenter" if cuda else "cpu"),
                 sets=list(sets or []), memory_cap=memory_cap, model_flops=flops, attention=attention,

@@ -269,16 +269,18 @@ def checkpoint_check(tr, cuda: bool, steps: int = 2) -> dict:
             "losses_after_save": [round(x, 5) for x in after], "losses_after_resume": [round(x, 5) for x in again]}
 
 
-def model_flops(family: str, size: str, res: int, frames: int = 1) -> float:
-    """FLOPs of one LoRA step counted as forward + input-gradient backward of the frozen base (2x the forward),
-    with the forward counted by torch's FlopCounterMode on the meta device (matmuls and attention)."""
+def model_flops(family: str, size: str, res: int, frames: int = 1, full: bool = False) -> float:
+    """FLOPs of one step: a LoRA step counted as forward + input-gradient backward of the frozen base (2x the
+    forward), a full fine-tune's (`full`) with the weights' gradients too (3x the forward: the usual 6 x parameters
+    x tokens), the forward counted by torch's FlopCounterMode on the meta device (matmuls and attention)."""
     import torch
     from torch.utils.flop_counter import FlopCounterMode
 
     adapter = _adapter(family)
     if not adapter.meta_forward:
         batch = synthetic_batch(family, size, res, frames=frames)
-        return 2.0 * adapter.forward_flops(architecture(family, size)[1], batch)
+        return (3.0 if full else 2.0) * adapter.forward_flops(architecture(family, size)[1], batch)
+    architecture(family, size)  # a tiny pipeline is built (once) on the CPU, not on the meta device
     with torch.device("meta"):
         model = build_meta(family, size)
         batch = synthetic_batch(family, size, res, frames=frames)
@@ -288,7 +290,7 @@ def model_flops(family: str, size: str, res: int, frames: int = 1) -> float:
         xt, _ = fm.noisy(x0, torch.randn_like(x0), torch.tensor([0.5], device="meta"))
         adapter.predict(model, xt, torch.tensor([0.5], device="meta"),
                         {k: v.to("meta") for k, v in b.text.items()}, controls=[c.to("meta") for c in b.controls])
-    return 2.0 * fc.get_total_flops()
+    return (3.0 if full else 2.0) * fc.get_total_flops()
 
 
 def build_meta(family: str, size: str):

@@ -48,6 +48,11 @@ def test_a_video_step_plans_the_clip_it_runs():
     assert model_flops("wan2.1-t2v", "tiny", 64, frames=5) > model_flops("wan2.1-t2v", "tiny", 64)
 
 
+def test_a_full_fine_tune_counts_the_weights_gradients():
+    """A full fine-tune's step computes the weights' gradients as well: 3x the forward where LoRA's is 2x."""
+    assert model_flops("wan2.1-t2v", "tiny", 64, full=True) == pytest.approx(1.5 * model_flops("wan2.1-t2v", "tiny", 64))
+
+
 def test_full_mask_is_dropped_only_when_it_masks_nothing():
     b = synthetic_batch("qwen-image", "tiny", 64)
     assert "prompt_embeds_mask" not in drop_full_mask(b).text
