@@ -167,6 +167,18 @@ class MemoryConfig(_Section):
         if isinstance(v, int) and v < 0:
             raise ValueError(f"must be all, auto or a block count >= 0, got {v}")
         return v
+    gathered_blocks: int | Literal["auto"] = Field(
+        "auto", description="a full fine-tune on several GPUs (FSDP): how many repeated blocks, the last in "
+                            "execution order, keep their gathered weights from forward to backward instead of "
+                            "gathering them again (one all-gather less per block and step, a block's full weights "
+                            "held) — auto: as many as the memory estimate fits in 85% of the GPU")
+
+    @field_validator("gathered_blocks")
+    @classmethod
+    def _gathered_not_negative(cls, v):
+        if isinstance(v, int) and v < 0:
+            raise ValueError(f"must be auto or a block count >= 0, got {v}")
+        return v
     blocks_to_swap: int = Field(0, ge=0, description="transformer blocks kept on the CPU and swapped in")
     cpu_offload: bool = Field(False, description="keep idle components on the CPU (the VAE between sample grids; "
                                                  "text encoders are freed after caching in any case)")

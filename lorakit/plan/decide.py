@@ -13,13 +13,13 @@ from lorakit.models.base import family_adapter
 from lorakit.plan.memory import PLAN_MARGIN_GIB
 
 
-def compile_decision(cfg, device: str, sharded: bool, swapper, has_blocks: bool) -> tuple[bool, str | None]:
+def compile_decision(cfg, device: str, swapper, has_blocks: bool) -> tuple[bool, str | None]:
     """Whether the repeated blocks compile, and, where memory.compile asks for it and they cannot, why (the run's
-    warning). The CPU never compiles and says nothing."""
+    warning). The CPU never compiles and says nothing. Under FSDP the blocks compile too (each block's forward;
+    FSDP's gathers run around it: `train.prepare.compile_sharded`)."""
     if not cfg.memory.compile or not device.startswith("cuda"):
         return False, None
     why = ("with block swapping (memory.blocks_to_swap: the swapped blocks change device every step)" if swapper
-           else "under FSDP (method: full on several GPUs)" if sharded
            else "this transformer has no repeated blocks to compile" if not has_blocks else None)
     return why is None, why and f"memory.compile: the blocks are not compiled {why}"
 
@@ -49,7 +49,8 @@ def compute_decision(cfg, device: str) -> tuple[str, str | None]:
     return ("bf16", f"memory.compute auto: bf16 products, {why}") if why else ("fp8", None)
 
 
-def graphs_decision(cfg, device: str, compiled: bool, recomputed: int) -> tuple[bool, str | None]:
+def graphs_decision(cfg, device: str, compiled: bool, recomputed: int, sharded: bool = False
+                    ) -> tuple[bool, str | None]:
     """Whether the compiled blocks replay as CUDA graphs (torch.compile's reduce-overhead mode: one launch per
     block instead of one per kernel, which is what a host-bound step needs: fp8 compute's forward), and, where
     memory.cuda_graphs asks for it and they cannot, why. Not while blocks recompute for gradient checkpointing
@@ -61,6 +62,9 @@ def graphs_decision(cfg, device: str, compiled: bool, recomputed: int) -> tuple[
     if not compiled:  # nothing to capture: compile_decision said why (the CPU never compiles: no news)
         return False, (None if cfg.memory.compile or not device.startswith("cuda") else
                        "memory.cuda_graphs replays the compiled blocks: it needs memory.compile: true")
+    if sharded:  # a graph replays its inputs' addresses; FSDP gathers each block's weights into new memory
+        return False, "memory.cuda_graphs: the compiled blocks run without CUDA graphs under FSDP (method: full on " \
+                      "several GPUs: each block's weights are gathered anew every pass)"
     if recomputed:
         return False, (f"memory.cuda_graphs: the compiled blocks run without CUDA graphs while {recomputed} "
                        f"of them recompute for gradient checkpointing")
@@ -70,8 +74,8 @@ def graphs_decision(cfg, device: str, compiled: bool, recomputed: int) -> tuple[
     return True, None
 
 
-def background_decision(cfg, compiled: bool, graphs: bool, est: dict | None, budget_gib: float | None
-                        ) -> tuple[bool, str | None]:
+def background_decision(cfg, compiled: bool, graphs: bool, est: dict | None, budget_gib: float | None,
+                        sharded: bool = False) -> tuple[bool, str | None]:
     """memory.compile_background as the run follows it (true or false), and, where it asked for true and cannot,
     why. Until the worker is done the blocks run uncompiled, which holds more activations than compiled blocks
     (FLUX.1 1024² on an H100: 47.3 GiB against 42.0), and the worker runs one block forward and backward beside the
@@ -81,7 +85,8 @@ def background_decision(cfg, compiled: bool, graphs: bool, est: dict | None, bud
     if asked is False or not compiled:
         return False, None
     why = ("with CUDA graphs (memory.cuda_graphs)" if graphs
-           else "with LoRA dropout (the worker would draw from the run's random numbers)"
+           else "under FSDP (a worker's block calls would gather weights out of step with the other ranks)"
+           if sharded else "with LoRA dropout (the worker would draw from the run's random numbers)"
            if cfg.method == "lora" and cfg.lora.dropout else None)
     if why is None and asked == "auto":
         why = lacks_room(cfg, est, budget_gib, uncompiled=True)

@@ -124,11 +124,11 @@ def plan_run(r: Resolved, cap_gib: float | None = None, defer_attention: bool = 
     cfg, est, r.memory_note = fit_to_gpu(cfg, cap_gib, world=r.world)  # refuses a run that cannot fit
     m = cfg.memory
     sharded = cfg.method == "full" and r.world > 1
-    compiled, why = compile_decision(cfg, device, sharded, m.blocks_to_swap or None,
+    compiled, why = compile_decision(cfg, device, m.blocks_to_swap or None,
                                      device.startswith("cuda") and m.compile and has_repeated_blocks(cfg.model.family))
     recomputed = blocks if m.blocks_to_swap else checkpointed(cfg, blocks)
-    graphs, graphs_why = graphs_decision(cfg, device, compiled, recomputed)
-    background, bg_why = background_decision(cfg, compiled, graphs, est, est and est.get("budget_gib"))
+    graphs, graphs_why = graphs_decision(cfg, device, compiled, recomputed, sharded)
+    background, bg_why = background_decision(cfg, compiled, graphs, est, est and est.get("budget_gib"), sharded)
     compute, compute_why = compute_decision(cfg, device)
     notes += [n for n in (why, graphs_why, bg_why, compute_why) if n]
     room = lacks_room(cfg, est, est and est.get("budget_gib")) is None

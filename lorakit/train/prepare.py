@@ -100,7 +100,8 @@ def prepare(cfg, adapter, transformer, device: str, dtype, dist) -> Prepared:
         n = cfg.memory.checkpoint_blocks
         recomputed = checkpoint_blocks(transformer, None if swapper or isinstance(n, str) else n)  # unplanned: all
     if sharded:  # FSDP: each block's weights, grads and optimizer states split over the ranks
-        fully_shard(transformer, device)
+        kept = cfg.memory.gathered_blocks
+        fully_shard(transformer, device, 0 if kept == "auto" else kept)
     compiled, graphs = cfg.memory.compile, cfg.memory.compile and cfg.memory.cuda_graphs  # resolved (lorakit.plan)
     if graphs and recomputed:
         raise ValueError(f"memory.cuda_graphs with {recomputed} blocks recomputing: the config was not resolved")
@@ -116,7 +117,9 @@ def prepare(cfg, adapter, transformer, device: str, dtype, dist) -> Prepared:
         allow_block_graphs()
         options = {"dynamic": compile_dynamic(cfg.memory.compile_shapes)} | (
             {"mode": "reduce-overhead"} if graphs else {})
-        if cfg.memory.compile_background is True and thread_own_fx_patches():  # compiled by a worker while the
+        if sharded:
+            compile_sharded(transformer, options)
+        elif cfg.memory.compile_background is True and thread_own_fx_patches():  # compiled by a worker while the
             background = BackgroundCompile(repeated_blocks(transformer), options, device)  # first steps run eager
         else:
             transformer.compile_repeated_blocks(**options)
@@ -162,18 +165,34 @@ def _new_graph_generation(_module, _args) -> None:
     torch.compiler.cudagraph_mark_step_begin()
 
 
-def fully_shard(transformer, device: str) -> None:
-    """FSDP2 over the transformer: every repeated block its own unit, then the rest."""
+def fully_shard(transformer, device: str, keep: int = 0) -> None:
+    """FSDP2 over the transformer: every repeated block its own unit, then the rest. The last `keep` blocks in
+    execution order keep their gathered weights from forward to backward (memory.gathered_blocks, as planned)."""
     import torch.distributed as td
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard as shard
 
     mesh = init_device_mesh("cuda" if device.startswith("cuda") else "cpu", (td.get_world_size(),))
     names = set(getattr(transformer, "_repeated_blocks", None) or ())
-    for m in list(transformer.modules()):
-        if type(m).__name__ in names:
-            shard(m, mesh=mesh)
+    blocks = [m for m in transformer.modules() if type(m).__name__ in names]
+    kept = {id(b) for b in blocks[len(blocks) - min(keep, len(blocks)):]} if keep > 0 else set()
+    for m in blocks:  # a kept block's weights stay gathered until its backward (no second all-gather)
+        shard(m, mesh=mesh, reshard_after_forward=id(m) not in kept)
     shard(transformer, mesh=mesh)
+
+
+def compile_sharded(transformer, options: dict) -> int:
+    """Compile each repeated block's forward under FSDP2 (returns how many). FSDP's hooks gather a block's weights
+    before its forward and free them after; compiling the forward alone keeps them outside the compiled code, which
+    torch never traces (diffusers' `compile_repeated_blocks` compiles the whole call, hooks included, and looks
+    the blocks up by a class name FSDP has changed). Blocks of one class share their graphs, as in a regional
+    compile."""
+    import torch
+
+    blocks = repeated_blocks(transformer)
+    for block in blocks:
+        block.forward = torch.compile(block.forward, **options)
+    return len(blocks)
 
 
 def checkpoint_blocks(transformer, n: int | None) -> int:

@@ -17,9 +17,11 @@ from lorakit.io.stream import block_entries, host_arena, place_rest, point
 
 
 def repeated_blocks(transformer) -> list:
-    """The transformer's repeated blocks in execution order (diffusers' `_repeated_blocks` classes)."""
+    """The transformer's repeated blocks in execution order (diffusers' `_repeated_blocks` classes; under FSDP2 a
+    block's class is FSDP's subclass of it, named FSDP<class>)."""
     names = set(getattr(transformer, "_repeated_blocks", None) or ())
-    return [m for m in transformer.modules() if type(m).__name__ in names]
+    return [m for m in transformer.modules() if type(m).__name__ in names or type(m).__name__[:4] == "FSDP"
+            and type(m).__name__[4:] in names]
 
 
 def swapped_names(transformer, n: int) -> tuple[str, ...]:

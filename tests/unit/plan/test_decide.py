@@ -7,19 +7,18 @@ from lorakit.errors import NotAvailableError
 
 
 def test_a_compile_the_run_cannot_do_is_said_not_dropped():
-    """The rtx4090/rtx5090 profiles compile by default; with block swapping (or FSDP) the blocks are not compiled,
-    and the run says so."""
+    """The rtx4090/rtx5090 profiles compile by default; with block swapping the blocks are not compiled, and the run
+    says so (under FSDP they compile: tests/unit/train/test_prepare.py)."""
     from lorakit.config import assemble
     from lorakit.plan.decide import compile_decision
 
     cfg, _ = assemble(None, ["model.family=flux", "memory.blocks_to_swap=4"], profile="rtx4090")
     assert cfg.memory.compile is True
-    assert "block swapping" in compile_decision(cfg, "cuda", False, object(), True)[1]
-    assert "FSDP" in compile_decision(cfg, "cuda:1", True, None, True)[1]
-    assert compile_decision(cfg, "cuda", False, None, True) == (True, None)
-    assert compile_decision(cfg, "cpu", False, object(), True) == (False, None)  # the CPU never compiles: no news
+    assert "block swapping" in compile_decision(cfg, "cuda", object(), True)[1]
+    assert compile_decision(cfg, "cuda", None, True) == (True, None)
+    assert compile_decision(cfg, "cpu", object(), True) == (False, None)  # the CPU never compiles: no news
     cfg, _ = assemble(None, ["model.family=flux", "memory.compile=false"], profile="rtx4090")
-    assert compile_decision(cfg, "cuda", False, object(), True) == (False, None)
+    assert compile_decision(cfg, "cuda", object(), True) == (False, None)
 
 
 def test_cuda_graphs_need_compiled_blocks_that_do_not_recompute():
@@ -32,6 +31,8 @@ def test_cuda_graphs_need_compiled_blocks_that_do_not_recompute():
     assert graphs_decision(cfg, "cuda", True, 0) == (True, None)
     off, why = graphs_decision(cfg, "cuda", True, 12)
     assert not off and "12 of them recompute" in why
+    off, why = graphs_decision(cfg, "cuda:0", True, 0, sharded=True)
+    assert not off and "under FSDP" in why
     assert graphs_decision(cfg, "cpu", False, 0) == (False, None)
     assert graphs_decision(cfg, "cuda", False, 0) == (False, None)  # compile asked for; compile_decision says why
     cfg, _ = assemble(None, ["model.family=flux", "memory.cuda_graphs=true", "memory.compile=false"],
@@ -94,6 +95,9 @@ def test_the_background_compile_is_on_only_where_the_card_has_room_to_spare():
     assert background_decision(cfg("lora.dropout=0.1"), True, False, room, 80.0) == (False, None)
     on, why = background_decision(cfg("memory.compile_background=true"), True, True, room, 80.0)
     assert not on and "CUDA graphs" in why
+    assert background_decision(cfg(), True, False, room, 80.0, sharded=True) == (False, None)
+    on, why = background_decision(cfg("memory.compile_background=true"), True, False, room, 80.0, sharded=True)
+    assert not on and "under FSDP" in why
     assert background_decision(cfg("memory.compile_background=false"), True, False, room, 80.0) == (False, None)
 
 

@@ -122,6 +122,36 @@ def test_auto_checkpoints_only_the_blocks_that_must_recompute(tmp_path):
     assert fit_to_gpu(swap, cap_gib=24.0)[0].memory.checkpoint_blocks == "auto"
 
 
+def test_fsdp_keeps_as_many_blocks_gathered_as_the_card_has_room_for(tmp_path):
+    """A full fine-tune on 2 GPUs: each kept block's full weights are counted, and auto keeps the most that fit in
+    85% of the card (FLUX.1-dev on a 100 GiB card: some; on a 141 GB card: all 57, as measured on 2x H200; on an
+    80 GB card: none); one GPU, LoRA or a count given are left as they are; a negative count is refused."""
+    from lorakit.errors import ConfigError
+    from lorakit.plan.memory import GATHER_HEADROOM, fit_to_gpu
+
+    flux = fake_model(tmp_path, FLUX, int(11.9e9 * 2))
+    full = cfg_for(flux, "flux", "datacenter", 1024).model_copy(update={"method": "full"})
+    assert full.memory.gathered_blocks == "auto"
+    out, est, note = fit_to_gpu(full, cap_gib=100.0, world=2)
+    n = out.memory.gathered_blocks
+    assert 0 < n < 57 and f"the last {n} of 57 blocks keep their gathered weights" in note
+    assert est["gib"] <= 100.0 * (1 - GATHER_HEADROOM)
+    more = out.model_copy(update={"memory": out.memory.model_copy(update={"gathered_blocks": n + 1})})
+    assert estimate(more, 2)["gib"] > 100.0 * (1 - GATHER_HEADROOM)  # the most that fit
+    none = out.model_copy(update={"memory": out.memory.model_copy(update={"gathered_blocks": 0})})
+    assert estimate(out, 2)["gib"] - estimate(none, 2)["gib"] == pytest.approx(n * 11.9e9 * 2 / 57 / 2**30, abs=0.1)
+    assert fit_to_gpu(full, cap_gib=140.0, world=2)[0].memory.gathered_blocks == 57
+    out, _, note = fit_to_gpu(full, cap_gib=79.0, world=2)
+    assert out.memory.gathered_blocks == 0 and note is None
+    assert fit_to_gpu(full, cap_gib=140.0, world=1)[0].memory.gathered_blocks == "auto"  # no FSDP
+    lora = cfg_for(flux, "flux", "datacenter", 1024)
+    assert fit_to_gpu(lora, cap_gib=140.0, world=2)[0].memory.gathered_blocks == "auto"
+    given = full.model_copy(update={"memory": full.memory.model_copy(update={"gathered_blocks": 3})})
+    assert fit_to_gpu(given, cap_gib=140.0, world=2)[0].memory.gathered_blocks == 3
+    with pytest.raises(ConfigError, match="gathered_blocks"):
+        cfg_for(flux, "flux", "datacenter", 1024, gathered_blocks=-1)
+
+
 def test_checkpoint_blocks_is_all_auto_or_a_count(tmp_path):
     from lorakit.errors import ConfigError
 

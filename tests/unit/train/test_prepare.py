@@ -51,3 +51,50 @@ def test_the_preparation_says_what_each_part_took(tiny):
     p = prepare(cfg, adapter, load_component(folder / "transformer"), "cpu", torch.float32, Dist())
     assert list(p.took) == ["8-bit base", "the rest placed", "LoRA", "checkpointing, trained weights"]
     assert all(isinstance(v, float) and v >= 0 for v in p.took.values()) and p.quantized > 0
+
+
+def _sharded_steps(rank, world, store, folder, out):
+    """One rank: the tiny FLUX transformer under FSDP2 (gloo), its blocks uncompiled, then compiled; rank 0 saves
+    the losses, a gathered gradient and how many graphs torch made."""
+    import torch.distributed as td
+
+    from lorakit.train.prepare import compile_sharded, fully_shard
+
+    td.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    try:
+        adapter = load_adapter("flux", folder, dtype=torch.float32)
+        batch = adapter.example_inputs(dict(load_component(folder / "transformer").config), 64, 8,
+                                       torch.Generator().manual_seed(0))
+        got = {}
+        for compiled in (False, True):
+            tr = load_component(folder / "transformer", "cpu", torch.float32).train().requires_grad_(True)
+            fully_shard(tr, "cpu", keep=1 if compiled else 0)  # compiled: the last block also stays gathered
+            blocks = compile_sharded(tr, {"backend": "aot_eager"}) if compiled else 0
+            kept = [b._get_fsdp_state()._fsdp_param_group.post_forward_mesh_info is None for b in repeated_blocks(tr)]
+            torch._dynamo.utils.counters.clear()
+            for _ in range(2):  # the second pass: each block's graph found again
+                v = adapter.predict(tr, batch.latents.clone(), torch.tensor([0.6]), batch.text)
+                v.square().mean().backward()
+            got[compiled] = {"loss": v.square().mean().detach(), "blocks": blocks,
+                             "grad": tr.single_transformer_blocks[1].proj_out.weight.grad.full_tensor(),
+                             "graphs": torch._dynamo.utils.counters["stats"]["unique_graphs"], "kept": kept}
+        if rank == 0:
+            torch.save(got, out)
+    finally:
+        td.destroy_process_group()
+
+
+def test_under_fsdp_each_block_compiles_once_per_kind_and_trains_as_uncompiled(tiny, tmp_path):
+    """FSDP2 renames a block's class (FSDP<class>); the blocks are still found, compiled around FSDP's hooks, and
+    a block kind's graph serves all its blocks (tiny FLUX: one double block, two single ones -> two graphs); the
+    last block kept gathered from forward to backward trains the same."""
+    import torch.multiprocessing as mp
+
+    out = tmp_path / "got.pt"
+    mp.spawn(_sharded_steps, args=(2, tmp_path / "store", tiny("flux"), out), nprocs=2)
+    got = torch.load(out, weights_only=True)
+    assert got[True]["blocks"] == 3
+    assert got[True]["kept"] == [False, False, True] and got[False]["kept"] == [False] * 3  # memory.gathered_blocks
+    assert got[True]["graphs"] == 2 and got[False]["graphs"] == 0
+    torch.testing.assert_close(got[True]["loss"], got[False]["loss"], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got[True]["grad"], got[False]["grad"], rtol=1e-4, atol=1e-6)
