@@ -167,6 +167,63 @@ def _elastic_store(rank: int, world: int) -> dict:
     return {"store": td.PrefixStore(f"lorakit/attempt_{attempt}", store), "rank": rank, "world_size": world}
 
 
+RESULT_ENV = "LORAKIT_LAUNCH_RESULT"  # where rank 0 of a run started by `lorakit train --gpus N` leaves its result
+
+
+def launched_result() -> str | None:
+    """The file a worker started by `lorakit train --gpus N` leaves its run's result in (None: not started so)."""
+    return os.environ.get(RESULT_ENV) or None
+
+
+def run_launched(cmd: list[str]) -> int:
+    """Run the launcher (`launch_command`) and wait for it; the exit code one process would have given.
+
+    The launcher runs in a session of its own, and SIGINT, SIGTERM and SIGHUP sent to this process go to its
+    workers (the ranks) directly: every rank stops after the same step (`train.checkpoint.StopFlag.share`), the
+    run saves its checkpoint, and the workers end with 0, so torch's elastic agent ends cleanly rather than
+    stopping the ranks itself (SIGTERM, then SIGKILL 30 s later: a large checkpoint still being written would be
+    cut). Rank 0 leaves the result in a file (`launched_result`): an interrupted run ends this command with 75, as
+    one process does; a signal before any checkpoint, with 130. Without this a SIGTERM to `lorakit train --gpus 2`
+    ended this process alone while the ranks trained on to the end (2 gloo ranks on a CPU, 2026-11-27)."""
+    import json
+    import signal
+    import subprocess
+    import tempfile
+    from pathlib import Path
+
+    import psutil
+
+    from lorakit.errors import EXIT_INTERRUPTED_RESUMABLE
+
+    with tempfile.TemporaryDirectory(prefix="lorakit-launch-") as tmp:
+        result = Path(tmp) / "result.json"
+        proc = subprocess.Popen(cmd, env={**os.environ, RESULT_ENV: str(result)}, start_new_session=True)
+        asked = []
+
+        def forward(signum, _frame):
+            asked.append(signum)
+            try:
+                ranks = [c.pid for c in psutil.Process(proc.pid).children()]
+            except psutil.NoSuchProcess:
+                return
+            for pid in ranks or [proc.pid]:  # no rank started yet: the agent stops before starting them
+                try:
+                    os.kill(pid, signum)
+                except ProcessLookupError:
+                    pass
+
+        old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+        try:
+            rc = proc.wait()
+        finally:
+            for s, h in old.items():
+                signal.signal(s, h)
+        done = json.loads(result.read_text()) if result.is_file() else None
+    if rc == 0 and done and done.get("interrupted"):
+        return EXIT_INTERRUPTED_RESUMABLE
+    return 130 if rc and asked and done is None else rc
+
+
 def launch_command(gpus: int, args: list[str]) -> list[str]:
     """The command `lorakit train --gpus N` runs: N local processes through torch's elastic launcher (what
     `accelerate launch --multi_gpu` uses on one machine), each running `lorakit train` with `args`."""

@@ -147,8 +147,19 @@ def _train_experts(phases, profile, dry_run: bool, launching: bool, gpus: int, c
 
 
 def _exit_code(result: dict) -> int:
+    """75 for an interrupted (resumable) run, else 0. A rank started by `lorakit train --gpus N` ends with 0 either
+    way (torch's elastic agent stops the other ranks when one fails), rank 0 leaving the result for the launching
+    command, which gives the 75 (`dist.run_launched`)."""
+    import json
+
+    from lorakit.dist import launched_result
     from lorakit.errors import EXIT_INTERRUPTED_RESUMABLE
 
+    where = launched_result()
+    if where:
+        if int(os.environ.get("RANK", "0") or 0) == 0:
+            Path(where).write_text(json.dumps({"interrupted": bool(result["interrupted"])}))
+        return 0
     return EXIT_INTERRUPTED_RESUMABLE if result["interrupted"] else 0
 
 
@@ -204,9 +215,7 @@ def _check_start(cfg, resume: str | None, force: bool) -> None:
 
 def _launch(gpus: int, config: Path, sets, profile, resume, as_json: bool, log_format: str, force: bool) -> int:
     """Run this command again in `gpus` processes (torch's elastic launcher) and wait for them."""
-    import subprocess
-
-    from lorakit.dist import launch_command
+    from lorakit.dist import launch_command, run_launched
 
     args = [str(config)]
     for s in sets or []:
@@ -223,7 +232,7 @@ def _launch(gpus: int, config: Path, sets, profile, resume, as_json: bool, log_f
         args += ["--log-format", log_format]
     if not as_json:
         console.print(f"launching {gpus} processes: {' '.join(launch_command(gpus, args)[2:])}")
-    return subprocess.call(launch_command(gpus, args))
+    return run_launched(launch_command(gpus, args))
 
 
 def _render(r: dict) -> None:
