@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from PIL import Image
 
 TOOLS = Path(__file__).resolve().parents[2] / "tools"
 sys.path.insert(0, str(TOOLS))
@@ -76,6 +77,27 @@ def test_race_runs_lorakit_as_a_user_does_and_reports_the_whole_job(tmp_path):
     (rec,) = json.loads((work / "race.json").read_text())
     assert rec["rc"] == 0 and rec["steps"] == 4 and 0 < rec["first_step_s"] <= rec["lora_s"]  # 0.1 s apart <= rec["whole_s"]
     assert rec["median_s"] > 0 and "| lorakit run 1 | cpu |" in r.stdout
+
+
+@pytest.mark.slow
+def test_full_path_on_two_processes_stops_resumes_converts_and_samples(tmp_path):
+    """tools/full_path.py on 2 gloo ranks: `lorakit train --gpus 2` sent SIGTERM ends with 75 and leaves no rank
+    behind (it used to end alone while its ranks trained on), `--resume latest` records every step once, the newest
+    checkpoint converts, and diffusers' own class loads both folders into the stock pipeline, which samples."""
+    for args in (["synth", "--family", "flux", "--models", str(tmp_path / "m"), "--tiny"],
+                 ["data", "--out", str(tmp_path / "d"), "--count", "6", "--res", "64"]):
+        assert subprocess.run([sys.executable, str(TOOLS / "race.py"), *args], capture_output=True,
+                              timeout=600).returncode == 0
+    r = subprocess.run([sys.executable, str(TOOLS / "full_path.py"), "run", "--family", "flux", "--models",
+                        str(tmp_path / "m"), "--data", str(tmp_path / "d"), "--work", str(tmp_path / "w"), "--gpus",
+                        "2", "--steps", "12", "--save-every", "4", "--stop-after", "5", "--tiny"],
+                       capture_output=True, text=True, timeout=900)
+    rep = json.loads((tmp_path / "w" / "full_path.json").read_text())
+    assert r.returncode == 0, json.dumps(rep)[-3000:]
+    assert rep["train"]["rc"] == 75 and 5 <= rep["train"]["steps_done"] < 12 and rep["train"]["ranks_left"] == 0
+    assert rep["resume"]["rc"] == 0 and rep["every_step_once"]
+    assert rep["convert"]["rc"] == 0 and rep["sample"]["rc"] == 0
+    assert Image.open(tmp_path / "w" / "sample.png").size == (64, 64)
 
 
 def _fake_aitk(root: Path, steps: int = 3) -> Path:
