@@ -160,24 +160,18 @@ class MemoryConfig(_Section):
                             "which the memory estimate fits the GPU less 1.5 GiB (it may also turn checkpointing "
                             "off; block swapping and multi-GPU runs recompute all), all, or the first N in "
                             "execution order")
-
-    @field_validator("checkpoint_blocks")
-    @classmethod
-    def _blocks_not_negative(cls, v):
-        if isinstance(v, int) and v < 0:
-            raise ValueError(f"must be all, auto or a block count >= 0, got {v}")
-        return v
     gathered_blocks: int | Literal["auto"] = Field(
         "auto", description="a full fine-tune on several GPUs (FSDP): how many repeated blocks, the last in "
                             "execution order, keep their gathered weights from forward to backward instead of "
                             "gathering them again (one all-gather less per block and step, a block's full weights "
                             "held) — auto: as many as the memory estimate fits in 85% of the GPU")
 
-    @field_validator("gathered_blocks")
+    @field_validator("checkpoint_blocks", "gathered_blocks")
     @classmethod
-    def _gathered_not_negative(cls, v):
+    def _block_count_not_negative(cls, v, info):
         if isinstance(v, int) and v < 0:
-            raise ValueError(f"must be auto or a block count >= 0, got {v}")
+            words = "all, auto" if info.field_name == "checkpoint_blocks" else "auto"
+            raise ValueError(f"must be {words} or a block count >= 0, got {v}")
         return v
     blocks_to_swap: int = Field(0, ge=0, description="transformer blocks kept on the CPU and swapped in")
     cpu_offload: bool = Field(False, description="keep idle components on the CPU (the VAE between sample grids; "

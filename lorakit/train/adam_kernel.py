@@ -19,12 +19,12 @@ MASK32 = 0xFFFFFFFF
 MUL1, MUL2 = 0x21F0AAAD, 0x735A2D97
 
 
-def mix32(x: int) -> int:
-    """The hash of a Python int (32-bit)."""
-    x &= MASK32
-    x ^= x >> 16
+def mix32(x):
+    """The 32-bit hash of a Python int, or of each element of an int64 tensor."""
+    x = x & MASK32
+    x = x ^ (x >> 16)
     x = (x * MUL1) & MASK32
-    x ^= x >> 15
+    x = x ^ (x >> 15)
     x = (x * MUL2) & MASK32
     return x ^ (x >> 15)
 
@@ -36,14 +36,7 @@ def noise_key(seed: int, step: int, number: int) -> int:
 
 def noise_reference(index, key: int):
     """16 random bits per element index (int64 tensor), in PyTorch: what the kernel draws."""
-    def mix(x):
-        x = x ^ (x >> 16)
-        x = (x * MUL1) & MASK32
-        x = x ^ (x >> 15)
-        x = (x * MUL2) & MASK32
-        return x ^ (x >> 15)
-
-    return mix(mix(index & MASK32) ^ key) & 0xFFFF
+    return mix32(mix32(index) ^ key) & 0xFFFF
 
 
 def round_with(x, noise):

@@ -42,14 +42,12 @@ def clip_grad_norm(params, max_norm: float) -> None:
     gradients are clipped on each rank's local shards, their squared norms summed in one all-reduce, instead of
     through DTensor's dispatch, operation by operation, for every gradient tensor."""
     grads = [p.grad for p in params if p.grad is not None]
-    if not any(hasattr(g, "to_local") for g in grads):
+    if not grads or not all(hasattr(g, "to_local") for g in grads):  # (a replicated one would count once per rank)
         torch.nn.utils.clip_grad_norm_(params, max_norm)
         return
     import torch.distributed as td
 
     shards = [local(g) for g in grads]
-    if not shards:
-        return
     squared = torch.stack(torch._foreach_norm(shards, 2, dtype=torch.float32)).square().sum()
     td.all_reduce(squared)
     scale = (max_norm / (squared.sqrt() + 1e-6)).clamp(max=1.0)
