@@ -19,6 +19,8 @@ import os
 import re
 from dataclasses import dataclass
 
+from lorakit.errors import EXIT_INTERRUPTED_RESUMABLE
+
 
 @dataclass
 class Dist:
@@ -192,8 +194,6 @@ def run_launched(cmd: list[str]) -> int:
     from pathlib import Path
 
     import psutil
-
-    from lorakit.errors import EXIT_INTERRUPTED_RESUMABLE
 
     with tempfile.TemporaryDirectory(prefix="lorakit-launch-") as tmp:
         result = Path(tmp) / "result.json"
