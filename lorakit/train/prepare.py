@@ -173,11 +173,10 @@ def fully_shard(transformer, device: str, keep: int = 0) -> None:
     from torch.distributed.fsdp import fully_shard as shard
 
     mesh = init_device_mesh("cuda" if device.startswith("cuda") else "cpu", (td.get_world_size(),))
-    names = set(getattr(transformer, "_repeated_blocks", None) or ())
-    blocks = [m for m in transformer.modules() if type(m).__name__ in names]
-    kept = {id(b) for b in blocks[len(blocks) - min(keep, len(blocks)):]} if keep > 0 else set()
-    for m in blocks:  # a kept block's weights stay gathered until its backward (no second all-gather)
-        shard(m, mesh=mesh, reshard_after_forward=id(m) not in kept)
+    blocks = repeated_blocks(transformer)
+    first_kept = len(blocks) - max(keep, 0)
+    for i, m in enumerate(blocks):  # a kept block's weights stay gathered until its backward (no second all-gather)
+        shard(m, mesh=mesh, reshard_after_forward=i < first_kept)
     shard(transformer, mesh=mesh)
 
 

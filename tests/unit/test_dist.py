@@ -305,4 +305,3 @@ def test_gathered_full_checkpoints_still_resume_and_sharded_ones_export(tmp_path
     bad = subprocess.run([sys.executable, "-m", "lorakit", "convert", "checkpoint", str(ck), str(tmp_path / "x")],
                          capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and "not a sharded checkpoint" in bad.stderr
-
