@@ -147,11 +147,29 @@ def checkpoint(family: str = typer.Option(family_names()[0], "--family", help="m
                                            "(emptied after each measurement)"),
                moments: float = typer.Option(2.0, "--moments", help="AdamW moments to include (fewer to fit the "
                                              "card: FLUX with 2 needs ~72 GB)"),
+               parts: str = typer.Option("sharded,async,gathered,disk", "--parts", help="which to time, "
+                                         "comma-separated: sharded, async, gathered, disk"),
+               tiny: bool = typer.Option(False, "--tiny", help="the tiny test architecture (runs on a CPU)"),
+               device: str | None = typer.Option(None, "--device", help="cuda:N or cpu (default: cuda:0 if "
+                                                 "present)"),
                as_json: bool = JsonOpt) -> None:
     use_json(as_json)
-    from lorakit.bench.checkpoint import bench_checkpoint
+    import torch
 
-    result = bench_checkpoint(family, folder, moments)
+    from lorakit.quiet import quiet_libraries
+
+    quiet_libraries()
+    from lorakit.bench.checkpoint import PARTS, bench_checkpoint
+
+    chosen = tuple(p.strip() for p in parts.split(",") if p.strip())
+    bad = [p for p in chosen if p not in PARTS]
+    if bad or not chosen:
+        raise InputError(f"--parts: unknown part {bad[0] if bad else parts!r}", ", ".join(PARTS))
+    device = device or ("cuda:0" if torch.cuda.is_available() else "cpu")
+    if device == "cpu" and not tiny:
+        raise InputError("a full-size checkpoint on the CPU needs the whole model in host memory", "add --tiny, or "
+                         "run on a GPU")
+    result = bench_checkpoint(family, folder, moments, device=device, parts=chosen, size="tiny" if tiny else "full")
     emit(as_json, result, lambda: console.print_json(data=result))
 
 
@@ -175,6 +193,8 @@ def step(family: str = typer.Option(family_names()[0], "--family", help="model f
                                   "on a CPU: N processes over gloo), throughput against 1 GPU"),
          checkpoint_dir: Path | None = typer.Option(None, "--checkpoint-dir", help="lorakit rows also save a "
                                                     "checkpoint here, resume from it and continue (timed)"),
+         gpus_only: bool = typer.Option(False, "--gpus-only", help="with --gpus N: only the N-GPU row (no "
+                                        "one-GPU rows, no throughput ratio)"),
          as_json: bool = JsonOpt) -> None:
     use_json(as_json)
     from lorakit.bench.step import bench
@@ -183,6 +203,10 @@ def step(family: str = typer.Option(family_names()[0], "--family", help="model f
     bad = [w for w in chosen if w not in ("plain", "lorakit")]
     if bad or not chosen:
         raise InputError(f"--ways: unknown way {bad[0] if bad else ways!r}", "plain, lorakit, or both")
+    if gpus_only:
+        if gpus < 2:
+            raise InputError("--gpus-only needs --gpus 2 or more", "e.g. --gpus 2 --gpus-only")
+        chosen = ()
     kw = dict(family=family, res=res, frames=frames, profile=profile, steps=steps, warmup=warmup,
               size="tiny" if tiny else "full",
               device=device, memory_cap=memory_cap, sets=sets, ways=chosen, attention=attention,

@@ -277,8 +277,9 @@ class OutputConfig(_Section):
                                "0 writes the whole model in diffusers layout at every checkpoint (LoRA runs: always "
                                "one small file)")
     async_save: bool = Field(True, description="method=full with sharded checkpoints: a step's checkpoint is copied "
-                                               "to host memory and written while training goes on (it counts once "
-                                               "written)")
+                                               "to host memory beside the next step (pinned buffers of this "
+                                               "process's share, kept from one save to the next) and written while "
+                                               "training goes on (it counts once written)")
     hub_repo: str | None = Field(None, pattern=r"^[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*$",
                                  description="org/name: after a finished LoRA run, `lorakit push` to this Hugging "
                                              "Face repo (the folder is written offline, uploaded online)")

@@ -17,6 +17,7 @@ import contextlib
 import json
 import shutil
 import signal
+import time
 from pathlib import Path
 
 from lorakit.convert.checkpoint import DIR as SHARDS
@@ -109,7 +110,8 @@ def _save_sharded(tr, ck: Path, name: str, background: bool) -> Path:
         with atomic_path(rank_state_file(tr, ck)) as tmp:
             torch.save(tr.opt.state_dict(), tmp)
     state = copy.deepcopy(_state(tr, format="sharded")) if tr.dist.main else None
-    p = shards.Pending(shards.save(tr, ck, background), ck, state, name)
+    written, staged = shards.save(tr, ck, background)
+    p = shards.Pending(written, ck, state, name, staged)
     if p.future is None:
         _complete(tr, p)
         tr.dist.barrier()
@@ -148,6 +150,26 @@ def wait(tr) -> None:
         _complete(tr, p)
 
 
+def release(tr) -> None:
+    """The run saves no more: a background save completes and its pinned staging buffers are freed."""
+    wait(tr)
+    shards.release(tr)
+
+
+def staged(tr) -> None:
+    """Wait until a background save's copy of the weights and optimizer state is taken (what changes them — the
+    optimizer update — calls this first); the time waited adds to `tr.staging_wait_s`."""
+    p = tr.pending
+    if p is not None and p.staged is not None:
+        t = time.perf_counter()
+        try:
+            p.staged.result()
+        except OSError as e:  # the pinned buffers could not be had (host memory)
+            raise environment_fault(e, p.ck / SHARDS) or e from None
+        p.staged = None
+        tr.staging_wait_s += time.perf_counter() - t
+
+
 def resume(tr, ck: Path) -> dict:
     """Continue from a checkpoint (written by any number of ranks). Returns what changed, if anything."""
     sharded = tr.full and (ck / SHARDS).is_dir()
@@ -159,6 +181,7 @@ def resume(tr, ck: Path) -> dict:
         raise InputError(f"{ck} is not a lorakit checkpoint of this method ({what})",
                          "method=full and method=lora checkpoints do not mix")
     state = read_state(ck / "state.pt")
+    wait(tr)  # a save still being written completes before the weights are replaced
     if sharded:
         shards.load(tr, ck)
         if tr.per_rank_state:

@@ -213,6 +213,7 @@ def finish(r: Run) -> dict:
         render_samples(r, tr.step)
     with r.events.phase(f"{'checkpoint' if interrupted else 'final checkpoint'} (step {tr.step})") as facts:
         ck = save(r, final=not interrupted)
+        checkpoint.release(tr)
         facts["of_which"] = ", ".join(f"{k} {v:.1f} s" for k, v in tr.save_took.items()) or None  # every part
     result = {"steps": tr.step, "interrupted": interrupted, "checkpoint": str(ck), "metrics": str(r.log.path),
               "seconds": round(time.perf_counter() - r.started, 2), "cache": r.cache.to_dict(),
@@ -221,6 +222,8 @@ def finish(r: Run) -> dict:
               "global_batch": tr.global_batch, "rank": d.rank, "warnings": list(r.note), "timeline": dict(r.mark),
               "peak_rss_gib": peak_rss_gib(),
               "peak_gpu_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if tr.device != "cpu" else None}
+    if tr.staging_wait_s:  # the steps that waited for a background save's copy of the weights
+        result["staging_wait_s"] = round(tr.staging_wait_s, 2)
     if r.resumed:
         result["resumed"] = r.resumed
     if r.sampler and d.main and (out / "samples" / "progress.png").is_file():

@@ -10,7 +10,9 @@ Each rank writes its own part in parallel (no gathering on rank 0: its memory an
 on another number of processes reads the same files resharded to its own layout. With `output.async_save` a step's
 checkpoint is copied to host memory at the step and written by a background thread (over a gloo group of its own,
 apart from the training collectives) while training goes on; it counts — state.pt written, older ones pruned — once
-this rank's write has finished (rank 0's finishes last: it writes .metadata after every rank's shards). The model
+this rank's write has finished (rank 0's finishes last: it writes .metadata after every rank's shards). The copy
+goes into pinned host buffers kept from one save to the next (`stager`), on a CUDA stream of its own: the step goes
+on beside it, and only the optimizer update waits for it (`checkpoint.staged`). The model
 is exported in diffusers layout from the final checkpoint (`lorakit.convert.checkpoint`; `lorakit convert
 checkpoint` does it for any step's).
 """
@@ -28,12 +30,13 @@ WRITER_THREADS = 8  # files each rank writes at once (torch's default is 1; see 
 
 @dataclass
 class Pending:
-    """An asynchronous save under way: its future, and what completes it."""
+    """An asynchronous save under way: its futures, and what completes it."""
 
-    future: object
+    future: object  # the shards written
     ck: Path
     state: dict | None  # state.pt's contents (rank 0), written once the shards are
     name: str
+    staged: object = None  # the copy to host memory taken (the weights may change from then on)
 
 
 def _group(tr):
@@ -57,18 +60,45 @@ def state_dict(tr) -> dict:
     return sd
 
 
-def save(tr, ck: Path, asynchronous: bool):
-    """Write this rank's shards into `ck`/dcp (every rank calls it). Returns the future of an asynchronous save,
-    None when the shards are written."""
+def new_stager(cuda: bool):
+    """A stager for asynchronous saves: the state is copied into pinned host buffers (allocated at the first save,
+    reused by the next ones: a copy at the link's speed instead of into fresh pageable memory), by a thread of its
+    own on a CUDA stream of its own (on the CPU: the thread only). Close it to free the buffers."""
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+    return DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=True,
+                                        use_non_blocking_copy=cuda))
+
+
+def stager(tr):
+    """The run's stager (`new_stager`), made at its first asynchronous save; `release` frees it."""
+    import torch
+
+    if getattr(tr, "_stager", None) is None:
+        tr._stager = new_stager(torch.device(tr.device).type == "cuda")
+    return tr._stager
+
+
+def release(tr) -> None:
+    """Free the run's pinned staging buffers (after its last save)."""
+    st, tr._stager = getattr(tr, "_stager", None), None
+    if st is not None:
+        st.close()
+
+
+def save(tr, ck: Path, asynchronous: bool) -> tuple[object, object]:
+    """Write this rank's shards into `ck`/dcp (every rank calls it). Returns the futures of an asynchronous save
+    (the shards written, the copy taken), (None, None) when the shards are written."""
     import torch.distributed.checkpoint as dcp
 
     group, single = _group(tr), tr.dist.world == 1
     sd = state_dict(tr)
     writer = dcp.FileSystemWriter(str(ck / DIR), thread_count=WRITER_THREADS)
     if asynchronous:
-        return dcp.async_save(sd, storage_writer=writer, process_group=group, no_dist=single)
+        r = dcp.async_save(sd, storage_writer=writer, async_stager=stager(tr), process_group=group, no_dist=single)
+        return r.upload_completion, r.staging_completion
     dcp.save(sd, storage_writer=writer, process_group=group, no_dist=single)
-    return None
+    return None, None
 
 
 def load(tr, ck: Path) -> None:
