@@ -60,14 +60,53 @@ def state_dict(tr) -> dict:
     return sd
 
 
-def new_stager(cuda: bool):
-    """A stager for asynchronous saves: the state is copied into pinned host buffers (allocated at the first save,
-    reused by the next ones: a copy at the link's speed instead of into fresh pageable memory), by a thread of its
-    own on a CUDA stream of its own (on the CPU: the thread only). Close it to free the buffers."""
-    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+class Stager:
+    """A stager for asynchronous saves (torch.distributed.checkpoint's AsyncStager protocol): the state is copied
+    into pinned host buffers — allocated at the first save, reused by the next ones, so the copy runs at the
+    link's speed instead of into fresh pageable memory — by a thread of its own, on a CUDA stream of its own
+    (on the CPU: the thread only). `stage` returns at once with the copy's future. Close it to free the buffers.
 
-    return DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=True,
-                                        use_non_blocking_copy=cuda))
+    torch's own DefaultStager is not used: in torch 2.11 it empties its copier after every save (no buffers kept),
+    and its second save then fails on any class object in the state (KeyError: <class 'type'>; seen on 2x H200,
+    2026-11-27)."""
+
+    should_synchronize_after_execute = False
+
+    def __init__(self, cuda: bool):
+        from concurrent.futures import ThreadPoolExecutor
+
+        import torch
+        from torch.distributed.checkpoint._state_dict_stager import StateDictStager
+
+        self._copier = StateDictStager(pin_memory=cuda, share_memory=False)
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lorakit-staging")
+        self._stream = torch.cuda.Stream() if cuda else None  # on this process's device (made on the main thread)
+
+    def stage(self, state_dict):
+        return self._thread.submit(self._stage, state_dict)
+
+    def _stage(self, state_dict):
+        import contextlib
+
+        import torch
+
+        with torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext():
+            staged = self._copier.stage(state_dict, non_blocking=self._stream is not None)
+        if self._stream is not None:
+            self._stream.synchronize()
+        return staged
+
+    def synchronize_staging(self) -> None:
+        pass  # the caller waits on the future `stage` returned
+
+    def close(self) -> None:
+        self._thread.shutdown(wait=True)
+        self._copier.close()
+
+
+def new_stager(cuda: bool) -> Stager:
+    """The stager of a run's (or a benchmark's) asynchronous saves."""
+    return Stager(cuda)
 
 
 def stager(tr):
