@@ -15,6 +15,7 @@ import subprocess
 import time
 from pathlib import Path
 
+from lorakit.bench.load import drop_cache
 from lorakit.bench.ways import architecture
 from lorakit.io import save_sharded
 from lorakit.train.shards import WRITER_THREADS, new_stager
@@ -97,7 +98,7 @@ def bench_checkpoint(family: str, folder: Path, moments: float = 2.0, device: st
                                                  no_dist=True))
             out[f"sharded_save_{threads}_threads"] = {"s": round(s, 2), "gb_per_s": round(gb / s, 2),
                                                       "files": len(list(ck.iterdir()))}
-        _drop(ck)
+        drop_cache([f for f in ck.rglob("*") if f.is_file()])
         s = timed(lambda: dcp.load(state, checkpoint_id=str(ck), no_dist=True))
         out["sharded_load_cold"] = {"s": round(s, 2), "gb_per_s": round(gb / s, 2)}
         shutil.rmtree(ck)
@@ -128,15 +129,3 @@ def bench_checkpoint(family: str, folder: Path, moments: float = 2.0, device: st
     if "disk" in parts:
         out["disk"] = _disk(folder, min(gb, shutil.disk_usage(folder).free / 2**30 * 0.8) / 1.07)
     return out
-
-
-def _drop(path: Path) -> None:
-    """The page cache of the files under `path` (POSIX_FADV_DONTNEED), so the load reads the disk."""
-    for f in path.rglob("*"):
-        if f.is_file():
-            fd = os.open(f, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)

@@ -17,7 +17,6 @@ import contextlib
 import json
 import shutil
 import signal
-import time
 from pathlib import Path
 
 from lorakit.convert.checkpoint import DIR as SHARDS
@@ -154,20 +153,6 @@ def release(tr) -> None:
     """The run saves no more: a background save completes and its pinned staging buffers are freed."""
     wait(tr)
     shards.release(tr)
-
-
-def staged(tr) -> None:
-    """Wait until a background save's copy of the weights and optimizer state is taken (what changes them — the
-    optimizer update — calls this first); the time waited adds to `tr.staging_wait_s`."""
-    p = tr.pending
-    if p is not None and p.staged is not None:
-        t = time.perf_counter()
-        try:
-            p.staged.result()
-        except OSError as e:  # the pinned buffers could not be had (host memory)
-            raise environment_fault(e, p.ck / SHARDS) or e from None
-        p.staged = None
-        tr.staging_wait_s += time.perf_counter() - t
 
 
 def resume(tr, ck: Path) -> dict:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from lorakit.dist import Dist
 from lorakit.errors import InputError
-from lorakit.train import checkpoint
+from lorakit.train import checkpoint, shards
 from lorakit.train import flow_matching as fm
 from lorakit.train.ema import EMA
 from lorakit.train.inputs import Ahead
@@ -68,7 +68,7 @@ class Trainer:
         self.save_took: dict = {}  # seconds of each part of the last save (`checkpoint.save`)
         self.last_size = None  # "WxH" (xF frames) of the last batch: what a compile for a new shape was for
         self.pending = None  # a sharded checkpoint being written in the background (checkpoint.py)
-        self.staging_wait_s = 0.0  # seconds the updates waited for a background save's copy (checkpoint.staged)
+        self.staging_wait_s = 0.0  # seconds the updates waited for a background save's copy (shards.staged)
 
     # the run's state, read here; it changes only through train_step and resume
     opt = property(lambda self: self.state.opt)
@@ -145,7 +145,7 @@ class Trainer:
         return pixels(self.adapter, shape)
 
     def _update(self) -> None:
-        checkpoint.staged(self)  # a background save's copy of the weights is taken before they change
+        shards.staged(self)  # a background save's copy of the weights is taken before they change
         if not self.sharded:
             self.dist.sum_grads(self.params)
         if self.cfg.optim.max_grad_norm:
