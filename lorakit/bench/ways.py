@@ -20,7 +20,7 @@ from lorakit.models.batch import drop_full_mask
 from lorakit.models.tiny import tiny_pipeline
 from lorakit.plan.memory import estimate
 from lorakit.plan.resolve import resolve
-from lorakit.train import checkpoint, shards
+from lorakit.train import checkpoint
 from lorakit.train import flow_matching as fm
 
 REFERENCE_TARGETS = ["to_q", "to_k", "to_v", "to_out.0"]  # the diffusers training examples' default
@@ -224,8 +224,6 @@ def run_way(spec: dict) -> dict:
         if i >= spec["warmup"]:
             times.append(time.perf_counter() - t)
         losses.append(float(loss))
-        if i == 0 and tr is not None and spec.get("checkpoint_dir"):
-            shards.prestage(tr)  # as a run does after its first step
     if spec.get("trace_dir"):
         info["trace"] = trace(step, spec, cuda)
     if spec.get("checkpoint_dir") and tr is not None:
@@ -251,10 +249,11 @@ def run_way(spec: dict) -> dict:
 
 def checkpoint_check(tr, cuda: bool, steps: int = 2) -> dict:
     """Save a checkpoint, take `steps` more steps, resume from the checkpoint and take them again: the run
-    continues from what was written (timings of both, and the losses side by side, unrounded). A sharded full
-    fine-tune also saves in the background (output.async_save) twice — the first save pins its host buffers, the
-    second reuses them — each timed as the run feels it: the call, plus what the next step's update waited for
-    the copy (`blocking_s`), and the write behind the steps (`background_s`)."""
+    continues from what was written (timings of both, and the losses side by side, unrounded); the resume reads
+    the disk (the save's pages dropped from the cache). A sharded full fine-tune also saves in the background
+    (output.async_save) twice — the first save pins its host buffers, the second reuses them — each timed as the
+    run feels it (`_background_save`), then once more synchronously from those buffers (`save_from_buffers_s`).
+    Every checkpoint is removed after its measurement (a full-size one is ~70 GB)."""
     import torch
 
     def sync():
@@ -283,6 +282,11 @@ def checkpoint_check(tr, cuda: bool, steps: int = 2) -> dict:
         _remove(tr, ck)
         if tr.cfg.output.async_save:
             out["async"] = [_background_save(tr, sync) for _ in range(2)]
+            t = time.perf_counter()  # a synchronous save now that the pinned buffers exist (best, final)
+            again_ck = tr.save()
+            sync()
+            out["save_from_buffers_s"] = round(time.perf_counter() - t, 1)
+            _remove(tr, again_ck)
             checkpoint.release(tr)
     return out
 
@@ -297,24 +301,28 @@ def _remove(tr, ck) -> None:
     tr.dist.barrier()
 
 
-def _background_save(tr, sync) -> dict:
-    """One background save of a sharded full fine-tune, timed as the run feels it (see `checkpoint_check`)."""
+def _background_save(tr, sync, during: int = 8) -> dict:
+    """One background save of a sharded full fine-tune, timed as the run feels it (see `checkpoint_check`): the
+    call, what the next update waited for the copy, the `during` steps taken while the shards are written (each
+    rank takes as many: they run collectives), then the rest of the write."""
     sync()
     waited, t = tr.staging_wait_s, time.perf_counter()
     ck = tr.save(background=True)
     call_s = time.perf_counter() - t
-    t = time.perf_counter()
-    tr.train_step()
-    sync()
-    step_s = time.perf_counter() - t
-    t = time.perf_counter()
+    t0, steps = time.perf_counter(), []
+    for _ in range(during):
+        t = time.perf_counter()
+        tr.train_step()
+        sync()
+        steps.append(round(time.perf_counter() - t, 2))
+    writing = tr.pending is not None and not tr.pending.future.done()  # still, after those steps
     checkpoint.wait(tr)
     tr.dist.barrier()
-    background_s = step_s + time.perf_counter() - t
+    background_s = time.perf_counter() - t0
     _remove(tr, ck)
     return {"call_s": round(call_s, 2), "update_waited_s": round(tr.staging_wait_s - waited, 2),
-            "blocking_s": round(call_s + tr.staging_wait_s - waited, 2), "step_s": round(step_s, 2),
-            "background_s": round(background_s, 1)}
+            "blocking_s": round(call_s + tr.staging_wait_s - waited, 2), "steps_during_write_s": steps,
+            "written_after_the_steps": not writing, "background_s": round(background_s, 1)}
 
 
 def model_flops(family: str, size: str, res: int, frames: int = 1, full: bool = False) -> float:

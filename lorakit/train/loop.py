@@ -12,7 +12,7 @@ from pathlib import Path
 from lorakit.convert.verify import consumer_note
 from lorakit.events import PHASES, Events, Recorded
 from lorakit.plan.resolve import Resolved
-from lorakit.train import checkpoint, shards, warm
+from lorakit.train import checkpoint, warm
 from lorakit.train.allocwatch import AllocWatch
 from lorakit.train.compile_bg import cache_news, summary
 from lorakit.train.gcpause import Collector
@@ -88,7 +88,6 @@ def steps(r: Run, end: int) -> None:
             if tr.step == first:  # how long the first step took (compiling, the first kernels' warm-up)
                 r.events.phase_end(opening, rec["step_s"], {"size": tr.last_size})
                 settle = True
-                shards.prestage(tr)  # a full fine-tune's save buffers, made beside the next steps
             elif tr.compiled and own_graphs(bg) > graphs:  # this step waited for the compiler (a new shape)
                 r.events.phase_end("compile", rec["step_s"], {"step": tr.step, "size": tr.last_size})
                 settle = True

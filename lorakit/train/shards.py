@@ -12,15 +12,14 @@ checkpoint is copied to host memory at the step and written by a background thre
 apart from the training collectives) while training goes on; it counts — state.pt written, older ones pruned — once
 this rank's write has finished (rank 0's finishes last: it writes .metadata after every rank's shards). The copy
 goes into pinned host buffers kept from one save to the next (`stager`), on a CUDA stream of its own: the step goes
-on beside it, and only the optimizer update waits for it (`staged`); the buffers are made after the
-run's first step (`prestage`), and every later save — the final one too — is written from them. The model
+on beside it, and only the optimizer update waits for it (`staged`); once the buffers exist, synchronous saves
+(best, final) are written from them too (at the disk's speed: the writer threads then read host memory). The model
 is exported in diffusers layout from the final checkpoint (`lorakit.convert.checkpoint`; `lorakit convert
 checkpoint` does it for any step's).
 """
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -146,20 +145,6 @@ def save(tr, ck: Path, asynchronous: bool) -> tuple[object, object]:
     return None, None
 
 
-def local_bytes(sd) -> int:
-    """Bytes of this rank's share of a (nested) state dict."""
-    import torch
-
-    if isinstance(sd, dict):
-        return sum(local_bytes(v) for v in sd.values())
-    if isinstance(sd, (list, tuple)):
-        return sum(local_bytes(v) for v in sd)
-    if isinstance(sd, torch.Tensor):
-        t = sd.to_local() if hasattr(sd, "to_local") else sd
-        return t.numel() * t.element_size()
-    return 0
-
-
 def load(tr, ck: Path) -> None:
     """Fill the model (and optimizer) from `ck`/dcp, resharded to this run's processes."""
     import torch.distributed.checkpoint as dcp
@@ -174,25 +159,6 @@ def load(tr, ck: Path) -> None:
     set_model_state_dict(tr.transformer, sd["model"])
     if "optim" in sd:
         set_optimizer_state_dict(tr.transformer, tr.opt, sd["optim"])
-
-
-PINNED_ROOM = 1.5  # host memory available, in multiples of the buffers, for them to be made ahead
-
-
-def prestage(tr) -> None:
-    """A full fine-tune with sharded asynchronous saves: make the pinned host buffers its saves copy into now,
-    beside the steps (the copy itself is thrown away), so its first save does not wait for them — pinning 35 GB
-    (FLUX.1-dev's share per rank on 2 GPUs) took 15 s on an H200 (2026-11-27, `lorakit bench checkpoint --parts
-    async`). Left to the first save where the host lacks room for them beside what runs."""
-    import psutil
-
-    if not (tr.full and tr.cfg.output.checkpoint_format == "sharded" and tr.cfg.output.async_save):
-        return
-    sd = state_dict(tr)
-    per_host = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)  # every process of this host makes its own
-    if psutil.virtual_memory().available < PINNED_ROOM * per_host * local_bytes(sd):
-        return
-    stager(tr).stage(sd)
 
 
 def staged(tr) -> None:

@@ -67,29 +67,3 @@ def test_a_background_save_holds_its_steps_weights_while_the_next_update_waits_f
     assert len(made) == 1
     checkpoint.release(tr)
     assert tr.pending is None and getattr(tr, "_stager", None) is None
-
-
-def test_the_save_buffers_are_made_after_the_first_step_where_the_host_has_room(tmp_path, tiny, monkeypatch):
-    import psutil
-
-    tr = _trainer(tmp_path, tiny)
-    tr.train_step()
-    real = psutil.virtual_memory
-
-    class Tight:  # a host with room for the buffers but not 1.5 times them
-        available = shards.local_bytes(shards.state_dict(tr))
-
-    monkeypatch.setattr(psutil, "virtual_memory", lambda: Tight)
-    shards.prestage(tr)
-    assert getattr(tr, "_stager", None) is None
-    monkeypatch.setattr(psutil, "virtual_memory", real)
-    shards.prestage(tr)
-    st = tr._stager
-    assert st is not None and tr.pending is None  # made ahead; not a save
-    tr.train_step()
-    ck = tr.save()  # a synchronous save through the same buffers, whole when it returns
-    assert tr._stager is st and tr.pending is None and (ck / "state.pt").is_file()
-    export_checkpoint(ck, tmp_path / "exported")
-    saved, now = load(tmp_path / "exported"), tr.transformer.state_dict()
-    assert saved.keys() == now.keys() and all(torch.equal(saved[k], now[k]) for k in saved)
-    checkpoint.release(tr)
