@@ -176,9 +176,11 @@ def fa4_hint(fp: dict, add) -> None:
     if fa4.candidate(fp):
         add(Check("sdpa fa4", INFO, f"flash-attn-4 {fp['fa4']} measured beside PyTorch's kernels (above)"))
     elif not fp.get("fa4"):
+        cu13 = str(fp.get("cuda") or "").split(".")[0] == "13"  # its compiler's build must match torch's CUDA
         add(Check("sdpa fa4", INFO, "flash-attn-4 is not installed",
-                  'pip install "lorakit[fa4]": FlashAttention 4, 1.5-1.6x faster attention at 1024² on an H100 '
-                  "(docs/profiles.md); doctor then measures it"))
+                  ('pip install "flash-attn-4[cu13]>=4.0.0b36"' if cu13 else 'pip install "lorakit[fa4]"')
+                  + ": FlashAttention 4, 1.5-1.6x faster attention at 1024² on an H100 (docs/profiles.md); "
+                    "doctor then measures it"))
     else:
         add(Check("sdpa fa4", INFO, f"flash-attn-4 {fp['fa4']} is installed but torch {fp.get('torch')} cannot "
                                     "put it under SDPA", "it needs torch 2.10 or newer"))

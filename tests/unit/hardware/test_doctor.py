@@ -124,6 +124,8 @@ def test_hopper_without_flash_attn_4_is_told_what_it_takes():
                           results=[CaseResult("flash", "1024px", True, ms=3.0)], choice={"flux": "flash"})
     d = by_name(checks(H100, choose("auto", H100), rep))
     assert d["sdpa fa4"].status == "info" and 'lorakit[fa4]' in d["sdpa fa4"].hint
+    rep.fingerprint.update(cuda="13.0")  # a CUDA 13 torch: the compiler's CUDA 13 build
+    assert 'flash-attn-4[cu13]' in by_name(checks(H100, choose("auto", H100), rep))["sdpa fa4"].hint
     rep.fingerprint.update(fa4="4.0.0b36")
     assert "measured" in by_name(checks(H100, choose("auto", H100), rep))["sdpa fa4"].detail
     rep.fingerprint.update(torch="2.9.1")
