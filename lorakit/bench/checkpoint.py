@@ -2,9 +2,9 @@
 can do — sharded (torch.distributed.checkpoint, this process's shards, synchronous and the blocking part of an
 asynchronous save), the gathered layout (the whole model in diffusers layout + the optimizer in state.pt, as rank 0
 wrote before), and a sequential write/read of the same size with O_DIRECT (the disk's limit). The asynchronous save
-is lorakit's (`train.shards.new_stager`): timed twice, the first pinning its host buffers, the second reusing them;
-its copy runs on a stream of its own, so the call returns at once and a run's step goes on beside the copy. The state is a
-family's full-size transformer with random weights in bf16 on the GPU, plus AdamW's two moments (bf16, as
+is lorakit's (`train.shards.Stager`): timed twice, the first pinning its host buffers, the second reusing them; its
+copy runs on a stream of its own, so the call returns at once and a run's step goes on beside the copy. The state is
+a family's full-size transformer with random weights in bf16 on the GPU, plus AdamW's two moments (bf16, as
 lorakit's bf16 AdamW keeps them) — or a share of them (`moments`), to fit the card."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from pathlib import Path
 from lorakit.bench.load import drop_cache
 from lorakit.bench.ways import architecture
 from lorakit.io import save_sharded
-from lorakit.train.shards import WRITER_THREADS, new_stager
+from lorakit.train.shards import WRITER_THREADS, Stager
 
 
 def _size(sd) -> int:
@@ -103,7 +103,7 @@ def bench_checkpoint(family: str, folder: Path, moments: float = 2.0, device: st
         out["sharded_load_cold"] = {"s": round(s, 2), "gb_per_s": round(gb / s, 2)}
         shutil.rmtree(ck)
     if "async" in parts:
-        stager = new_stager(device.startswith("cuda"))  # lorakit's: pinned buffers, reused by the second save
+        stager = Stager(device.startswith("cuda"))  # lorakit's: pinned buffers, reused by the second save
         for save in ("async_save_first", "async_save_second"):
             box = {}
             call = timed(lambda b=box: b.update(r=dcp.async_save(state, storage_writer=dcp.FileSystemWriter(

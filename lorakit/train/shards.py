@@ -106,17 +106,12 @@ class Stager:
         self._copier.close()
 
 
-def new_stager(cuda: bool) -> Stager:
-    """The stager of a run's (or a benchmark's) asynchronous saves."""
-    return Stager(cuda)
-
-
 def stager(tr):
-    """The run's stager (`new_stager`), made at its first asynchronous save; `release` frees it."""
+    """The run's `Stager`, made at its first asynchronous save; `release` frees it."""
     import torch
 
     if getattr(tr, "_stager", None) is None:
-        tr._stager = new_stager(torch.device(tr.device).type == "cuda")
+        tr._stager = Stager(torch.device(tr.device).type == "cuda")
     return tr._stager
 
 

@@ -80,6 +80,7 @@ def test_bench_step_cli_on_tiny_model():
     (["--device", "cpu"], "would take hours"),
     (["--tiny", "--frames", "5"], "flux trains images"),
     (["--tiny", "--family", "wan2.1-t2v", "--frames", "6"], "4k + 1 frames"),
+    (["--tiny", "--gpus-only"], "needs --gpus 2"),
 ])
 def test_bench_step_bad_input(args, words):
     r = CliRunner().invoke(app, ["bench", "step", *args])

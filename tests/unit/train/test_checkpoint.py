@@ -43,8 +43,8 @@ def test_a_background_save_holds_its_steps_weights_while_the_next_update_waits_f
         made.append(st)
         return st
 
-    real = shards.new_stager
-    monkeypatch.setattr(shards, "new_stager", slow_stager)
+    real = shards.Stager
+    monkeypatch.setattr(shards, "Stager", slow_stager)
     tr = _trainer(tmp_path, tiny)
     tr.train_step()
     then = {k: v.detach().clone() for k, v in tr.transformer.state_dict().items()}
