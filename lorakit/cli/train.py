@@ -203,7 +203,9 @@ def _share(cfg, events) -> dict:
 
 def _check_start(cfg, resume: str | None, force: bool) -> None:
     """The checks a run makes of its output folder and checkpoint before anything loads, for --dry-run and the
-    launcher: an earlier run's results (refused without --resume or --force), the checkpoint --resume names."""
+    launcher: an earlier run's results (refused without --resume or --force), the checkpoint --resume names, the
+    disk room a full fine-tune's checkpoints need."""
+    from lorakit.plan import disk
     from lorakit.train import checkpoint
     from lorakit.train.resume import check_fresh_start, find
 
@@ -211,6 +213,7 @@ def _check_start(cfg, resume: str | None, force: bool) -> None:
     check_fresh_start(out, cfg.output.name, resume, force)
     if resume:
         find(out, resume, cfg.method == "full", checkpoint.latest)
+    disk.check(cfg, out)
 
 
 def _launch(gpus: int, config: Path, sets, profile, resume, as_json: bool, log_format: str, force: bool) -> int:

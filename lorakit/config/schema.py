@@ -269,7 +269,8 @@ class OutputConfig(_Section):
     name: str = Field("lora", description="file name stem of the LoRA (a name, not a path: it is written inside "
                                           "output.dir)")
     save_every: int = Field(0, ge=0, description="checkpoint every N steps (0: only at the end)")
-    keep_last: int = Field(3, ge=1, description="checkpoints kept")
+    keep_last: int = Field(3, ge=1, description="checkpoints kept (a full fine-tune's hold every weight and the "
+                                                "optimizer: its run is refused where the disk lacks room for them)")
     checkpoint_format: Literal["sharded", "gathered"] = Field(
         "sharded", description="method=full: sharded = every process writes its own shards in parallel "
                                "(torch.distributed.checkpoint; resumes on any process count; the model is exported "

@@ -104,6 +104,18 @@ def _transformer_facts(cfg) -> tuple[int, int, float, str]:
     return int(hidden), int(blocks), float(params), source
 
 
+def moment_bytes(cfg) -> int:
+    """Bytes per parameter of a full fine-tune's optimizer moments: 8-bit, bf16 (lorakit's bf16 AdamW) or fp32."""
+    if cfg.memory.optimizer_8bit or cfg.optim.name == "adamw8bit":
+        return 2
+    return 4 if cfg.model.dtype == "bf16" else 8
+
+
+def transformer_params(cfg) -> float:
+    """The trained transformer's parameter count (its folder's sizes where it has them, else the published one)."""
+    return _transformer_facts(cfg)[2]
+
+
 def estimate(cfg, world: int = 1) -> dict:
     """Peak GPU memory in GiB, by part (per GPU; `world` GPUs share a full fine-tune's states under FSDP)."""
     hidden, blocks, params, source = _transformer_facts(cfg)
@@ -121,8 +133,7 @@ def estimate(cfg, world: int = 1) -> dict:
     adam = 2 if (cfg.memory.optimizer_8bit or cfg.optim.name == "adamw8bit") else 8
     lora = params * 0.004 * cfg.lora.rank / 16 * (4 + 4 + adam)  # ~0.4% of the base at r16: fp32 weight, grad, Adam
     if cfg.method == "full":  # every weight trains: weight + grad + moments (bf16 AdamWBf16: 8 bytes in all)
-        moments = 2 if adam == 2 else (4 if cfg.model.dtype == "bf16" else 8)  # 8-bit | bf16 | fp32 m and v
-        per = bpp + bpp + moments
+        per = bpp + bpp + moment_bytes(cfg)
         base, lora = params * per / world, 0.0
         if world > 1:  # FSDP gathers a block (and prefetches the next) in full; kept blocks stay gathered
             base += (2 + gathered(cfg, blocks)) * params * bpp / blocks

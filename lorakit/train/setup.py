@@ -24,6 +24,7 @@ from lorakit.io import atomic_path, clean_orphans
 from lorakit.io.lock import FolderLock
 from lorakit.io.modules import load_facts
 from lorakit.models.base import load_adapter
+from lorakit.plan import disk
 from lorakit.plan.decide import choice_from
 from lorakit.plan.resolve import Resolved
 from lorakit.train import checkpoint, precompile, sampling, warm
@@ -95,6 +96,7 @@ def setup(resolved: Resolved, resume: str | None, events: Events, force: bool = 
         if over:
             resume_mod.clear_results(out, cfg.output.name)
             note(over)
+    disk.check(cfg, out)  # a full fine-tune's checkpoints fit on this disk (every rank: each writes its shards there)
     if resume:  # found before anything loads: a wrong --resume costs seconds, not a cache build
         ck, found = resume_mod.find(out, resume, cfg.method == "full", checkpoint.latest)
         for n in found:
