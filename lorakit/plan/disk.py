@@ -13,6 +13,16 @@ from lorakit.plan.memory import moment_bytes, transformer_params
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 
 
+def optimizer_bytes(cfg) -> float:
+    """Bytes per parameter of the optimizer state a full fine-tune's checkpoint holds: Adafactor's factored rows
+    and columns are next to nothing, Prodigy keeps four tensors the weights' size, AdamW two moments."""
+    if cfg.optim.name == "adafactor":
+        return 0.0
+    if cfg.optim.name == "prodigy":
+        return 4.0 * DTYPE_BYTES[cfg.model.dtype]
+    return float(moment_bytes(cfg))
+
+
 def size(b: float) -> str:
     """Bytes as a person reads them on a disk ("309 GB", "1.4 GB", "84 MB")."""
     for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
@@ -25,7 +35,7 @@ def need(cfg, params: float, existing: int = 0) -> dict:
     """Bytes a full fine-tune's checkpoints and export add to its output folder at their peak; `existing`: step
     checkpoints already there (a resumed run)."""
     weights = params * DTYPE_BYTES[cfg.model.dtype]
-    per = weights + params * moment_bytes(cfg)
+    per = weights + params * optimizer_bytes(cfg)
     o = cfg.output
     written = cfg.schedule.steps // o.save_every if o.save_every else 0  # step checkpoints this run writes
     during = min(existing + written, o.keep_last + 1) if written else existing  # the newest before the prune

@@ -29,6 +29,8 @@ def test_the_peak_counts_the_kept_checkpoints_one_more_being_written_the_final_a
     assert n["at_once"] == 4 and n["total"] == pytest.approx(4 * 71.4 * GB + 23.8 * GB)
     only_final = disk.need(cfg.model_copy(update={"output": cfg.output.model_copy(update={"save_every": 0})}), 11.9e9)
     assert only_final["total"] == pytest.approx(71.4 * GB + 23.8 * GB)
+    factored = cfg.model_copy(update={"optim": cfg.optim.model_copy(update={"name": "adafactor"})})
+    assert disk.need(factored, 11.9e9)["checkpoint"] == pytest.approx(23.8 * GB)  # the weights alone
     resumed = disk.need(cfg, 11.9e9, existing=3)  # three already on the disk: one more at a time, then the final
     assert resumed["total"] == pytest.approx(71.4 * GB + 23.8 * GB)
 
