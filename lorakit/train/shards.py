@@ -107,11 +107,15 @@ class Stager:
 
 
 def stager(tr):
-    """The run's `Stager`, made at its first asynchronous save; `release` frees it."""
+    """The run's `Stager`, made at its first asynchronous save; `release` frees it. None where this torch has no
+    StateDictStager (before 2.9): DCP then copies the state itself at the call, as lorakit did before."""
     import torch
 
     if getattr(tr, "_stager", None) is None:
-        tr._stager = Stager(torch.device(tr.device).type == "cuda")
+        try:
+            tr._stager = Stager(torch.device(tr.device).type == "cuda")
+        except ImportError:
+            return None
     return tr._stager
 
 
@@ -130,12 +134,16 @@ def save(tr, ck: Path, asynchronous: bool) -> tuple[object, object]:
     group, single = _group(tr), tr.dist.world == 1
     sd = state_dict(tr)
     writer = dcp.FileSystemWriter(str(ck / DIR), thread_count=WRITER_THREADS)
-    if asynchronous or getattr(tr, "_stager", None) is not None:  # through the pinned buffers: at the disk's speed
-        r = dcp.async_save(sd, storage_writer=writer, async_stager=stager(tr), process_group=group, no_dist=single)
+    st = stager(tr) if asynchronous or getattr(tr, "_stager", None) is not None else None
+    if st is not None:  # through the pinned buffers: at the disk's speed
+        r = dcp.async_save(sd, storage_writer=writer, async_stager=st, process_group=group, no_dist=single)
+        written, staged = getattr(r, "upload_completion", r), getattr(r, "staging_completion", None)
         if asynchronous:
-            return r.upload_completion, r.staging_completion
-        r.upload_completion.result()
+            return written, staged
+        written.result()
         return None, None
+    if asynchronous:  # a torch without StateDictStager: the copy is taken inside the call
+        return dcp.async_save(sd, storage_writer=writer, process_group=group, no_dist=single), None
     dcp.save(sd, storage_writer=writer, process_group=group, no_dist=single)
     return None, None
 

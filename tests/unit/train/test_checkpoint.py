@@ -67,3 +67,21 @@ def test_a_background_save_holds_its_steps_weights_while_the_next_update_waits_f
     assert len(made) == 1
     checkpoint.release(tr)
     assert tr.pending is None and getattr(tr, "_stager", None) is None
+
+
+def test_without_torchs_state_dict_stager_a_background_save_copies_inside_the_call(tmp_path, tiny, monkeypatch):
+    def missing(cuda):  # torch before 2.9
+        raise ImportError("cannot import name 'StateDictStager'")
+
+    monkeypatch.setattr(shards, "Stager", missing)
+    tr = _trainer(tmp_path, tiny)
+    tr.train_step()
+    then = {k: v.detach().clone() for k, v in tr.transformer.state_dict().items()}
+    ck = tr.save(background=True)
+    assert tr.pending is not None and tr.pending.staged is None  # nothing left for the update to wait for
+    tr.train_step()
+    checkpoint.release(tr)
+    export_checkpoint(ck, tmp_path / "exported")
+    saved = load(tmp_path / "exported")
+    assert all(torch.equal(saved[k], then[k]) for k in saved)
+
