@@ -108,7 +108,7 @@ class Stager:
 
 def stager(tr):
     """The run's `Stager`, made at its first asynchronous save; `release` frees it. None where this torch has no
-    StateDictStager (before 2.9): DCP then copies the state itself at the call, as lorakit did before."""
+    StateDictStager (older releases): DCP then copies the state itself at the call, as lorakit did before."""
     import torch
 
     if getattr(tr, "_stager", None) is None:

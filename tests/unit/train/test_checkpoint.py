@@ -70,7 +70,7 @@ def test_a_background_save_holds_its_steps_weights_while_the_next_update_waits_f
 
 
 def test_without_torchs_state_dict_stager_a_background_save_copies_inside_the_call(tmp_path, tiny, monkeypatch):
-    def missing(cuda):  # torch before 2.9
+    def missing(cuda):  # an older torch
         raise ImportError("cannot import name 'StateDictStager'")
 
     monkeypatch.setattr(shards, "Stager", missing)
