@@ -55,7 +55,9 @@ def train(
         return _train_experts(phases, profile, dry_run, launching, gpus, config, as_json, log_format, force)
     if dry_run or launching:  # the config and every path are checked first; launched processes resolve their own
         resolved = resolve_config(config, sets, profile, world=gpus if launching else None, train=dry_run)
-        _check_start(resolved.cfg, resume, force)  # what the run itself refuses, refused before it launches
+        room = _check_start(resolved.cfg, resume, force)  # what the run itself refuses, refused before it launches
+        if room:  # a full fine-tune: what its checkpoints will take on the output folder's disk
+            resolved.notes.append(room)
         if dry_run:
             emit(as_json, resolved.to_dict(), lambda: print_resolved(resolved))
             return
@@ -201,10 +203,10 @@ def _share(cfg, events) -> dict:
     return got
 
 
-def _check_start(cfg, resume: str | None, force: bool) -> None:
+def _check_start(cfg, resume: str | None, force: bool) -> str | None:
     """The checks a run makes of its output folder and checkpoint before anything loads, for --dry-run and the
     launcher: an earlier run's results (refused without --resume or --force), the checkpoint --resume names, the
-    disk room a full fine-tune's checkpoints need."""
+    disk room a full fine-tune's checkpoints need (returned: what they take, said; None for a LoRA run)."""
     from lorakit.plan import disk
     from lorakit.train import checkpoint
     from lorakit.train.resume import check_fresh_start, find
@@ -213,7 +215,8 @@ def _check_start(cfg, resume: str | None, force: bool) -> None:
     check_fresh_start(out, cfg.output.name, resume, force)
     if resume:
         find(out, resume, cfg.method == "full", checkpoint.latest)
-    disk.check(cfg, out)
+    room = disk.check(cfg, out)
+    return disk.said(room, out) if room else None
 
 
 def _launch(gpus: int, config: Path, sets, profile, resume, as_json: bool, log_format: str, force: bool) -> int:

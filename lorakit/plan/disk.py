@@ -72,3 +72,11 @@ def check(cfg, out_dir: Path) -> dict | None:
         f"({n['at_once']} of {size(n['checkpoint'])} at once — weights and optimizer moments — and the exported "
         f"model, {size(n['export'])}); it has {size(free)} free",
         "; ".join(fixes + ["or output.dir on a disk with room"]))
+
+
+def said(n: dict, out_dir: Path) -> str:
+    """What a full fine-tune's checkpoints take on its output folder's disk, in one line (`--dry-run`)."""
+    free = f"{size(n['free'])} free there" if n.get("free") is not None else "its free space could not be read"
+    return (f"disk: this full fine-tune's checkpoints and export take about {size(n['total'])} in {out_dir} at "
+            f"their peak ({n['at_once']} of {size(n['checkpoint'])} at once and the exported model); {free}")
+
