@@ -8,9 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from lorakit.errors import EnvironmentFault, free_bytes
-from lorakit.plan.memory import moment_bytes, transformer_params
-
-DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+from lorakit.plan.memory import DTYPE_BYTES, moment_bytes, transformer_params
 
 
 def optimizer_bytes(cfg) -> float:

@@ -104,9 +104,17 @@ def _transformer_facts(cfg) -> tuple[int, int, float, str]:
     return int(hidden), int(blocks), float(params), source
 
 
+DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}  # model.dtype
+
+
+def eight_bit_moments(cfg) -> bool:
+    """Does the optimizer keep its moments in 8 bits (bitsandbytes' AdamW)?"""
+    return cfg.memory.optimizer_8bit or cfg.optim.name == "adamw8bit"
+
+
 def moment_bytes(cfg) -> int:
     """Bytes per parameter of a full fine-tune's optimizer moments: 8-bit, bf16 (lorakit's bf16 AdamW) or fp32."""
-    if cfg.memory.optimizer_8bit or cfg.optim.name == "adamw8bit":
+    if eight_bit_moments(cfg):
         return 2
     return 4 if cfg.model.dtype == "bf16" else 8
 
@@ -119,7 +127,7 @@ def transformer_params(cfg) -> float:
 def estimate(cfg, world: int = 1) -> dict:
     """Peak GPU memory in GiB, by part (per GPU; `world` GPUs share a full fine-tune's states under FSDP)."""
     hidden, blocks, params, source = _transformer_facts(cfg)
-    dtype_bytes = {"bf16": 2, "fp16": 2, "fp32": 4}[cfg.model.dtype]
+    dtype_bytes = DTYPE_BYTES[cfg.model.dtype]
     bpp = BYTES_PER_PARAM[cfg.memory.base_quant] or dtype_bytes
     swapped = min(cfg.memory.blocks_to_swap, blocks)
     base = params * bpp * (1 - swapped / blocks)
@@ -130,7 +138,7 @@ def estimate(cfg, world: int = 1) -> dict:
         away = sizes[:swapped]  # counted as the smallest that could go (the swapper sends the last: the small ones)
         base = rest + sum(sizes) - sum(away) + 2 * (away[-1] if away else 0)  # two visit at a time: one computes,
         # the next is copied
-    adam = 2 if (cfg.memory.optimizer_8bit or cfg.optim.name == "adamw8bit") else 8
+    adam = 2 if eight_bit_moments(cfg) else 8
     lora = params * 0.004 * cfg.lora.rank / 16 * (4 + 4 + adam)  # ~0.4% of the base at r16: fp32 weight, grad, Adam
     if cfg.method == "full":  # every weight trains: weight + grad + moments (bf16 AdamWBf16: 8 bytes in all)
         per = bpp + bpp + moment_bytes(cfg)
@@ -192,10 +200,12 @@ def plan_gathered(cfg, budget_gib: float, world: int):
         return cfg, None
     blocks = estimate(cfg, world)["blocks"]
     room = budget_gib * (1 - GATHER_HEADROOM)
-    n = next((n for n in range(blocks, 0, -1) if estimate(keeping(n), world)["gib"] <= room), 0)
-    return keeping(n), (f"FSDP: the last {n} of {blocks} blocks keep their gathered weights from forward to "
-                        f"backward (about {estimate(keeping(n), world)['gib']} GiB of {budget_gib:.0f})"
-                        if n else None)
+    for n in range(blocks, 0, -1):  # the most that fit
+        gib = estimate(keeping(n), world)["gib"]
+        if gib <= room:
+            return keeping(n), (f"FSDP: the last {n} of {blocks} blocks keep their gathered weights from forward "
+                                f"to backward (about {gib} GiB of {budget_gib:.0f})")
+    return keeping(0), None
 
 
 def controls_in_use(cfg, adapter) -> int:
