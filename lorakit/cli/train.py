@@ -167,6 +167,9 @@ def _exit_code(result: dict) -> int:
 
 def _finish_experts(events, as_json: bool, result: dict, model: str) -> None:
     """Both experts' results: each run's lines, then the command that samples with both LoRAs."""
+    import time
+
+    from lorakit.cli import STARTED
     from lorakit.cli.logs import finish
 
     def show():
@@ -174,7 +177,8 @@ def _finish_experts(events, as_json: bool, result: dict, model: str) -> None:
             console.print(f"[bold]the {e}-noise expert:[/]" + (f" not trained again ({r['skipped']})"
                                                                if r.get("skipped") else ""))
             if not r.get("skipped"):
-                _render(r)
+                _render(r, since_start=False)
+        console.print(f"both experts: {time.monotonic() - STARTED:.1f} s since the command began")
         if len(result["loras"]) == 2:
             loras = " ".join(f"--lora {p}" for p in result["loras"].values())
             console.print(f"sample with both: lorakit infer {model} -p PROMPT {loras}")
@@ -241,16 +245,21 @@ def _launch(gpus: int, config: Path, sets, profile, resume, as_json: bool, log_f
     return run_launched(launch_command(gpus, args))
 
 
-def _render(r: dict) -> None:
+def _render(r: dict, since_start: bool = True) -> None:
+    """One run's result; `since_start`: say the time since the command began (one expert of two: its own time)."""
     import time
 
     from lorakit.cli import STARTED
 
     state = ("interrupted (exit code 75): resumable with --resume latest" if r["interrupted"] else "done")
-    console.print(f"[bold]{state}[/] after {r['steps']} steps: {time.monotonic() - STARTED:.1f} s since the command "
-                  f"began ({r['seconds']:.1f} s of them training, samples and checkpoints)")
+    took = (f"{time.monotonic() - STARTED:.1f} s since the command began ({r['seconds']:.1f} s of them training, "
+            f"samples and checkpoints)" if since_start else f"{r['seconds']:.1f} s training, samples and checkpoints")
+    console.print(f"[bold]{state}[/] after {r['steps']} steps: {took}")
     if r.get("lora"):
-        console.print(f"LoRA: {r['lora']}  (diffusers format: pipe.load_lora_weights(path))")
+        # diffusers loads a low-noise expert's LoRA into the pipeline's second transformer only when told
+        how = "pipe.load_lora_weights(path, load_into_transformer_2=True)" if r.get("expert") == "low" else \
+            "pipe.load_lora_weights(path)"
+        console.print(f"LoRA: {r['lora']}  (diffusers: {how})")
     if r.get("transformer"):
         console.print(f"transformer: {r['transformer']}  (diffusers component folder)")
     if r.get("early_stopped"):

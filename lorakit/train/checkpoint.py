@@ -379,7 +379,8 @@ def export(tr, ck: Path) -> dict:
     final = out / f"{tr.cfg.output.name}.safetensors"
     with atomic_path(final) as tmp:
         shutil.copyfile(ck / "lora.safetensors", tmp)
-    return {"lora": str(final)}
+    expert = tr.adapter.expert(tr.cfg.model.expert)
+    return {"lora": str(final), **({"expert": expert} if expert else {})}
 
 
 def rank_state_file(tr, ck: Path) -> Path:

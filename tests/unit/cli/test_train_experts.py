@@ -39,6 +39,7 @@ def test_both_experts_train_one_after_the_other_into_their_folders_from_one_cach
     assert res["loras"] == {e: str(out / e / "lora.safetensors") for e in ("high", "low")}
     for e in ("high", "low"):
         run = res["experts"][e]
+        assert run["expert"] == e  # the summary's load line follows it
         assert run["steps"] == 2 and run["consumer_check"] == {"diffusers": "equal", "comfyui": "equal"}
         assert read_header(out / e / "lora.safetensors").metadata["lorakit_expert"] == e  # infer routes it by this
         assert (out / e / "checkpoints" / "final").is_dir()
@@ -74,3 +75,17 @@ def test_both_experts_refuse_what_would_mix_the_two_runs(tmp_path, tiny):
 
     with pytest.raises(ConfigError, match="model.expert: both is two runs"):  # the library trains one expert a run
         run(resolve(_config(tmp_path, tiny)))
+
+
+def test_the_summary_names_the_diffusers_call_each_experts_file_needs(capsys):
+    from lorakit.cli.train import _render
+
+    run = {"interrupted": False, "steps": 2, "seconds": 1.5, "checkpoint": "ck", "metrics": "m.jsonl"}
+    _render({**run, "lora": "low.safetensors", "expert": "low"}, since_start=False)
+    _render({**run, "lora": "high.safetensors", "expert": "high"}, since_start=False)
+    _render({**run, "lora": "one.safetensors"})
+    out = " ".join(capsys.readouterr().out.split())
+    assert "low.safetensors (diffusers: pipe.load_lora_weights(path, load_into_transformer_2=True))" in out
+    assert "high.safetensors (diffusers: pipe.load_lora_weights(path))" in out
+    assert "one.safetensors (diffusers: pipe.load_lora_weights(path))" in out
+    assert out.count("since the command began") == 1  # an expert's run says its own time
