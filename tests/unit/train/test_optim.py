@@ -186,6 +186,7 @@ def _sharded_rank(rank, world, path, out):
         clipped = [p.grad.full_tensor() for p in ps]
         if rank == 0:
             torch.save({"weights": got, "clipped": clipped}, out)
+        td.barrier()  # both ranks done talking before either leaves: gloo aborts a rank whose peer left mid-way
     finally:
         td.destroy_process_group()
 

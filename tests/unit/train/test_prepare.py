@@ -80,6 +80,7 @@ def _sharded_steps(rank, world, store, folder, out):
                              "graphs": torch._dynamo.utils.counters["stats"]["unique_graphs"], "kept": kept}
         if rank == 0:
             torch.save(got, out)
+        td.barrier()  # both ranks done talking before either leaves: gloo aborts a rank whose peer left mid-way
     finally:
         td.destroy_process_group()
 
