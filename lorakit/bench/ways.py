@@ -20,7 +20,7 @@ from lorakit.models.batch import drop_full_mask
 from lorakit.models.tiny import tiny_pipeline
 from lorakit.plan.memory import estimate
 from lorakit.plan.resolve import resolve
-from lorakit.train import checkpoint
+from lorakit.train import checkpoint, shards
 from lorakit.train import flow_matching as fm
 
 REFERENCE_TARGETS = ["to_q", "to_k", "to_v", "to_out.0"]  # the diffusers training examples' default
@@ -251,8 +251,9 @@ def checkpoint_check(tr, cuda: bool, steps: int = 2) -> dict:
     """Save a checkpoint, take `steps` more steps, resume from the checkpoint and take them again: the run
     continues from what was written (timings of both, and the losses side by side, unrounded); the resume reads
     the disk (the save's pages dropped from the cache). A sharded full fine-tune also saves in the background
-    (output.async_save) twice — the first save pins its host buffers, the second reuses them — each timed as the
-    run feels it (`_background_save`), then once more synchronously from those buffers (`save_from_buffers_s`).
+    (output.async_save) three times — the first save pins its host buffers, the second reuses them, the third does
+    too with 2 writer threads a rank instead of the run's 8 — each timed as the run feels it (`_background_save`),
+    then once more synchronously from those buffers (`save_from_buffers_s`).
     Every checkpoint is removed after its measurement (a full-size one is ~70 GB)."""
     import torch
 
@@ -282,6 +283,7 @@ def checkpoint_check(tr, cuda: bool, steps: int = 2) -> dict:
         _remove(tr, ck)
         if tr.cfg.output.async_save:
             out["async"] = [_background_save(tr, sync) for _ in range(2)]
+            out["async"].append(_background_save(tr, sync, writers=2))  # fewer writer threads beside the steps
             t = time.perf_counter()  # a synchronous save now that the pinned buffers exist (best, final)
             again_ck = tr.save()
             sync()
@@ -301,26 +303,32 @@ def _remove(tr, ck) -> None:
     tr.dist.barrier()
 
 
-def _background_save(tr, sync, during: int = 8) -> dict:
+def _background_save(tr, sync, during: int = 8, writers: int | None = None) -> dict:
     """One background save of a sharded full fine-tune, timed as the run feels it (see `checkpoint_check`): the
     call, what the next update waited for the copy, the `during` steps taken while the shards are written (each
-    rank takes as many: they run collectives), then the rest of the write."""
+    rank takes as many: they run collectives), then the rest of the write. `writers`: the files each rank writes at
+    once for this save (default: the run's, `shards.WRITER_THREADS`) — the bench compares what they cost the steps."""
     sync()
-    waited, t = tr.staging_wait_s, time.perf_counter()
-    ck = tr.save(background=True)
-    call_s = time.perf_counter() - t
-    t0, steps = time.perf_counter(), []
-    for _ in range(during):
-        t = time.perf_counter()
-        tr.train_step()
-        sync()
-        steps.append(round(time.perf_counter() - t, 2))
-    writing = tr.pending is not None and not tr.pending.future.done()  # still, after those steps
-    checkpoint.wait(tr)
+    default = shards.WRITER_THREADS
+    shards.WRITER_THREADS = writers or default
+    try:
+        waited, t = tr.staging_wait_s, time.perf_counter()
+        ck = tr.save(background=True)
+        call_s = time.perf_counter() - t
+        t0, steps = time.perf_counter(), []
+        for _ in range(during):
+            t = time.perf_counter()
+            tr.train_step()
+            sync()
+            steps.append(round(time.perf_counter() - t, 2))
+        writing = tr.pending is not None and not tr.pending.future.done()  # still, after those steps
+        checkpoint.wait(tr)
+    finally:
+        shards.WRITER_THREADS = default
     tr.dist.barrier()
     background_s = time.perf_counter() - t0
     _remove(tr, ck)
-    return {"call_s": round(call_s, 2), "update_waited_s": round(tr.staging_wait_s - waited, 2),
+    return {"writers": writers or default, "call_s": round(call_s, 2), "update_waited_s": round(tr.staging_wait_s - waited, 2),
             "blocking_s": round(call_s + tr.staging_wait_s - waited, 2), "steps_during_write_s": steps,
             "written_after_the_steps": not writing, "background_s": round(background_s, 1)}
 
