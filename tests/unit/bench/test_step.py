@@ -102,8 +102,10 @@ def test_bench_step_on_two_processes_saves_resumes_and_continues(tmp_path):
     for x in rows:
         ck = x["checkpoint"]
         assert ck["losses_after_save"] == ck["losses_after_resume"] and ck["exact"]
-        # two background saves beside the steps, each timed (the first pins its buffers, the second reuses them)
-        assert [a["writers"] for a in ck["async"]] == [8, 8, 2] and all(a["background_s"] >= a["blocking_s"] >= 0 for a in ck["async"])
+        # three background saves beside the steps, each timed (the first pins its buffers, the others reuse them;
+        # the third with 2 writer threads a rank)
+        assert [a["writers"] for a in ck["async"]] == [8, 8, 2]
+        assert all(a["background_s"] >= a["blocking_s"] >= 0 for a in ck["async"])
         assert all(len(a["steps_during_write_s"]) == 8 for a in ck["async"]) and ck["save_from_buffers_s"] > 0
     files = rows[1]["checkpoint"]["shard_files"]  # sharded: each of the 2 ranks wrote its own shards
     assert ".metadata" in files and {f.split("_")[2] for f in files if f.endswith(".distcp")} == {"0", "1"}
