@@ -67,6 +67,7 @@ def bad_config(tmp_path):
     return p
 
 
+@pytest.mark.slow
 def test_config_error_one_report_exit_2(bad_config):
     r = _subprocess("train", str(bad_config), "--dry-run")
     assert r.returncode == 2
@@ -74,6 +75,7 @@ def test_config_error_one_report_exit_2(bad_config):
     assert "Traceback" not in r.stderr and "hint:" in r.stderr
 
 
+@pytest.mark.slow
 def test_config_error_as_json(bad_config):
     r = _subprocess("train", str(bad_config), "--dry-run", "--json")
     assert r.returncode == 2
@@ -81,6 +83,7 @@ def test_config_error_as_json(bad_config):
     assert data["error"] == "ConfigError" and len(data["problems"]) == 2
 
 
+@pytest.mark.slow
 def test_traceback_only_with_lorakit_debug(bad_config):
     r = _subprocess("train", str(bad_config), "--dry-run", env={"LORAKIT_DEBUG": "1"})
     assert r.returncode != 0 and "Traceback" in r.stderr and "ConfigError" in r.stderr
@@ -178,6 +181,7 @@ def test_cache_check_lists_every_problem_and_strict_fails(tmp_path):
     assert r.exit_code == 2 and "model.path" in json.loads(r.output)["message"]
 
 
+@pytest.mark.slow
 def test_library_notices_stay_off_a_commands_output(tmp_path, tiny):
     """bitsandbytes' "Failed to load CPU gemm_4bit_forward ... pip install kernels" on every `convert`, and peft's
     "Already found a peft_config ..." when infer loads a second LoRA, leaked into normal output."""

@@ -64,6 +64,7 @@ def test_presets_match_the_real_transformer(tiny, family):
         assert any(n.endswith("." + w) for n in both), w
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", FAMILIES)
 def test_published_size_and_full_config_agree(family):
     """The published transformer config builds (on the meta device) at the size the memory estimate uses, its

@@ -6,6 +6,7 @@ import stat
 import subprocess
 import sys
 
+import pytest
 import yaml
 
 from lorakit.data.demo import make_demo_dataset
@@ -28,6 +29,7 @@ def _lorakit(args, mask):
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
 
 
+@pytest.mark.slow
 def test_a_run_converted_and_merged_files_honour_the_umask(tmp_path, tiny):
     data = make_demo_dataset(tmp_path / "d", "flat", count=2, size=64)
     out = tmp_path / "out"

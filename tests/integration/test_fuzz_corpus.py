@@ -287,6 +287,7 @@ def test_json_errors_carry_no_terminal_codes(tmp_path):
     assert issubclass(InputError, LorakitError) and torch.tensor(1)  # imports used
 
 
+@pytest.mark.slow
 def test_dashboard_requests_of_every_shape_are_answered_4xx_never_500(tmp_path):
     """The dashboard's request corpus: paths with NUL bytes, undecodable bytes, traversal, links and lengths; bodies
     that are not JSON, too deep, too large (with and without Content-Length), with lone surrogates and wrong types;

@@ -7,11 +7,13 @@ import subprocess
 import sys
 import time
 
+import pytest
 import yaml
 
 from lorakit.data.demo import make_demo_dataset
 
 
+@pytest.mark.slow
 def test_a_run_logging_to_a_file_names_each_phase_and_its_steps_while_running(tmp_path, tiny):
     data = make_demo_dataset(tmp_path / "d", "flat", count=3, size=[64, (96, 64), (64, 96)])
     out = tmp_path / ("a-long-output-folder-name-" * 4) / "run"

@@ -130,6 +130,7 @@ def test_a_50_mb_caption_is_skipped_by_name_in_a_second(tmp_path):
 # 7. one run per output folder
 
 
+@pytest.mark.slow
 def test_a_second_run_on_the_same_output_folder_is_refused_naming_the_first(tmp_path, tiny):
     path, _ = _run_yaml(tmp_path, tiny, schedule={"steps": 400})
     first = subprocess.Popen([sys.executable, "-m", "lorakit", "train", str(path), "--json"],
@@ -172,6 +173,7 @@ def test_a_cache_being_written_is_held_too(tmp_path):
         pass
 
 
+@pytest.mark.slow
 def test_train_leaves_a_running_cache_builds_temporary_files_alone(tmp_path, tiny):
     """`lorakit train` removed the `.tmp` files in a cache's items/ before it held the cache's lock: it could delete
     the work of a `lorakit cache` writing there at that moment. The sweep is the cache build's, under its lock."""
@@ -206,6 +208,7 @@ def test_train_leaves_a_running_cache_builds_temporary_files_alone(tmp_path, tin
     ({"WANDB_MODE": "online", "WANDB_API_KEY": "0" * 40, "WANDB_BASE_URL": "http://127.0.0.1:9",
       "WANDB_INIT_TIMEOUT": "2"}, "CommError"),  # a server that does not answer
 ])
+@pytest.mark.slow
 def test_wandb_that_cannot_start_is_a_named_machine_fault_before_anything_loads(tmp_path, tiny, env, said):
     pytest.importorskip("wandb")
     path, _ = _run_yaml(tmp_path, tiny, logging={"wandb": True})

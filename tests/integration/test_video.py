@@ -123,6 +123,7 @@ def test_mp4_clips_cache_train_and_reproduce_in_the_stock_pipeline(tmp_path, tin
     assert (ours - base).abs().max() > 1e-6  # the LoRA changed the prediction
 
 
+@pytest.mark.slow
 def test_clips_beside_their_captions_cache_as_in_a_clips_folder(tmp_path, tiny):
     """The layout peer trainers take (name.mp4 + name.txt in the dataset folder): the same items, the same cache."""
     import shutil

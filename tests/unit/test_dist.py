@@ -133,6 +133,7 @@ def test_full_fine_tune_with_8_bit_states_on_fsdp_shards_resumes_on_the_same_gpu
     assert "--gpus 2" in err.value.hint and str(ck) in err.value.message  # a message naming the checkpoint
 
 
+@pytest.mark.slow
 def test_full_fine_tune_with_8_bit_states_on_one_process_resumes_exactly(tmp_path, tiny):
     from lorakit.train.loop import run
 
@@ -276,6 +277,7 @@ def test_an_elastic_restart_continues_from_the_latest_checkpoint_without_losing_
     assert losses(res["metrics"]) == pytest.approx(losses(ref["metrics"]), rel=0, abs=1e-4)
 
 
+@pytest.mark.slow
 def test_gathered_full_checkpoints_still_resume_and_sharded_ones_export(tmp_path, tiny):
     # checkpoints written before sharded checkpoints (transformer/ + state.pt) resume in a run that writes sharded
     # ones, exactly; `lorakit convert checkpoint` turns a sharded one into a folder stock diffusers loads

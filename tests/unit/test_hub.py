@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 import yaml
 from huggingface_hub import ModelCard
 
@@ -13,6 +14,7 @@ from lorakit.data.demo import make_demo_dataset
 from tests.unit.models.test_sources import COMMIT, _hub_cache
 
 
+@pytest.mark.slow
 def test_a_run_pushed_offline_is_a_folder_with_a_card_the_hub_parses(tmp_path, tiny):
     hub = tmp_path / "hub-cache"
     _hub_cache(hub, "black-forest-labs/FLUX.1-dev", tiny("flux"))
@@ -57,6 +59,7 @@ def test_push_refuses_what_is_not_a_finished_run_or_a_repo_name(tmp_path):
     assert r.returncode == 2 and "not a Hub repo name" in r.stderr
 
 
+@pytest.mark.slow
 def test_output_hub_repo_pushes_a_finished_run(tmp_path, tiny):
     data = make_demo_dataset(tmp_path / "d", "flat", count=2, size=64)
     out = tmp_path / "out"

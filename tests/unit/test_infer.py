@@ -112,6 +112,7 @@ def test_t2v_writes_an_mp4_and_a_gif_of_the_stock_pipelines_frames(tiny, tmp_pat
         assert g.n_frames == 5
 
 
+@pytest.mark.slow
 def test_edit_plus_takes_up_to_three_images(tiny, tmp_path):
     folder = tiny("qwen-image-edit-plus")
     paths = []

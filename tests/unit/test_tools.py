@@ -14,6 +14,7 @@ TOOLS = Path(__file__).resolve().parents[2] / "tools"
 sys.path.insert(0, str(TOOLS))
 
 
+@pytest.mark.slow
 def test_e2e_writes_a_hub_layout_model_and_the_drawn_dataset_a_race_uses(tmp_path):
     r = subprocess.run([sys.executable, str(TOOLS / "e2e.py"), "synth", "data", "--family", "flux", "--profile",
                         "cpu", "--models", str(tmp_path / "m"), "--work", str(tmp_path / "w"), "--tiny"],
@@ -134,6 +135,7 @@ def _fake_aitk(root: Path, steps: int = 3) -> Path:
     return root
 
 
+@pytest.mark.slow
 def test_peer_aitoolkit_writes_its_documented_config_with_the_race_changes_and_times_its_steps(tmp_path):
     import argparse
 

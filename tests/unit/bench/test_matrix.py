@@ -183,6 +183,7 @@ def test_a_smaller_gpu_is_emulated_on_a_larger_one(tmp_path, monkeypatch):
     assert dc.cap_gib is None and spark.cap_gib == 110.0 and dc.note == spark.note == ""
 
 
+@pytest.mark.slow
 def test_the_next_family_links_the_folder_before_it_where_it_holds_the_same_weights(tmp_path):
     """Full size: Qwen-Image-Edit-2511 after Qwen-Image links all three components (nothing written), FLUX after it
     links nothing (and the folder before is removed first, for the disk), a family run alone links a folder an

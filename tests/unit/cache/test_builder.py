@@ -89,6 +89,7 @@ def test_verify_finds_and_rebuilds_a_damaged_entry(tmp_path, tiny):
     assert build(cfg, verify=True).verified_bad == []
 
 
+@pytest.mark.slow
 def test_edit_plus_and_video_entries(tmp_path, tiny):
     data = make_demo_dataset(tmp_path / "e", "edit-plus", count=2, size=64)
     cfg = config(tmp_path, "qwen-image-edit-plus", tiny("qwen-image-edit-plus"), data, caption_dropout=0.1)

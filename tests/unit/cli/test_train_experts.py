@@ -30,6 +30,7 @@ def _train(*args):
     return r, (json.loads(r.stdout) if r.exit_code == 0 else None)
 
 
+@pytest.mark.slow
 def test_both_experts_train_one_after_the_other_into_their_folders_from_one_cache(tmp_path, tiny):
     path = _config(tmp_path, tiny)
     r, res = _train(path)

@@ -5,6 +5,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 SCRIPT = """
 import json, sys
 import lorakit.hardware.probe as p
@@ -22,6 +24,7 @@ def _run(tmp_path, torch_version="2.14.1"):
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 def test_the_second_probe_is_answered_without_torch_and_a_changed_machine_probes_again(tmp_path):
     first = _run(tmp_path)
     assert first == {**first, "cached": False, "torch_imported": True} and first["torch"]

@@ -89,6 +89,7 @@ def test_flux2_original_names_convert_as_diffusers_own_single_file_loader_does(t
     assert set(ours) == set(sd) and not notes and all(torch.equal(ours[k], sd[k]) for k in sd)
 
 
+@pytest.mark.slow
 def test_a_comfyui_checkpoint_trains_infers_and_is_converted_once(tmp_path, tiny):
     base = tiny("flux")
     file = _flux_file(base, tmp_path / "flux1-dev-comfy.safetensors")
@@ -124,6 +125,7 @@ def test_a_comfyui_checkpoint_trains_infers_and_is_converted_once(tmp_path, tiny
     assert again != made and json.loads(dry.stdout)["config"]["model"]["path"] == str(again)
 
 
+@pytest.mark.slow
 def test_a_base_repo_id_needs_no_transformer_download(tmp_path, tiny):
     import shutil
 
@@ -172,6 +174,7 @@ def test_comfyui_split_fp8_and_scaled_fp8_files(tmp_path, tiny):
                in n for n in notes)
 
 
+@pytest.mark.slow
 def test_files_that_do_not_fit_are_refused_by_name(tmp_path, tiny):
     flux, qwen = tiny("flux"), tiny("qwen-image")
     save(_transformer_sd(qwen), tmp_path / "qwen_image_bf16.safetensors")

@@ -5,6 +5,7 @@ import shutil
 import subprocess
 import sys
 
+import pytest
 import yaml
 
 from lorakit.data.demo import make_demo_dataset
@@ -35,6 +36,7 @@ def test_repo_ids_are_told_from_folders(tmp_path, monkeypatch):
     assert not is_repo_id("org/name")  # a folder of that name is the folder
 
 
+@pytest.mark.slow
 def test_a_repo_id_trains_from_the_hub_cache_offline_and_a_missing_one_names_the_download(tmp_path, tiny):
     import json
     import os
@@ -68,6 +70,7 @@ def test_a_repo_id_trains_from_the_hub_cache_offline_and_a_missing_one_names_the
     assert json.loads(inf.stdout)["model"] == str(snap)
 
 
+@pytest.mark.slow
 def test_unusual_repo_ids_and_partial_snapshots_are_bad_input_naming_the_rule(tmp_path, tiny, monkeypatch):
     """Dots, dashes, length, non-ASCII: huggingface_hub's own rules, exit 2 — and a cached snapshot holding only
     model_index.json is refused by the dry run as by the run, naming what is missing and the download."""
@@ -110,6 +113,7 @@ def test_unusual_repo_ids_and_partial_snapshots_are_bad_input_naming_the_rule(tm
     assert r.returncode == 2 and "not a Hugging Face repo id either" in r.stdout + r.stderr
 
 
+@pytest.mark.slow
 def test_a_folder_of_another_family_is_refused_by_the_dry_run_as_by_the_run(tmp_path, tiny):
     data = make_demo_dataset(tmp_path / "d", "flat", count=2, size=64)
     cfg = {"profile": "cpu", "model": {"family": "flux-kontext", "path": str(tiny("flux"))},

@@ -41,6 +41,7 @@ def _step(tr, adapter, batch, sigma=0.6):
     return v.detach(), grads
 
 
+@pytest.mark.slow
 def test_the_worker_compiles_every_call_the_blocks_make_and_the_run_never_compiles(tiny):
     torch._dynamo.reset()
     counters.clear()  # graphs other tests made in this process are not the worker's
@@ -203,6 +204,7 @@ def test_a_second_run_with_the_same_settings_compiles_from_the_cache_and_is_stea
     assert not [s for name, s in heard2.phases if name == "compile"]
 
 
+@pytest.mark.slow
 def test_a_worker_that_cannot_start_leaves_the_compiling_to_the_run(tiny, monkeypatch):
     """The worker's own failure (on the H100 once: a device it could not select) is not a run that stays uncompiled:
     what it was given is handed back as failed, and the blocks compile in the run at their next call."""
@@ -269,6 +271,7 @@ print("tracer saw", [n.target for n in traced["graph"].nodes if n.op == "call_mo
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kept", [False, True], ids=["torch-as-is", "kept-to-its-thread"])
 def test_a_module_called_while_another_thread_traces_runs_as_itself(kept):
     """What the H100 run met (torch 2.11): AOTAutograd's trace in the worker replaced torch.nn.Module.__call__ for

@@ -206,6 +206,7 @@ def test_dora_trains_and_its_file_reproduces_predictions_in_stock_diffusers(tmp_
     assert (ours - base).abs().max() > 1e-3
 
 
+@pytest.mark.slow
 def test_cache_in_memory_reads_each_entry_once_and_trains_the_same(tmp_path, tiny):
     a = make_cfg(tmp_path / "a", "flux", tiny("flux"), steps=4, sampling={"enabled": False})
     b = make_cfg(tmp_path / "b", "flux", tiny("flux"), steps=4, sampling={"enabled": False},

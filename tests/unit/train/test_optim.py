@@ -191,6 +191,7 @@ def _sharded_rank(rank, world, path, out):
         td.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_fsdp_shards_round_and_clip_as_one_process_does(tmp_path):
     """Two gloo ranks, each updating its shard of two parameters (one split unevenly): the gathered weights equal
     one process's bit for bit (the noise follows the element's place in the whole parameter), and gradients

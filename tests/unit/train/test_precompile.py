@@ -166,6 +166,7 @@ def test_the_run_waits_for_the_process_then_its_worker_compiles_and_says_both(tm
     assert heard.lines.index(said[0]) < heard.lines.index(used[0])
 
 
+@pytest.mark.slow
 def test_a_process_that_fails_says_why_in_the_runs_words_and_ends(tmp_path, tiny):
     cfg = make_cfg(tmp_path, "flux", tiny("flux"))
     broken = cfg.model_copy(update={"model": cfg.model.model_copy(update={"path": str(tmp_path / "gone")})})

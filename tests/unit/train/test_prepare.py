@@ -1,5 +1,6 @@
 """Turning a loaded transformer into what a run trains: partial gradient checkpointing."""
 
+import pytest
 import torch
 
 from lorakit.io.modules import load_component
@@ -85,6 +86,7 @@ def _sharded_steps(rank, world, store, folder, out):
         td.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_under_fsdp_each_block_compiles_once_per_kind_and_trains_as_uncompiled(tiny, tmp_path):
     """FSDP2 renames a block's class (FSDP<class>); the blocks are still found, compiled around FSDP's hooks, and
     a block kind's graph serves all its blocks (tiny FLUX: one double block, two single ones -> two graphs); the

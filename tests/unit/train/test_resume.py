@@ -20,6 +20,7 @@ def _cfg(tmp_path, tiny, **over):
                     output={"dir": str(tmp_path / "out"), "save_every": 2, "keep_last": 4}, **over)
 
 
+@pytest.mark.slow
 def test_resume_auto_starts_fresh_then_continues_and_finds_the_final_checkpoint(tmp_path, tiny):
     cfg = _cfg(tmp_path, tiny)
     from lorakit.events import Events
@@ -78,6 +79,7 @@ def test_a_changed_schedule_is_refused_by_name_unless_the_new_one_is_asked_for(t
     assert lr[5] == pytest.approx(5e-3 * f(5)) and lr[6] == pytest.approx(5e-3 * f(6))
 
 
+@pytest.mark.slow
 def test_a_new_run_into_an_earlier_runs_folder_is_refused_unless_forced(tmp_path, tiny):
     """A new run there used to start over silently: metrics truncated, some checkpoints overwritten, the old LoRA and
     higher checkpoints kept — and a later `--resume auto` continued the old run's highest step."""

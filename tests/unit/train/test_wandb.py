@@ -9,6 +9,7 @@ from lorakit.train.loop import run
 from tests.unit.train.test_loop import make_cfg
 
 
+@pytest.mark.slow
 def test_offline_wandb_gets_the_metrics_the_samples_and_the_summary(tmp_path, tiny, monkeypatch):
     pytest.importorskip("wandb")
     monkeypatch.setenv("WANDB_SILENT", "true")

@@ -42,6 +42,7 @@ def _first_answer(url, p, timeout=30, headers=None):
     raise AssertionError("lorakit ui did not answer")
 
 
+@pytest.mark.slow
 def test_ui_serves_the_run_list_of_the_demo_soon_after_it_starts(tmp_path):
     from typer.testing import CliRunner
 
@@ -63,6 +64,7 @@ def test_ui_serves_the_run_list_of_the_demo_soon_after_it_starts(tmp_path):
     assert f"http://127.0.0.1:{port}/?token={TOKEN}" in out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("host", ["127.0.0.1", "0.0.0.0"])
 def test_ui_prints_a_new_token_each_start_and_asks_for_it_on_every_address(runs, host):
     port = _free_port()

@@ -26,6 +26,7 @@ def _steps(run):
     return len(m.read_text().splitlines()) if m.exists() else 0
 
 
+@pytest.mark.slow
 def test_jobs_queue_run_stop_resume_and_survive_a_restart(tmp_path, tiny):
     root = tmp_path / "runs"
     root.mkdir()
@@ -82,6 +83,7 @@ def test_a_freed_slot_is_reused_and_a_held_one_never_shared():
     assert free_slots({0, 1}, 2) == []
 
 
+@pytest.mark.slow
 def test_one_job_per_run_folder_resume_only_from_a_checkpoint_and_outputs_inside_the_runs_folder(tmp_path, tiny):
     root = tmp_path / "runs"
     root.mkdir()

@@ -60,6 +60,7 @@ def test_the_dashboard_answers_with_the_machine(tmp_path):
         assert m["note"]
 
 
+@pytest.mark.slow
 def test_a_running_job_is_shown_on_the_gpu_of_its_slot(tmp_path, tiny, monkeypatch):
     """A queued run (the real queue, a tiny run) is named on the GPU it runs on, and on none once it has stopped."""
     import time

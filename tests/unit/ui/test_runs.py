@@ -9,6 +9,7 @@ from lorakit.io.lock import FolderLock, holder
 from lorakit.ui import runs as R
 
 
+@pytest.mark.slow
 def test_each_status_and_its_progress_from_the_run_folders(runs):
     found = {str(p.relative_to(runs)): p for p in R.find_runs(runs)}
     assert set(found) == {"done", "team/stopped", "broken"}  # the run folders only, not their cache or data

@@ -116,6 +116,7 @@ def test_datasets_are_listed_checked_and_their_captions_edited(runs, tmp_path):
     assert c.get("/dfiles/../../etc/passwd").status_code in (403, 404)
 
 
+@pytest.mark.slow
 def test_the_job_form_comes_from_the_config_schema_and_is_checked_as_the_cli_checks(tmp_path):
     c = TestClient(create_app(tmp_path), base_url=LOCAL)
     schema = c.get("/api/schema").json()
@@ -168,6 +169,7 @@ def test_a_demo_report_folder_lists_its_dataset_only_checked_with_its_runs_setti
     assert other["settings"] == "the defaults of qwen-image" and other["items"] == 0  # 64 px: under its smallest
 
 
+@pytest.mark.slow
 def test_the_new_run_form_is_offered_its_choices_and_checked_without_queueing(tmp_path, tiny):
     from lorakit.data.demo import make_demo_dataset
     from lorakit.models.registry import family_names
