@@ -1,6 +1,7 @@
 """A full fine-tune's background (asynchronous) save: it holds the weights of its own step while training goes on,
 and the update that changes them waits for its copy (train/checkpoint.py, train/shards.py)."""
 
+import threading
 import time
 
 import torch
@@ -29,22 +30,29 @@ def _trainer(tmp_path, tiny):
 
 def test_a_background_save_holds_its_steps_weights_while_the_next_update_waits_for_the_copy(tmp_path, tiny,
                                                                                            monkeypatch):
-    made = []
+    made, update_began = [], threading.Event()
 
-    def slow_stager(cuda):  # lorakit's stager, its copy held back 0.5 s: an update that did not wait would race it
-        st = real(cuda)
+    def slow_stager(cuda):  # lorakit's stager, its copy held back until the next update has begun: an update that
+        st = real(cuda)     # did not wait for it would change the weights before they are copied
         stage = st._stage
 
         def late(sd, **kw):
-            time.sleep(0.5)
+            update_began.wait(60)
+            time.sleep(0.3)
             return stage(sd, **kw)
 
         st._stage = late
         made.append(st)
         return st
 
-    real = shards.Stager
+    def staged(tr):
+        if tr.pending is not None:  # an update after the background save
+            update_began.set()
+        real_staged(tr)
+
+    real, real_staged = shards.Stager, shards.staged
     monkeypatch.setattr(shards, "Stager", slow_stager)
+    monkeypatch.setattr(shards, "staged", staged)
     tr = _trainer(tmp_path, tiny)
     tr.train_step()
     then = {k: v.detach().clone() for k, v in tr.transformer.state_dict().items()}
@@ -62,6 +70,7 @@ def test_a_background_save_holds_its_steps_weights_while_the_next_update_waits_f
     now = tr.transformer.state_dict()
     assert any(not torch.equal(now[k], then[k]) for k in then)  # and step 2 did change them
     assert tr.staging_wait_s > 0.2
+    update_began.set()  # the stager's later copies go ahead at once
     # a second background save reuses the stager (its buffers); the run's end frees it
     tr.save(background=True)
     assert len(made) == 1
@@ -69,9 +78,9 @@ def test_a_background_save_holds_its_steps_weights_while_the_next_update_waits_f
     assert tr.pending is None and getattr(tr, "_stager", None) is None
 
 
-def test_without_torchs_state_dict_stager_a_background_save_copies_inside_the_call(tmp_path, tiny, monkeypatch):
+def test_where_dcp_takes_no_stager_a_background_save_copies_inside_the_call(tmp_path, tiny, monkeypatch):
     def missing(cuda):  # an older torch
-        raise ImportError("cannot import name 'StateDictStager'")
+        raise ImportError("this torch's torch.distributed.checkpoint.async_save takes no stager")
 
     monkeypatch.setattr(shards, "Stager", missing)
     tr = _trainer(tmp_path, tiny)
@@ -85,3 +94,39 @@ def test_without_torchs_state_dict_stager_a_background_save_copies_inside_the_ca
     saved = load(tmp_path / "exported")
     assert all(torch.equal(saved[k], then[k]) for k in saved)
 
+
+
+def test_the_stager_copies_dtensor_shards_into_buffers_it_keeps_and_takes_each_saves_own_values(tmp_path):
+    """One foreach copy into host buffers made at the first save: a second save reuses them (same storage), holds
+    that save's values (tensors and the rest), never the live tensors; a state of another make-up gets new ones."""
+    import torch.distributed as td
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+    td.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        w = distribute_tensor(torch.randn(13, 8), mesh, [Shard(0)])
+        m = distribute_tensor(torch.randn(13, 8), mesh, [Shard(0)])
+        state = {"model": {"w": w}, "optim": {"state": {"w": {"exp_avg": m, "step": torch.tensor(1.0)}},
+                                              "param_groups": [{"lr": 0.1, "params": ["w"]}]}}
+        st = shards.Stager(False)
+        first = st.stage(state).result()
+        got = first["model"]["w"]
+        assert isinstance(got, DTensor) and got.placements == w.placements and got.shape == w.shape
+        assert torch.equal(got.to_local(), w.to_local()) and got.to_local().data_ptr() != w.to_local().data_ptr()
+        ptr = got.to_local().data_ptr()
+        w.to_local().add_(1.0)  # the run goes on: the staged copy keeps its save's values
+        assert not torch.equal(first["model"]["w"].to_local(), w.to_local())
+        state["optim"]["param_groups"][0]["lr"] = 0.05
+        state["optim"]["state"]["w"]["step"] = torch.tensor(2.0)
+        second = st.stage(state).result()
+        assert second["model"]["w"].to_local().data_ptr() == ptr  # the same buffer, refilled
+        assert torch.equal(second["model"]["w"].to_local(), w.to_local())
+        assert second["optim"]["param_groups"][0]["lr"] == 0.05 and second["optim"]["state"]["w"]["step"] == 2.0
+        state["model"]["w2"] = distribute_tensor(torch.randn(3), mesh, [Shard(0)])  # another make-up
+        third = st.stage(state).result()
+        assert torch.equal(third["model"]["w2"].to_local(), state["model"]["w2"].to_local())
+        st.close()
+    finally:
+        td.destroy_process_group()
