@@ -226,7 +226,7 @@ def save(tr, ck: Path, asynchronous: bool) -> tuple[object, object]:
             return written, staged
         written.result()
         return None, None
-    if asynchronous:  # a torch without StateDictStager: the copy is taken inside the call
+    if asynchronous:  # a torch whose DCP takes no stager: the copy is taken inside the call
         return dcp.async_save(sd, storage_writer=writer, process_group=group, no_dist=single), None
     dcp.save(sd, storage_writer=writer, process_group=group, no_dist=single)
     return None, None
