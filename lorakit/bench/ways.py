@@ -328,8 +328,9 @@ def _background_save(tr, sync, during: int = 8, writers: int | None = None) -> d
     tr.dist.barrier()
     background_s = time.perf_counter() - t0
     _remove(tr, ck)
-    return {"writers": writers or default, "call_s": round(call_s, 2),
-            "update_waited_s": round(tr.staging_wait_s - waited, 2), "blocking_s": round(call_s + tr.staging_wait_s - waited, 2), "steps_during_write_s": steps,
+    waited = tr.staging_wait_s - waited
+    return {"writers": writers or default, "call_s": round(call_s, 2), "update_waited_s": round(waited, 2),
+            "blocking_s": round(call_s + waited, 2), "steps_during_write_s": steps,
             "written_after_the_steps": not writing, "background_s": round(background_s, 1)}
 
 

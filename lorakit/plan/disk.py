@@ -77,4 +77,3 @@ def said(n: dict, out_dir: Path) -> str:
     free = f"{size(n['free'])} free there" if n.get("free") is not None else "its free space could not be read"
     return (f"disk: this full fine-tune's checkpoints and export take about {size(n['total'])} in {out_dir} at "
             f"their peak ({n['at_once']} of {size(n['checkpoint'])} at once and the exported model); {free}")
-

@@ -95,10 +95,10 @@ def test_where_dcp_takes_no_stager_a_background_save_copies_inside_the_call(tmp_
     assert all(torch.equal(saved[k], then[k]) for k in saved)
 
 
-
 def test_the_stager_copies_dtensor_shards_into_buffers_it_keeps_and_takes_each_saves_own_values(tmp_path):
-    """A copy of each local shard into host buffers made at the first save: a second save reuses them (same storage), holds
-    that save's values (tensors and the rest), never the live tensors; a state of another make-up gets new ones."""
+    """A copy of each local shard into host buffers made at the first save: a second save reuses them (same
+    storage), holds that save's values (tensors and the rest), never the live tensors; a state of another make-up
+    gets new ones."""
     import torch.distributed as td
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Shard, distribute_tensor
