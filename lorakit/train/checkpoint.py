@@ -259,18 +259,25 @@ def weights_of(tr, ck: Path):
 
 
 class StopFlag:
-    """Set by SIGINT/SIGTERM: the run stops after the current step (and then saves a checkpoint)."""
+    """Set by SIGINT/SIGTERM: the run stops after the current step (and then saves a checkpoint).
+
+    `requested` is this rank's: the signal handler sets it at any moment. `agreed` is what every rank holds after
+    the same exchange (`share`, before the first step and after each): the loop tests only that one. A loop that
+    tested its own rank's flag stopped rank 0 alone when a SIGTERM reached it between the exchange and the loop's
+    test — rank 0 waited in the checkpoint's barrier, rank 1 in the next step's all-gather, forever (CI, 2026-11-27,
+    seen with py-spy; tests/unit/train/test_stop.py)."""
 
     def __init__(self):
         self.requested = False
+        self.agreed = False
 
     def share(self, dist) -> None:
-        """A stop asked on any rank stops them all. Only ever set here, never cleared: a signal whose handler runs
-        while the ranks exchange the flag (after it was read, before the result is stored) would otherwise be
-        overwritten by the stale False — a SIGTERM sent just after a step's record was written was lost that way
-        and the run trained on (seen in CI, 2026-11-26; tests/unit/train/test_stop.py)."""
+        """A stop asked on any rank stops them all, after the same step. The handler never writes `agreed`, and
+        `requested` is never cleared: a signal whose handler runs while the ranks exchange the flag (after it was
+        read) is agreed at the next exchange instead of lost (a SIGTERM sent just after a step's record was written
+        was lost that way once and the run trained on; CI, 2026-11-26)."""
         if dist.total(float(self.requested)) > 0:
-            self.requested = True
+            self.agreed = True
 
 
 @contextlib.contextmanager

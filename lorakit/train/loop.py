@@ -67,8 +67,9 @@ def steps(r: Run, end: int) -> None:
         r.events.phase_start(opening)
     alloc = AllocWatch(cuda)  # what the allocator asked of the driver, per step (train/allocwatch.py)
     last = time.perf_counter()  # when the previous step's record was written (the loop's start for the first)
+    r.stop.share(d)  # a signal before the first step stops every rank before it (the loop tests only what all agreed)
     with Collector() as collector:  # full collections timed per step; what the run keeps, frozen (train/gcpause.py)
-        while tr.step < end and not r.stop.requested:
+        while tr.step < end and not r.stop.agreed:
             if bg:
                 heard = background_news(r, bg, heard + bg.advance(), tr.step + 1)
             alloc.take()  # what samples, checkpoints or validation asked between steps is not the step's

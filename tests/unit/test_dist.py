@@ -1,8 +1,10 @@
 """Several processes on the CPU (gloo): the same run as one process with the same global batch."""
 
 import json
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import yaml
@@ -164,7 +166,6 @@ def test_slurm_tasks_become_torch_ranks_where_no_launcher_set_them():
 @pytest.mark.slow
 def test_srun_style_tasks_train_as_one_group(tmp_path, tiny):
     # what `srun --ntasks 2 lorakit train CONFIG` starts: two processes that know only SLURM's variables
-    import os
 
     cfg = make_cfg(tmp_path, "flux", tiny("flux"), steps=3, lora={"dropout": 0.0}, sampling={"enabled": False})
     path = _write(tmp_path, cfg)
@@ -243,7 +244,6 @@ def test_an_elastic_restart_continues_from_the_latest_checkpoint_without_losing_
     # torchrun --max-restarts 1: one worker is killed (kill -9) after the step-6 checkpoint is complete; the group
     # restarts, `--resume auto` continues from the newest complete checkpoint, and every step is logged once with
     # the loss of an uninterrupted run
-    import os
     import signal
     import time
 
@@ -307,3 +307,45 @@ def test_gathered_full_checkpoints_still_resume_and_sharded_ones_export(tmp_path
     bad = subprocess.run([sys.executable, "-m", "lorakit", "convert", "checkpoint", str(ck), str(tmp_path / "x")],
                          capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and "not a sharded checkpoint" in bad.stderr
+
+
+_LATE_SIGNAL = '''
+import os
+if os.environ.get("RANK") == "0":  # the workers only (the launcher's agent has no rank)
+    import lorakit.train.checkpoint as c
+    shared = c.StopFlag.share
+    calls = []
+
+    def share(self, dist):
+        shared(self, dist)
+        calls.append(1)
+        if len(calls) == 3:  # the exchange before step 1, after step 1, after step 2: then the handler runs
+            self.requested = True
+
+    c.StopFlag.share = share
+'''
+
+
+@pytest.mark.slow
+def test_a_signal_to_one_rank_after_the_exchange_stops_every_rank_after_the_same_step(tmp_path, tiny):
+    # rank 0's handler runs right after the ranks exchanged their flags at the end of step 2 (the window a SIGTERM
+    # hit in CI, 2026-11-27): a loop testing its own rank's flag ended rank 0 alone, which waited in the sharded
+    # checkpoint's barrier while rank 1 waited in step 3's all-gather, forever. Both stop after step 3 now.
+    (tmp_path / "hook").mkdir()
+    (tmp_path / "hook" / "sitecustomize.py").write_text(_LATE_SIGNAL)  # every Python process of the run reads it
+    cfg = make_cfg(tmp_path / "late", "flux", tiny("flux"), steps=8, schedule={"batch_size": 1}, method="full",
+                   sampling={"enabled": False}, output={"save_every": 0})
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path / "hook"), os.environ.get("PYTHONPATH", "")])}
+    p = subprocess.Popen([sys.executable, "-m", "lorakit", "train", str(_write(tmp_path, cfg)), "--json", "--gpus",
+                          "2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                         start_new_session=True)
+    try:
+        out, err = p.communicate(timeout=240)
+    except subprocess.TimeoutExpired:  # the hang: its ranks go with it
+        os.killpg(p.pid, 9)
+        raise AssertionError("the ranks did not stop together: 240 s and still running") from None
+    assert p.returncode == 75, err[-3000:]  # interrupted, resumable
+    res = json.loads(out)
+    assert res["interrupted"] and res["steps"] == 3 and res["processes"] == 2
+    assert [json.loads(line)["step"] for line in open(res["metrics"])] == [1, 2, 3]
+    assert Path(res["checkpoint"]).name == "step-000003"  # the checkpoint an interrupted run saves

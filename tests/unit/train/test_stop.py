@@ -17,20 +17,37 @@ class Ranks:
         return x + self.others
 
 
-def test_a_signal_during_the_ranks_exchange_is_not_overwritten():
+def test_a_signal_during_the_ranks_exchange_is_agreed_at_the_next_one():
     # the handler runs after the flag was read for the exchange and before its result is stored (CI, 2026-11-26:
-    # the SIGTERM was lost and `lorakit train` ran on for 11,000 steps)
+    # the SIGTERM was lost and `lorakit train` ran on for 11,000 steps): not agreed by this exchange, which the
+    # other ranks made with the value read, but kept for the next
     flag = StopFlag()
     flag.share(Ranks(during=lambda: setattr(flag, "requested", True)))
-    assert flag.requested
+    assert flag.requested and not flag.agreed
+    flag.share(Ranks())
+    assert flag.agreed
 
 
 def test_another_ranks_stop_stops_this_one_and_none_stays_none():
     flag = StopFlag()
     flag.share(Ranks())
-    assert not flag.requested
+    assert not flag.agreed
     flag.share(Ranks(others=1.0))
-    assert flag.requested
+    assert flag.agreed and not flag.requested
+
+
+def test_only_the_exchange_stops_a_rank():
+    # two ranks, one exchange each after a step; rank 0 hears a signal right after it: both go on to the next step
+    # (a loop that tested its own rank's flag stopped rank 0 alone there, and both waited forever: CI, 2026-11-27)
+    a, b = StopFlag(), StopFlag()
+    for f in (a, b):
+        f.share(Ranks(others=0.0))
+    a.requested = True
+    assert not a.agreed and not b.agreed  # what the loop tests: the same on both ranks
+    both = float(a.requested) + float(b.requested)
+    a.share(Ranks(others=both - float(a.requested)))
+    b.share(Ranks(others=both - float(b.requested)))
+    assert a.agreed and b.agreed
 
 
 def test_sigterm_sets_the_flag_and_the_old_handler_comes_back():
@@ -38,8 +55,8 @@ def test_sigterm_sets_the_flag_and_the_old_handler_comes_back():
     flag = StopFlag()
     with stop_on_signals(flag):
         os.kill(os.getpid(), signal.SIGTERM)
-        flag.share(Ranks())  # a signal between steps survives the exchange
-    assert flag.requested and signal.getsignal(signal.SIGTERM) is before
+        flag.share(Ranks())  # a signal between steps is agreed at the exchange
+    assert flag.agreed and signal.getsignal(signal.SIGTERM) is before
 
 
 def test_a_sigterm_swallowed_before_the_run_took_signals_over_stops_it_before_its_first_step(monkeypatch):
