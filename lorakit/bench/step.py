@@ -20,6 +20,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 
 from lorakit.bench.ways import PLAIN_CHECKPOINTING_ABOVE, model_flops, run_way
 from lorakit.errors import InputError
@@ -35,14 +36,34 @@ def _child(spec: dict, timeout: float) -> dict:
     env = dict(os.environ)
     if spec.get("expandable_segments"):
         env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    out: list[str] = []
+    err: list[str] = []
+
+    def relay(pipe, into, show):  # the child's progress lines ("bench ...") shown as they come, all of it kept
+        for line in pipe:
+            into.append(line)
+            if show and line.startswith("bench "):
+                print(line, end="", file=sys.stderr, flush=True)
+
+    readers = [threading.Thread(target=relay, args=a, daemon=True) for a in ((p.stdout, out, False),
+                                                                               (p.stderr, err, True))]
+    for r in readers:
+        r.start()
     try:
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+        p.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
+        p.kill()
+        p.wait()
         return {"way": spec["way"], "error": f"no result within {timeout:.0f} s"}
-    for line in reversed(p.stdout.strip().splitlines()):
+    for r in readers:
+        r.join()
+    out = "".join(out)
+    err = "".join(err).strip().splitlines()
+    for line in reversed(out.strip().splitlines()):
         if line.startswith("{"):
             return json.loads(line)
-    err = p.stderr.strip().splitlines() or [f"exited with code {p.returncode}"]
+    err = err or [f"exited with code {p.returncode}"]
     oom = next((ln for ln in reversed(err) if "OutOfMemoryError" in ln or "out of memory" in ln), None)
     if oom is None:
         return {"way": spec["way"], "error": err[-1][-300:]}

@@ -6,7 +6,9 @@ docstring of `bench/step.py` says what each way is)."""
 from __future__ import annotations
 
 import json
+import os
 import statistics
+import sys
 import time
 
 from lorakit import dist as dist_mod
@@ -224,6 +226,8 @@ def run_way(spec: dict) -> dict:
         if i >= spec["warmup"]:
             times.append(time.perf_counter() - t)
         losses.append(float(loss))
+    if not int(os.environ.get("RANK", "0") or 0):  # as it is measured (a run cut short still shows it)
+        print(f"bench step: {spec['way']} {statistics.median(times):.3f} s/step", file=sys.stderr, flush=True)
     if spec.get("trace_dir"):
         info["trace"] = trace(step, spec, cuda)
     if spec.get("checkpoint_dir") and tr is not None:
@@ -265,6 +269,7 @@ def checkpoint_check(tr, cuda: bool, steps: int = 2) -> dict:
     ck = tr.save()
     sync()
     save_s = time.perf_counter() - t
+    _say(tr, f"synchronous save {save_s:.1f} s")
     after = [tr.train_step() for _ in range(steps)]
     if tr.dist.main:  # the resume reads the disk, not the page cache the save filled
         cold = drop_cache([f for f in ck.rglob("*") if f.is_file()])
@@ -273,6 +278,7 @@ def checkpoint_check(tr, cuda: bool, steps: int = 2) -> dict:
     tr.resume(ck)
     sync()
     resume_s = time.perf_counter() - t
+    _say(tr, f"resume {resume_s:.1f} s")
     again = [tr.train_step() for _ in range(steps)]
     size = sum(f.stat().st_size for f in ck.rglob("*") if f.is_file()) if tr.dist.main else 0
     out = {"save_s": round(save_s, 1), "resume_s": round(resume_s, 1), "gib": round(size / 2**30, 1),
@@ -282,15 +288,24 @@ def checkpoint_check(tr, cuda: bool, steps: int = 2) -> dict:
         out["shard_files"] = sorted(f.name for f in (ck / "dcp").iterdir())
         _remove(tr, ck)
         if tr.cfg.output.async_save:
-            out["async"] = [_background_save(tr, sync) for _ in range(2)]
-            out["async"].append(_background_save(tr, sync, writers=2))  # fewer writer threads beside the steps
+            out["async"] = []
+            for writers in (None, None, 2):  # the last with fewer writer threads beside the steps
+                out["async"].append(_background_save(tr, sync, writers=writers))
+                _say(tr, f"background save: {json.dumps(out['async'][-1])}")
             t = time.perf_counter()  # a synchronous save now that the pinned buffers exist (best, final)
             again_ck = tr.save()
             sync()
             out["save_from_buffers_s"] = round(time.perf_counter() - t, 1)
+            _say(tr, f"synchronous save from the pinned buffers {out['save_from_buffers_s']} s")
             _remove(tr, again_ck)
             checkpoint.release(tr)
     return out
+
+
+def _say(tr, what: str) -> None:
+    """A measurement as it is made, on stderr (rank 0): a run cut short still shows what it measured."""
+    if tr.dist.main:
+        print(f"bench checkpoint: {what}", file=sys.stderr, flush=True)
 
 
 def _remove(tr, ck) -> None:

@@ -1,4 +1,5 @@
 import json
+import sys
 
 import pytest
 from typer.testing import CliRunner
@@ -95,8 +96,12 @@ def test_bench_step_on_two_processes_saves_resumes_and_continues(tmp_path):
                                  "--steps", "2", "--warmup", "1", "--ways", "lorakit", "--gpus", "2",
                                  "--set", "method=full", "--checkpoint-dir", str(tmp_path / "ck"), "--json"])
     assert r.exit_code == 0, r.output
-    rows = json.loads(r.output)["rows"]
+    rows = json.loads(r.stdout)["rows"]
     assert [(x["way"], x["gpus"]) for x in rows] == [("lorakit", 1), ("lorakit", 2)]
+    said = r.stderr.splitlines()  # each measurement as it was made (rank 0's only), stdout the JSON alone
+    assert sum(ln.startswith("bench step: lorakit") for ln in said) == 2, said
+    assert sum(ln.startswith("bench checkpoint: background save: {") for ln in said) == 6, said
+    assert sum(ln.startswith("bench checkpoint: synchronous save from the pinned buffers") for ln in said) == 2
     assert all("error" not in x for x in rows), rows
     assert rows[1]["throughput_vs_1gpu"] > 0 and rows[1]["method"] == "full"
     for x in rows:
@@ -138,9 +143,15 @@ def test_a_child_out_of_memory_keeps_torchs_message_and_where(monkeypatch):
            '  File "/x/torch/_tensor.py", line 9, in backward\n'
            "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 1.50 GiB. GPU 0 has a total capacity "
            "of 79.19 GiB of which 0 bytes is free. 31.2 GiB allowed; 30.9 GiB allocated by PyTorch\n")
-    monkeypatch.setattr(subprocess, "run", lambda *a, **k: subprocess.CompletedProcess(a, 1, "", err))
-    r = st._child({"way": "lorakit"}, 10)
+    popen = subprocess.Popen
+
+    def child_saying(text):  # the child: a process that writes `text` to its stderr and exits 1
+        return lambda cmd, **k: popen([sys.executable, "-c", f"import sys; sys.stderr.write({text!r}); sys.exit(1)"],
+                                      **k)
+
+    monkeypatch.setattr(subprocess, "Popen", child_saying(err))
+    r = st._child({"way": "lorakit"}, 30)
     assert r["error"] == "out of memory" and "Tried to allocate 1.50 GiB" in r["detail"]
     assert r["where"].startswith('File "/x/lorakit/train/loop.py", line 112')
-    monkeypatch.setattr(subprocess, "run", lambda *a, **k: subprocess.CompletedProcess(a, 1, "", "ValueError: no\n"))
-    assert st._child({"way": "plain"}, 10) == {"way": "plain", "error": "ValueError: no"}
+    monkeypatch.setattr(subprocess, "Popen", child_saying("ValueError: no\n"))
+    assert st._child({"way": "plain"}, 30) == {"way": "plain", "error": "ValueError: no"}
