@@ -234,6 +234,12 @@ def run_way(spec: dict) -> dict:
         try:
             info["checkpoint"] = checkpoint_check(tr, cuda)
         except Exception as e:  # noqa: BLE001 - the timings above stand; say why the check failed
+            import traceback
+
+            where = " | ".join(ln.strip() for ln in traceback.format_exc().strip().splitlines()[-7:])
+            print(f"bench checkpoint: failed on rank {tr.dist.rank}: {where}", file=sys.stderr, flush=True)
+            if tr.dist.world > 1:  # the other ranks wait in a collective: end them all (the launcher does)
+                raise
             info["checkpoint"] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
     med = statistics.median(times)
     gpus = spec.get("gpus", 1)

@@ -96,9 +96,14 @@ class Stager:
         self._buffers: list = []  # the host tensors the copy fills (the local shards of the DTensors in `_held`)
 
     def stage(self, state_dict):
-        return self._thread.submit(self._stage, state_dict)
+        import torch
 
-    def _stage(self, state_dict):
+        # the copy starts after what the run's stream has queued (the update that made these values): an event on
+        # the caller's stream, which the copy's stream waits for
+        ready = torch.cuda.current_stream(self._stream.device).record_event() if self._stream is not None else None
+        return self._thread.submit(self._stage, state_dict, ready)
+
+    def _stage(self, state_dict, ready=None):
         import contextlib
 
         import torch
@@ -113,6 +118,8 @@ class Stager:
                 self._held.append(held)
                 self._buffers.append(buf)
             self._layout = layout
+        if ready is not None:
+            self._stream.wait_event(ready)
         with torch.no_grad(), (torch.cuda.stream(self._stream) if self._stream is not None
                                else contextlib.nullcontext()):
             for buf, part in zip(self._buffers, local, strict=True):  # plain tensors: ~10 us a copy to queue

@@ -36,10 +36,10 @@ def test_a_background_save_holds_its_steps_weights_while_the_next_update_waits_f
         st = real(cuda)     # did not wait for it would change the weights before they are copied
         stage = st._stage
 
-        def late(sd, **kw):
+        def late(sd, *a, **kw):
             update_began.wait(60)
             time.sleep(0.3)
-            return stage(sd, **kw)
+            return stage(sd, *a, **kw)
 
         st._stage = late
         made.append(st)
