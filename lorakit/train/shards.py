@@ -119,6 +119,7 @@ class Stager:
                 self._buffers.append(buf)
             self._layout = layout
         if ready is not None:
+            torch.cuda.set_device(self._stream.device)  # this thread's device is cuda:0 until told (rank 1's is not)
             self._stream.wait_event(ready)
         with torch.no_grad(), (torch.cuda.stream(self._stream) if self._stream is not None
                                else contextlib.nullcontext()):
@@ -194,8 +195,10 @@ def _host_copy(t, local, pin: bool):
         return buf, buf
     from torch.distributed.tensor import DTensor
 
-    return DTensor.from_local(buf, t.device_mesh, t.placements, run_check=False, shape=t.shape,
-                              stride=t.stride()), buf
+    # `t`'s spec (mesh, placements, global shape and stride) over the host buffer, as torch's own stager keeps it:
+    # DTensor.from_local would move the buffer to the mesh's device — a GPU copy of this rank's whole state, made
+    # on the thread's current device (cuda:0 for every rank): out of memory on 2x H100, 2026-11-27
+    return DTensor(buf, t._spec, requires_grad=False), buf
 
 
 def stager(tr):

@@ -4,6 +4,7 @@ and the update that changes them waits for its copy (train/checkpoint.py, train/
 import threading
 import time
 
+import pytest
 import torch
 
 from lorakit.cache.builder import build, cache_dir_for
@@ -127,6 +128,36 @@ def test_the_stager_copies_dtensor_shards_into_buffers_it_keeps_and_takes_each_s
         state["model"]["w2"] = distribute_tensor(torch.randn(3), mesh, [Shard(0)])  # another make-up
         third = st.stage(state).result()
         assert torch.equal(third["model"]["w2"].to_local(), state["model"]["w2"].to_local())
+        st.close()
+    finally:
+        td.destroy_process_group()
+
+
+@pytest.mark.gpu
+def test_the_stager_keeps_a_gpu_states_copy_in_pinned_host_memory(tmp_path):
+    """The staged state's DTensors hold their pinned host buffers, on the GPU's mesh, and nothing is copied back to
+    a GPU: DTensor.from_local made a GPU copy of the whole state (on cuda:0, from every rank's staging thread), out
+    of memory on 2x H100 (2026-11-27). The copy waits for the update queued on the run's stream."""
+    import torch.distributed as td
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+    td.init_process_group("nccl", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cuda", (1,))
+        w = distribute_tensor(torch.zeros(4096, 4096, device="cuda"), mesh, [Shard(0)])  # 64 MiB
+        state = {"model": {"w": w}, "optim": {"state": {"w": {"step": torch.tensor(1.0)}}}}
+        st = shards.Stager(True)
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        torch.cuda._sleep(200_000_000)  # the run's stream still busy when the save is asked ...
+        w.to_local().add_(1.0)  # ... with the update the save must see
+        staged = st.stage(state).result()
+        got = staged["model"]["w"]
+        assert isinstance(got, DTensor) and got.device_mesh == mesh and got.placements == w.placements
+        assert got.to_local().device.type == "cpu" and got.to_local().is_pinned()
+        assert torch.cuda.memory_allocated() - before < 2**20  # no GPU copy of the state
+        assert bool((got.to_local() == 1.0).all())  # the values after the queued update
         st.close()
     finally:
         td.destroy_process_group()
