@@ -265,7 +265,8 @@ class StopFlag:
     the same exchange (`share`, before the first step and after each): the loop tests only that one. A loop that
     tested its own rank's flag stopped rank 0 alone when a SIGTERM reached it between the exchange and the loop's
     test — rank 0 waited in the checkpoint's barrier, rank 1 in the next step's all-gather, forever (CI, 2026-11-27,
-    seen with py-spy; tests/unit/train/test_stop.py)."""
+    seen with py-spy; tests/unit/train/test_stop.py, tests/unit/test_dist.py::
+    test_a_signal_to_one_rank_after_the_exchange_stops_every_rank_after_the_same_step)."""
 
     def __init__(self):
         self.requested = False

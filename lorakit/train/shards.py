@@ -108,6 +108,8 @@ class Stager:
 
         import torch
 
+        if ready is not None:  # this thread's device is cuda:0 until told: the pinning and the copy use the rank's
+            torch.cuda.set_device(self._stream.device)
         sources: list = []
         layout = _tensors(state_dict, sources)
         local = [part for _, part in sources]
@@ -119,7 +121,6 @@ class Stager:
                 self._buffers.append(buf)
             self._layout = layout
         if ready is not None:
-            torch.cuda.set_device(self._stream.device)  # this thread's device is cuda:0 until told (rank 1's is not)
             self._stream.wait_event(ready)
         with torch.no_grad(), (torch.cuda.stream(self._stream) if self._stream is not None
                                else contextlib.nullcontext()):
