@@ -102,12 +102,23 @@ class HostArena:
                 return t
             self.alone += n
             return t.pin_memory()
+        out = self.empty(t.shape, t.dtype)
+        if out is not None:
+            out.copy_(t)
+        return out
+
+    def empty(self, shape, dtype):
+        """Room in the arena for a tensor of `shape` and `dtype`, its values unset (what a later copy fills: the
+        pinned buffers of a background checkpoint, `train.shards.Stager`); None where `limit` leaves none."""
+        import math
+
+        import torch
+
+        n = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
         where = self._place(n)
         if where is None:
             return None
         i, off = where
         self.used[i] = _align(off + n)
-        out = self.chunks[i][off:off + n].view(t.dtype).view(t.shape)
-        out.copy_(t)
         self.copied += n
-        return out
+        return self.chunks[i][off:off + n].view(dtype).view(shape)
