@@ -226,8 +226,9 @@ def run_way(spec: dict) -> dict:
         if i >= spec["warmup"]:
             times.append(time.perf_counter() - t)
         losses.append(float(loss))
+    med = statistics.median(times)
     if not int(os.environ.get("RANK", "0") or 0):  # as it is measured (a run cut short still shows it)
-        print(f"bench step: {spec['way']} {statistics.median(times):.3f} s/step", file=sys.stderr, flush=True)
+        print(f"bench step: {spec['way']} {med:.3f} s/step", file=sys.stderr, flush=True)
     if spec.get("trace_dir"):
         info["trace"] = trace(step, spec, cuda)
     if spec.get("checkpoint_dir") and tr is not None:
@@ -241,7 +242,6 @@ def run_way(spec: dict) -> dict:
             if tr.dist.world > 1:  # the other ranks wait in a collective: end them all (the launcher does)
                 raise
             info["checkpoint"] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
-    med = statistics.median(times)
     gpus = spec.get("gpus", 1)
     out = {"way": spec["way"], "gpus": gpus, "s_per_step": round(med, 4), "items_per_s": round(gpus / med, 4),
            "min_s": round(min(times), 4), "max_s": round(max(times), 4), "steps_timed": len(times),

@@ -112,9 +112,7 @@ class HostArena:
         pinned buffers of a background checkpoint, `train.shards.Stager`); None where `limit` leaves none."""
         import math
 
-        import torch
-
-        n = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        n = math.prod(shape) * dtype.itemsize
         where = self._place(n)
         if where is None:
             return None
