@@ -107,10 +107,16 @@ class HostArena:
             out.copy_(t)
         return out
 
-    def empty(self, shape, dtype):
+    def empty(self, shape, dtype, whole: bool = False):
         """Room in the arena for a tensor of `shape` and `dtype`, its values unset (what a later copy fills: the
-        pinned buffers of a background checkpoint, `train.shards.Stager`); None where `limit` leaves none."""
+        pinned buffers of a background checkpoint, `train.shards.Stager`); None where `limit` leaves none. `whole`:
+        the tensor's storage is its own bytes alone, not the chunk's (a view's storage is the whole chunk, which
+        torch.distributed.checkpoint's writer clones into fresh memory before writing: a second copy of a rank's
+        state at every save, 2x H200, 2026-11-27); the chunk lives as long as the tensor."""
+        import ctypes
         import math
+
+        import torch
 
         n = math.prod(shape) * dtype.itemsize
         where = self._place(n)
@@ -119,4 +125,9 @@ class HostArena:
         i, off = where
         self.used[i] = _align(off + n)
         self.copied += n
-        return self.chunks[i][off:off + n].view(dtype).view(shape)
+        chunk = self.chunks[i]
+        if not whole or n == 0:
+            return chunk[off:off + n].view(dtype).view(shape)
+        room = (ctypes.c_char * n).from_address(chunk.data_ptr() + off)
+        room.chunk = chunk  # the buffer the tensor keeps holds the chunk
+        return torch.frombuffer(room, dtype=torch.uint8).view(dtype).view(shape)

@@ -205,7 +205,7 @@ def _host_copy(t, local, arena):
     DTensor a DTensor of `t`'s spec over it."""
     import torch
 
-    buf = arena.empty(local.shape, local.dtype) if type(local) is torch.Tensor else None
+    buf = arena.empty(local.shape, local.dtype, whole=True) if type(local) is torch.Tensor else None
     if buf is None:
         buf = torch.empty(local.shape, dtype=local.dtype, device="cpu")
     if not _is_dtensor(t):

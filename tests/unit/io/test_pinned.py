@@ -49,6 +49,29 @@ def test_a_tensor_larger_than_a_chunk_takes_its_own_and_the_open_chunk_goes_on_f
     assert torch.equal(b, big) and torch.equal(c, after) and torch.equal(a, small)
 
 
+def test_whole_room_has_a_storage_of_its_own_bytes_inside_the_chunk_that_it_keeps_alive():
+    """What torch.distributed.checkpoint's writer takes as it is: a view's storage is the whole chunk, and the writer
+    clones such a tensor into fresh memory before writing it."""
+    import gc
+
+    arena = HostArena(pin=False)
+    a = arena.empty((33, 17), torch.bfloat16, whole=True)
+    b = arena.empty((5,), torch.float32, whole=True)
+    view = arena.empty((4,), torch.float32)
+    chunk = arena.chunks[0]
+    for t in (a, b):
+        assert t.untyped_storage().size() == t.nbytes and t.shape in ((33, 17), (5,))
+        assert chunk.data_ptr() <= t.data_ptr() < chunk.data_ptr() + chunk.numel() - t.nbytes + 1
+    assert view.untyped_storage().size() == chunk.numel()
+    assert (b.data_ptr() - a.data_ptr()) % ALIGN == 0 and b.data_ptr() >= a.data_ptr() + a.nbytes
+    b.copy_(torch.arange(5.0))
+    assert torch.equal(chunk[b.data_ptr() - chunk.data_ptr():][:20].view(torch.float32), torch.arange(5.0))
+    del arena, chunk, view, a
+    gc.collect()
+    big = torch.full((1 << 20,), 7.0)  # memory the chunk would have gone back to
+    assert torch.equal(b, torch.arange(5.0)) and big[0] == 7.0  # b still holds the chunk
+
+
 def test_weights_a_sizeable_part_of_a_chunk_fill_every_chunks_free_tail(monkeypatch):
     """On an H100, 2026-11-26: FLUX.2 [dev]'s block matrices (72, 216, 216, 648 and 320 MiB in
     1 GiB chunks), each copied into the newest chunk only, held 18.0 GiB for 12.6 GiB of weights (1.43x, no better
@@ -98,6 +121,18 @@ def test_the_copies_are_page_locked_and_reach_the_gpu_asynchronously():
     back = [t.to("cuda", non_blocking=True) for t in out]
     torch.cuda.synchronize()
     assert all(torch.equal(a.float(), b.cpu().float()) for a, b in zip(src, back, strict=True))
+
+
+@pytest.mark.gpu
+def test_whole_room_is_page_locked_and_takes_an_asynchronous_copy_from_the_gpu():
+    arena = HostArena(pin=True)
+    src = [t.cuda() for t in _tensors() if t.numel()]
+    out = [arena.empty(t.shape, t.dtype, whole=True) for t in src]
+    assert all(t.is_pinned() and t.untyped_storage().size() == t.nbytes for t in out)
+    for o, t in zip(out, src, strict=True):
+        o.copy_(t, non_blocking=True)
+    torch.cuda.synchronize()
+    assert all(torch.equal(o.float(), t.cpu().float()) for o, t in zip(out, src, strict=True))
 
 
 @pytest.mark.gpu
