@@ -5,16 +5,20 @@ torch's caching host allocator rounds every page-locked allocation up to a power
 Mistral Small's MLP matrices) takes 512 MB. Pinned one by one, FLUX.2 [dev]'s 105 GiB of streamed weights took
 about 1.6 times that in host memory (4x H200 host, 2026-11-26: two `lorakit infer` processes on it, each 24 or 32 GiB card's
 plan streaming every block, reached 126 and 166 GiB of host memory before their first step, and the host's 251 GiB
-ran out). Packed into chunks whose size is itself a power of two, nothing is rounded; each copy goes to the first
-chunk with room for it (H100, 2026-11-26: filling only the newest chunk left every chunk's tail unused when
+ran out). Packed into chunks (page-locked by `locked`, not by that allocator), nothing is rounded; each copy goes
+to the first chunk with room for it (H100, 2026-11-26: filling only the newest chunk left every chunk's tail unused when
 the weights are a sizeable part of a chunk — 18.0 GiB held for 12.6 GiB of FLUX.2-shaped matrices, no better than one by one).
 """
 
 from __future__ import annotations
 
+import mmap
+import os
+
 GIB = 2**30
-CHUNK = GIB  # bytes per page-locked chunk (a power of two: the allocator takes it as it is)
+CHUNK = GIB  # bytes per page-locked chunk
 ALIGN = 512  # every copy starts at a multiple of this (any dtype's element size; the GPU's copy engines like it)
+PAGE = 4096  # bytes a host page holds (at least)
 SPARE_GIB = 8.0  # host memory left to everything else, at least, beside what is pinned
 
 
@@ -26,6 +30,52 @@ def pinnable() -> int:
 
     vm = psutil.virtual_memory()
     return max(0, int(vm.available - max(SPARE_GIB * GIB, 0.1 * vm.total)))
+
+
+class _Mapped(mmap.mmap):
+    """Anonymous host memory, page-locked once `address` is set; unlocked before it is unmapped."""
+
+    address = 0
+
+    def __del__(self):
+        if self.address:
+            try:
+                import torch
+
+                torch.cuda.cudart().cudaHostUnregister(self.address)
+            except Exception:  # the interpreter is ending (its modules gone): the process's exit frees it all
+                pass
+
+
+def _touch(t, threads: int = 8) -> None:
+    """Fault in every page of `t` from several threads (the kernel zeroes each page as it first meets it)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    part = -(-t.numel() // (threads * PAGE)) * PAGE  # whole pages each (the tensor starts on a page: an mmap)
+    with ThreadPoolExecutor(threads) as pool:  # a strided fill writes one byte a page, without the interpreter
+        list(pool.map(lambda i: t[i * part:(i + 1) * part:PAGE].fill_(0), range(threads)))
+
+
+def locked(n: int):
+    """(a uint8 tensor of `n` bytes of page-locked host memory, 0) — or the same memory pageable and the CUDA error
+    that refused to lock it. The pages are faulted in by several threads first, then registered with CUDA
+    (cudaHostRegister). H100, 2026-11-27, 16 GiB in 1 GiB pieces from a thread beside a loop of matmuls on the main
+    thread (docs/benchmarks-history.md): torch's `pin_memory` (cudaHostAlloc) took 11.1 s and held back the other
+    thread's CUDA calls all along (the loop lost 11.1 s); faulted in by 16 threads (2.4 s, the loop unhindered), then
+    registered (1.9 s), the loop lost 1.9 s. Copies from the GPU reach both at 52-54 GB/s (pageable: 12.6). A FLUX.1-dev
+    full fine-tune's first background save on 2x H200 waited 8-15 s for the pinning and took an 18-23 s step."""
+    import torch
+
+    try:
+        m = _Mapped(-1, n)
+    except OSError as e:
+        raise MemoryError(f"no host memory for {n} bytes ({e.strerror})") from None
+    t = torch.frombuffer(m, dtype=torch.uint8)  # keeps the mapping (and its unlocking) alive
+    _touch(t, min(8, os.cpu_count() or 1))
+    error = int(torch.cuda.cudart().cudaHostRegister(t.data_ptr(), n, 1))  # 1: portable, every CUDA context
+    if error == 0:
+        m.address = t.data_ptr()
+    return t, error
 
 
 def _align(n: int) -> int:
@@ -50,6 +100,7 @@ class HostArena:
         self.copied = 0  # bytes of the tensors copied in
         self.pageable = 0  # bytes of the tensors left pageable: no room under `limit`
         self.alone = 0  # bytes of the tensor subclasses pinned on their own
+        self.refused = 0  # the CUDA error that refused to page-lock a chunk (the arena is pageable from then on)
 
     @property
     def reserved(self) -> int:
@@ -59,7 +110,12 @@ class HostArena:
     def _alloc(self, n: int):
         import torch
 
-        return torch.empty(n, dtype=torch.uint8, pin_memory=self.pin)
+        if not self.pin:
+            return torch.empty(n, dtype=torch.uint8)
+        t, error = locked(n)
+        if error:  # page-locking refused (a memlock limit): this chunk and the next ones stay pageable, counted
+            self.pin, self.refused = False, error
+        return t
 
     def _place(self, n: int) -> tuple[int, int] | None:
         """(chunk, offset) for `n` bytes: the first chunk whose free tail holds them, else a new chunk (its own one

@@ -112,6 +112,62 @@ def test_beyond_its_limit_the_arena_leaves_tensors_pageable_and_counts_them(monk
     assert none.host(src[0]).data_ptr() == src[0].data_ptr() and none.pageable == 1024 and none.reserved == 0 and not made[2:]
 
 
+class _Cudart:
+    """What `locked` asks of CUDA, recorded: the registrations (address, bytes, flags) and unregistrations."""
+
+    def __init__(self, answer=0):
+        self.answer, self.registered, self.unregistered = answer, [], []
+
+    def cudaHostRegister(self, ptr, n, flags):
+        self.registered.append((ptr, n, flags))
+        return self.answer
+
+    def cudaHostUnregister(self, ptr):
+        self.unregistered.append(ptr)
+        return 0
+
+
+def test_a_chunk_is_faulted_in_registered_once_and_unregistered_when_the_last_tensor_on_it_goes(monkeypatch):
+    import gc
+
+    cudart = _Cudart()
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
+    monkeypatch.setattr(pinned, "CHUNK", 1 << 20)
+    arena = HostArena(pin=True)
+    src = _tensors()
+    out = [arena.copy(t) for t in src]
+    whole = arena.empty((3, 5), torch.float32, whole=True)
+    ((ptr, n, flags),) = cudart.registered
+    assert ptr == arena.chunks[0].data_ptr() and n == 1 << 20 and flags == 1 and not arena.refused
+    assert all(torch.equal(a.float(), b.float()) for a, b in zip(src, out, strict=True))
+    del arena, out
+    gc.collect()
+    assert cudart.unregistered == []  # `whole` still holds the chunk
+    whole.fill_(1.0)
+    del whole
+    gc.collect()
+    assert cudart.unregistered == [ptr]
+
+
+def test_a_refused_page_lock_leaves_the_arena_pageable_and_says_which_error(monkeypatch):
+    cudart = _Cudart(answer=2)  # cudaErrorMemoryAllocation: a memlock limit, say
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
+    monkeypatch.setattr(pinned, "CHUNK", 4096)
+    arena = HostArena(pin=True)
+    src = [torch.full((600,), float(i)) for i in range(3)]  # 2,400 bytes each: one a chunk
+    out = [arena.host(t) for t in src]
+    assert len(cudart.registered) == 1 and arena.refused == 2 and not arena.pin  # asked once, not again
+    assert all(torch.equal(a, b) for a, b in zip(src, out, strict=True)) and cudart.unregistered == []
+
+
+def test_pages_are_faulted_in_by_several_threads_and_keep_their_values():
+    for pages in (1, 3, 9):
+        t = torch.full((pages * pinned.PAGE + 5,), 7, dtype=torch.uint8)
+        pinned._touch(t, threads=4)
+        written = (t == 0).nonzero().flatten() // pinned.PAGE
+        assert written.tolist() == list(range(pages + 1))  # one byte on each page, the last partial one too
+
+
 @pytest.mark.gpu
 def test_the_copies_are_page_locked_and_reach_the_gpu_asynchronously():
     arena = HostArena(pin=True)
