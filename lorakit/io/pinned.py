@@ -89,10 +89,12 @@ class HostArena:
     for); the tensors beyond it wait where they are, pageable, counted in `pageable` — FLUX.2 [dev]'s 58.5 GiB
     transformer on a host with 51 GiB to spare streams 50 GiB of it page-locked, not all of it pageable (H100,
     2026-11-26: 10 steps at 1024² in 66 s against 83). A tensor subclass (a quantized weight that knows its own layout)
-    is pinned on its own, as torch does it."""
+    is pinned on its own, as torch does it. `register`: the chunks are page-locked by `locked` (beside a running step)
+    instead of torch's `pin_memory` (the streamed weights, pinned before the first step, keep torch's until `locked`
+    has been run on a GPU for them)."""
 
-    def __init__(self, pin: bool = True, expect: int | None = None, limit: int | None = None):
-        self.pin = pin
+    def __init__(self, pin: bool = True, expect: int | None = None, limit: int | None = None, register: bool = False):
+        self.pin, self.register = pin, register
         self.chunk = CHUNK if not expect else min(CHUNK, 1 << max(_align(expect) - 1, 1).bit_length())
         self.limit = limit
         self.chunks: list = []
@@ -112,6 +114,8 @@ class HostArena:
 
         if not self.pin:
             return torch.empty(n, dtype=torch.uint8)
+        if not self.register:
+            return torch.empty(n, dtype=torch.uint8, pin_memory=True)
         t, error = locked(n)
         if error:  # page-locking refused (a memlock limit): this chunk and the next ones stay pageable, counted
             self.pin, self.refused = False, error

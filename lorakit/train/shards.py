@@ -196,7 +196,7 @@ def _arena(local: list, pin: bool):
     take 1.78 times their size (16 and 64 x 2^20)."""
     size = sum(p.numel() * p.element_size() for p in local)
     room = pinnable() if pin else None
-    return HostArena(pin and room > 0, expect=size, limit=room)
+    return HostArena(pin and room > 0, expect=size, limit=room, register=True)  # locked beside the steps
 
 
 def _host_copy(t, local, arena):

@@ -133,7 +133,7 @@ def test_a_chunk_is_faulted_in_registered_once_and_unregistered_when_the_last_te
     cudart = _Cudart()
     monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
     monkeypatch.setattr(pinned, "CHUNK", 1 << 20)
-    arena = HostArena(pin=True)
+    arena = HostArena(pin=True, register=True)
     src = _tensors()
     out = [arena.copy(t) for t in src]
     whole = arena.empty((3, 5), torch.float32, whole=True)
@@ -153,7 +153,7 @@ def test_a_refused_page_lock_leaves_the_arena_pageable_and_says_which_error(monk
     cudart = _Cudart(answer=2)  # cudaErrorMemoryAllocation: a memlock limit, say
     monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
     monkeypatch.setattr(pinned, "CHUNK", 4096)
-    arena = HostArena(pin=True)
+    arena = HostArena(pin=True, register=True)
     src = [torch.full((600,), float(i)) for i in range(3)]  # 2,400 bytes each: one a chunk
     out = [arena.host(t) for t in src]
     assert len(cudart.registered) == 1 and arena.refused == 2 and not arena.pin  # asked once, not again
@@ -169,8 +169,9 @@ def test_pages_are_faulted_in_by_several_threads_and_keep_their_values():
 
 
 @pytest.mark.gpu
-def test_the_copies_are_page_locked_and_reach_the_gpu_asynchronously():
-    arena = HostArena(pin=True)
+@pytest.mark.parametrize("register", [False, True], ids=["pin_memory", "registered"])
+def test_the_copies_are_page_locked_and_reach_the_gpu_asynchronously(register):
+    arena = HostArena(pin=True, register=register)
     src = _tensors()
     out = [arena.copy(t) for t in src]
     assert all(t.is_pinned() for t in out)
@@ -180,8 +181,9 @@ def test_the_copies_are_page_locked_and_reach_the_gpu_asynchronously():
 
 
 @pytest.mark.gpu
-def test_whole_room_is_page_locked_and_takes_an_asynchronous_copy_from_the_gpu():
-    arena = HostArena(pin=True)
+@pytest.mark.parametrize("register", [False, True], ids=["pin_memory", "registered"])
+def test_whole_room_is_page_locked_and_takes_an_asynchronous_copy_from_the_gpu(register):
+    arena = HostArena(pin=True, register=register)
     src = [t.cuda() for t in _tensors() if t.numel()]
     out = [arena.empty(t.shape, t.dtype, whole=True) for t in src]
     assert all(t.is_pinned() and t.untyped_storage().size() == t.nbytes for t in out)
