@@ -211,11 +211,13 @@ def _check_start(cfg, resume: str | None, force: bool) -> str | None:
     """The checks a run makes of its output folder and checkpoint before anything loads, for --dry-run and the
     launcher: an earlier run's results (refused without --resume or --force), the checkpoint --resume names, the
     disk room a full fine-tune's checkpoints need (returned: what they take, said; None for a LoRA run)."""
+    from lorakit.io.lock import refuse_held
     from lorakit.plan import disk
     from lorakit.train import checkpoint
     from lorakit.train.resume import check_fresh_start, find
 
     out = Path(cfg.output.dir)
+    refuse_held(out, "training run", "wait for it to finish, or give this run another output.dir")  # as the run does
     check_fresh_start(out, cfg.output.name, resume, force)
     if resume:
         find(out, resume, cfg.method == "full", checkpoint.latest)

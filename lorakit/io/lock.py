@@ -102,10 +102,26 @@ def _not_regular(path: Path) -> tuple[str, str]:
 def _owner(fd: int) -> str:
     """" (pid N on host H since T: command)" from the lock file, or "" when it says nothing readable."""
     try:
-        info = json.loads(os.pread(fd, 4096, 0).decode("utf-8"))
-        return f" (pid {info['pid']} on {info['host']} since {info['since']}: {info['command']})"
-    except (OSError, ValueError, KeyError, TypeError):
+        return owner_text(json.loads(os.pread(fd, 4096, 0).decode("utf-8")))
+    except (OSError, ValueError):
         return ""
+
+
+def owner_text(info) -> str:
+    """" (pid N on host H since T: command)" from a lock file's description (`holder`), "" where it has none."""
+    try:
+        return f" (pid {info['pid']} on {info['host']} since {info['since']}: {info['command']})"
+    except (KeyError, TypeError):
+        return ""
+
+
+def refuse_held(folder, what: str, hint: str) -> None:
+    """InputError where another process holds `folder`'s lock now, worded as `FolderLock` words it: what a check
+    made before taking the lock (a dry run) says first — the folder's other contents are that process's, not an
+    earlier run's."""
+    info = holder(folder)
+    if info is not None:
+        raise InputError(f"{folder} is in use by another lorakit {what}{owner_text(info)}", hint)
 
 
 def holder(folder) -> dict | None:

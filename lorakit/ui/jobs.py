@@ -22,7 +22,8 @@ import threading
 import time
 from pathlib import Path
 
-from lorakit.errors import EnvironmentFault, InputError
+from lorakit.config.loading import deep_merge, load_yaml, parse_overrides
+from lorakit.errors import EnvironmentFault, InputError, LorakitError
 from lorakit.io.lock import holder
 from lorakit.ui.confine import confined, inside, read_text
 from lorakit.ui.runs import resumable, status
@@ -155,6 +156,9 @@ class Queue:
     def submit(self, config: str, sets: list[str] | None = None, resume: bool = False) -> dict:
         """Check the run as `lorakit train --dry-run` does (`check`), then queue it. InputError with every problem
         the CLI names when it would be refused."""
+        named = _named_out_dir(self.config_path(config), sets)
+        if named is not None:  # a folder a job trains into: said by job before the dry run sees that job's files
+            self._not_held(Path(self.root, named).resolve())
         checked = self.check(config, sets, resume)
         path, sets = Path(checked["config_file"]), checked["sets"]
         out_dir = self._own_folder(_out_dir(checked))
@@ -176,6 +180,11 @@ class Queue:
                              "a job writes inside the runs folder: give a path relative to it") from None
         if real == self.root:
             raise InputError(f"output.dir {out_dir}: the runs folder itself", "give a folder inside it, e.g. runs/mine")
+        self._not_held(real)
+        return str(real)
+
+    def _not_held(self, real: Path) -> None:
+        """InputError where a job of this queue or another lorakit process trains into the folder `real` now."""
         for j in self.jobs():
             if j["state"] in HOLDING and j["out_dir"] == str(real):
                 raise InputError(f"{_run_name(self.root, str(real))}: job {j['id']} ({j['state']}) already "
@@ -185,7 +194,6 @@ class Queue:
             who = f" (pid {held.get('pid')}: {held.get('command')})" if held else ""
             raise InputError(f"{_run_name(self.root, str(real))}: a lorakit process is training there now{who}",
                              "wait for it to finish, or stop it first")
-        return str(real)
 
     def stop(self, job_id: int) -> dict:
         """SIGTERM: the run saves a checkpoint and exits 75 (a queued job is cancelled). Only the job's own process is
@@ -316,6 +324,18 @@ def _run_name(root: Path, out_dir: str | None) -> str | None:
 def free_slots(busy: set, slots: int) -> list[int]:
     """The slots (GPU indices) no active job holds, lowest first."""
     return [s for s in range(slots) if s not in busy]
+
+
+def _named_out_dir(path: Path, sets: list[str] | None) -> str | None:
+    """The output.dir a config file and its --set values name (relative to the runs folder, where jobs run), or None
+    where they name none or do not read (the dry run then says what it takes, or why not)."""
+    try:
+        user = deep_merge(load_yaml(path), parse_overrides([s for s in (sets or []) if s.strip()])[0])
+    except (LorakitError, OSError):
+        return None
+    out = user.get("output")
+    d = out.get("dir") if isinstance(out, dict) else None
+    return d if isinstance(d, str) and d.strip() else None
 
 
 def _out_dir(got: dict) -> str | None:

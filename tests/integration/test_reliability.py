@@ -146,6 +146,8 @@ def test_a_second_run_on_the_same_output_folder_is_refused_naming_the_first(tmp_
         err = json.loads(second.stdout)
         assert f"{tmp_path / 'out'} is in use by another lorakit training run (pid {first.pid} on " in err["message"]
         assert "output.dir" in err["hint"]
+        dry = _dry(path)  # the dry run says the same, not "holds a run ... --force starts over" (its steps are the first's)
+        assert dry.exit_code == 2 and f"in use by another lorakit training run (pid {first.pid} on " in dry.output
     finally:  # kill -9: the kernel's lock goes with the process
         first.send_signal(signal.SIGKILL)
         first.communicate()

@@ -103,9 +103,12 @@ def test_one_job_per_run_folder_resume_only_from_a_checkpoint_and_outputs_inside
         q.resume(rel["id"])
 
     a = q.submit("a.yaml")
+    deadline = time.time() + 120
+    metrics = root / "a" / "metrics.jsonl"
+    while not (metrics.exists() and metrics.read_text().strip()) and time.time() < deadline:
+        time.sleep(0.1)  # the job has written steps: its folder must still read as the job's, not an earlier run's
     with pytest.raises(InputError, match=f"job {a['id']} .* already trains into this run folder"):
         q.submit("a.yaml")  # a second start of a held folder
-    deadline = time.time() + 120
     while not list((root / "a" / "checkpoints").glob("step-*")) and time.time() < deadline:
         time.sleep(0.1)
     q.stop(a["id"])
