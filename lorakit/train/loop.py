@@ -143,6 +143,11 @@ def save(r: Run, **kw):
     if said and "consumer" not in r.said:
         r.said.add("consumer")
         r.note(said)
+    arena = getattr(getattr(r.trainer, "_stager", None), "arena", None)  # made by an earlier background save
+    if arena is not None and arena.refused and "pinning" not in r.said:
+        r.said.add("pinning")
+        r.note(f"background checkpoints: page-locking their host buffers was refused (CUDA error {arena.refused}); "
+               "they copy into pageable memory, which holds each save's step longer")
     return ck
 
 

@@ -157,8 +157,12 @@ class Queue:
         """Check the run as `lorakit train --dry-run` does (`check`), then queue it. InputError with every problem
         the CLI names when it would be refused."""
         named = _named_out_dir(self.config_path(config), sets)
-        if named is not None:  # a folder a job trains into: said by job before the dry run sees that job's files
-            self._not_held(Path(self.root, named).resolve())
+        try:  # a folder a job trains into: said by job before the dry run sees that job's files
+            real = inside(self.root, Path(self.root, named)) if named is not None else None
+        except InputError:
+            real = None  # outside the runs folder: refused after the dry run, which resolves it
+        if real is not None and real != self.root:
+            self._not_held(real)
         checked = self.check(config, sets, resume)
         path, sets = Path(checked["config_file"]), checked["sets"]
         out_dir = self._own_folder(_out_dir(checked))

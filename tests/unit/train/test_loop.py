@@ -331,3 +331,23 @@ def test_a_stall_between_steps_shows_in_the_step_record_and_the_eta(tmp_path, ti
     assert lines[4]["s_per_step"] == rows[4]["s_per_step"]
     assert lines[4]["s_per_step_avg"] >= rows[4]["s_per_step"] / 3  # the ETA's pace (steps 2-4) counts it
     assert lines[4]["eta_s"] == pytest.approx(2 * lines[4]["s_per_step_avg"], abs=0.051)  # eta_s: 0.1 s
+
+
+def test_a_refused_page_lock_of_the_checkpoint_buffers_is_said_once(tmp_path):
+    """Background checkpoints whose host buffers could not be page-locked still work (pageable, slower): the run says
+    so once, with CUDA's error, not at every save."""
+    from types import SimpleNamespace
+
+    from lorakit.io.pinned import HostArena
+    from lorakit.train import loop
+
+    arena = HostArena(pin=False)
+    trainer = SimpleNamespace(save=lambda **kw: tmp_path, last_check=None, _stager=SimpleNamespace(arena=arena))
+    notes: list[str] = []
+    r = SimpleNamespace(trainer=trainer, said=set(), note=notes.append)
+    loop.save(r, background=True)
+    assert notes == []
+    arena.refused = 2  # cudaErrorMemoryAllocation
+    loop.save(r, background=True)
+    loop.save(r, background=True)
+    assert len(notes) == 1 and "page-locking their host buffers was refused (CUDA error 2)" in notes[0]
