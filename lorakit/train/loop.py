@@ -12,7 +12,7 @@ from pathlib import Path
 from lorakit.convert.verify import consumer_note
 from lorakit.events import PHASES, Events, Recorded
 from lorakit.plan.resolve import Resolved
-from lorakit.train import checkpoint, warm
+from lorakit.train import checkpoint, shards, warm
 from lorakit.train.allocwatch import AllocWatch
 from lorakit.train.compile_bg import cache_news, summary
 from lorakit.train.gcpause import Collector
@@ -137,17 +137,13 @@ def steps(r: Run, end: int) -> None:
 def save(r: Run, **kw):
     """A checkpoint (`Trainer.save`); a LoRA file that a consumer reads only in part (ComfyUI and FLUX.2's shared
     modulation under diffusers names) is said in the run's output, once per run, with the command that writes a
-    file it reads whole."""
+    file it reads whole; so are background checkpoints whose buffers could not be page-locked."""
     ck = r.trainer.save(**kw)
-    said = consumer_note(ck / "lora.safetensors", r.trainer.last_check)
-    if said and "consumer" not in r.said:
-        r.said.add("consumer")
-        r.note(said)
-    arena = getattr(getattr(r.trainer, "_stager", None), "arena", None)  # made by an earlier background save
-    if arena is not None and arena.refused and "pinning" not in r.said:
-        r.said.add("pinning")
-        r.note(f"background checkpoints: page-locking their host buffers was refused (CUDA error {arena.refused}); "
-               "they copy into pageable memory, which holds each save's step longer")
+    for key, said in (("consumer", consumer_note(ck / "lora.safetensors", r.trainer.last_check)),
+                      ("pinning", shards.refused_note(r.trainer))):  # each said once per run
+        if said and key not in r.said:
+            r.said.add(key)
+            r.note(said)
     return ck
 
 

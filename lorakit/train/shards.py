@@ -231,6 +231,16 @@ def stager(tr):
     return tr._stager
 
 
+def refused_note(tr) -> str | None:
+    """What the run says where page-locking its background checkpoints' buffers was refused (known once a background
+    save has made them), else None."""
+    arena = getattr(getattr(tr, "_stager", None), "arena", None)
+    if arena is None or not arena.refused:
+        return None
+    return (f"background checkpoints: page-locking their host buffers was refused (CUDA error {arena.refused}); they "
+            "copy into pageable memory, which holds each save's step longer")
+
+
 def release(tr) -> None:
     """Free the run's pinned staging buffers (after its last save)."""
     st, tr._stager = getattr(tr, "_stager", None), None
