@@ -67,7 +67,7 @@ def locked(n: int):
     import torch
 
     try:
-        m = _Mapped(-1, n)
+        m = _Mapped(-1, n, flags=mmap.MAP_PRIVATE)  # anonymous, private (as malloc's): a forked child copies on write
     except OSError as e:
         raise MemoryError(f"no host memory for {n} bytes ({e.strerror})") from None
     t = torch.frombuffer(m, dtype=torch.uint8)  # keeps the mapping (and its unlocking) alive

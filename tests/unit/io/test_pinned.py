@@ -112,6 +112,16 @@ def test_beyond_its_limit_the_arena_leaves_tensors_pageable_and_counts_them(monk
     assert none.host(src[0]).data_ptr() == src[0].data_ptr() and none.pageable == 1024 and none.reserved == 0 and not made[2:]
 
 
+def _mapping(address: int) -> list[str]:
+    """The /proc/self/maps line (split) of the mapping that holds `address`."""
+    with open("/proc/self/maps") as f:
+        for line in f:
+            lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+            if lo <= address < hi:
+                return line.split()
+    raise AssertionError(f"{address:#x} is in no mapping")
+
+
 class _Cudart:
     """What `locked` asks of CUDA, recorded: the registrations (address, bytes, flags) and unregistrations."""
 
@@ -139,6 +149,7 @@ def test_a_chunk_is_faulted_in_registered_once_and_unregistered_when_the_last_te
     whole = arena.empty((3, 5), torch.float32, whole=True)
     ((ptr, n, flags),) = cudart.registered
     assert ptr == arena.chunks[0].data_ptr() and n == 1 << 20 and flags == 1 and not arena.refused
+    assert _mapping(ptr)[1] == "rw-p"  # private anonymous memory, as malloc's (a shared one is shmem: a fork shares it)
     assert all(torch.equal(a.float(), b.float()) for a, b in zip(src, out, strict=True))
     del arena, out
     gc.collect()
