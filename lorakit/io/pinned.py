@@ -66,16 +66,17 @@ def locked(n: int):
     full fine-tune's first background save on 2x H200 waited 8-15 s for the pinning and took an 18-23 s step."""
     import torch
 
+    size = -(-n // PAGE) * PAGE  # whole pages: what is mapped and registered
     try:
-        m = _Mapped(-1, n, flags=mmap.MAP_PRIVATE)  # anonymous, private (as malloc's): a forked child copies on write
+        m = _Mapped(-1, size, flags=mmap.MAP_PRIVATE)  # anonymous, private (as malloc's): a fork copies on write
     except OSError as e:
         raise MemoryError(f"no host memory for {n} bytes ({e.strerror})") from None
     t = torch.frombuffer(m, dtype=torch.uint8)  # keeps the mapping (and its unlocking) alive
     _touch(t, min(8, os.cpu_count() or 1))
-    error = int(torch.cuda.cudart().cudaHostRegister(t.data_ptr(), n, 1))  # 1: portable, every CUDA context
+    error = int(torch.cuda.cudart().cudaHostRegister(t.data_ptr(), size, 1))  # 1: portable, every CUDA context
     if error == 0:
         m.address = t.data_ptr()
-    return t, error
+    return t[:n], error
 
 
 def _align(n: int) -> int:

@@ -160,6 +160,14 @@ def test_a_chunk_is_faulted_in_registered_once_and_unregistered_when_the_last_te
     assert cudart.unregistered == [ptr]
 
 
+def test_a_lock_maps_and_registers_whole_pages_and_gives_the_bytes_asked_for(monkeypatch):
+    cudart = _Cudart()
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
+    t, error = pinned.locked(3 * pinned.PAGE + 512)
+    assert error == 0 and t.numel() == 3 * pinned.PAGE + 512 and t.dtype == torch.uint8
+    assert cudart.registered == [(t.data_ptr(), 4 * pinned.PAGE, 1)] and t.data_ptr() % pinned.PAGE == 0
+
+
 def test_a_refused_page_lock_leaves_the_arena_pageable_and_says_which_error(monkeypatch):
     cudart = _Cudart(answer=2)  # cudaErrorMemoryAllocation: a memlock limit, say
     monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
