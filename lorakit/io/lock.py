@@ -55,7 +55,7 @@ class FolderLock:
             owner = _owner(self.fd)
             os.close(self.fd)
             self.fd = None
-            raise InputError(f"{self.folder} is in use by another lorakit {self.what}{owner}", self.hint) from None
+            raise _in_use(self.folder, self.what, owner, self.hint) from None
         except OSError as e:
             if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):
                 raise environment_fault(e, self.path) or e from None
@@ -121,7 +121,12 @@ def refuse_held(folder, what: str, hint: str) -> None:
     earlier run's."""
     info = holder(folder)
     if info is not None:
-        raise InputError(f"{folder} is in use by another lorakit {what}{owner_text(info)}", hint)
+        raise _in_use(folder, what, owner_text(info), hint)
+
+
+def _in_use(folder, what: str, owner: str, hint: str) -> InputError:
+    """What a folder another lorakit process holds is refused with (by `FolderLock` and `refuse_held` alike)."""
+    return InputError(f"{folder} is in use by another lorakit {what}{owner}", hint)
 
 
 def holder(folder) -> dict | None:
