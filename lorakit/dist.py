@@ -181,7 +181,7 @@ def run_launched(cmd: list[str]) -> int:
     """Run the launcher (`launch_command`) and wait for it; the exit code one process would have given.
 
     The launcher runs in a session of its own, and SIGINT, SIGTERM and SIGHUP sent to this process go to its
-    workers (the ranks) directly: every rank stops after the same step (`train.checkpoint.StopFlag.share`), the
+    workers (the ranks) directly: every rank stops after the same step (`train.stop.StopFlag.share`), the
     run saves its checkpoint, and the workers end with 0, so torch's elastic agent ends cleanly rather than
     stopping the ranks itself (SIGTERM, then SIGKILL 30 s later: a large checkpoint still being written would be
     cut). Rank 0 leaves the result in a file (`launched_result`): an interrupted run ends this command with 75, as

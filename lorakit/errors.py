@@ -18,7 +18,7 @@ import re
 # A SIGTERM that arrived before a command's own handler took over (the CLI's handler sets it), kept below every
 # layer: Python swallows an interrupt raised inside a finalizer or a callback ("Exception ignored in: 'Path'"), and
 # the command would run on to exit 0 (seen once under load, 2026-11-27). The CLI looks before a command begins,
-# a training run when it takes SIGINT/SIGTERM over (`train.checkpoint.stop_on_signals`).
+# a training run when it takes SIGINT/SIGTERM over (`train.stop.stop_on_signals`).
 STOP = {"asked": False}
 
 EXIT_INTERRUPTED_RESUMABLE = 75  # EX_TEMPFAIL: "temporary failure, the user is invited to retry"

@@ -3,7 +3,8 @@
     <out>/checkpoints/step-NNNNNN/   lora.safetensors + state.pt; method=full: dcp/ (every rank's shards, see
                                      shards.py) + config.json + state.pt, or with output.checkpoint_format=gathered
                                      transformer/ (the whole model, diffusers layout, written by rank 0) + state.pt
-    <out>/checkpoints/final/         the same, after the last step
+    <out>/checkpoints/final/         the same, after the last step (a full fine-tune's, where that step has its
+                                     step checkpoint: hard links to its files, the state not written twice)
     <out>/<name>.safetensors         the final LoRA (or <name>-transformer/, exported from final/)
 
 Every file is written atomically (temporary sibling, then rename), so a kill at any moment leaves the
@@ -15,14 +16,14 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import shutil
-import signal
 from pathlib import Path
 
 from lorakit.convert.checkpoint import DIR as SHARDS
 from lorakit.convert.checkpoint import export_checkpoint
 from lorakit.convert.checkpoint import intact as shards_intact
-from lorakit.errors import STOP, FileFormatError, InputError, LorakitError, environment_fault
+from lorakit.errors import FileFormatError, InputError, LorakitError, environment_fault
 from lorakit.io import atomic_path, load, read_header, resolve_files, save_sharded
 from lorakit.io.pt import NotPlainData, load_pt
 from lorakit.train import shards
@@ -38,10 +39,14 @@ def save(tr, final: bool = False, name: str | None = None, background: bool = Fa
     folder and the saved LoRA read back as each consumer reads it (None for method=full)."""
     import torch
 
-    name = name or ("final" if final else f"step-{tr.step:06d}")
-    ck = tr.out / "checkpoints" / name
     consumer_check, clock = None, Clock()
     tr.save_took = clock.took  # the parts of this save, in seconds (the checkpoint phase's facts)
+    if tr.full and name is None and getattr(tr, "step_saved", None) is not None and tr.step_saved[0] == tr.step:
+        return _saved_already(tr, tr.step_saved[1], final, clock), None
+    name = name or ("final" if final else f"step-{tr.step:06d}")
+    ck = tr.out / "checkpoints" / name
+    if not final and name.startswith("step-"):
+        tr.step_saved = (tr.step, ck)  # what the run's end reuses where no step follows (a full fine-tune)
     if torch.device(tr.device).type == "cuda":  # the steps' queued GPU work ends first, timed apart from the save
         torch.cuda.synchronize(tr.device)
         clock.lap("the last steps' GPU work")
@@ -77,6 +82,39 @@ def save(tr, final: bool = False, name: str | None = None, background: bool = Fa
             _prune(tr)
     tr.dist.barrier()
     return ck, consumer_check
+
+
+def _saved_already(tr, ck: Path, final: bool, clock) -> Path:
+    """A full fine-tune's end at a step whose step checkpoint `ck` was just saved (output.save_every divides the
+    steps, or a stop right after a save): that save completes and is the run's checkpoint — `final` is made of hard
+    links to its files (a copy where the filesystem has no links), not a second write of the same state (FLUX.2
+    [klein] 4B's 22 GB took 18.7 s more on 2x H100, 2026-11-28; FLUX.1-dev's is 71 GB). A LoRA run writes its
+    few MB again: two files, each whole on its own."""
+    wait(tr)
+    clock.lap(f"{ck.name}'s save completed")
+    if not final:
+        return ck
+    dst = ck.parent / "final"
+    if tr.dist.main:
+        try:
+            (dst / "state.pt").unlink(missing_ok=True)  # whole only when its state.pt is back (as a rewrite)
+            shutil.rmtree(dst, ignore_errors=True)
+            shutil.copytree(ck, dst, copy_function=_link, ignore=lambda d, names: ["state.pt"] if d == str(ck) else [])
+            _link(ck / "state.pt", dst / "state.pt")
+        except OSError as e:
+            raise environment_fault(e, dst) or e from None
+        clock.lap(f"final/ linked to {ck.name}'s files")
+    tr.dist.barrier()
+    return dst
+
+
+def _link(src, dst) -> None:
+    """`dst` as another name of `src`'s file (lorakit never writes a checkpoint file in place: each is a new file
+    renamed over the old one), or a copy of it where the filesystem refuses links."""
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
 
 
 def _prune(tr) -> None:
@@ -256,50 +294,6 @@ def weights_of(tr, ck: Path):
         yield
     finally:
         _put(tr, mine)
-
-
-class StopFlag:
-    """Set by SIGINT/SIGTERM: the run stops after the current step (and then saves a checkpoint).
-
-    `requested` is this rank's: the signal handler sets it at any moment. `agreed` is what every rank holds after
-    the same exchange (`share`, before the first step and after each): the loop tests only that one. A loop that
-    tested its own rank's flag stopped rank 0 alone when a SIGTERM reached it between the exchange and the loop's
-    test — rank 0 waited in the checkpoint's barrier, rank 1 in the next step's all-gather, forever (CI, 2026-11-27,
-    seen with py-spy; tests/unit/train/test_stop.py, tests/unit/test_dist.py::
-    test_a_signal_to_one_rank_after_the_exchange_stops_every_rank_after_the_same_step)."""
-
-    def __init__(self):
-        self.requested = False
-        self.agreed = False
-
-    def share(self, dist) -> None:
-        """A stop asked on any rank stops them all, after the same step. The handler never writes `agreed`, and
-        `requested` is never cleared: a signal whose handler runs while the ranks exchange the flag (after it was
-        read) is agreed at the next exchange instead of lost (a SIGTERM sent just after a step's record was written
-        was lost that way once and the run trained on; CI, 2026-11-26)."""
-        if dist.total(float(self.requested)) > 0:
-            self.agreed = True
-
-
-@contextlib.contextmanager
-def stop_on_signals(flag: StopFlag):
-    """SIGINT/SIGTERM set `flag` for the duration. A SIGTERM that came before (its interrupt swallowed where Python
-    ignores exceptions: `errors.STOP`) stops the run here, before its first step: exit 130, nothing saved."""
-    old = {}
-
-    def _stop(signum, frame):
-        flag.requested = True
-
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        with contextlib.suppress(ValueError):  # not the main thread
-            old[sig] = signal.signal(sig, _stop)
-    try:
-        if STOP["asked"]:
-            raise KeyboardInterrupt
-        yield
-    finally:
-        for sig, h in old.items():
-            signal.signal(sig, h)
 
 
 def read_state_any(path: Path):

@@ -12,7 +12,7 @@ from pathlib import Path
 from lorakit.convert.verify import consumer_note
 from lorakit.events import PHASES, Events, Recorded
 from lorakit.plan.resolve import Resolved
-from lorakit.train import checkpoint, shards, warm
+from lorakit.train import checkpoint, shards, stop, warm
 from lorakit.train.allocwatch import AllocWatch
 from lorakit.train.compile_bg import cache_news, summary
 from lorakit.train.gcpause import Collector
@@ -38,7 +38,7 @@ def run(resolved: Resolved, resume: str | None = None, stop_at: int | None = Non
     with hold_output(resolved.cfg.output.dir, events):  # one run per output folder
         r = setup(resolved, resume, events, force)
         try:
-            with checkpoint.stop_on_signals(r.stop):
+            with stop.stop_on_signals(r.stop):
                 try:
                     steps(r, resolved.cfg.schedule.steps if stop_at is None
                           else min(stop_at, resolved.cfg.schedule.steps))

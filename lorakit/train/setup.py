@@ -27,7 +27,7 @@ from lorakit.models.base import load_adapter
 from lorakit.plan import disk
 from lorakit.plan.decide import choice_from
 from lorakit.plan.resolve import Resolved
-from lorakit.train import checkpoint, precompile, sampling, warm
+from lorakit.train import checkpoint, precompile, sampling, stop, warm
 from lorakit.train import resume as resume_mod
 from lorakit.train.data import CachedData
 from lorakit.train.prepare import load_base
@@ -49,7 +49,7 @@ class Run:
     mark: Timeline
     events: Events
     resumed: dict | None = None
-    stop: checkpoint.StopFlag = field(default_factory=checkpoint.StopFlag)
+    stop: stop.StopFlag = field(default_factory=stop.StopFlag)
     started: float = 0.0
     initial: object | None = None  # the trained weights before step 1, for the step-0 sample grid after it
     said: set = field(default_factory=set)  # warnings said once per run

@@ -312,7 +312,7 @@ def test_gathered_full_checkpoints_still_resume_and_sharded_ones_export(tmp_path
 _LATE_SIGNAL = '''
 import os
 if os.environ.get("RANK") == "0":  # the workers only (the launcher's agent has no rank)
-    import lorakit.train.checkpoint as c
+    import lorakit.train.stop as c
     shared = c.StopFlag.share
     calls = []
 

@@ -1,9 +1,9 @@
-"""A stop request (SIGINT/SIGTERM) is never lost: `train.checkpoint.StopFlag` and `stop_on_signals`."""
+"""A stop request (SIGINT/SIGTERM) is never lost: `train.stop.StopFlag` and `stop_on_signals`."""
 
 import os
 import signal
 
-from lorakit.train.checkpoint import StopFlag, stop_on_signals
+from lorakit.train.stop import StopFlag, stop_on_signals
 
 
 class Ranks:
