@@ -1,7 +1,8 @@
 """Disk room for a full fine-tune's checkpoints, checked before anything loads: each checkpoint holds every weight
 and the optimizer's moments (FLUX.1-dev: 71 GB), so a run that keeps several can fill a disk hours in. The peak
 is the step checkpoints kept at once (`output.keep_last`, one more while the newest is written and before the
-oldest is pruned), then the final checkpoint beside them and the exported model."""
+oldest is pruned), then the final checkpoint beside them (none more where the last step has its step checkpoint:
+final/ is links to its files) and the exported model."""
 
 from __future__ import annotations
 
@@ -38,8 +39,9 @@ def need(cfg, params: float, existing: int = 0) -> dict:
     written = cfg.schedule.steps // o.save_every if o.save_every else 0  # step checkpoints this run writes
     during = min(existing + written, o.keep_last + 1) if written else existing  # the newest before the prune
     kept = min(existing + written, o.keep_last) if written else existing  # beside the final one
-    peak = max(during * per, (kept + 1) * per + weights)
-    return {"checkpoint": per, "at_once": max(during, kept + 1), "export": weights,
+    final = 0 if written and cfg.schedule.steps % o.save_every == 0 else 1  # else links to the last step's files
+    peak = max(during * per, (kept + final) * per + weights)
+    return {"checkpoint": per, "at_once": max(during, kept + final), "export": weights,
             "total": max(0.0, peak - existing * per)}
 
 

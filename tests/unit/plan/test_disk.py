@@ -23,16 +23,19 @@ def _flux_full(tmp_path, **output):
 
 
 def test_the_peak_counts_the_kept_checkpoints_one_more_being_written_the_final_and_the_export(tmp_path):
-    cfg = _flux_full(tmp_path, save_every=100, keep_last=3)
+    cfg = _flux_full(tmp_path, save_every=300, keep_last=3)  # 1000 steps: final/ is a checkpoint of its own
     n = disk.need(cfg, 11.9e9)
     assert n["checkpoint"] == pytest.approx(11.9e9 * 6)  # bf16 weights and lorakit's bf16 moments: 71.4 GB
     assert n["at_once"] == 4 and n["total"] == pytest.approx(4 * 71.4 * GB + 23.8 * GB)
+    cfg = cfg.model_copy(update={"output": cfg.output.model_copy(update={"save_every": 100})})  # step 1000 saved:
+    n = disk.need(cfg, 11.9e9)
+    assert n["at_once"] == 4 and n["total"] == pytest.approx(4 * 71.4 * GB)  # final/ is links to its files
     only_final = disk.need(cfg.model_copy(update={"output": cfg.output.model_copy(update={"save_every": 0})}), 11.9e9)
     assert only_final["total"] == pytest.approx(71.4 * GB + 23.8 * GB)
     factored = cfg.model_copy(update={"optim": cfg.optim.model_copy(update={"name": "adafactor"})})
     assert disk.need(factored, 11.9e9)["checkpoint"] == pytest.approx(23.8 * GB)  # the weights alone
-    resumed = disk.need(cfg, 11.9e9, existing=3)  # three already on the disk: one more at a time, then the final
-    assert resumed["total"] == pytest.approx(71.4 * GB + 23.8 * GB)
+    resumed = disk.need(cfg, 11.9e9, existing=3)  # three already on the disk: one more at a time
+    assert resumed["total"] == pytest.approx(71.4 * GB)
 
 
 def test_a_full_fine_tune_that_cannot_fit_is_refused_naming_the_folder_the_need_and_what_fits(tmp_path, monkeypatch):
@@ -41,8 +44,8 @@ def test_a_full_fine_tune_that_cannot_fit_is_refused_naming_the_folder_the_need_
     with pytest.raises(EnvironmentFault) as e:
         disk.check(cfg, tmp_path / "out")
     msg = str(e.value)
-    assert str(tmp_path / "out") in msg and "309 GB" in msg and "128 GB free" in msg
-    assert "output.keep_last=1 (167 GB)" in e.value.hint and "output.save_every=0 (95 GB, fits)" in e.value.hint
+    assert str(tmp_path / "out") in msg and "286 GB" in msg and "128 GB free" in msg
+    assert "output.keep_last=1 (143 GB)" in e.value.hint and "output.save_every=0 (95 GB, fits)" in e.value.hint
     monkeypatch.setattr(disk, "free_bytes", lambda p: 400 * GB)
     assert disk.check(cfg, tmp_path / "out")["total"] < 400 * GB
     lora = cfg.model_copy(update={"method": "lora"})
