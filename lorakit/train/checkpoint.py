@@ -41,7 +41,7 @@ def save(tr, final: bool = False, name: str | None = None, background: bool = Fa
 
     consumer_check, clock = None, Clock()
     tr.save_took = clock.took  # the parts of this save, in seconds (the checkpoint phase's facts)
-    if tr.full and name is None and getattr(tr, "step_saved", None) is not None and tr.step_saved[0] == tr.step:
+    if tr.full and name is None and tr.step_saved is not None and tr.step_saved[0] == tr.step:
         return _saved_already(tr, tr.step_saved[1], final, clock), None
     name = name or ("final" if final else f"step-{tr.step:06d}")
     ck = tr.out / "checkpoints" / name

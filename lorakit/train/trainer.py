@@ -68,6 +68,7 @@ class Trainer:
         self.save_took: dict = {}  # seconds of each part of the last save (`checkpoint.save`)
         self.last_size = None  # "WxH" (xF frames) of the last batch: what a compile for a new shape was for
         self.pending = None  # a sharded checkpoint being written in the background (checkpoint.py)
+        self.step_saved = None  # (step, folder) of the last step checkpoint: the run's end reuses it (checkpoint.py)
         self.staging_wait_s = 0.0  # seconds the updates waited for a background save's copy (shards.staged)
 
     # the run's state, read here; it changes only through train_step and resume
