@@ -76,11 +76,21 @@ class Dist:
             grads.append(p.grad)
         flat = torch.cat([g.reshape(-1).float() for g in grads])
         td.all_reduce(flat)
-        at = 0
-        for g in grads:
-            n = g.numel()
-            g.copy_(flat[at:at + n].view_as(g))
-            at += n
+        # back in one multi-tensor copy: a copy_ per tensor cost ~15 us of host time each (1,680 for Qwen-Image's
+        # 840 LoRA modules), time the GPU waited where the update came after the loss check
+        torch._foreach_copy_(grads, [v.view_as(g) for v, g in zip(flat.split([g.numel() for g in grads]), grads,
+                                                                      strict=True)])
+
+    def summed(self, t):
+        """A tensor summed over ranks (in float64, as `total` sums), where it is: on a GPU the sum is queued on the
+        device and the host does not wait for it."""
+        if not self.enabled:
+            return t
+        import torch.distributed as td
+
+        t = t.detach().double()
+        td.all_reduce(t)
+        return t
 
     def total(self, value: float) -> float:
         """The sum of a number over ranks (the global loss from each rank's share)."""

@@ -104,10 +104,10 @@ class Trainer:
         """One optimizer step over the global batch (this rank's share of it); returns the global loss.
 
         The host waits for the GPU once per step, for the loss. Before it waits it has already queued the
-        optimizer update (torch's fused AdamW: skipped on the device when the loss is not finite, exactly as
-        if it had not run) and drawn the next micro-step's inputs onto the device, so the GPU goes from this
-        backward pass to the next forward pass without waiting for the host. Other optimizers update after
-        the loss is known to be finite.
+        optimizer update (torch's fused AdamW: skipped on the device when the loss — over every rank of a data
+        parallel run — is not finite, exactly as if it had not run) and drawn the next micro-step's inputs onto
+        the device, so the GPU goes from this backward pass to the next forward pass without waiting for the
+        host. Other optimizers, and FSDP's sharded one, update after the loss is known to be finite.
         """
         import torch
 
@@ -126,13 +126,16 @@ class Trainer:
         if self.swapper:
             self.swapper.settle()
         early = self.update_before_check
-        if early:  # queued now; the device skips it if the loss is not finite
+        if early:  # queued now; the device skips it if the global loss is not finite
+            mine = d.summed(mine)  # every rank's, summed where it is (NCCL: no wait for the host)
             self.opt.found_inf = (~torch.isfinite(mine)).float()
             try:
                 self._update()
             finally:  # never left for a later opt.step() outside this step
                 del self.opt.found_inf
-        total = d.total(float(mine) / fsdp)
+            total = float(mine)
+        else:
+            total = d.total(float(mine) / fsdp)
         if not math.isfinite(total):
             raise InputError(f"the loss became {total} at step {self.step + 1}",
                              "lower optim.lr, or check memory.attention with `lorakit doctor`")
@@ -156,11 +159,13 @@ class Trainer:
     @property
     def update_before_check(self) -> bool:
         """Can the optimizer step be queued before the loss is checked? Only where the device itself skips it
-        on a non-finite loss: torch's fused Adam/AdamW (its `found_inf` input, as AMP's grad scaler uses).
-        Several processes: each would skip on its own share's loss alone, so they check first."""
+        on a non-finite loss: torch's fused Adam/AdamW (its `found_inf` input, as AMP's grad scaler uses). Data
+        parallel processes skip on the loss summed over every rank on the device (`dist.summed`), so they skip
+        alike; FSDP's sharded optimizer checks first. The update queued before the wait keeps the GPU busy while
+        the host launches it (the gradients' all-reduce included)."""
         import torch
 
-        return (isinstance(self.opt, (torch.optim.Adam, torch.optim.AdamW)) and not self.dist.enabled
+        return (isinstance(self.opt, (torch.optim.Adam, torch.optim.AdamW)) and not self.sharded
                 and all(g.get("fused") for g in self.opt.param_groups))
 
     def averaged(self):

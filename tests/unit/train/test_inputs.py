@@ -2,12 +2,14 @@
 and the optimizer update queued before the loss is known is skipped on the device when the loss is not finite."""
 
 import math
+from dataclasses import dataclass
 
 import pytest
 import torch
 
 from lorakit.cache.builder import build, cache_dir_for
 from lorakit.cache.store import Store
+from lorakit.dist import Dist
 from lorakit.errors import InputError
 from lorakit.io.modules import load_component
 from lorakit.models.base import load_adapter
@@ -19,7 +21,7 @@ from tests.unit.train.test_loop import make_cfg
 
 @pytest.fixture
 def trainer(tmp_path, tiny):
-    def make(grad_accum=1, **over):
+    def make(grad_accum=1, dist=None, **over):
         cfg = make_cfg(tmp_path, "flux", tiny("flux"), steps=6, sampling={"enabled": False},
                        schedule={"steps": 6, "warmup_steps": 0, "grad_accum": grad_accum}, **over)
         a = load_adapter("flux", tiny("flux"))
@@ -28,7 +30,7 @@ def trainer(tmp_path, tiny):
         data = CachedData(st, st.read_manifest(), 2, cfg.seed)
         torch.manual_seed(0)
         return Trainer(cfg, a, load_component(tiny("flux") / "transformer"), data, tmp_path / "o", "cpu",
-                       torch.float32)
+                       torch.float32, dist)
     return make
 
 
@@ -99,3 +101,44 @@ def test_a_non_finite_loss_stops_the_step_before_any_weight_or_moment_changes(tr
     assert tr.step == 1 and not hasattr(tr.opt, "found_inf")
     tr.loss_on = real
     assert math.isfinite(tr.train_step()) and tr.step == 2
+
+
+@dataclass
+class TwoRanks(Dist):
+    """Rank 0 of a data-parallel pair whose other rank has the same gradients and `other` x this rank's loss (the
+    collectives of `Dist` as they would come back)."""
+
+    other: float = 1.0
+    world: int = 2
+
+    def summed(self, t):
+        return t.detach().double() * (1 + self.other)
+
+    def total(self, value):
+        return value * (1 + self.other)
+
+    def sum_grads(self, params):
+        for p in params:
+            p.grad.mul_(2)
+
+    def barrier(self):
+        pass
+
+
+def test_data_parallel_ranks_queue_the_update_before_the_check_and_skip_on_any_ranks_non_finite_loss(trainer,
+                                                                                                    monkeypatch):
+    a, b = fused(trainer(dist=TwoRanks())), fused(trainer(dist=TwoRanks()))
+    assert a.update_before_check  # data parallel: the update goes ahead of the host's wait for the loss
+    torch.manual_seed(1)
+    la = [a.train_step() for _ in range(2)]
+    with monkeypatch.context() as m:
+        m.setattr(Trainer, "update_before_check", property(lambda self: False))
+        torch.manual_seed(1)
+        lb = [b.train_step() for _ in range(2)]
+    assert la == lb and all(torch.equal(p, q) for p, q in zip(a.params, b.params, strict=True))
+    # this rank's loss is finite, the other's is not: both skip the update (the sum decides, not each share)
+    a.dist.other = float("inf")
+    before = [p.detach().clone() for p in a.params]
+    with pytest.raises(InputError, match="the loss became inf at step 3"):
+        a.train_step()
+    assert all(torch.equal(p, q) for p, q in zip(a.params, before, strict=True)) and a.step == 2
