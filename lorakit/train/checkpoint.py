@@ -205,6 +205,7 @@ def resume(tr, ck: Path) -> dict:
                          "method=full and method=lora checkpoints do not mix")
     state = read_state(ck / "state.pt")
     wait(tr)  # a save still being written completes before the weights are replaced
+    tr.step_saved = None  # the state is the checkpoint's from here: no save of this process stands for it
     if sharded:
         shards.load(tr, ck)
         if tr.per_rank_state:
