@@ -9,7 +9,8 @@ Phases, each a command of its own: `train` (`lorakit train CFG --gpus N`, method
 (`--resume latest` to the last step: every step recorded once), `convert` (`lorakit convert checkpoint` of the
 newest step checkpoint kept), `sample` (the run's exported transformer loaded by diffusers' own class into the
 stock pipeline of the model folder, one image written; the converted folder loaded the same way). Writes
-W/full_path.json (each phase's command, exit code and wall time) and W/sample.png. `--tiny` runs the same path on
+W/full_path.json (each phase's command, exit code, wall time and the seconds from its last output line to its end;
+each checkpoint the run wrote, with its seconds) and W/sample.png. `--tiny` runs the same path on
 the tiny layout on a CPU (2 gloo processes; the tool's own test).
 """
 
@@ -43,7 +44,17 @@ def timed(cmd: list[str], log: Path, stop_after: int | None = None, metrics: Pat
                 p.send_signal(signal.SIGTERM)
                 sent = round(time.time() - t0, 1)
             time.sleep(0.2)
-    return {"cmd": " ".join(cmd), "rc": p.returncode, "wall_s": round(time.time() - t0, 1), "sigterm_at_s": sent}
+    end = time.time()  # the command's last output line to its end: its processes' teardown
+    return {"cmd": " ".join(cmd), "rc": p.returncode, "wall_s": round(end - t0, 1), "sigterm_at_s": sent,
+            "after_last_line_s": round(max(0.0, end - log.stat().st_mtime), 1)}
+
+
+def checkpoint_phases(phases: Path) -> list:
+    """[name, seconds] of every checkpoint the run's commands wrote, in order (from the run's phases.jsonl)."""
+    if not phases.is_file():
+        return []
+    ends = (json.loads(x) for x in phases.read_text().splitlines() if x.strip())
+    return [[e["name"], e["seconds"]] for e in ends if e.get("event") == "end" and "checkpoint (step" in e["name"]]
 
 
 def steps_in(metrics: Path) -> int:
@@ -76,6 +87,7 @@ def run(a) -> dict:
     steps = [json.loads(x)["step"] for x in metrics.read_text().splitlines() if '"loss"' in x] \
         if metrics.is_file() else []
     rep["every_step_once"] = steps == list(range(1, a.steps + 1))
+    rep["checkpoints"] = checkpoint_phases(out / "phases.jsonl")
     converted = work / "converted"
     ck = max((out / "checkpoints").glob("step-*"), default=out / "checkpoints" / "step-none")  # the newest kept
     rep["converted_checkpoint"] = ck.name

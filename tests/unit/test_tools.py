@@ -99,6 +99,9 @@ def test_full_path_on_two_processes_stops_resumes_converts_and_samples(tmp_path)
     assert rep["resume"]["rc"] == 0 and rep["every_step_once"]
     assert rep["convert"]["rc"] == 0 and rep["sample"]["rc"] == 0
     assert Image.open(tmp_path / "w" / "sample.png").size == (64, 64)
+    assert all(0 <= rep[k]["after_last_line_s"] < rep[k]["wall_s"] for k in ("train", "resume", "convert", "sample"))
+    names = [n for n, _ in rep["checkpoints"]]  # every 4 steps, the stop's, then the end's (links to step 12's)
+    assert names[:1] == ["checkpoint (step 4)"] and names[-2:] == ["checkpoint (step 12)", "final checkpoint (step 12)"]
 
 
 def _fake_aitk(root: Path, steps: int = 3) -> Path:
