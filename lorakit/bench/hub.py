@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 from lorakit.errors import InputError
-from lorakit.io import save_sharded
+from lorakit.io import link_or_copy, save_sharded
 from lorakit.models.base import family_adapter
 from lorakit.models.published import SHARD_BYTES, full_component, hub_names
 
@@ -59,13 +59,8 @@ def _identity(module, seed: int, dtype) -> str:
 
 def _link_weights(src: Path, folder: Path) -> None:
     """The weight files and their index of `src` in `folder`, hard-linked (copied where the disk cannot link)."""
-    import os
-
     for f in sorted(src.glob("*.safetensors")) + sorted(src.glob("*.safetensors.index.json")):
-        try:
-            os.link(f, folder / f.name)
-        except OSError:
-            shutil.copy2(f, folder / f.name)
+        link_or_copy(f, folder / f.name)
 
 
 def _home(folder: Path, home: Path) -> None:

@@ -98,6 +98,17 @@ class atomic_path:
         return False
 
 
+def link_or_copy(src: str | os.PathLike, dst: str | os.PathLike) -> None:
+    """`dst` as another name of the file `src` (a hard link: no bytes written), or a copy of it where the filesystem
+    refuses links. Safe for lorakit's own files: none is written in place (`atomic_path` renames a new file over)."""
+    import shutil
+
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
+
+
 def clean_orphans(folder: str | os.PathLike, recursive: bool = False, skip: tuple = ()) -> list[Path]:
     """Remove the temporary siblings a killed writer left in a folder (".<name>.<random>.tmp"), except under the
     folders in `skip` (another command's, swept under its own lock). Returns them."""
