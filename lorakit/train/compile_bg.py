@@ -118,7 +118,7 @@ def _detached(v, bases: dict | None = None):
         if base is not None:
             if id(base) not in bases:
                 bases[id(base)] = _copy(base)
-            return bases[id(base)].as_strided(v.shape, v.stride(), v.storage_offset())
+            return _view_like(bases[id(base)], v)
         return _copy(v)
     if isinstance(v, tuple):
         return tuple(_detached(x, bases) for x in v)
@@ -127,6 +127,20 @@ def _detached(v, bases: dict | None = None):
     if isinstance(v, dict):
         return {k: _detached(x, bases) for k, x in v.items()}
     return v
+
+
+def _view_like(copy, v):
+    """`v`'s view (shape, strides, offset, dtype) of `copy`, the copy of its base. A view may have another dtype
+    than its base: Qwen-Image's rotary tables are complex, its blocks take their real view (`view_as_real`), whose
+    strides count in the real dtype's elements — laid over the complex copy as they are, they ran past its end
+    (`setStorage: ... out of bounds`, the first step of every Qwen-Image run on a GPU, 2026-11-28). Where the copy
+    cannot be reinterpreted in `v`'s dtype, `v` is copied apart (its graph may then miss the cache: slower, same)."""
+    if copy.dtype != v.dtype:
+        try:
+            copy = copy.view(v.dtype)
+        except RuntimeError:
+            return _copy(v)
+    return copy.as_strided(v.shape, v.stride(), v.storage_offset())
 
 
 def _copy(t):

@@ -354,3 +354,20 @@ def test_the_workers_inputs_alias_each_other_as_the_runs_do():
     assert ca.requires_grad and cb.requires_grad and torch.equal(cb, b.detach()) and torch.equal(co, other)
     assert co._base is None and co.data_ptr() != other.data_ptr() and kw["n"] == 3
     assert describe(torch.nn.Identity(), (a,), {"b": b}) == describe(torch.nn.Identity(), (ca,), {"b": cb})
+
+
+def test_a_view_in_another_dtype_than_its_base_is_that_view_of_the_copy():
+    """Qwen-Image's blocks take the real view of its complex rotary tables: laid over the complex copy with the
+    real view's strides, the copy ran past its end (`setStorage: ... out of bounds`, the first step of a Qwen-Image
+    run on a GPU, 2026-11-28)."""
+    from lorakit.train.compile_bg import _detached
+
+    table = torch.polar(torch.ones(16, 8), torch.randn(16, 8))  # complex64
+    whole, tail = torch.view_as_real(table), torch.view_as_real(table[4:])  # float32 views of one complex tensor
+    cw, ct = _detached((whole, tail), {})
+    for got, want in ((cw, whole), (ct, tail)):
+        assert got.dtype == torch.float32 and torch.equal(got, want)
+        assert (got.shape, got.stride(), got.storage_offset()) == (want.shape, want.stride(), want.storage_offset())
+    assert cw.untyped_storage().data_ptr() == ct.untyped_storage().data_ptr() != table.untyped_storage().data_ptr()
+    odd = torch.randn(3, 5, dtype=torch.float64)[:, 1:4].view(torch.float64)  # no other dtype to read it in
+    assert torch.equal(_detached(odd, {}), odd)
