@@ -8,7 +8,9 @@ import sys
 
 import pytest
 import yaml
+from typer.testing import CliRunner
 
+from lorakit.cli.app import app
 from lorakit.data.demo import make_demo_dataset
 
 
@@ -25,8 +27,12 @@ def _modes(root):
 
 
 def _lorakit(args, mask):
-    code = f"import os, sys; os.umask({mask}); sys.argv = ['lorakit', *{args!r}]; from lorakit.cli.app import main; main()"
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    """The command's own code under the umask `mask`, in this process (the umask is the process's: restored)."""
+    old = os.umask(mask)
+    try:
+        return CliRunner().invoke(app, args)
+    finally:
+        os.umask(old)
 
 
 @pytest.mark.slow
@@ -38,14 +44,14 @@ def test_a_run_converted_and_merged_files_honour_the_umask(tmp_path, tiny):
            "schedule": {"steps": 2}, "sampling": {"steps": 2}, "output": {"dir": str(out), "save_every": 1}}
     (tmp_path / "run.yaml").write_text(yaml.safe_dump(cfg))
     r = _lorakit(["train", str(tmp_path / "run.yaml")], 0o022)
-    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.exit_code == 0, r.output
     lora = out / "lora.safetensors"
     shared = tmp_path / "shared"
     for args in (["convert", "lora", str(lora), str(shared / "comfy.safetensors"), "--to", "comfyui", "--family",
                   "flux"],
                  ["convert", "merge", str(tiny("flux")), str(lora), str(shared / "merged")]):
         r = _lorakit(args, 0o022)
-        assert r.returncode == 0, r.stdout + r.stderr
+        assert r.exit_code == 0, r.output
     assert (out / "samples").is_dir() and (out / "checkpoints").is_dir() and (shared / "merged").is_dir()
     assert _modes(out) == [] and _modes(shared) == []
 

@@ -139,10 +139,9 @@ def test_a_second_run_on_the_same_output_folder_is_refused_naming_the_first(tmp_
     deadline = time.time() + 120
     while time.time() < deadline and not (metrics.exists() and metrics.read_text().strip()):
         time.sleep(0.1)
-    try:
-        second = subprocess.run([sys.executable, "-m", "lorakit", "train", str(path), "--json"],
-                                capture_output=True, text=True, timeout=120)
-        assert second.returncode == 2, second.stdout + second.stderr
+    try:  # the second and third runs: the command's code in this process (the lock is the first process's)
+        second = runner.invoke(app, ["train", str(path), "--json"])
+        assert second.exit_code == 2, second.output
         err = json.loads(second.stdout)
         assert f"{tmp_path / 'out'} is in use by another lorakit training run (pid {first.pid} on " in err["message"]
         assert "output.dir" in err["hint"]
@@ -151,10 +150,9 @@ def test_a_second_run_on_the_same_output_folder_is_refused_naming_the_first(tmp_
     finally:  # kill -9: the kernel's lock goes with the process
         first.send_signal(signal.SIGKILL)
         first.communicate()
-    third = subprocess.run([sys.executable, "-m", "lorakit", "train", str(path), "--json", "--resume", "latest",
-                            "--set", "schedule.steps=2"], capture_output=True, text=True, timeout=300)
-    assert third.returncode in (0, 2), third.stderr  # no stale lock: whatever it says, it is not "in use"
-    assert "in use" not in third.stdout + third.stderr
+    third = runner.invoke(app, ["train", str(path), "--json", "--resume", "latest", "--set", "schedule.steps=2"])
+    assert third.exit_code in (0, 2), third.output  # no stale lock: whatever it says, it is not "in use"
+    assert "in use" not in third.output
 
 
 def test_a_cache_being_written_is_held_too(tmp_path):

@@ -9,7 +9,9 @@ import sys
 import pytest
 import yaml
 from huggingface_hub import ModelCard
+from typer.testing import CliRunner
 
+from lorakit.cli.app import app
 from lorakit.data.demo import make_demo_dataset
 from tests.unit.models.test_sources import COMMIT, _hub_cache
 
@@ -51,12 +53,10 @@ def test_a_run_pushed_offline_is_a_folder_with_a_card_the_hub_parses(tmp_path, t
 
 
 def test_push_refuses_what_is_not_a_finished_run_or_a_repo_name(tmp_path):
-    lk = [sys.executable, "-m", "lorakit", "push"]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    r = subprocess.run([*lk, str(tmp_path), "me/x"], capture_output=True, text=True, env=env, timeout=120)
-    assert r.returncode == 2 and "is not a finished lorakit run (no config.resolved.yaml, lora.safetensors)" in r.stderr
-    r = subprocess.run([*lk, str(tmp_path), "not a repo"], capture_output=True, text=True, env=env, timeout=120)
-    assert r.returncode == 2 and "not a Hub repo name" in r.stderr
+    r = CliRunner().invoke(app, ["push", str(tmp_path), "me/x"])  # refused before anything reaches the Hub
+    assert r.exit_code == 2 and "is not a finished lorakit run (no config.resolved.yaml, lora.safetensors)" in r.stderr
+    r = CliRunner().invoke(app, ["push", str(tmp_path), "not a repo"])
+    assert r.exit_code == 2 and "not a Hub repo name" in r.stderr
 
 
 @pytest.mark.slow
@@ -75,9 +75,9 @@ def test_output_hub_repo_pushes_a_finished_run(tmp_path, tiny):
     assert f"output.hub_repo: {out / 'hub'} written; hf upload me/auto-pushed " in r.stdout
     assert "warning: output.hub_repo: no base_model in the card" in r.stdout  # a local folder: said, not guessed
     assert ModelCard.load(out / "hub" / "README.md").data.to_dict()["license"] == "mit"
-    bad = subprocess.run([sys.executable, "-m", "lorakit", "train", str(tmp_path / "run.yaml"), "--dry-run", "--force",
-                          "--set", "output.hub_repo=not a repo"], capture_output=True, text=True, env=env, timeout=120)
-    assert bad.returncode == 2 and "output.hub_repo" in bad.stderr
+    bad = CliRunner().invoke(app, ["train", str(tmp_path / "run.yaml"), "--dry-run", "--force", "--set",
+                                   "output.hub_repo=not a repo"])
+    assert bad.exit_code == 2 and "output.hub_repo" in bad.stderr
 
 
 def test_a_push_that_cannot_reach_the_hub_says_so_not_to_log_in(tmp_path, tiny, monkeypatch):
