@@ -8,7 +8,9 @@ from pathlib import Path
 
 import pytest
 import yaml
+from typer.testing import CliRunner
 
+from lorakit.cli.app import app
 from lorakit.plan.resolve import resolve
 from tests.unit.train.test_loop import losses, make_cfg
 
@@ -300,15 +302,14 @@ def test_gathered_full_checkpoints_still_resume_and_sharded_ones_export(tmp_path
     assert losses(b["metrics"]) == pytest.approx(losses(a["metrics"]), rel=0, abs=1e-6)
     later = tmp_path / "b" / "out" / "checkpoints" / "step-000004"
     assert (later / "dcp" / ".metadata").is_file() and (later / "state.pt").is_file()
-    r = subprocess.run([sys.executable, "-m", "lorakit", "convert", "checkpoint", str(later),
-                        str(tmp_path / "exported"), "--json"], capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr
+    cli = CliRunner()  # the command's code in this process
+    r = cli.invoke(app, ["convert", "checkpoint", str(later), str(tmp_path / "exported"), "--json"])
+    assert r.exit_code == 0, r.output
     got, final = load(tmp_path / "exported"), load(tmp_path / "b" / "out" / "lora-transformer")
     assert got.keys() == final.keys() and all(got[k].equal(final[k]) for k in got)  # the last step is the final
     FluxTransformer2DModel.from_pretrained(tmp_path / "exported")
-    bad = subprocess.run([sys.executable, "-m", "lorakit", "convert", "checkpoint", str(ck), str(tmp_path / "x")],
-                         capture_output=True, text=True, timeout=300)
-    assert bad.returncode == 2 and "not a sharded checkpoint" in bad.stderr
+    bad = cli.invoke(app, ["convert", "checkpoint", str(ck), str(tmp_path / "x")])
+    assert bad.exit_code == 2 and "not a sharded checkpoint" in bad.stderr
 
 
 _LATE_SIGNAL = '''
