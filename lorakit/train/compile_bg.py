@@ -133,8 +133,9 @@ def _view_like(copy, v):
     """`v`'s view (shape, strides, offset, dtype) of `copy`, the copy of its base. A view may have another dtype
     than its base: Qwen-Image's rotary tables are complex, its blocks take their real view (`view_as_real`), whose
     strides count in the real dtype's elements — laid over the complex copy as they are, they ran past its end
-    (`setStorage: ... out of bounds`, the first step of every Qwen-Image run on a GPU, 2026-11-28). Where the copy
-    cannot be reinterpreted in `v`'s dtype, `v` is copied apart (its graph may then miss the cache: slower, same)."""
+    (`setStorage: ... out of bounds` before step 1 of a Qwen-Image run compiling in the background, H200,
+    2026-11-28). Where the copy cannot be reinterpreted in `v`'s dtype, `v` is copied apart (its graph may then miss
+    the compile cache: slower to compile, the same results)."""
     if copy.dtype != v.dtype:
         try:
             copy = copy.view(v.dtype)
