@@ -86,8 +86,8 @@ def save(tr, final: bool = False, name: str | None = None, background: bool = Fa
 def _saved_already(tr, ck: Path, final: bool, clock) -> Path:
     """A full fine-tune's end at a step whose step checkpoint `ck` was just saved (output.save_every divides the
     steps, or a stop right after a save): that save completes and is the run's checkpoint — `final` is made of hard
-    links to its files (`io.link_or_copy`), not a second write of the same state (FLUX.2
-    [klein] 4B's 22 GB took 18.7 s more on 2x H100, 2026-11-28; FLUX.1-dev's is 71 GB). A LoRA run writes its
+    links to its files (`io.link_or_copy`), not a second write of the same state (FLUX.2 [klein] 4B's 22 GB took
+    18.7 s more on 2x H100, 2026-11-28; FLUX.1-dev's is 71 GB). A LoRA run writes its
     few MB again: two files, each whole on its own."""
     wait(tr)
     clock.lap(f"{ck.name}'s save completed")
@@ -98,7 +98,8 @@ def _saved_already(tr, ck: Path, final: bool, clock) -> Path:
         try:
             (dst / "state.pt").unlink(missing_ok=True)  # whole only when its state.pt is back (as a rewrite)
             shutil.rmtree(dst, ignore_errors=True)
-            shutil.copytree(ck, dst, copy_function=link_or_copy, ignore=lambda d, names: ["state.pt"] if d == str(ck) else [])
+            shutil.copytree(ck, dst, copy_function=link_or_copy,
+                            ignore=lambda d, names: ["state.pt"] if d == str(ck) else [])
             link_or_copy(ck / "state.pt", dst / "state.pt")
         except OSError as e:
             raise environment_fault(e, dst) or e from None

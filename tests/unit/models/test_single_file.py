@@ -6,7 +6,6 @@ import json
 import os
 import subprocess
 import sys
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -25,12 +24,6 @@ from lorakit.models.single_file import compose, transformer_weights
 def _lorakit(args, env=None):
     return subprocess.run([sys.executable, "-m", "lorakit", *args], capture_output=True, text=True, timeout=600,
                           env={**os.environ, **(env or {})})
-
-
-def _here(args):
-    """The command's code in this process: a refusal needs no interpreter of its own to show its exit and words."""
-    r = CliRunner().invoke(app, args)
-    return SimpleNamespace(returncode=r.exit_code, stdout=r.stdout, stderr=r.stderr)
 
 
 def _transformer_sd(model_dir, dtype=torch.bfloat16):
@@ -201,13 +194,14 @@ def test_files_that_do_not_fit_are_refused_by_name(tmp_path, tiny):
     cfg = {"profile": "cpu", "model": {"family": "qwen-image", "path": str(tmp_path / "qwen_image_bf16.safetensors")},
            "data": {"dirs": [str(data)]}, "output": {"dir": str(tmp_path / "out")}}
     (tmp_path / "run.yaml").write_text(yaml.safe_dump(cfg))
-    r = _here(["train", str(tmp_path / "run.yaml"), "--dry-run"])
-    assert r.returncode == 2 and "is a single-file checkpoint" in r.stderr and "model.base" in r.stderr, r.stderr
+    r = CliRunner().invoke(app, ["train", str(tmp_path / "run.yaml"), "--dry-run"])  # the commands in this process
+    assert r.exit_code == 2 and "is a single-file checkpoint" in r.stderr and "model.base" in r.stderr, r.stderr
     (tmp_path / "model.gguf").write_bytes(b"GGUF")
-    r = _here(["train", str(tmp_path / "run.yaml"), "--dry-run", "--set", f"model.path={tmp_path / 'model.gguf'}"])
-    assert r.returncode == 2 and "GGUF files are quantised for inference engines" in " ".join(r.stderr.split())
-    r = _here(["infer", str(tmp_path / "qwen_image_bf16.safetensors"), "-p", "x"])
-    assert r.returncode == 2 and "--base" in r.stderr and "bug" not in r.stderr, r.stderr
+    r = CliRunner().invoke(app, ["train", str(tmp_path / "run.yaml"), "--dry-run", "--set",
+                                 f"model.path={tmp_path / 'model.gguf'}"])
+    assert r.exit_code == 2 and "GGUF files are quantised for inference engines" in " ".join(r.stderr.split())
+    r = CliRunner().invoke(app, ["infer", str(tmp_path / "qwen_image_bf16.safetensors"), "-p", "x"])
+    assert r.exit_code == 2 and "--base" in r.stderr and "bug" not in r.stderr, r.stderr
 
 
 def test_a_killed_conversions_temporary_files_are_swept_by_the_next_one(tmp_path, tiny, monkeypatch):
