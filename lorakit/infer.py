@@ -15,7 +15,7 @@ from lorakit.convert import lora as L
 from lorakit.convert.patches import LowRank
 from lorakit.data.images import open_image
 from lorakit.data.video import write_clip
-from lorakit.dtypes import torch_dtype
+from lorakit.dtypes import float32_inside, slow_on_cpu, torch_dtype
 from lorakit.errors import InputError
 from lorakit.hardware.gpu import apply_cap, budget_gib
 from lorakit.io import atomic_path
@@ -241,6 +241,10 @@ def generate(model_dir: Path, req: Request, loras: list[tuple[Path, float]], out
     streamed: dict = {}
     apply(pipe, plan, device, dtype, add=pending, streamed=streamed)
     phases["placement_s"] = round(time.perf_counter() - t, 2)
+    vae = getattr(pipe, facts.vae_part, None)
+    if vae is not None and slow_on_cpu(device, dtype):  # computes in float32, takes and gives the run's dtype
+        float32_inside(vae)
+        say(f"{facts.vae_part}: float32 (this CPU has no fast {dtype_name} convolutions: ~60x slower)")
     unpinned = unpinned_warnings(streamed) if str(device).startswith("cuda") else []  # a CPU run pins nothing
     for w in unpinned:
         say(w)
@@ -325,6 +329,7 @@ def generate(model_dir: Path, req: Request, loras: list[tuple[Path, float]], out
             **({"sampling": sampling} if sampling else {}),
             "contact_sheet": str(sheet) if sheet else None, "model": str(model_dir),
             "family": family, "device": device, "dtype": dtype_name, "loras": lora_facts,
+            **({"vae_compute": "fp32"} if vae is not None and slow_on_cpu(device, dtype) else {}),
             "warnings": not_applied_warnings(lora_facts) + unpinned}
 
 

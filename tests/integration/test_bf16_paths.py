@@ -2,7 +2,8 @@
 the tensor names the published files use (Qwen2.5-VL's `model.*` / `visual.*`, renamed by transformers while
 loading), every weight stored in bf16, `lorakit cache`, `lorakit train` (2 steps) and `lorakit infer` with the
 LoRA, as a user runs them — so a dtype or renaming defect shows here, not first on a GPU at full size (Kandinsky 5's
-fp32 time embeddings were cast to bf16 and `infer` failed there)."""
+fp32 time embeddings were cast to bf16 and `infer` failed there). On a CPU without bf16 convolution kernels
+`infer` runs the VAE in float32 behind bf16 inputs and outputs (`dtypes.float32_inside`), as users' CPUs do."""
 
 import json
 
@@ -16,6 +17,7 @@ from typer.testing import CliRunner
 from lorakit.bench.hub import write_model
 from lorakit.cli.app import app
 from lorakit.data.demo import demo_layout_for, make_demo_dataset
+from lorakit.dtypes import slow_on_cpu
 from lorakit.models.base import family_adapter
 from lorakit.models.registry import family_names
 
@@ -54,6 +56,8 @@ def test_cache_train_and_infer_in_bf16_from_a_hub_layout_folder(tmp_path, family
     assert r.exit_code == 0, r.output[-2000:]
     out = json.loads(r.output)
     assert out["dtype"] == "bf16" and out["loras"][0]["added_to_weights"] == 0  # applied as peft adapters
+    # without bf16 convolution kernels (most CPUs) the VAE computes in float32 behind bf16 (else ~60x slower)
+    assert out.get("vae_compute") == ("fp32" if slow_on_cpu("cpu", torch.bfloat16) else None)
     first = out["files"][0]
     if first.endswith(".png"):
         assert np.asarray(Image.open(first)).std() > 0  # a picture, not a constant (NaN) square
