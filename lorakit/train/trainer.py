@@ -107,7 +107,8 @@ class Trainer:
         optimizer update (torch's fused AdamW: skipped on the device when the loss — over every rank of a data
         parallel run — is not finite, exactly as if it had not run) and drawn the next micro-step's inputs onto
         the device, so the GPU goes from this backward pass to the next forward pass without waiting for the
-        host. Other optimizers, and FSDP's sharded one, update after the loss is known to be finite.
+        host. Other optimizers, and FSDP's sharded one, update after the loss is known to be finite; data
+        parallel ranks have queued the loss's and the gradients' sums before that wait all the same.
         """
         import torch
 
@@ -125,17 +126,17 @@ class Trainer:
             self.ahead.prepare(*self.ahead.next_key(self.step, micro))
         if self.swapper:
             self.swapper.settle()
-        early = self.update_before_check
-        if early:  # queued now; the device skips it if the global loss is not finite
+        early, replicated = self.update_before_check, d.enabled and not self.sharded
+        if replicated:  # data parallel: the loss's and the gradients' sums are queued before the host waits
             mine = d.summed(mine)  # every rank's, summed where it is (NCCL: no wait for the host)
+            d.sum_grads(self.params)
+        if early:  # queued now; the device skips it if the global loss is not finite
             self.opt.found_inf = (~torch.isfinite(mine)).float()
             try:
                 self._update()
             finally:  # never left for a later opt.step() outside this step
                 del self.opt.found_inf
-            total = float(mine)
-        else:
-            total = d.total(float(mine) / fsdp)
+        total = float(mine) if early or replicated else d.total(float(mine) / fsdp)
         if not math.isfinite(total):
             raise InputError(f"the loss became {total} at step {self.step + 1}",
                              "lower optim.lr, or check memory.attention with `lorakit doctor`")
@@ -150,8 +151,6 @@ class Trainer:
 
     def _update(self) -> None:
         shards.staged(self)  # a background save's copy of the weights is taken before they change
-        if not self.sharded:
-            self.dist.sum_grads(self.params)
         if self.cfg.optim.max_grad_norm:
             clip_grad_norm(self.params, self.cfg.optim.max_grad_norm)
         self.opt.step()

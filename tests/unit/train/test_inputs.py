@@ -142,3 +142,37 @@ def test_data_parallel_ranks_queue_the_update_before_the_check_and_skip_on_any_r
     with pytest.raises(InputError, match="the loss became inf at step 3"):
         a.train_step()
     assert all(torch.equal(p, q) for p, q in zip(a.params, before, strict=True)) and a.step == 2
+
+
+class Watched(torch.Tensor):
+    """A summed loss that logs when the host reads it (the host's wait for the GPU)."""
+
+    log: list = []
+
+    def __float__(self):
+        Watched.log.append("host reads the loss")
+        return super().__float__()
+
+
+@dataclass
+class LoggedRanks(TwoRanks):
+    def summed(self, t):
+        Watched.log.append("loss sum queued")
+        return super().summed(t).as_subclass(Watched)
+
+    def sum_grads(self, params):
+        Watched.log.append("gradient sum queued")
+        super().sum_grads(params)
+
+    def total(self, value):
+        raise AssertionError("a data parallel step sums its loss on the device, not from a host number")
+
+
+def test_data_parallel_ranks_queue_both_sums_before_the_host_waits_whatever_the_optimizer(trainer):
+    tr = trainer(dist=LoggedRanks())  # the CPU's AdamW (not fused): it updates after the check, as 8-bit AdamW does
+    assert not tr.update_before_check
+    tr.opt.register_step_pre_hook(lambda *_: Watched.log.append("update"))
+    Watched.log.clear()
+    loss = tr.train_step()
+    assert Watched.log == ["loss sum queued", "gradient sum queued", "host reads the loss", "update"]
+    assert math.isfinite(loss) and tr.step == 1
