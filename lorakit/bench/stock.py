@@ -26,6 +26,7 @@ from lorakit.bench.hub import weight_files
 from lorakit.convert.lora import read
 from lorakit.data.images import open_image
 from lorakit.data.video import write_clip
+from lorakit.dtypes import float32_inside, slow_on_cpu
 from lorakit.models.base import component_entry, family_adapter
 from lorakit.models.grid import sampling_steps
 
@@ -95,6 +96,9 @@ def run(a: dict) -> dict:
         else:
             pipe = pipe.to(dev)
     pipe.set_progress_bar_config(disable=True)
+    vae = getattr(pipe, ad.vae_part, None)
+    if vae is not None and slow_on_cpu(dev, dt):  # as `lorakit infer` runs it on a CPU without bf16 convolutions
+        float32_inside(vae)
     _, sigmas, _ = sampling_steps(pipe, a["steps"])  # the steps lorakit infer was asked for, on a model with its own
     if sigmas:  # grid (sample_sigmas) too
         kw["sigmas"] = sigmas
