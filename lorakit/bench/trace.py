@@ -3,6 +3,7 @@ gaps between them (a host-bound step shows many gaps, a sync one big one)."""
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
@@ -30,7 +31,8 @@ def trace(step, spec: dict, cuda: bool, steps: int = 2) -> str:
     if cuda:
         lines += gap_report(prof.events())
     lines.append(ev.table(sort_by=key, row_limit=30, max_name_column_width=70))
-    out = Path(spec["trace_dir"]) / f"{spec['way']}-{spec['family']}-{spec['res']}.txt"
+    rank = f"-{spec.get('gpus', 1)}gpu-rank{os.environ.get('RANK', '0') or 0}" if spec.get("gpus", 1) > 1 else ""
+    out = Path(spec["trace_dir"]) / f"{spec['way']}-{spec['family']}-{spec['res']}{rank}.txt"
     out.parent.mkdir(parents=True, exist_ok=True)
     if cuda:  # the whole timeline, for chrome://tracing or Perfetto
         prof.export_chrome_trace(str(out.with_suffix(".json")))

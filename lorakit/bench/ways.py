@@ -245,6 +245,7 @@ def run_way(spec: dict) -> dict:
     gpus = spec.get("gpus", 1)
     out = {"way": spec["way"], "gpus": gpus, "s_per_step": round(med, 4), "items_per_s": round(gpus / med, 4),
            "min_s": round(min(times), 4), "max_s": round(max(times), 4), "steps_timed": len(times),
+           "times_s": [round(x, 4) for x in times],
            "losses": [round(x, 5) for x in losses], **info}
     if cuda:
         out["peak_gib"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 2)

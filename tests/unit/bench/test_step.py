@@ -70,6 +70,7 @@ def test_bench_step_cli_on_tiny_model():
     assert [row["way"] for row in data["rows"]] == ["plain", "lorakit"]
     for row in data["rows"]:
         assert row["s_per_step"] > 0 and len(row["losses"]) == 3, row
+        assert len(row["times_s"]) == row["steps_timed"] == 2 and row["min_s"] == min(row["times_s"])  # each step
         assert all(x == x for x in row["losses"])  # finite
     assert data["rows"][1]["speedup_vs_plain"] > 0
 
