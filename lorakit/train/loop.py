@@ -70,7 +70,10 @@ def steps(r: Run, end: int) -> None:
     r.stop.share(d)  # a signal before the first step stops every rank before it (the loop tests only what all agreed)
     with Collector() as collector:  # full collections timed per step; what the run keeps, frozen (train/gcpause.py)
         while tr.step < end and not r.stop.agreed:
-            if bg:
+            if bg and bg.loads_now:  # the separate process compiled them all: taken from the cache here, at once
+                with r.events.phase("the compiled blocks from the compile cache"):
+                    heard = background_news(r, bg, heard + bg.advance(load=True), tr.step + 1)
+            elif bg:
                 heard = background_news(r, bg, heard + bg.advance(), tr.step + 1)
             alloc.take()  # what samples, checkpoints or validation asked between steps is not the step's
             t0 = time.perf_counter()
@@ -194,7 +197,8 @@ def background_news(r: Run, bg, ready: list, step: int) -> list:
     done = [x for x in ready if not x.failed]
     if bg.pending or not done:
         return done
-    r.events.info(f"compiled in the background ({sum(x.seconds for x in done):.1f} s{cache_news()}): "
+    how = "taken from the compile cache between two steps" if bg.handed_back else "compiled in the background"
+    r.events.info(f"{how} ({sum(x.seconds for x in done):.1f} s{cache_news()}): "
                   f"{', '.join(summary(x.what) for x in done)}; the blocks run compiled from step {step}")
     return []
 

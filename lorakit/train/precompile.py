@@ -8,8 +8,9 @@ rehearses the run's block calls — step 1's batch, the other bucket shapes in t
 the worker, one sampling step of each grid prompt — on a copy of the transformer with two blocks of each repeated
 list and random weights, prepared by the same code (storage, LoRA, dtypes, compile options, attention backend).
 Torch compiles the same graphs there, in the same order, and keeps them in this machine's compile cache.
-Meanwhile the run trains eager with the interpreter to itself; its worker waits for the child, then compiles each
-call from the cache, and the blocks switch to compiled code between two steps as before.
+Meanwhile the run trains eager with the interpreter to itself; its worker waits for the child, then hands the calls
+back to the run's thread, which takes each one's graphs from the cache between two steps, and the blocks switch to
+compiled code there (`train.compile_bg`).
 
 The child starts before the model loads (its imports and its copy of the model overlap the load), is handed its
 inputs once the model is prepared and the attention backend chosen (`Rehearsal.go`), and ends with the run (also
@@ -146,7 +147,7 @@ class Rehearsal:
         r = self.result()
         if r.get("ok"):
             return (f"the blocks' {r.get('graphs', '?')} graphs compiled in a separate process in {r['seconds']:.1f} s "
-                    f"(into this machine's compile cache); the worker now takes them from there")
+                    f"(into this machine's compile cache); the run takes them from there between two steps")
         return f"the separate compile process failed ({r.get('why')}); the worker compiles the blocks itself"
 
     def close(self) -> None:

@@ -100,6 +100,61 @@ def test_the_worker_compiles_every_call_the_blocks_make_and_the_run_never_compil
         torch._dynamo.reset()
 
 
+class _Ahead:
+    """Stands for `train.precompile.Rehearsal` (the separate compile process): its result once waited for."""
+
+    def __init__(self, ok: bool):
+        self.ok, self.closed = ok, False
+
+    def wait(self, timeout=None):
+        return {"ok": True, "seconds": 1.0, "graphs": 4} if self.ok else {"ok": False, "why": "exited with code 1"}
+
+    def close(self):
+        self.closed = True
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ok", [True, False])
+def test_after_the_compile_process_the_run_takes_the_graphs_itself_or_where_it_failed_the_worker_compiles(tiny, ok):
+    """Once the separate process has compiled everything, the worker compiles nothing: it hands the calls back and
+    the run's thread takes them (from the cache), all at once, when the loop asks (`advance(load=True)`) — beside the
+    uncompiled steps the worker starved them (FLUX.1-dev, H200, 2026-11-28: 67 s for 6 steps). Where the process
+    failed, the worker compiles them itself, as before."""
+    torch._dynamo.reset()
+    counters.clear()
+    folder = tiny("flux")
+    adapter = load_adapter("flux", folder, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(0)
+    small = adapter.example_inputs(dict(load_component(folder / "transformer").config), 64, 8, gen)
+    tr = _model(folder, adapter)
+    bg = BackgroundCompile(repeated_blocks(tr), {"backend": "aot_eager"}, "cpu")
+    bg.ahead = _Ahead(ok)
+    where = []
+    compile_one = bg._compile
+    bg._compile = lambda job: (where.append(threading.current_thread() is threading.main_thread()), compile_one(job))[1]
+    try:
+        _step(tr, adapter, small)  # step 1, eager
+        assert bg.pending > 0 and bg.advance() == []  # the worker begins: waits for the process
+        deadline = time.monotonic() + 120
+        while bg._thread.is_alive() and len(bg._done) < bg.pending and time.monotonic() < deadline:
+            time.sleep(0.05)  # handed back (the thread ends), or compiled by the worker (it then waits for more)
+        if ok:
+            assert bg.handed_back and bg.loads_now and not where
+            assert bg.advance() == [] and bg.pending > 0  # not without `load`: the loop makes it a phase of its own
+            ready = bg.advance(load=True)
+            assert ready and all(r.failed is None for r in ready) and where and all(where)  # in the run's thread
+        else:
+            assert not bg.handed_back and not bg.loads_now and where and not any(where)  # in the worker's
+            ready = bg.advance()
+        assert ready and bg.sealed and bg.own_graphs() == 0
+        _step(tr, adapter, small)
+        assert bg.eager_calls == 0 and bg.own_graphs() == 0  # compiled now, nothing compiled in the step
+    finally:
+        bg.close()
+        torch._dynamo.reset()
+    assert bg.ahead.closed
+
+
 def test_a_description_names_what_a_compiled_graph_depends_on():
     block = torch.nn.Linear(4, 4)
     x = torch.zeros(2, 3, 4)
