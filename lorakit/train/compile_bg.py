@@ -417,3 +417,23 @@ def cache_news() -> str:
 
     hit, miss = counters["inductor"]["fxgraph_cache_hit"], counters["inductor"]["fxgraph_cache_miss"]
     return f", {hit} of {hit + miss} graphs from the compile cache" if hit + miss else ""
+
+
+def news(bg: BackgroundCompile, ready: list, step: int, info, note) -> list:
+    """What the background compile finished, said (`info`) once nothing is left to it (every block call met so far
+    runs compiled from `step` on); a failed one at once (`note`: the run compiles it itself at its next call).
+    Returns what is still to be said."""
+    said = bg.ahead.news() if bg.ahead else None  # the separate compile process ended (train.precompile)
+    if said:
+        (info if bg.ahead.result().get("ok") else note)(said)
+    for x in ready:
+        if x.failed:
+            note(f"the background compile of {summary(x.what)} failed ({x.failed}); the run compiles it at its "
+                 "next call")
+    done = [x for x in ready if not x.failed]
+    if bg.pending or not done:
+        return done
+    how = "taken from the compile cache between two steps" if bg.handed_back else "compiled in the background"
+    info(f"{how} ({sum(x.seconds for x in done):.1f} s{cache_news()}): "
+         f"{', '.join(summary(x.what) for x in done)}; the blocks run compiled from step {step}")
+    return []

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import time
+from contextlib import nullcontext
 from pathlib import Path
 
 from lorakit.convert.verify import consumer_note
@@ -14,7 +15,7 @@ from lorakit.events import PHASES, Events, Recorded
 from lorakit.plan.resolve import Resolved
 from lorakit.train import checkpoint, shards, stop, warm
 from lorakit.train.allocwatch import AllocWatch
-from lorakit.train.compile_bg import cache_news, summary
+from lorakit.train.compile_bg import news
 from lorakit.train.gcpause import Collector
 from lorakit.train.report import loss_curve, peak_rss_gib
 from lorakit.train.setup import Run, hold_output, render_samples, setup
@@ -70,11 +71,10 @@ def steps(r: Run, end: int) -> None:
     r.stop.share(d)  # a signal before the first step stops every rank before it (the loop tests only what all agreed)
     with Collector() as collector:  # full collections timed per step; what the run keeps, frozen (train/gcpause.py)
         while tr.step < end and not r.stop.agreed:
-            if bg and bg.loads_now:  # the separate process compiled them all: taken from the cache here, at once
-                with r.events.phase("the compiled blocks from the compile cache"):
-                    heard = background_news(r, bg, heard + bg.advance(load=True), tr.step + 1)
-            elif bg:
-                heard = background_news(r, bg, heard + bg.advance(), tr.step + 1)
+            if bg:  # where the separate process compiled them all, the graphs are taken from the cache here
+                load = bg.loads_now
+                with r.events.phase("the compiled blocks from the compile cache") if load else nullcontext():
+                    heard = news(bg, heard + bg.advance(load), tr.step + 1, r.events.info, r.note)
             alloc.take()  # what samples, checkpoints or validation asked between steps is not the step's
             t0 = time.perf_counter()
             graphs = own_graphs(bg) if tr.compiled else 0
@@ -181,26 +181,6 @@ def compiled_graphs() -> int:
 def own_graphs(bg) -> int:
     """Graphs the run compiled itself (those of the background worker held up no step)."""
     return bg.own_graphs() if bg else compiled_graphs()
-
-
-def background_news(r: Run, bg, ready: list, step: int) -> list:
-    """What the background compile finished, said once the worker has nothing left (every block call met so far
-    runs compiled from this step on); a failed one at once (the run compiles it itself at its next call). Returns
-    what is still to be said."""
-    said = bg.ahead.news() if bg.ahead else None  # the separate compile process ended (train.precompile)
-    if said:
-        (r.events.info if bg.ahead.result().get("ok") else r.note)(said)
-    for x in ready:
-        if x.failed:
-            r.note(f"the background compile of {summary(x.what)} failed ({x.failed}); the run compiles it at its "
-                   "next call")
-    done = [x for x in ready if not x.failed]
-    if bg.pending or not done:
-        return done
-    how = "taken from the compile cache between two steps" if bg.handed_back else "compiled in the background"
-    r.events.info(f"{how} ({sum(x.seconds for x in done):.1f} s{cache_news()}): "
-                  f"{', '.join(summary(x.what) for x in done)}; the blocks run compiled from step {step}")
-    return []
 
 
 def finish(r: Run) -> dict:
