@@ -30,9 +30,9 @@ final saves wait for the compile in progress to end.
 On a first run with these settings on the machine the worker first waits for `ahead`, a separate process that
 compiles the same calls into the compile cache (`train.precompile`): the uncompiled steps meanwhile have the
 interpreter to themselves. Once that process has compiled everything, the worker hands its calls back to the run's
-thread, which takes their graphs from the cache between two steps, in one phase, and switches: taken beside the
+thread, which takes their graphs from the cache between two steps, in one phase, and switches. Taken beside the
 uncompiled steps, the worker starved them (FLUX.1-dev 1024², fp8 compute, one H200, 2026-11-28: 19 graphs from the
-cache in 66.4 s, steps 166-171 took 67 s; loaded alone between two steps a second run's took ~21 s, H100).
+cache in 66.4 s while steps 166-171 took 67 s); in the run's thread, between two steps: 54.5 s.
 
 A compile that fails in the worker (out of memory, say) leaves that description to the run: it compiles there at
 its next call, as it would without this (the step waits; the loop says so)."""
