@@ -73,6 +73,8 @@ def steps(r: Run, end: int) -> None:
         while tr.step < end and not r.stop.agreed:
             if bg:  # where the separate process compiled them all, the graphs are taken from the cache here
                 load = bg.loads_now
+                if load:  # the process's end is said first, then the phase that takes its graphs
+                    heard = news(bg, heard, tr.step + 1, r.events.info, r.note)
                 with r.events.phase("the compiled blocks from the compile cache") if load else nullcontext():
                     heard = news(bg, heard + bg.advance(load), tr.step + 1, r.events.info, r.note)
             alloc.take()  # what samples, checkpoints or validation asked between steps is not the step's
