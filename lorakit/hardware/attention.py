@@ -22,6 +22,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
@@ -70,6 +71,31 @@ def self_test_family(family: str, device: str = "cuda") -> AttentionReport:
     measured once per machine and cached as well."""
     everything, own = _family_measurements(family, device)
     return _cached(_key(device, *everything)) or self_test(device, cases=own[0], models=own[1])
+
+
+class Measuring:
+    """A training run's first self-test of its family here (`self_test_family`: child processes, cached per
+    machine), run in a thread from the moment the run's config is resolved: beside the encoders, the caching and the
+    model's load. `result` waits for it."""
+
+    def __init__(self, family: str, device: str):
+        self.started = time.perf_counter()
+        self._report, self._error = None, None
+        self._thread = threading.Thread(target=self._run, args=(family, device), name="lorakit-attention",
+                                        daemon=True)
+        self._thread.start()
+
+    def _run(self, family: str, device: str) -> None:
+        try:
+            self._report = self_test_family(family, device)
+        except Exception as e:  # noqa: BLE001 - raised where the run waits for it
+            self._error = e
+
+    def result(self) -> AttentionReport:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._report
 
 
 def cached_family_report(family: str, device: str = "cuda") -> AttentionReport | None:

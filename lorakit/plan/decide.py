@@ -113,9 +113,10 @@ def lacks_room(cfg, est: dict | None, budget_gib: float | None, uncompiled: bool
 
 
 def attention_can_wait(cfg, device: str, world: int, room: bool) -> bool:
-    """Can this run measure its attention backends while its model loads, instead of before anything (the first
-    run of the family on this machine)? Where memory.attention is auto, nothing is cached yet, the card has room
-    for the measuring child processes beside the loading, and the run is one process (ranks must agree)."""
+    """Can this run measure its attention backends while it starts (beside its caching and model load) instead of
+    before anything (the first run of the family on this machine)? Where memory.attention is auto, nothing is
+    cached yet, the card has room for the measuring child processes beside the loading, and the run is one process
+    (ranks must agree)."""
     return (device.startswith("cuda") and cfg.memory.attention == "auto" and room and world == 1
             and cached_family_report(cfg.model.family, device) is None)
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,7 +16,7 @@ from lorakit.config import dump_yaml
 from lorakit.dtypes import torch_dtype
 from lorakit.errors import ConfigError
 from lorakit.events import Events
-from lorakit.hardware.attention import self_test_family
+from lorakit.hardware.attention import Measuring
 from lorakit.hardware.gpu import apply_cap, budget_gib, compile_cache, expandable_segments
 from lorakit.hardware.sdpa import apply as apply_attention
 from lorakit.io import atomic_path, clean_orphans
@@ -129,7 +128,7 @@ def setup(resolved: Resolved, resume: str | None, events: Events, force: bool = 
             conds = sampling.conditions(cfg, adapter, data)
     if conds and cfg.memory.free_encoders_after_cache:
         adapter.unload(list(adapter.text_parts))
-    measuring = AttentionTest(cfg.model.family, device) if resolved.attention_deferred else None
+    measuring = (resolved.measuring or Measuring(cfg.model.family, device)) if resolved.attention_deferred else None
     if not measuring:
         attention = cfg.memory.attention if device.startswith("cuda") and cfg.memory.attention != "auto" else None
         apply_attention(attention, fallback=True)  # in force for the whole run: forward, backward, recompute
@@ -174,7 +173,7 @@ def setup(resolved: Resolved, resume: str | None, events: Events, force: bool = 
                 facts.update(ahead.stop())
         resolved.read_ahead = None
         del base
-        if measuring:  # the first run here: the family's attention was measured while the model loaded
+        if measuring:  # the first run here: the family's attention was measured beside the cache and the load
             cfg = tr.cfg = choose_attention(resolved, measuring, out, events, note)
             key = warm.warm_key(cfg, device) if key else None  # the compile depends on the backend chosen now
         mark("model_ready")
@@ -209,34 +208,11 @@ def setup(resolved: Resolved, resume: str | None, events: Events, force: bool = 
         raise
 
 
-class AttentionTest:
-    """The family's attention self-test (`hardware.attention.self_test_family`: child processes, cached per machine)
-    run in a thread while the model loads; `result` waits for it."""
-
-    def __init__(self, family: str, device: str):
-        self.started = time.perf_counter()
-        self._report, self._error = None, None
-        self._thread = threading.Thread(target=self._run, args=(family, device), name="lorakit-attention",
-                                        daemon=True)
-        self._thread.start()
-
-    def _run(self, family: str, device: str) -> None:
-        try:
-            self._report = self_test_family(family, device)
-        except Exception as e:  # noqa: BLE001 - raised where the run waits for it
-            self._error = e
-
-    def result(self):
-        self._thread.join()
-        if self._error is not None:
-            raise self._error
-        return self._report
-
-
-def choose_attention(resolved: Resolved, measuring: AttentionTest, out: Path, events: Events, note):
-    """The backend chosen from the measurement made while the model loaded, put in force for the whole run, and
-    written into config.resolved.yaml (the config a dry run shows). Returns the run's config."""
-    with events.phase("attention self-test (first run here; measured while the model loaded)") as facts:
+def choose_attention(resolved: Resolved, measuring: Measuring, out: Path, events: Events, note):
+    """The backend chosen from the measurement begun when the run's config was resolved (`Resolved.measuring`),
+    put in force for the whole run, and written into config.resolved.yaml (the config a dry run shows). Returns
+    the run's config."""
+    with events.phase("attention self-test (first run here; measured while the run started)") as facts:
         choice = choice_from(measuring.result(), resolved.cfg, resolved.device, note)
         facts.update(attention=choice, measured_s=round(time.perf_counter() - measuring.started, 1))
     m = resolved.cfg.memory

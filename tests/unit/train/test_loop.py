@@ -249,12 +249,15 @@ def test_nf4_base_trains_and_its_lora_still_loads_in_stock_diffusers(tmp_path, t
                  memory={"base_quant": "nf4", "blocks_to_swap": 1})
 
 
-def test_the_first_run_here_measures_attention_while_its_model_loads(tmp_path, tiny, monkeypatch):
-    """Where the card has room and nothing is cached, `lorakit train` resolves without measuring (the dry run
-    measures), starts the family's self-test before the model loads, waits for it after, puts the choice in force
-    and writes it into config.resolved.yaml. (The CPU never measures: the GPU-only decisions are patched.)"""
+def test_the_first_run_here_measures_attention_from_its_resolve_beside_the_cache_and_the_load(tmp_path, tiny,
+                                                                                              monkeypatch):
+    """Where the card has room and nothing is cached, `lorakit train` resolves without waiting for the measurement
+    (the dry run measures): the family's self-test begins in the resolve, before the cache is built and the model
+    loads, the run waits for it once the model is prepared, puts the choice in force and writes it into
+    config.resolved.yaml. (The CPU never measures: the GPU-only decisions are patched.)"""
     import time
 
+    import lorakit.hardware.attention as attention_mod
     import lorakit.plan.resolve as resolve_mod
     import lorakit.train.setup as setup_mod
     from lorakit.events import Events
@@ -264,7 +267,7 @@ def test_the_first_run_here_measures_attention_while_its_model_loads(tmp_path, t
 
     class Heard(Events):
         def phase_start(self, name):
-            heard.append(("start", name))
+            heard.append(("start", name, time.perf_counter()))
 
         def phase_end(self, name, seconds, facts):
             heard.append(("end", name, dict(facts)))
@@ -276,20 +279,24 @@ def test_the_first_run_here_measures_attention_while_its_model_loads(tmp_path, t
 
     applied = []
     monkeypatch.setattr(resolve_mod, "attention_can_wait", lambda cfg, device, world, room: room and world == 1)
-    monkeypatch.setattr(setup_mod, "self_test_family", measure)
+    monkeypatch.setattr(attention_mod, "self_test_family", measure)
     monkeypatch.setattr(setup_mod, "choice_from", lambda report, cfg, device, note: "flash+efficient")
     monkeypatch.setattr(setup_mod, "apply_attention", lambda a, fallback: applied.append(a))
     cfg = make_cfg(tmp_path, "flux", tiny("flux"), steps=2, sampling={"enabled": False})
+    assert not resolve(cfg).attention_deferred  # a dry run (no deferral asked) measures while it resolves
     resolved = resolve(cfg, defer_attention=True)
     assert resolved.attention_deferred and resolved.cfg.memory.attention == "auto"
-    assert not resolve(cfg).attention_deferred  # a dry run (no deferral asked) measures while it resolves
+    assert resolved.measuring is not None  # begun in the resolve
+    begun = resolved.measuring.started
     r = run(resolved, events=Heard())
     assert r["steps"] == 2
-    order = [h[0] if h[0] == "measuring" else f"{h[0]} {h[1]}" for h in heard]
-    assert order.index("measuring") < order.index("start load model")
+    assert [h for h in heard if h[0] == "measuring"] == [("measuring", "flux")]  # the resolve's, not a second one
+    starts = {h[1]: h[2] for h in heard if h[0] == "start"}
+    assert begun < starts["cache"] < starts["load model"]
+    names = [h[1] for h in heard if h[0] == "end"]
     done = [h for h in heard if h[0] == "end" and h[1].startswith("attention self-test")]
     assert done and done[0][2]["attention"] == "flash+efficient" and done[0][2]["measured_s"] >= 0.5
-    assert order.index(f"end {done[0][1]}") > order.index("end prepare model")
+    assert names.index(done[0][1]) > names.index("prepare model")
     assert applied == ["flash+efficient"]  # in force for the run, once
     (final,) = [h[2] for h in heard if h[0] == "end" and h[1] == "final checkpoint (step 2)"]
     assert [part.rsplit(" ", 2)[0] for part in final["of_which"].split(", ")] == [  # where a save's time goes
