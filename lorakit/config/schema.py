@@ -227,8 +227,10 @@ class SamplingConfig(_Section):
                                               "controls); prompts without one take item k's")
     steps: int = Field(20, ge=1, description="inference steps per sample")
     first: bool = Field(True, description="render the grid of the untrained LoRA (step 0, right after step 1) to "
-                                          "compare the later grids with; false skips it (the run says what it costs "
-                                          "before it starts)")
+                                          "compare the later grids with (taken from lorakit's cache where an earlier "
+                                          "run on this machine rendered it from the same model files, prompts, "
+                                          "seeds and settings); false skips it (the run says what it costs before "
+                                          "it starts)")
     guidance: float = Field(3.5, ge=0, description="FLUX guidance / Qwen true-CFG scale")
     seed: int = Field(42, description="sampling seed")
     size: int | None = Field(None, description="sample side in pixels (default: data.resolution)")

@@ -260,6 +260,19 @@ class Sampler:
         self._progress()
         return path
 
+    def reuse(self, step: int, grid: Path) -> Path:
+        """An identical grid rendered before (`train.first_grid`) taken as this step's: samples/step-NNNNNN.png and
+        its row in progress.png, as a render would have written them."""
+        from PIL import Image
+
+        self.folder.mkdir(parents=True, exist_ok=True)
+        path = self.folder / f"step-{step:06d}.png"
+        with atomic_path(path) as tmp:
+            tmp.write_bytes(grid.read_bytes())
+        self.rows = [r for r in self.rows if r[0] != step] + [(step, Image.open(path).convert("RGB"))]
+        self._progress()
+        return path
+
     def _progress(self) -> None:
         from PIL import Image
 

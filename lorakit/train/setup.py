@@ -26,7 +26,7 @@ from lorakit.models.base import load_adapter
 from lorakit.plan import disk
 from lorakit.plan.decide import choice_from
 from lorakit.plan.resolve import Resolved
-from lorakit.train import checkpoint, precompile, sampling, stop, warm
+from lorakit.train import checkpoint, first_grid, precompile, sampling, stop, warm
 from lorakit.train import resume as resume_mod
 from lorakit.train.data import CachedData
 from lorakit.train.prepare import load_base
@@ -227,9 +227,20 @@ def choose_attention(resolved: Resolved, measuring: Measuring, out: Path, events
 
 
 def render_samples(r: Run, step: int, name: str | None = None):
-    """A sample grid, said before it starts (what it renders, and how long the last one took) and timed."""
+    """A sample grid, said before it starts (what it renders, and how long the last one took) and timed. The
+    step-0 grid of one process is taken from an earlier run's where its inputs are the same (`train.first_grid`)."""
     s = r.resolved.cfg.sampling
     n, took = len(r.sampler.conds), r.said_grid_s
+    grid_key = first_grid.key(r) if step == 0 and name is None and r.dist.world == 1 else None
+    kept = first_grid.cached(grid_key) if grid_key else None
+    if kept:
+        with r.events.phase("samples (step 0)") as facts:
+            path = r.sampler.reuse(0, kept)
+            facts.update(grid=str(path), reused=f"an earlier run's here, from the same model files, prompts, seeds "
+                                                f"and settings: {kept}")
+        r.log.image("samples", path, step)
+        r.mark("first_samples")
+        return path
     r.events.info(f"samples (step {step}): {n} image(s) x {s.steps} steps"
                   + (f", about {took:.0f} s as the last grid" if took else "")
                   + (" — the untrained LoRA, to compare with (sampling.first: false skips it)" if step == 0 else ""))
@@ -238,6 +249,8 @@ def render_samples(r: Run, step: int, name: str | None = None):
         path = r.sampler(step, write=r.dist.main, name=name)
         facts["grid"] = str(path) if path else None
     r.said_grid_s = time.perf_counter() - t0
+    if grid_key and path:
+        first_grid.keep(grid_key, path)
     r.log.image("samples", path, step)
     r.mark("first_samples")
     return path

@@ -160,3 +160,47 @@ def test_a_non_finite_sample_is_reported_with_where_it_broke(tmp_path, tiny):
         tr.transformer.proj_out.bias[0] = float("inf")
     render(tr, conds, problems)
     assert len(problems) == 1 and "prediction at sampling step 1 of 3" in problems[0], problems
+
+
+def test_the_step_0_grid_is_taken_from_an_earlier_run_with_the_same_inputs_and_rendered_when_one_differs(
+        tmp_path, tiny, monkeypatch):
+    """The untrained LoRA's grid is the base model's: a second run with the same model files, prompts, sampler
+    settings and storage (another global seed: other LoRA `A` tensors, a zero `B` all the same) takes the first
+    run's step-0 grid from lorakit's cache, byte for byte, says so, and renders only its final grid; another
+    sampling seed renders it again."""
+    from lorakit.events import Events
+    from lorakit.train import sampling
+
+    renders, said = [], []
+    real = sampling.render
+
+    def counted(trainer, conds, problems=None):
+        renders.append(len(conds))
+        return real(trainer, conds, problems)
+
+    class Heard(Events):
+        def phase_end(self, name, seconds, facts):
+            if name == "samples (step 0)":
+                said.append(dict(facts))
+
+    monkeypatch.setattr(sampling, "render", counted)
+
+    def once(sub, seed, sample_seed):
+        cfg = make_cfg(tmp_path / sub, "flux", tiny("flux"), steps=1, seed=seed, output={"save_every": 0},
+                       schedule={"warmup_steps": 0},
+                       sampling={"steps": 2, "seed": sample_seed})
+        renders.clear()
+        run(resolve(cfg), events=Heard())
+        return list(renders), tmp_path / sub / "out" / "samples"
+
+    first, a = once("a", 7, 42)
+    assert len(first) == 2 and "reused" not in said[-1]  # step 0 (rendered after step 1), the final grid
+    second, b = once("b", 8, 42)
+    assert len(second) == 1  # only the final grid
+    assert (b / "step-000000.png").read_bytes() == (a / "step-000000.png").read_bytes()
+    assert "earlier run" in said[-1]["reused"] and said[-1]["grid"] == str(b / "step-000000.png")
+    from PIL import Image
+
+    assert Image.open(b / "progress.png").height == 2 * Image.open(b / "step-000000.png").height
+    third, _ = once("c", 7, 43)
+    assert len(third) == 2 and "reused" not in said[-1]  # another sampling seed: another picture
