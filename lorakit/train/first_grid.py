@@ -2,13 +2,14 @@
 would be rendered from the same inputs as an earlier run's on this machine shows that grid instead of rendering
 it again (FLUX.1-dev 1024², four prompts at 20 steps: 19-20 s on one H200; Qwen-Image 24 GiB: 44 s on an H100).
 
-What decides the picture is the key (`key`): lorakit's, torch's and diffusers' versions and the GPU; the family
-and every file of the model folder (path, size, modification time); the sample conditions as encoded (prompt
-embeddings, control latents, the empty caption: the prompts, the text encoders and the control images in one);
-the sampler's steps, guidance and seed; the weights' storage and compute (dtype, 8-bit base, fp8 products), the
-attention backend in force, the method, the LoRA type, and the trained tensors themselves — where every LoRA `B`
-is zero (the default start), the `A` tensors enter by shape only: the product with a zero `B` is zero whatever
-`A` holds, so runs with another global seed share their grid. Change any of these and the grid is rendered again.
+What decides the picture is the key (`key`): lorakit's, torch's and diffusers' versions, the source of the sampler
+and of the family's adapter, and the GPU; the family and every file of the model folder (path, size, modification
+time); the sample conditions as encoded (prompt embeddings, control latents, the empty caption: the prompts, the
+text encoders and the control images in one); the sampler's steps, guidance and seed; the weights' storage and
+compute (dtype, 8-bit base, fp8 products), the attention backend in force, the method, the LoRA type, and the
+trained tensors themselves — where every LoRA `B` is zero (the default start), the `A` tensors enter by shape only:
+the product with a zero `B` is zero whatever `A` holds, so runs with another global seed share their grid. Change
+any of these and the grid is rendered again.
 One process only (ranks of a sharded run render together; they must not decide apart)."""
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from pathlib import Path
 
 from lorakit import __version__
 from lorakit.paths import cache_root
+from lorakit.train import sampling
 from lorakit.train.lora import lora_state_dict
 
 KEEP = 64  # grids kept in the cache, the newest by use
@@ -40,8 +42,9 @@ def key(r) -> str:
     tr, cfg = r.trainer, r.resolved.cfg
     m, s = cfg.memory, cfg.sampling
     dev = torch.cuda.get_device_name(torch.device(tr.device)) if tr.device.startswith("cuda") else "cpu"
+    code = [_source(sampling), _source(type(tr.adapter))]  # the sampler and the family's `predict`, as they are
     facts = {"v": VERSION, "lorakit": __version__, "torch": torch.__version__, "diffusers": diffusers.__version__,
-             "device": dev, "family": cfg.model.family, "model": _files(Path(cfg.model.path)),
+             "code": code, "device": dev, "family": cfg.model.family, "model": _files(Path(cfg.model.path)),
              "sampling": [s.steps, s.guidance, s.seed], "cell": r.sampler.cell,
              "storage": [cfg.model.dtype, m.base_quant, m.compute, m.attention], "method": cfg.method,
              "lora": [cfg.lora.type, cfg.lora.is_dora] if not tr.full else None,
@@ -75,6 +78,16 @@ def keep(k: str, grid: Path) -> None:
             old.unlink(missing_ok=True)
     except OSError:
         pass
+
+
+def _source(obj) -> str:
+    """The digest of the source file that defines `obj` (a module or a class); empty where it has none."""
+    import inspect
+
+    try:
+        return hashlib.sha256(Path(inspect.getsourcefile(obj)).read_bytes()).hexdigest()[:16]
+    except (OSError, TypeError):
+        return ""
 
 
 def _files(root: Path) -> list:
