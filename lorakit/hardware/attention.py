@@ -24,7 +24,6 @@ import subprocess
 import sys
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from pathlib import Path
 
@@ -75,8 +74,9 @@ def self_test_family(family: str, device: str = "cuda") -> AttentionReport:
 
 class Measuring:
     """A training run's first self-test of its family here (`self_test_family`: child processes, cached per
-    machine), run in a thread from the moment the run's config is resolved: beside the encoders, the caching and the
-    model's load. `result` waits for it."""
+    machine), run in a thread as the run starts: beside the encoders, the caching and the model's load. `result`
+    waits for it. A run that fails meanwhile does not wait for it to exit (its threads are daemons; the children
+    end at their next answer to the gone process)."""
 
     def __init__(self, family: str, device: str):
         self.started = time.perf_counter()
@@ -264,10 +264,9 @@ def self_test(device: str = "cuda", use_cache: bool = True, repeats: int = 5, ca
         jobs = [(b, c.name) for b in measured_backends(fp) for c in cases]
         report.results += run_jobs(jobs, device, repeats, cases, watchdog, progress=progress, spare=bare)
         if models:
-            with ThreadPoolExecutor(max_workers=len(models)) as ex:  # architectures in parallel children
-                for rows in ex.map(lambda m: _model_case(report, m, device, watchdog, progress, spares[m]),
-                                   models):
-                    report.results += rows
+            for rows in in_parallel(lambda m: _model_case(report, m, device, watchdog, progress, spares[m]),
+                                    models):  # architectures in parallel children
+                report.results += rows
     finally:
         for p in (p for ps in spares.values() for p in ps):
             close(p)
@@ -282,6 +281,31 @@ def self_test(device: str = "cuda", use_cache: bool = True, repeats: int = 5, ca
     except OSError:
         pass  # an unwritable cache only costs a re-run
     return report
+
+
+def in_parallel(fn, items) -> list:
+    """`fn` of each item, each in a thread of its own, the results in order (the first error raised). The threads
+    are daemons: a process that exits meanwhile (a refused run, Ctrl-C) does not wait for a measurement in progress,
+    as it would for a ThreadPoolExecutor's workers."""
+    items = list(items)
+    out, errors = [None] * len(items), [None] * len(items)
+
+    def one(k, x):
+        try:
+            out[k] = fn(x)
+        except BaseException as e:  # noqa: BLE001 - raised in the caller's thread below
+            errors[k] = e
+
+    threads = [threading.Thread(target=one, args=(k, x), daemon=True, name="lorakit-attention-case")
+               for k, x in enumerate(items)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for e in errors:
+        if e is not None:
+            raise e
+    return out
 
 
 def _model_case(report: AttentionReport, case: str, device: str, watchdog: float, progress,
@@ -306,10 +330,9 @@ def _model_case(report: AttentionReport, case: str, device: str, watchdog: float
                   and not known_bad(report.fingerprint, backend, f)]
         if not wanted:
             continue
-        with ThreadPoolExecutor(max_workers=2) as ex:  # two fresh processes at once
-            tries = list(ex.map(lambda job: run_jobs([job], device, 5, watchdog=watchdog * 2,
-                                                     spare=spares.pop() if spares else None)[0],
-                                [(backend, case)] * 2))
+        tries = in_parallel(lambda job: run_jobs([job], device, 5, watchdog=watchdog * 2,  # two fresh processes
+                                                 spare=spares.pop() if spares else None)[0],  # at once
+                            [(backend, case)] * 2)
         bad = [t for t in tries if not t.ok]
         row = bad[0] if bad else min(tries, key=lambda t: t.ms or 0.0)
         rows.append(row)

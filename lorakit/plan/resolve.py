@@ -12,7 +12,6 @@ from pathlib import Path
 from lorakit.config import Config, assemble, check_paths
 from lorakit.errors import ConfigError, LorakitError
 from lorakit.events import Events
-from lorakit.hardware.attention import Measuring
 from lorakit.hardware.gpu import device_for
 from lorakit.io import resolve_files
 from lorakit.io.prefetch import Prefetch
@@ -45,7 +44,6 @@ class Resolved:
     memory_note: str | None = None  # what the memory plan did (checkpointing turned on or off, and why)
     notes: list[str] = field(default_factory=list)  # settings the run cannot follow as asked, and why (warnings)
     attention_deferred: bool = False  # the first run here: attention is measured while the run starts (train/setup)
-    measuring: Measuring | None = None  # that measurement, begun here (train/setup waits for it after the model load)
     read_ahead: Prefetch | None = None  # the transformer's files being read into the page cache (train/setup stops it)
 
     def to_dict(self) -> dict:
@@ -74,9 +72,9 @@ def resolve(source: Path | dict | Config | None = None, overrides: list[str] | N
         facts: the hardware probe's facts for `auto` (probed when needed).
         events: where a long step of finding the model (a single file's one-time conversion) reports.
         defer_attention: a training run that may measure its attention backends while it starts (the first run
-            of the family on this machine, where the card has room): begun here, in a thread (`measuring`), beside
-            the encoders, the caching and the model's load; `train.setup` waits for it and finishes the choice. A
-            dry run measures here, before it returns.
+            of the family on this machine, where the card has room): `train.setup` begins it once the run is not
+            refused, beside the encoders, the caching and the model's load, waits for it after the load and
+            finishes the choice. A dry run measures here, before it returns.
         read_ahead: a training run: its transformer's files are read into the page cache from here on, beside the
             checks, the attention self-test and the encoding (`lorakit.io.prefetch`; one process per machine).
 
@@ -136,9 +134,6 @@ def plan_run(r: Resolved, cap_gib: float | None = None, defer_attention: bool = 
     notes += [n for n in (why, graphs_why, bg_why, compute_why) if n]
     room = lacks_room(cfg, est, est and est.get("budget_gib")) is None
     r.attention_deferred = defer_attention and attention_can_wait(cfg, device, r.world, room)
-    if r.attention_deferred:  # begun now: beside the encoders, the caching and the model's load (FLUX.1-dev, one
-        # H200, 2026-11-29: begun after the caching, the run waited 14.6 s for it after the model was prepared)
-        r.measuring = Measuring(cfg.model.family, device)
     attention = "auto" if r.attention_deferred else attention_backend(cfg, device, notes.append)
     r.cfg = cfg.model_copy(update={"memory": m.model_copy(update={"compile": compiled, "cuda_graphs": graphs,
                                                                   "compile_background": background,

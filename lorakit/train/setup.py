@@ -102,6 +102,9 @@ def setup(resolved: Resolved, resume: str | None, events: Events, force: bool = 
             note(n)
         if ck is None and d.main:  # --resume auto's first start: expected, not a warning
             events.info(f"--resume auto: no checkpoint in {out / 'checkpoints'} yet, starting fresh")
+    # the first run here measures its attention backends from now on, in a thread, beside the encoders, the caching
+    # and the load (FLUX.1-dev, one H200, 2026-11-29: begun after the caching, the run then waited 14.6 s for it)
+    measuring = Measuring(cfg.model.family, device) if resolved.attention_deferred else None
     wandb_run = start_wandb(cfg, out, ck is not None) if cfg.logging.wandb and d.main else None  # fails in seconds
     if d.main:
         events.info(f"training {cfg.model.family} ({cfg.model.path}) for {cfg.schedule.steps} steps on {device}, "
@@ -128,7 +131,6 @@ def setup(resolved: Resolved, resume: str | None, events: Events, force: bool = 
             conds = sampling.conditions(cfg, adapter, data)
     if conds and cfg.memory.free_encoders_after_cache:
         adapter.unload(list(adapter.text_parts))
-    measuring = (resolved.measuring or Measuring(cfg.model.family, device)) if resolved.attention_deferred else None
     if not measuring:
         attention = cfg.memory.attention if device.startswith("cuda") and cfg.memory.attention != "auto" else None
         apply_attention(attention, fallback=True)  # in force for the whole run: forward, backward, recompute
@@ -209,9 +211,8 @@ def setup(resolved: Resolved, resume: str | None, events: Events, force: bool = 
 
 
 def choose_attention(resolved: Resolved, measuring: Measuring, out: Path, events: Events, note):
-    """The backend chosen from the measurement begun when the run's config was resolved (`Resolved.measuring`),
-    put in force for the whole run, and written into config.resolved.yaml (the config a dry run shows). Returns
-    the run's config."""
+    """The backend chosen from the measurement begun as the run started, put in force for the whole run, and
+    written into config.resolved.yaml (the config a dry run shows). Returns the run's config."""
     with events.phase("attention self-test (first run here; measured while the run started)") as facts:
         choice = choice_from(measuring.result(), resolved.cfg, resolved.device, note)
         facts.update(attention=choice, measured_s=round(time.perf_counter() - measuring.started, 1))

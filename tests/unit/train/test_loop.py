@@ -249,11 +249,11 @@ def test_nf4_base_trains_and_its_lora_still_loads_in_stock_diffusers(tmp_path, t
                  memory={"base_quant": "nf4", "blocks_to_swap": 1})
 
 
-def test_the_first_run_here_measures_attention_from_its_resolve_beside_the_cache_and_the_load(tmp_path, tiny,
-                                                                                              monkeypatch):
-    """Where the card has room and nothing is cached, `lorakit train` resolves without waiting for the measurement
-    (the dry run measures): the family's self-test begins in the resolve, before the cache is built and the model
-    loads, the run waits for it once the model is prepared, puts the choice in force and writes it into
+def test_the_first_run_here_measures_attention_as_it_starts_beside_the_cache_and_the_load(tmp_path, tiny,
+                                                                                         monkeypatch):
+    """Where the card has room and nothing is cached, `lorakit train` resolves without measuring (the dry run
+    measures): the run begins the family's self-test once it is not refused, before the cache is built and the
+    model loads, waits for it once the model is prepared, puts the choice in force and writes it into
     config.resolved.yaml. (The CPU never measures: the GPU-only decisions are patched.)"""
     import time
 
@@ -272,6 +272,11 @@ def test_the_first_run_here_measures_attention_from_its_resolve_beside_the_cache
         def phase_end(self, name, seconds, facts):
             heard.append(("end", name, dict(facts)))
 
+    class Begun(attention_mod.Measuring):
+        def __init__(self, family, device):
+            heard.append(("begun", family, time.perf_counter()))
+            super().__init__(family, device)
+
     def measure(family, device):
         heard.append(("measuring", family))
         time.sleep(0.5)
@@ -280,18 +285,19 @@ def test_the_first_run_here_measures_attention_from_its_resolve_beside_the_cache
     applied = []
     monkeypatch.setattr(resolve_mod, "attention_can_wait", lambda cfg, device, world, room: room and world == 1)
     monkeypatch.setattr(attention_mod, "self_test_family", measure)
+    monkeypatch.setattr(setup_mod, "Measuring", Begun)
     monkeypatch.setattr(setup_mod, "choice_from", lambda report, cfg, device, note: "flash+efficient")
     monkeypatch.setattr(setup_mod, "apply_attention", lambda a, fallback: applied.append(a))
     cfg = make_cfg(tmp_path, "flux", tiny("flux"), steps=2, sampling={"enabled": False})
     assert not resolve(cfg).attention_deferred  # a dry run (no deferral asked) measures while it resolves
     resolved = resolve(cfg, defer_attention=True)
     assert resolved.attention_deferred and resolved.cfg.memory.attention == "auto"
-    assert resolved.measuring is not None  # begun in the resolve
-    begun = resolved.measuring.started
+    assert not heard  # nothing begun by the resolve: a run refused at its start leaves no measurement behind
     r = run(resolved, events=Heard())
     assert r["steps"] == 2
-    assert [h for h in heard if h[0] == "measuring"] == [("measuring", "flux")]  # the resolve's, not a second one
+    assert [h[:2] for h in heard if h[0] in ("begun", "measuring")] == [("begun", "flux"), ("measuring", "flux")]
     starts = {h[1]: h[2] for h in heard if h[0] == "start"}
+    (begun,) = [h[2] for h in heard if h[0] == "begun"]
     assert begun < starts["cache"] < starts["load model"]
     names = [h[1] for h in heard if h[0] == "end"]
     done = [h for h in heard if h[0] == "end" and h[1].startswith("attention self-test")]
@@ -303,6 +309,26 @@ def test_the_first_run_here_measures_attention_from_its_resolve_beside_the_cache
         "LoRA file", "read back as diffusers and ComfyUI read it", "training state gathered", "state.pt written"]
     written = yaml.safe_load(open(tmp_path / "out" / "config.resolved.yaml"))
     assert written["memory"]["attention"] == "flash+efficient"
+
+
+def test_a_measurement_in_progress_does_not_hold_a_process_that_exits():
+    """`in_parallel`'s threads are daemons: a refused run (or Ctrl-C) exits at once while its attention self-test's
+    cases are still running, where a ThreadPoolExecutor's workers are waited for at exit."""
+    import subprocess
+    import sys
+    import time
+
+    code = ("import time\n"
+            "from lorakit.hardware.attention import Measuring, in_parallel\n"
+            "import lorakit.hardware.attention as a\n"
+            "a.self_test_family = lambda family, device: in_parallel(lambda x: time.sleep(60), [1, 2])\n"
+            "Measuring('flux', 'cuda')\n"
+            "time.sleep(0.5)\n"
+            "raise SystemExit(2)\n")
+    t0 = time.perf_counter()
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2, p.stderr
+    assert time.perf_counter() - t0 < 30  # not the cases' 60 s
 
 
 def test_a_stall_between_steps_shows_in_the_step_record_and_the_eta(tmp_path, tiny, monkeypatch):
