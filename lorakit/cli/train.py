@@ -82,8 +82,8 @@ def _run_one(config: Path, sets, profile, resume, events, force: bool):
     """Resolve the config (timed as a phase of the log) and train it; (resolved, the run's result)."""
     from lorakit.train.loop import run
 
-    # the first run on a machine measures its attention backends here, or (begun here) while it starts where the card
-    # has room (once, cached): the log says so
+    # the first run on a machine measures its attention backends here, or while it starts where the card has room
+    # (train/setup; once, cached): the log says so
     with events.phase("check config and machine") as facts:
         resolved = resolve_config(config, sets, profile, events=events, defer_attention=True, read_ahead=True)
         facts.update(profile=resolved.cfg.profile, attention="measured while the run starts"
