@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from lorakit.io.modules import load_component
 from lorakit.models.base import trained_dir
 from lorakit.train.compile_bg import BackgroundCompile, thread_own_fx_patches
-from lorakit.train.lora import add_lora
+from lorakit.train.lora import add_lora, keep_input_dtype
 from lorakit.train.swap import BlockSwapper, repeated_blocks, swapped_names
 
 
@@ -110,6 +110,7 @@ def prepare(cfg, adapter, transformer, device: str, dtype, dist) -> Prepared:
     if not full:
         for p in params:  # LoRA weights train in fp32 whatever the base dtype, on the GPU (peft puts
             p.data = p.data.to(device, torch.float32)  # those of swapped layers beside their host weights)
+        keep_input_dtype(transformer)  # their matmuls run under autocast: no fp32 copy of each input first
     clock.lap("checkpointing, trained weights")
     background = None
     if compiled:  # regional: each repeated block once (seconds, not minutes), shapes per bucket
