@@ -239,19 +239,18 @@ def render_samples(r: Run, step: int, name: str | None = None):
             path = r.sampler.reuse(0, kept)
             facts.update(grid=str(path), reused=f"an earlier run's here, from the same model files, prompts, seeds "
                                                 f"and settings: {kept}")
-        r.log.image("samples", path, step)
-        r.mark("first_samples")
-        return path
-    r.events.info(f"samples (step {step}): {n} image(s) x {s.steps} steps"
-                  + (f", about {took:.0f} s as the last grid" if took else "")
-                  + (" — the untrained LoRA, to compare with (sampling.first: false skips it)" if step == 0 else ""))
-    t0 = time.perf_counter()
-    with r.events.phase(f"samples (step {step})") as facts:
-        path = r.sampler(step, write=r.dist.main, name=name)
-        facts["grid"] = str(path) if path else None
-    r.said_grid_s = time.perf_counter() - t0
-    if grid_key and path:
-        first_grid.keep(grid_key, path)
+    else:
+        r.events.info(f"samples (step {step}): {n} image(s) x {s.steps} steps"
+                      + (f", about {took:.0f} s as the last grid" if took else "")
+                      + (" — the untrained LoRA, to compare with (sampling.first: false skips it)" if step == 0
+                         else ""))
+        t0 = time.perf_counter()
+        with r.events.phase(f"samples (step {step})") as facts:
+            path = r.sampler(step, write=r.dist.main, name=name)
+            facts["grid"] = str(path) if path else None
+        r.said_grid_s = time.perf_counter() - t0
+        if grid_key and path:
+            first_grid.keep(grid_key, path)
     r.log.image("samples", path, step)
     r.mark("first_samples")
     return path
