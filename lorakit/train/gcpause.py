@@ -5,7 +5,8 @@ A full (generation 2) collection walks every object Python tracks; after the imp
 graphs that is most of a million (CPU: 0.37 s for 760,000 objects after compiling the tiny Qwen-Image's blocks),
 and it stops every thread, so the GPU runs dry for that long: one step in twenty that is a second slower (Qwen-Image
 rtx4090, step 10 of three runs on the H100: 1.70 s against a 0.66 s median) is what a collection would look like.
-After step 1, after each step that waited for the compiler, and once the background compile is in use, what exists
+After step 1 (once the other bucket shapes it compiles and the step-0 grid are done: their graphs stay too), after
+each step that waited for the compiler, after each grid, and once the background compile is in use, what exists
 is collected once and frozen (`gc.freeze`: never walked again); each step's record carries the seconds full
 collections took during it (`gc_s`), so a pause left is seen. The run's end unfreezes (a process that trains
 twice, the tests, collects the first run's objects)."""

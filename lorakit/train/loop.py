@@ -101,8 +101,6 @@ def steps(r: Run, end: int) -> None:
                 settle = bg_settled = True  # the background compile's graphs are in use
                 if r.warm_key and not bg.failed:  # every shape compiled: the next run with these settings starts steady
                     warm.remember(r.warm_key, r.sizes)
-            if settle:  # what exists now stays for the run: out of the collector's way
-                collector.settle()
             r.mark("first_step")
             if cuda:
                 rec["gpu_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
@@ -122,6 +120,8 @@ def steps(r: Run, end: int) -> None:
                     render_samples(r, 0)
                 r.initial = None
                 grid_s += time.perf_counter() - t1
+            if settle:  # what exists now stays for the run, the other shapes' graphs and the grid's too: out of the
+                collector.settle()  # collector's way (frozen before them, they were walked every ~8 steps: FLUX rtx4090)
             now = time.perf_counter()  # s_per_step: the wall time since the previous record — what the clock shows,
             rec["s_per_step"] = round(now - last - grid_s, 4)  # stalls included
             last = now
@@ -130,6 +130,7 @@ def steps(r: Run, end: int) -> None:
                 r.events.step(tr.step, cfg.schedule.steps, rec)
             if r.sampler and cfg.sampling.every and tr.step % cfg.sampling.every == 0:
                 render_samples(r, tr.step)
+                collector.settle()  # what the grid left for the run (its graphs), frozen with the rest
             checkpoint.poll(tr)  # a background checkpoint whose shards are written counts from now
             if cfg.output.save_every and tr.step % cfg.output.save_every == 0:
                 with r.events.phase(f"checkpoint (step {tr.step})"):
