@@ -3,13 +3,14 @@ would be rendered from the same inputs as an earlier run's on this machine shows
 it again (FLUX.1-dev 1024², four prompts at 20 steps: 19-20 s on one H200; Qwen-Image 24 GiB: 44 s on an H100).
 
 What decides the picture is the key (`key`): lorakit's, torch's and diffusers' versions, the source of the sampler
-and of the family's adapter, and the GPU; the family and the files of the trained transformer and the VAE
-(`Adapter.identity`: configs, sizes, the first and last MiB of each weight file); the sample conditions as encoded
-(prompt embeddings, control latents, the empty caption: the prompts, the text encoders and the control images in
-one); the sampler's steps, guidance and seed; the weights' storage and compute (dtype, 8-bit base, fp8 products),
-the attention backend in force, the method, the LoRA type, and the trained tensors themselves — where every LoRA `B`
-is zero (the default start), the `A` tensors enter by shape only: the product with a zero `B` is zero whatever `A`
-holds, so runs with another global seed share their grid. Change any of these and the grid is rendered again.
+and of the family's adapter, and the GPU; the family and the files of the transformers it samples with (both experts
+of Wan 2.2 A14B) and the VAE (`Adapter.identity`: configs, sizes, the first and last MiB of each weight file); the
+sample conditions as encoded (prompt embeddings, control latents, the empty caption: the prompts, the text encoders
+and the control images in one); the sampler's steps, guidance and seed; the weights' storage and compute (dtype,
+8-bit base, fp8 products), the attention backend in force, the method, the LoRA type, and the trained tensors
+themselves — where every LoRA `B` is zero (the default start), the `A` tensors enter by shape only: the product with
+a zero `B` is zero whatever `A` holds, so runs with another global seed share their grid. Change any of these and
+the grid is rendered again.
 One process only (ranks of a sharded run render together; they must not decide apart)."""
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ import shutil
 from pathlib import Path
 
 from lorakit import __version__
-from lorakit.models.base import trained_dir
 from lorakit.paths import cache_root
 from lorakit.train import sampling
 from lorakit.train.lora import lora_state_dict
@@ -46,7 +46,7 @@ def key(r) -> str:
     code = [_source(sampling), _source(type(tr.adapter))]  # the sampler and the family's `predict`, as they are
     facts = {"v": VERSION, "lorakit": __version__, "torch": torch.__version__, "diffusers": diffusers.__version__,
              "code": code, "device": dev, "family": cfg.model.family,
-             "model": tr.adapter.identity((trained_dir(cfg).name, tr.adapter.vae_part)),
+             "model": tr.adapter.identity((*_transformers(tr.adapter), tr.adapter.vae_part)),
              "sampling": [s.steps, s.guidance, s.seed], "cell": r.sampler.cell,
              "storage": [cfg.model.dtype, m.base_quant, m.compute, m.attention], "method": cfg.method,
              "lora": [cfg.lora.type, cfg.lora.is_dora] if not tr.full else None,
@@ -80,6 +80,12 @@ def keep(k: str, grid: Path) -> None:
             old.unlink(missing_ok=True)
     except OSError:
         pass
+
+
+def _transformers(adapter) -> tuple[str, ...]:
+    """The transformer folders a grid is sampled with: every expert's (Wan 2.2 A14B samples with both, whichever
+    one trains), else the one."""
+    return tuple(adapter.trained_part(e) for e in adapter.experts) or (adapter.trained_part(),)
 
 
 def _source(obj) -> str:

@@ -204,3 +204,21 @@ def test_the_step_0_grid_is_taken_from_an_earlier_run_with_the_same_inputs_and_r
     assert Image.open(b / "progress.png").height == 2 * Image.open(b / "step-000000.png").height
     third, _ = once("c", 7, 43)
     assert len(third) == 2 and "reused" not in said[-1]  # another sampling seed: another picture
+
+
+def test_the_step_0_grids_key_covers_every_transformer_the_grid_is_sampled_with(tmp_path, tiny):
+    """Wan 2.2 A14B samples with both experts whichever one trains: another low-noise expert is another grid."""
+    import shutil
+
+    from lorakit.train.first_grid import _transformers
+
+    assert _transformers(load_adapter("flux", tiny("flux"))) == ("transformer",)
+    model = tmp_path / "wan"
+    shutil.copytree(tiny("wan2.2-t2v"), model)
+    a = load_adapter("wan2.2-t2v", model)
+    parts = (*_transformers(a), a.vae_part)
+    assert parts[:2] == ("transformer", "transformer_2")
+    before = a.identity(parts)
+    config = model / "transformer_2" / "config.json"
+    config.write_text(config.read_text().replace("{", '{"_note": "another expert", ', 1))
+    assert a.identity(parts) != before
