@@ -37,8 +37,11 @@ def env_cap_gib() -> float | None:
 
 
 def apply_cap(device: str) -> float | None:
-    """Hold this process to LORAKIT_MEMORY_CAP_GIB of the GPU (PyTorch's allocator refuses past it, as a card
-    that small would). Returns the cap, or None."""
+    """Hold this process to LORAKIT_MEMORY_CAP_GIB of the GPU as a card that small would: PyTorch's allocator
+    refuses past the cap less what the process holds outside it (its CUDA context and loaded kernels, measured
+    here, once the context exists). On the card itself that memory is taken from the same total: a 24 GiB cap
+    whose allocator could fill all 24 let a run reach 24.6 GiB of the GPU (NVML; Qwen-Image, rtx4090 profile, one
+    H200, 2026-11-29) that no 24 GiB card has. Returns the cap, or None."""
     cap = env_cap_gib()
     if not cap or not str(device).startswith("cuda"):
         return None
@@ -47,8 +50,42 @@ def apply_cap(device: str) -> float | None:
     dev = torch.device(device)
     index = dev.index if dev.index is not None else torch.cuda.current_device()
     total = torch.cuda.get_device_properties(index).total_memory
-    torch.cuda.set_per_process_memory_fraction(min(cap * 2**30 / total, 1.0), index)
+    room = cap * 2**30 - outside_allocator(index)
+    torch.cuda.set_per_process_memory_fraction(min(max(room, 0) / total, 1.0), index)
     return cap
+
+
+CONTEXT_MAX = 2**30  # where NVML cannot tell this process's own use: at most this of the device's counts as ours
+
+
+def outside_allocator(index: int) -> int:
+    """Bytes of GPU `index` this process holds outside PyTorch's allocator (creating its CUDA context if there is
+    none yet): NVML's figure for this process where NVML lists it, else the device's used memory less what the
+    allocator holds, at most `CONTEXT_MAX` (other processes' memory is not this card's)."""
+    import torch
+
+    free, total = torch.cuda.mem_get_info(index)
+    held = torch.cuda.memory_reserved(index)
+    own = _nvml_own(index)
+    if own is None:
+        return min(max(total - free - held, 0), CONTEXT_MAX)
+    return max(own - held, 0)
+
+
+def _nvml_own(index: int) -> int | None:
+    """This process's GPU memory on `index` as NVML lists it (None: no NVML, or this process not seen by it, as
+    in a container with its own process ids)."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+        for p in pynvml.nvmlDeviceGetComputeRunningProcesses(handle):
+            if p.pid == os.getpid() and p.usedGpuMemory:
+                return int(p.usedGpuMemory)
+    except Exception:  # noqa: BLE001 - NVML absent or refusing: the device-wide figure stands
+        return None
+    return None
 
 
 def expandable_segments() -> None:

@@ -52,3 +52,25 @@ def test_inductors_own_default_is_not_taken_for_the_users_folder(tmp_path, monke
 def test_the_cap_is_the_budget(monkeypatch):
     monkeypatch.setenv("LORAKIT_MEMORY_CAP_GIB", "24")
     assert budget_gib("cuda") == 24.0
+
+
+def test_an_emulated_card_holds_this_processs_cuda_context_inside_its_cap(monkeypatch):
+    """A 24 GiB card has 24 GiB for the CUDA context and the allocator together: the allocator is held to the cap
+    less what the process holds outside it (an H200 whose allocator could fill all 24 let a run reach 24.6 GiB)."""
+    import torch
+
+    from lorakit.hardware import gpu
+
+    got = {}
+    total = 141 * 2**30
+    monkeypatch.setenv("LORAKIT_MEMORY_CAP_GIB", "24")
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: type("P", (), {"total_memory": total}))
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda f, i: got.update(f=f, i=i))
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda i: (total - 2**29 - 3 * 2**30, total))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda i: 0)
+    monkeypatch.setattr(gpu, "_nvml_own", lambda i: None)  # another process holds 3 GiB: at most 1 counts as ours
+    assert apply_cap("cuda") == 24.0 and got["f"] * total == pytest.approx(23 * 2**30)
+    monkeypatch.setattr(gpu, "_nvml_own", lambda i: 2**29)  # NVML names this process's own: half a GiB
+    apply_cap("cuda")
+    assert got["f"] * total == pytest.approx(23.5 * 2**30)
