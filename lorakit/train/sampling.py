@@ -138,8 +138,7 @@ def render(trainer, conds: list[Condition], problems: list | None = None) -> lis
     try:
         for k, c in enumerate(conds):
             x, bad = denoise(trainer, c, k, cfg.sampling.steps)
-            with torch.no_grad():
-                pix = trainer.adapter.decode_latents(x)[0]
+            pix = decode(trainer, x, problems)
             if bad is None and not torch.isfinite(pix).all():
                 bad = f"the VAE decode (latents finite, max |x| {x.abs().max().item():.3g})"
             if bad and problems is not None:
@@ -151,6 +150,31 @@ def render(trainer, conds: list[Condition], problems: list | None = None) -> lis
         if vae is not None:
             vae.to("cpu")
     return images
+
+
+def decode(trainer, x, problems: list | None = None):
+    """The VAE's decode of one sample's latents: whole, as the stock pipelines decode, unless that does not fit
+    beside what training holds; then in tiles (diffusers' `enable_tiling`, a fraction of the memory), for this and
+    every later grid, said once in `problems`. On a 24 GiB card the whole decode of Qwen-Image's VAE at 1232x848
+    (about 4.1 GiB: `placement.DECODE_GIB_PER_MPX`) beside the rtx4090 profile's 8-bit base ran out of memory
+    (one H200 held to 24 GiB with the CUDA context inside it, 2026-11-29): the step-0 grid ended the run."""
+    import torch
+
+    adapter = trainer.adapter
+    try:
+        with torch.no_grad():
+            return adapter.decode_latents(x)[0]
+    except torch.OutOfMemoryError:
+        vae = adapter.parts.get(adapter.vae_part)
+        if vae is None or not hasattr(vae, "enable_tiling") or getattr(vae, "use_tiling", False):
+            raise
+    torch.cuda.empty_cache()  # outside the handler: the failed decode's tensors are gone with its frames
+    vae.enable_tiling()
+    if problems is not None:
+        problems.append("the VAE's whole decode did not fit beside training (out of GPU memory): it decodes in "
+                        "tiles from now on (the samples may differ slightly at the tiles' seams)")
+    with torch.no_grad():
+        return adapter.decode_latents(x)[0]
 
 
 def denoise(trainer, c: Condition, k: int, steps: int):

@@ -222,3 +222,41 @@ def test_the_step_0_grids_key_covers_every_transformer_the_grid_is_sampled_with(
     config = model / "transformer_2" / "config.json"
     config.write_text(config.read_text().replace("{", '{"_note": "another expert", ', 1))
     assert a.identity(parts) != before
+
+
+def test_a_whole_decode_that_runs_out_of_memory_decodes_in_tiles_from_then_on_and_says_so(tmp_path, tiny):
+    """On a 24 GiB card Qwen-Image's whole decode at 1232x848 did not fit beside training: the step-0 grid ended
+    the run. The sampler decodes that sample and every later one in tiles, says so once, and a tiled decode that
+    still runs out is the user's error as before."""
+    from lorakit.train.sampling import decode
+
+    cfg = make_cfg(tmp_path, "qwen-image", tiny("qwen-image"), steps=2, sampling={"steps": 2, "seed": 5})
+    a = load_adapter("qwen-image", tiny("qwen-image"))
+    build(cfg, adapter=a)
+    st = Store(cache_dir_for(cfg))
+    data = CachedData(st, st.read_manifest(), 1, 0)
+    conds = conditions(cfg, a, data, limit=1)
+    tr = Trainer(cfg, a, load_component(tiny("qwen-image") / "transformer"), data, tmp_path / "o", "cpu",
+                 torch.float32)
+    whole = render(tr, conds)[0]
+    vae = a.parts[a.vae_part]
+    real, calls = vae.decode, []
+
+    def short_of_memory(z, *args, **kw):  # the card's edge: only a tiled decode fits
+        calls.append(vae.use_tiling)
+        if not vae.use_tiling:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 192.00 MiB")
+        return real(z, *args, **kw)
+
+    vae.decode = short_of_memory
+    problems = []
+    tiled = render(tr, conds, problems)[0]
+    assert calls == [False, True] and vae.use_tiling
+    assert len(problems) == 1 and "decodes in tiles from now on" in problems[0], problems
+    assert tiled.size == whole.size
+    problems.clear()
+    render(tr, conds, problems)
+    assert calls == [False, True, True] and problems == []  # said once; later grids decode in tiles straight away
+    vae.decode = lambda *a, **k: (_ for _ in ()).throw(torch.OutOfMemoryError("CUDA out of memory"))
+    with pytest.raises(torch.OutOfMemoryError):
+        decode(tr, torch.zeros(1, *conds[0].shape))
