@@ -38,3 +38,27 @@ class AllocWatch:
         out = {k: v - self.last.get(k, 0) for k, v in now.items() if v - self.last.get(k, 0)}
         self.last = now
         return out
+
+
+class PeakWatch:
+    """The GPU memory peak (the allocator's, in GiB) of each part of the run, and the run's own: `take()` returns
+    the peak since the last take and starts a new one (torch's peak counter is reset after each read); `run` is the
+    largest so far, what the whole run needed. The loop takes it after each step, after the other bucket shapes'
+    compile and after the step-0 grid, so a record says which of them came nearest the card's edge (on a 24 GiB
+    card the step's own peak is not the only one that must fit). `read` and `reset`: tests inject them."""
+
+    def __init__(self, cuda: bool, read: Callable[[], int] | None = None, reset: Callable[[], None] | None = None):
+        if cuda and read is None:
+            import torch
+
+            read, reset = torch.cuda.max_memory_allocated, torch.cuda.reset_peak_memory_stats
+        self.read, self.reset = (read, reset) if cuda else (None, None)
+        self.run = 0.0
+
+    def take(self) -> float | None:
+        if self.read is None:
+            return None
+        gib = round(self.read() / 2**30, 2)
+        self.reset()
+        self.run = max(self.run, gib)
+        return gib

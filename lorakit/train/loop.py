@@ -14,7 +14,7 @@ from lorakit.convert.verify import consumer_note
 from lorakit.events import PHASES, Events, Recorded
 from lorakit.plan.resolve import Resolved
 from lorakit.train import checkpoint, shards, stop, warm
-from lorakit.train.allocwatch import AllocWatch
+from lorakit.train.allocwatch import AllocWatch, PeakWatch
 from lorakit.train.compile_bg import news
 from lorakit.train.gcpause import Collector
 from lorakit.train.report import loss_curve, peak_rss_gib
@@ -54,7 +54,6 @@ def run(resolved: Resolved, resume: str | None = None, stop_at: int | None = Non
 
 def steps(r: Run, end: int) -> None:
     """Optimizer steps until `end`, a stop request (signal), or early stopping."""
-    import torch
 
     tr, cfg, d = r.trainer, r.resolved.cfg, r.dist
     cuda = tr.device.startswith("cuda")
@@ -67,6 +66,7 @@ def steps(r: Run, end: int) -> None:
     if tr.step < end:  # the first step waits for the compiler (compiled blocks) and the first kernels
         r.events.phase_start(opening)
     alloc = AllocWatch(cuda)  # what the allocator asked of the driver, per step (train/allocwatch.py)
+    peak = r.peak = PeakWatch(cuda)  # the GPU memory peak of each step, compile and grid, and the run's
     last = time.perf_counter()  # when the previous step's record was written (the loop's start for the first)
     r.stop.share(d)  # a signal before the first step stops every rank before it (the loop tests only what all agreed)
     with Collector() as collector:  # full collections timed per step; what the run keeps, frozen (train/gcpause.py)
@@ -78,6 +78,7 @@ def steps(r: Run, end: int) -> None:
                 with r.events.phase("the compiled blocks from the compile cache") if load else nullcontext():
                     heard = news(bg, heard + bg.advance(load), tr.step + 1, r.events.info, r.note)
             alloc.take()  # what samples, checkpoints or validation asked between steps is not the step's
+            peak.take()  # nor is their memory (it counts in the run's peak)
             t0 = time.perf_counter()
             graphs = own_graphs(bg) if tr.compiled else 0
             rec = {"step": None, "loss": tr.train_step()}
@@ -90,6 +91,8 @@ def steps(r: Run, end: int) -> None:
             if pause >= 0.001:
                 rec["gc_s"] = round(pause, 3)
             rec.update(alloc.take())
+            if cuda:
+                rec["step_gpu_gib"] = peak.take()  # the step's own peak (validation's, a best checkpoint's: the run's)
             settle = False
             if tr.step == first:  # how long the first step took (compiling, the first kernels' warm-up)
                 r.events.phase_end(opening, rec["step_s"], {"size": tr.last_size})
@@ -102,8 +105,6 @@ def steps(r: Run, end: int) -> None:
                 if r.warm_key and not bg.failed:  # every shape compiled: the next run with these settings starts steady
                     warm.remember(r.warm_key, r.sizes)
             r.mark("first_step")
-            if cuda:
-                rec["gpu_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
             every = cfg.validation.every
             if r.data.validation and ((every and tr.step % every == 0) or tr.step == cfg.schedule.steps):
                 rec["val_loss"] = tr.eval_loss([it["key"] for it in r.data.validation])
@@ -114,14 +115,20 @@ def steps(r: Run, end: int) -> None:
             grid_s = 0.0
             if tr.step == first and tr.compiled and r.sizes:  # the other bucket shapes, before the run meets them
                 grid_s += warm_other_shapes(r)
+                if cuda:
+                    rec["compile_gpu_gib"] = peak.take()
             if r.initial is not None:  # the step-0 grid, from the weights before step 1 (logged before step 1's record:
                 t1 = time.perf_counter()  # W&B takes steps in order); a phase of its own, timed and said apart
                 with checkpoint.weights_in(tr, r.initial):
                     render_samples(r, 0)
                 r.initial = None
                 grid_s += time.perf_counter() - t1
+                if cuda:
+                    rec["grid_gpu_gib"] = peak.take()
             if settle:  # what exists now stays for the run, the other shapes' graphs and the grid's too: out of the
                 collector.settle()  # collector's way (frozen before them, they were walked every ~8 steps: FLUX rtx4090)
+            if cuda:
+                rec["gpu_gib"] = max(peak.run, peak.take())  # the run's peak so far (validation's and the like too)
             now = time.perf_counter()  # s_per_step: the wall time since the previous record — what the clock shows,
             rec["s_per_step"] = round(now - last - grid_s, 4)  # stalls included
             last = now
@@ -174,6 +181,16 @@ def warm_other_shapes(r: Run) -> float:
     return time.perf_counter() - t0
 
 
+def run_peak(r: Run) -> float:
+    """The GPU memory peak of the whole run, in GiB (the final grid and checkpoint included)."""
+    import torch
+
+    if r.peak is None:  # no step ran
+        return round(torch.cuda.max_memory_allocated() / 2**30, 2)
+    r.peak.take()
+    return r.peak.run
+
+
 def compiled_graphs() -> int:
     """Graphs torch.compile has made in this process so far (a new one: a step that waited for the compiler)."""
     from torch._dynamo.utils import counters
@@ -188,7 +205,6 @@ def own_graphs(bg) -> int:
 
 def finish(r: Run) -> dict:
     """The final samples, checkpoint and exported result; the run's summary."""
-    import torch
 
     tr, cfg, d, out = r.trainer, r.resolved.cfg, r.dist, r.trainer.out
     if tr.background and tr.background.running:  # its compile in progress ends first: the saves then run alone
@@ -210,7 +226,7 @@ def finish(r: Run) -> dict:
               "memory_note": r.resolved.memory_note, "method": cfg.method, "processes": d.world,
               "global_batch": tr.global_batch, "rank": d.rank, "warnings": list(r.note), "timeline": dict(r.mark),
               "peak_rss_gib": peak_rss_gib(),
-              "peak_gpu_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if tr.device != "cpu" else None}
+              "peak_gpu_gib": run_peak(r) if tr.device != "cpu" else None}
     if tr.staging_wait_s:  # the steps that waited for a background save's copy of the weights
         result["staging_wait_s"] = round(tr.staging_wait_s, 2)
     if r.resumed:

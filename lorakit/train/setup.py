@@ -55,6 +55,7 @@ class Run:
     said_grid_s: float | None = None  # how long the last sample grid took
     warm_key: str | None = None  # what the compiled graphs depend on (`train.warm`); None: blocks not compiled
     sizes: set = field(default_factory=set)  # the bucket shapes the run trains on
+    peak: object | None = None  # train.allocwatch.PeakWatch: the GPU memory peaks, from the first step on
 
 
 @contextlib.contextmanager

@@ -19,3 +19,22 @@ def test_counts_are_per_step_and_only_where_not_zero():
 def test_without_cuda_nothing_is_asked():
     w = AllocWatch(False, stats=lambda: (_ for _ in ()).throw(AssertionError("asked")))
     assert w.take() == {}
+
+
+def test_each_part_has_its_own_memory_peak_and_the_run_keeps_the_largest():
+    """The step, the other shapes' compile and the step-0 grid each report their own peak (the grid's decode was
+    the one past a 24 GiB card's edge, hidden in one running maximum)."""
+    from lorakit.train.allocwatch import PeakWatch
+
+    now, resets = {"peak": 21 * 2**30}, []
+
+    def reset():
+        resets.append(now["peak"])
+        now["peak"] = 19 * 2**30  # what stays allocated between parts
+
+    w = PeakWatch(True, read=lambda: now["peak"], reset=reset)
+    assert w.take() == 21.0 and w.run == 21.0
+    now["peak"] = int(23.75 * 2**30)
+    assert w.take() == 23.75 and w.run == 23.75
+    assert w.take() == 19.0 and w.run == 23.75 and len(resets) == 3
+    assert PeakWatch(False).take() is None
