@@ -62,3 +62,8 @@ class PeakWatch:
         self.reset()
         self.run = max(self.run, gib)
         return gib
+
+    def whole(self) -> float:
+        """The run's peak, up to now (what the last take left out included)."""
+        self.take()
+        return self.run

@@ -181,16 +181,6 @@ def warm_other_shapes(r: Run) -> float:
     return time.perf_counter() - t0
 
 
-def run_peak(r: Run) -> float:
-    """The GPU memory peak of the whole run, in GiB (the final grid and checkpoint included)."""
-    import torch
-
-    if r.peak is None:  # no step ran
-        return round(torch.cuda.max_memory_allocated() / 2**30, 2)
-    r.peak.take()
-    return r.peak.run
-
-
 def compiled_graphs() -> int:
     """Graphs torch.compile has made in this process so far (a new one: a step that waited for the compiler)."""
     from torch._dynamo.utils import counters
@@ -226,7 +216,7 @@ def finish(r: Run) -> dict:
               "memory_note": r.resolved.memory_note, "method": cfg.method, "processes": d.world,
               "global_batch": tr.global_batch, "rank": d.rank, "warnings": list(r.note), "timeline": dict(r.mark),
               "peak_rss_gib": peak_rss_gib(),
-              "peak_gpu_gib": run_peak(r) if tr.device != "cpu" else None}
+              "peak_gpu_gib": (r.peak or PeakWatch(True)).whole() if tr.device != "cpu" else None}
     if tr.staging_wait_s:  # the steps that waited for a background save's copy of the weights
         result["staging_wait_s"] = round(tr.staging_wait_s, 2)
     if r.resumed:

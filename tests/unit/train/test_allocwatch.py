@@ -37,4 +37,6 @@ def test_each_part_has_its_own_memory_peak_and_the_run_keeps_the_largest():
     now["peak"] = int(23.75 * 2**30)
     assert w.take() == 23.75 and w.run == 23.75
     assert w.take() == 19.0 and w.run == 23.75 and len(resets) == 3
+    now["peak"] = 22 * 2**30  # the final grid: less than the run's peak
+    assert w.whole() == 23.75
     assert PeakWatch(False).take() is None
