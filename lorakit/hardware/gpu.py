@@ -77,9 +77,10 @@ def _nvml_own(index: int) -> int | None:
     in a container with its own process ids)."""
     try:
         import pynvml
+        import torch
 
-        pynvml.nvmlInit()
-        handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+        pynvml.nvmlInit()  # NVML counts the machine's GPUs, torch those CUDA_VISIBLE_DEVICES leaves: torch maps them
+        handle = pynvml.nvmlDeviceGetHandleByIndex(torch.cuda._get_nvml_device_index(index))
         for p in pynvml.nvmlDeviceGetComputeRunningProcesses(handle):
             if p.pid == os.getpid() and p.usedGpuMemory:
                 return int(p.usedGpuMemory)
