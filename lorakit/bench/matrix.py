@@ -266,6 +266,7 @@ def run_cell(cell: Cell, model: Path, data: Path, work: Path, steps: int, res: i
                     by_size.setdefault(r["size"], []).append(r["s_per_step"])
             rec["by_size"] = {k: [*spread(sorted(v)), len(v)] for k, v in sorted(by_size.items())}
             cell.peak_gpu_gib = result.get("peak_gpu_gib")
+            rec["gpu_peaks"] = gpu_peaks(rows)
             rec["timeline"] = result.get("timeline")
         elif stage in ("cache", "infer"):
             rec["peak_gpu_gib"] = result.get("peak_gpu_gib")
@@ -385,6 +386,13 @@ def _like(family: str, prev: Path | None, models: Path, tiny: bool, keep_models:
         if same and (keep_models or need < shutil.disk_usage(models).free - 2**30):
             return cand
     return None
+
+
+def gpu_peaks(rows: list[dict]) -> dict:
+    """The GPU memory peak (GiB) of a run's steps, of its other shapes' compile and of its step-0 grid, from its
+    step records (None: not recorded, as on the CPU): which part came nearest the card's edge."""
+    return {k: max((r[f"{k}_gpu_gib"] for r in rows if r.get(f"{k}_gpu_gib") is not None), default=None)
+            for k in ("step", "compile", "grid")}
 
 
 def _gpu_gib() -> float | None:

@@ -7,7 +7,7 @@ import math
 import pytest
 from typer.testing import CliRunner
 
-from lorakit.bench.matrix import BEFORE, phases, psnr
+from lorakit.bench.matrix import BEFORE, gpu_peaks, phases, psnr
 from lorakit.cli.app import app
 
 
@@ -210,3 +210,12 @@ def test_the_next_family_links_the_folder_before_it_where_it_holds_the_same_weig
     assert matrix._like("qwen-image", None, tmp_path, tiny=False, keep_models=True) is None  # itself: never
     assert matrix._like("flux", None, tmp_path, tiny=False, keep_models=True) is None
     assert matrix._like("qwen-image-edit", prev, tmp_path, tiny=True, keep_models=False) is None
+
+
+def test_a_cell_says_which_part_of_the_run_came_nearest_the_cards_edge():
+    """The step records' own peaks (the steps', the other shapes' compile, the step-0 grid's): a Qwen-Image 24 GiB
+    run's highest was its grid, not a step."""
+    rows = [{"step": 1, "step_gpu_gib": 19.47, "compile_gpu_gib": 21.2, "grid_gpu_gib": 23.03, "gpu_gib": 23.03},
+            {"step": 2, "step_gpu_gib": 20.1, "gpu_gib": 23.03}, {"step": 3, "step_gpu_gib": 19.9, "gpu_gib": 23.03}]
+    assert gpu_peaks(rows) == {"step": 20.1, "compile": 21.2, "grid": 23.03}
+    assert gpu_peaks([{"step": 1, "loss": 1.0}]) == {"step": None, "compile": None, "grid": None}  # the CPU
