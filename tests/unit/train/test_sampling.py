@@ -136,16 +136,21 @@ def test_sampling_controls_are_checked_with_the_config(tmp_path):
         check_paths(cfg, model=False)
 
 
-def test_a_non_finite_sample_is_reported_with_where_it_broke(tmp_path, tiny):
-    """A black square says nothing: the sampler names the stage that produced NaN (at real size on an H100 the
-    FLUX grids came out black while the loss and `infer` were finite)."""
-    cfg = make_cfg(tmp_path, "flux", tiny("flux"), steps=2, sampling={"steps": 3, "seed": 5})
-    a = load_adapter("flux", tiny("flux"))
+def one_sample(tmp_path, tiny, family: str, steps: int):
+    """The family's tiny model cached and ready to sample one condition: (adapter, conditions, trainer)."""
+    cfg = make_cfg(tmp_path, family, tiny(family), steps=2, sampling={"steps": steps, "seed": 5})
+    a = load_adapter(family, tiny(family))
     build(cfg, adapter=a)
     st = Store(cache_dir_for(cfg))
     data = CachedData(st, st.read_manifest(), 1, 0)
-    conds = conditions(cfg, a, data, limit=1)
-    tr = Trainer(cfg, a, load_component(tiny("flux") / "transformer"), data, tmp_path / "o", "cpu", torch.float32)
+    tr = Trainer(cfg, a, load_component(tiny(family) / "transformer"), data, tmp_path / "o", "cpu", torch.float32)
+    return a, conditions(cfg, a, data, limit=1), tr
+
+
+def test_a_non_finite_sample_is_reported_with_where_it_broke(tmp_path, tiny):
+    """A black square says nothing: the sampler names the stage that produced NaN (at real size on an H100 the
+    FLUX grids came out black while the loss and `infer` were finite)."""
+    a, conds, tr = one_sample(tmp_path, tiny, "flux", steps=3)
     problems = []
     render(tr, conds, problems)
     assert problems == []
@@ -230,14 +235,7 @@ def test_a_whole_decode_that_runs_out_of_memory_decodes_in_tiles_from_then_on_an
     still runs out is the user's error as before."""
     from lorakit.train.sampling import decode
 
-    cfg = make_cfg(tmp_path, "qwen-image", tiny("qwen-image"), steps=2, sampling={"steps": 2, "seed": 5})
-    a = load_adapter("qwen-image", tiny("qwen-image"))
-    build(cfg, adapter=a)
-    st = Store(cache_dir_for(cfg))
-    data = CachedData(st, st.read_manifest(), 1, 0)
-    conds = conditions(cfg, a, data, limit=1)
-    tr = Trainer(cfg, a, load_component(tiny("qwen-image") / "transformer"), data, tmp_path / "o", "cpu",
-                 torch.float32)
+    a, conds, tr = one_sample(tmp_path, tiny, "qwen-image", steps=2)
     whole = render(tr, conds)[0]
     vae = a.parts[a.vae_part]
     real, calls = vae.decode, []
