@@ -21,7 +21,7 @@ changes (each said in the report's `changed`):
   - sample_every = steps: a grid before the first step and after the last, as lorakit's default (its own 10
     prompts at 20 steps kept);
   - `datacenter`: quantize / quantize_te off (the 80 GB card needs no 8-bit base); `24gb`: as documented, and both
-    processes held to 24 GiB (torch's allocator capped: `set_per_process_memory_fraction`).
+    processes held to 24 GiB (`lorakit.hardware.gpu.apply_cap`: the CUDA context inside the cap, as on the card).
 lorakit runs `lorakit train` as a user does (race.py's lorakit side: own YAML, the profile's defaults, rtx4090
 under the 24 GiB cap). ai-toolkit's steps are timed where it counts them (its progress bar's update, through the
 launcher below); lorakit's from metrics.jsonl. `--tiny` runs both on the tiny layout on a CPU (the tool's test).
@@ -57,9 +57,11 @@ def launch(a) -> None:
     import torch
 
     rec: dict = {"steps": []}
-    if a.cap and torch.cuda.is_available():
-        total = torch.cuda.get_device_properties(0).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, a.cap * 2**30 / total))
+    if a.cap and torch.cuda.is_available():  # held as lorakit holds its own runs: the CUDA context inside the cap
+        sys.path.append(str(Path(__file__).resolve().parents[1]))  # lorakit's source, after the peer's packages
+        from lorakit.hardware.gpu import apply_cap
+
+        apply_cap("cuda", a.cap)
         rec["cap_gib"] = a.cap
     if not a.cudnn_sdpa:  # see race --aitk-cudnn-sdpa
         torch.backends.cuda.enable_cudnn_sdp(False)

@@ -17,8 +17,8 @@ What runs, one process at a time on the same GPU:
            AdamW, N steps
   lorakit  `lorakit train`, the setting's profile (datacenter; rtx4090 under LORAKIT_MEMORY_CAP_GIB=24), rank 16
            on the same 14 Linear modules of every block as musubi (MUSUBI_MODULES), N steps
-Each process goes through the same launcher (`launch`): under a 24 GiB cap torch's allocator is held to 24 GiB
-(`set_per_process_memory_fraction`) for both; the time of each optimizer step is taken where the trainer
+Each process goes through the same launcher (`launch`): under a 24 GiB cap both are held to 24 GiB, the CUDA
+context inside it (`lorakit.hardware.gpu.apply_cap`); the time of each optimizer step is taken where the trainer
 counts it (musubi: its "steps" progress bar's update; lorakit: metrics.jsonl), torch's peak memory at exit,
 and the GPU's used memory polled every 0.5 s (NVML). s/step = the median (and p90) step interval after the first 20 steps.
 """
@@ -37,6 +37,7 @@ import time
 from pathlib import Path
 
 from lorakit.bench.poll import Peak
+from lorakit.hardware.gpu import apply_cap
 from lorakit.models.base import family_adapter
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -71,9 +72,8 @@ def launch(a) -> None:
     import torch
 
     rec = {"steps": [], "module": a.module}
-    if a.cap and torch.cuda.is_available():
-        total = torch.cuda.get_device_properties(0).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, a.cap * 2**30 / total))
+    if a.cap and torch.cuda.is_available():  # held as lorakit holds its own runs: the CUDA context inside the cap
+        apply_cap("cuda", a.cap)
         rec["cap_gib"] = a.cap
     try:  # musubi counts optimizer steps on a tqdm bar named "steps"
         from tqdm import std

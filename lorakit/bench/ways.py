@@ -15,6 +15,7 @@ from lorakit import dist as dist_mod
 from lorakit.bench.load import drop_cache
 from lorakit.bench.trace import trace
 from lorakit.dtypes import torch_dtype
+from lorakit.hardware.gpu import apply_cap
 from lorakit.hardware.sdpa import apply
 from lorakit.io.modules import fill_random
 from lorakit.models.base import family_adapter, load_adapter
@@ -161,9 +162,8 @@ def prepare(spec: dict):
     if cuda:
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
-        if spec.get("memory_cap"):
-            total = torch.cuda.get_device_properties(device).total_memory
-            torch.cuda.set_per_process_memory_fraction(min(spec["memory_cap"] * 2**30 / total, 1.0), device)
+        if spec.get("memory_cap"):  # as `lorakit train` under LORAKIT_MEMORY_CAP_GIB: the CUDA context inside it
+            apply_cap(device, spec["memory_cap"])
     cfg = lorakit_config(spec, device) if spec["way"] == "lorakit" else None
     eight_bit = cfg is not None and cfg.memory.base_quant in ("fp8", "qfloat8", "nf4") and cuda
     t0 = time.perf_counter()

@@ -74,3 +74,5 @@ def test_an_emulated_card_holds_this_processs_cuda_context_inside_its_cap(monkey
     monkeypatch.setattr(gpu, "_nvml_own", lambda i: 2**29)  # NVML names this process's own: half a GiB
     apply_cap("cuda")
     assert got["f"] * total == pytest.approx(23.5 * 2**30)
+    monkeypatch.delenv("LORAKIT_MEMORY_CAP_GIB")  # `bench step --memory-cap`, the peer races: the cap given
+    assert apply_cap("cuda", 32) == 32 and got["f"] * total == pytest.approx(31.5 * 2**30)
