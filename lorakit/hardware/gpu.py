@@ -37,11 +37,11 @@ def env_cap_gib() -> float | None:
 
 
 def apply_cap(device: str, cap: float | None = None) -> float | None:
-    """Hold this process to `cap` GiB (default LORAKIT_MEMORY_CAP_GIB) of the GPU as a card that small would: PyTorch's allocator
-    refuses past the cap less what the process holds outside it (its CUDA context and loaded kernels, measured
-    here, once the context exists). On the card itself that memory is taken from the same total: a 24 GiB cap
-    whose allocator could fill all 24 let a run reach 24.6 GiB of the GPU (NVML; Qwen-Image, rtx4090 profile, one
-    H200, 2026-11-29) that no 24 GiB card has. Returns the cap, or None."""
+    """Hold this process to `cap` GiB (default LORAKIT_MEMORY_CAP_GIB) of the GPU as a card that small would:
+    PyTorch's allocator refuses past the cap less what the process holds outside it (its CUDA context and loaded
+    kernels, measured here, once the context exists). On the card itself that memory is taken from the same total:
+    a 24 GiB cap whose allocator could fill all 24 let a run reach 24.6 GiB of the GPU (NVML; Qwen-Image, rtx4090
+    profile, one H200, 2026-11-29) that no 24 GiB card has. Returns the cap, or None."""
     cap = cap or env_cap_gib()
     if not cap or not str(device).startswith("cuda"):
         return None

@@ -51,7 +51,11 @@ class PeakWatch:
         if cuda and read is None:
             import torch
 
-            read, reset = torch.cuda.max_memory_allocated, torch.cuda.reset_peak_memory_stats
+            def read() -> int:  # the allocator's counter as it is (max_memory_allocated flattens and sorts them all)
+                return int(torch.cuda.memory_stats_as_nested_dict().get("allocated_bytes", {}).get("all", {})
+                           .get("peak", 0))
+
+            reset = torch.cuda.reset_peak_memory_stats
         self.read, self.reset = (read, reset) if cuda else (None, None)
         self.run = 0.0
 

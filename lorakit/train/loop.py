@@ -128,7 +128,7 @@ def steps(r: Run, end: int) -> None:
             if settle:  # what exists now stays for the run, the other shapes' graphs and the grid's too: out of the
                 collector.settle()  # collector's way (frozen before them, they were walked every ~8 steps: FLUX rtx4090)
             if cuda:
-                rec["gpu_gib"] = max(peak.run, peak.take())  # the run's peak so far (validation's and the like too)
+                rec["gpu_gib"] = peak.whole()  # the run's peak so far (validation's and the like too)
             now = time.perf_counter()  # s_per_step: the wall time since the previous record — what the clock shows,
             rec["s_per_step"] = round(now - last - grid_s, 4)  # stalls included
             last = now

@@ -40,3 +40,19 @@ def test_each_part_has_its_own_memory_peak_and_the_run_keeps_the_largest():
     now["peak"] = 22 * 2**30  # the final grid: less than the run's peak
     assert w.whole() == 23.75
     assert PeakWatch(False).take() is None
+
+
+def test_the_peak_is_read_from_the_allocators_counters_as_they_are(monkeypatch):
+    """Read from torch's nested counters, not `max_memory_allocated` (which flattens and sorts them all, each read
+    of a step); the reset starts the next part's peak."""
+    import torch
+
+    from lorakit.train.allocwatch import PeakWatch
+
+    stats, resets = {"allocated_bytes": {"all": {"peak": 3 * 2**30, "current": 2**30}}}, []
+    monkeypatch.setattr(torch.cuda, "memory_stats_as_nested_dict", lambda *a, **k: stats)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated",
+                        lambda *a, **k: (_ for _ in ()).throw(AssertionError("flattened")))
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda *a, **k: resets.append(1))
+    w = PeakWatch(True)
+    assert w.take() == 3.0 and resets == [1] and w.whole() == 3.0
