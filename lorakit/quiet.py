@@ -12,9 +12,11 @@ import warnings
 from lorakit.pkgmap import use_cached_package_map
 
 
-def quiet_libraries() -> None:
+def quiet_libraries(imports: bool = True) -> None:
     """Silence diffusers/transformers/huggingface_hub/bitsandbytes below errors (idempotent). Called before
-    anything imports them: their import-time package scan is answered from lorakit's cache (`lorakit.pkgmap`)."""
+    anything imports them: their import-time package scan is answered from lorakit's cache (`lorakit.pkgmap`).
+    `imports=False` imports none of them (their loggers and variables are set; diffusers' progress bar is turned off
+    by the call with imports): a run first decides which of them it leaves out (`lorakit.unused`)."""
     use_cached_package_map()
     if os.environ.get("LORAKIT_DEBUG", "") not in ("", "0"):
         return
@@ -32,6 +34,8 @@ def quiet_libraries() -> None:
     warnings.filterwarnings("ignore", message="Already found a `peft_config` attribute in the model")
     # torch.distributed.checkpoint in a one-process run (lorakit asks for that on purpose)
     warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+    if not imports:
+        return
     try:
         from diffusers.utils import logging as dlog
 

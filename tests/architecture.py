@@ -18,7 +18,7 @@ from pathlib import Path
 
 # lowest first; a module belongs to the first layer one of whose prefixes names it or a package holding it
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("base", ("lorakit", "lorakit.errors", "lorakit.quiet", "lorakit.pkgmap", "lorakit.paths", "lorakit.dtypes",
+    ("base", ("lorakit", "lorakit.errors", "lorakit.quiet", "lorakit.pkgmap", "lorakit.unused", "lorakit.paths", "lorakit.dtypes",
               "lorakit.dist", "lorakit.events")),
     ("io", ("lorakit.io",)),
     ("models", ("lorakit.models",)),

@@ -40,7 +40,7 @@ def cache(
     if not check:
         from lorakit.quiet import quiet_libraries
 
-        quiet_libraries()  # before anything imports them (bitsandbytes speaks at import)
+        quiet_libraries(imports=False)  # before anything imports them (bitsandbytes speaks at import)
         _build(config, sets, profile, force, verify, strict, as_json, log_format)
         return
     cfg = resolve_config(config, sets, profile, paths=("data",), train=False).cfg
@@ -55,6 +55,16 @@ def cache(
         raise strict_refusal(report["problems"], "fix the files listed above, or drop --strict to skip those items")
 
 
+def _leave_out_unused(cfg) -> None:
+    """Caching never uses bitsandbytes unless the model's components were saved quantized by it (`lorakit.unused`);
+    then the libraries are quieted."""
+    from lorakit.quiet import quiet_libraries
+    from lorakit.unused import leave_out_bitsandbytes, saved_by_bitsandbytes
+
+    leave_out_bitsandbytes(saved_by_bitsandbytes(cfg.model.path))
+    quiet_libraries()
+
+
 def _build(config: Path, sets, profile, force: bool, verify: bool, strict: bool, as_json: bool,
            log_format: str) -> None:
     from lorakit.cache.builder import build
@@ -63,6 +73,7 @@ def _build(config: Path, sets, profile, force: bool, verify: bool, strict: bool,
     with events_for(log_format, as_json, console, err_console, label="caching") as events:
         # a single-file model is converted here, once: the log says so
         resolved = resolve_config(config, sets, profile, train=False, events=events)
+        _leave_out_unused(resolved.cfg)
         for note in resolved.notes:
             events.info(note)
         summary = build(resolved.cfg, resolved.device, force=force, verify=verify, strict=strict, events=events)

@@ -74,7 +74,7 @@ def _events(rank: int, log_format: str, as_json: bool):
     from lorakit.events import Events
     from lorakit.quiet import quiet_libraries
 
-    quiet_libraries()  # before anything imports them (bitsandbytes speaks at import)
+    quiet_libraries(imports=False)  # before anything imports them (bitsandbytes speaks at import)
     return Events() if rank else events_for(log_format, as_json, console, err_console)
 
 
@@ -88,7 +88,18 @@ def _run_one(config: Path, sets, profile, resume, events, force: bool):
         resolved = resolve_config(config, sets, profile, events=events, defer_attention=True, read_ahead=True)
         facts.update(profile=resolved.cfg.profile, attention="measured while the run starts"
                      if resolved.attention_deferred else resolved.cfg.memory.attention)
+    _leave_out_unused(resolved.cfg)
     return resolved, run(resolved, resume=resume, events=events, force=force)
+
+
+def _leave_out_unused(cfg) -> None:
+    """bitsandbytes stays out of a run that does not use it (`lorakit.unused`); then the libraries are quieted."""
+    from lorakit.plan.memory import needs_bitsandbytes
+    from lorakit.quiet import quiet_libraries
+    from lorakit.unused import leave_out_bitsandbytes, saved_by_bitsandbytes
+
+    leave_out_bitsandbytes(needs_bitsandbytes(cfg) or saved_by_bitsandbytes(cfg.model.path))
+    quiet_libraries()
 
 
 def _finish(rank: int, resolved, result: dict, events, as_json: bool) -> None:

@@ -112,6 +112,12 @@ def eight_bit_moments(cfg) -> bool:
     return cfg.memory.optimizer_8bit or cfg.optim.name == "adamw8bit"
 
 
+def needs_bitsandbytes(cfg) -> bool:
+    """Does the run use bitsandbytes (8-bit AdamW states, an nf4 base)? Other runs leave it out of their process
+    (`lorakit.unused`)."""
+    return eight_bit_moments(cfg) or cfg.memory.base_quant == "nf4"
+
+
 def moment_bytes(cfg) -> int:
     """Bytes per parameter of a full fine-tune's optimizer moments: 8-bit, bf16 (lorakit's bf16 AdamW) or fp32."""
     if eight_bit_moments(cfg):

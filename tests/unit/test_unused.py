@@ -1,0 +1,79 @@
+"""bitsandbytes is left out of a `lorakit train` or `cache` process whose run does not use it, and only there."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from lorakit.errors import STOP
+from lorakit.plan.memory import needs_bitsandbytes
+from lorakit.unused import leave_out_bitsandbytes, saved_by_bitsandbytes
+from tests.unit.train.test_loop import make_cfg
+
+# the command as the console script runs it, saying at exit which bitsandbytes modules the process imported
+_COMMAND = """
+import atexit, sys
+atexit.register(lambda: print("BNB", sorted(m for m, v in sys.modules.items()
+                                            if m.startswith("bitsandbytes") and v is not None), file=sys.stderr))
+sys.argv = ["lorakit", *sys.argv[1:]]
+from lorakit.cli.entry import main
+main()
+"""
+
+
+def _bnb_modules(stderr: str) -> list:
+    line = next(ln for ln in stderr.splitlines() if ln.startswith("BNB "))
+    return eval(line[4:])  # noqa: S307 - the list this test's own process printed
+
+
+@pytest.mark.slow
+def test_a_train_process_imports_bitsandbytes_only_when_its_run_uses_it(tmp_path, tiny):
+    plain = make_cfg(tmp_path / "a", "flux", tiny("flux"), steps=2, sampling={"enabled": False})
+    eight = make_cfg(tmp_path / "b", "flux", tiny("flux"), steps=2, sampling={"enabled": False},
+                     optim={"name": "adamw8bit"})
+    done = {}
+    for name, cfg in (("plain", plain), ("eight", eight)):
+        path = tmp_path / f"{name}.yaml"
+        path.write_text(yaml.safe_dump(cfg.to_dict()))
+        r = subprocess.run([sys.executable, "-c", _COMMAND, "train", str(path), "--json"], capture_output=True,
+                           text=True, timeout=300)
+        assert r.returncode == 0, r.stderr[-3000:]
+        done[name] = (json.loads(r.stdout), _bnb_modules(r.stderr))
+    assert done["plain"][0]["steps"] == 2 and done["plain"][1] == []  # trained, and never imported it
+    assert done["eight"][0]["steps"] == 2 and "bitsandbytes.optim" in done["eight"][1]  # 8-bit AdamW: imported
+
+
+def test_what_a_run_uses_decides(tmp_path, tiny):
+    cfg = make_cfg(tmp_path, "flux", tiny("flux"), steps=2)
+    assert not needs_bitsandbytes(cfg)
+    assert needs_bitsandbytes(make_cfg(tmp_path, "flux", tiny("flux"), steps=2, optim={"name": "adamw8bit"}))
+    assert needs_bitsandbytes(make_cfg(tmp_path, "flux", tiny("flux"), steps=2, memory={"optimizer_8bit": True}))
+    assert needs_bitsandbytes(make_cfg(tmp_path, "flux", tiny("flux"), steps=2, memory={"base_quant": "nf4"}))
+
+
+def test_a_component_saved_quantized_by_bitsandbytes_keeps_it(tmp_path):
+    (tmp_path / "text_encoder_2").mkdir()
+    (tmp_path / "transformer").mkdir()
+    (tmp_path / "transformer" / "config.json").write_text(json.dumps({"num_layers": 2}))
+    assert not saved_by_bitsandbytes(tmp_path) and not saved_by_bitsandbytes(None)
+    (tmp_path / "text_encoder_2" / "config.json").write_text("{not json")  # unreadable: not a declaration
+    assert not saved_by_bitsandbytes(tmp_path)
+    (tmp_path / "text_encoder_2" / "config.json").write_text(json.dumps(
+        {"quantization_config": {"quant_method": "bitsandbytes", "load_in_4bit": True}}))
+    assert saved_by_bitsandbytes(tmp_path)
+
+
+def test_only_a_process_of_lorakits_own_leaves_it_out(monkeypatch):
+    import importlib.util
+
+    monkeypatch.delitem(sys.modules, "bitsandbytes", raising=False)
+    monkeypatch.setitem(STOP, "entry", False)  # typer's test runner in this process: its modules are its own
+    assert not leave_out_bitsandbytes(False) and "bitsandbytes" not in sys.modules
+    monkeypatch.setitem(STOP, "entry", True)
+    assert not leave_out_bitsandbytes(True) and "bitsandbytes" not in sys.modules  # the run uses it
+    assert leave_out_bitsandbytes(False)
+    assert importlib.util.find_spec("bitsandbytes") is None  # what peft's and diffusers' checks ask
+    with pytest.raises(ImportError):
+        import bitsandbytes  # noqa: F401
