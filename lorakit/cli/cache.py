@@ -14,6 +14,7 @@ from lorakit.cli.common import (
     console,
     emit,
     err_console,
+    leave_out_unused,
     resolve_config,
     use_json,
 )
@@ -55,25 +56,19 @@ def cache(
         raise strict_refusal(report["problems"], "fix the files listed above, or drop --strict to skip those items")
 
 
-def _leave_out_unused(cfg) -> None:
-    """Caching never uses bitsandbytes unless the model's components were saved quantized by it (`lorakit.unused`);
-    then the libraries are quieted."""
-    from lorakit.quiet import quiet_libraries
-    from lorakit.unused import leave_out_bitsandbytes, saved_by_bitsandbytes
-
-    leave_out_bitsandbytes(saved_by_bitsandbytes(cfg.model.path))
-    quiet_libraries()
-
-
 def _build(config: Path, sets, profile, force: bool, verify: bool, strict: bool, as_json: bool,
            log_format: str) -> None:
+    import functools
+
     from lorakit.cache.builder import build
     from lorakit.cli.logs import events_for, finish
+    from lorakit.quiet import quiet_libraries
 
     with events_for(log_format, as_json, console, err_console, label="caching") as events:
         # a single-file model is converted here, once: the log says so
-        resolved = resolve_config(config, sets, profile, train=False, events=events)
-        _leave_out_unused(resolved.cfg)
+        resolved = resolve_config(config, sets, profile, train=False, events=events,
+                                  settled=functools.partial(leave_out_unused, training=False))
+        quiet_libraries()  # the rest of it, with the libraries caching imports
         for note in resolved.notes:
             events.info(note)
         summary = build(resolved.cfg, resolved.device, force=force, verify=verify, strict=strict, events=events)

@@ -62,6 +62,16 @@ def resolve_config(config: Path | None, sets: list[str] | None, profile: str | N
     return resolve(config, sets or [], profile, **kw)
 
 
+def leave_out_unused(cfg, training: bool = True) -> None:
+    """bitsandbytes stays out of this process unless the run uses it (`lorakit.unused`): what `lorakit train` and
+    `cache` pass as resolve's `settled`, called before anything imports the model libraries. Caching never uses
+    it; either uses it for a model whose components were saved quantized by it."""
+    from lorakit.plan.memory import needs_bitsandbytes
+    from lorakit.unused import leave_out_bitsandbytes, saved_by_bitsandbytes
+
+    leave_out_bitsandbytes((training and needs_bitsandbytes(cfg)) or saved_by_bitsandbytes(cfg.model.path))
+
+
 def print_resolved(r) -> None:
     """Human view of a resolved config (what --dry-run shows): the profile, the config the run will use, the
     memory estimate and what the plan decided."""

@@ -15,6 +15,7 @@ from lorakit.cli.common import (
     console,
     emit,
     err_console,
+    leave_out_unused,
     print_resolved,
     resolve_config,
     use_json,
@@ -80,26 +81,18 @@ def _events(rank: int, log_format: str, as_json: bool):
 
 def _run_one(config: Path, sets, profile, resume, events, force: bool):
     """Resolve the config (timed as a phase of the log) and train it; (resolved, the run's result)."""
+    from lorakit.quiet import quiet_libraries
     from lorakit.train.loop import run
 
     # the first run on a machine measures its attention backends here, or while it starts where the card has room
     # (train/setup; once, cached): the log says so
     with events.phase("check config and machine") as facts:
-        resolved = resolve_config(config, sets, profile, events=events, defer_attention=True, read_ahead=True)
+        resolved = resolve_config(config, sets, profile, events=events, defer_attention=True, read_ahead=True,
+                                  settled=leave_out_unused)
         facts.update(profile=resolved.cfg.profile, attention="measured while the run starts"
                      if resolved.attention_deferred else resolved.cfg.memory.attention)
-    _leave_out_unused(resolved.cfg)
+    quiet_libraries()  # the rest of it, with the libraries this run imports
     return resolved, run(resolved, resume=resume, events=events, force=force)
-
-
-def _leave_out_unused(cfg) -> None:
-    """bitsandbytes stays out of a run that does not use it (`lorakit.unused`); then the libraries are quieted."""
-    from lorakit.plan.memory import needs_bitsandbytes
-    from lorakit.quiet import quiet_libraries
-    from lorakit.unused import leave_out_bitsandbytes, saved_by_bitsandbytes
-
-    leave_out_bitsandbytes(needs_bitsandbytes(cfg) or saved_by_bitsandbytes(cfg.model.path))
-    quiet_libraries()
 
 
 def _finish(rank: int, resolved, result: dict, events, as_json: bool) -> None:

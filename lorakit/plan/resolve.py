@@ -55,7 +55,8 @@ class Resolved:
 def resolve(source: Path | dict | Config | None = None, overrides: list[str] | None = None,
             profile: str | None = None, *, paths: tuple[str, ...] = PATHS, train: bool = True,
             world: int | None = None, cap_gib: float | None = None, facts=None,
-            events: Events | None = None, defer_attention: bool = False, read_ahead: bool = False) -> Resolved:
+            events: Events | None = None, defer_attention: bool = False, read_ahead: bool = False,
+            settled=None) -> Resolved:
     """The run's config, complete.
 
     Args:
@@ -77,6 +78,8 @@ def resolve(source: Path | dict | Config | None = None, overrides: list[str] | N
             finishes the choice. A dry run measures here, before it returns.
         read_ahead: a training run: its transformer's files are read into the page cache from here on, beside the
             checks, the attention self-test and the encoding (`lorakit.io.prefetch`; one process per machine).
+        settled: called with the config once its model folder and settings are known, before the plan imports a
+            model library (the CLI leaves out of its process what the run does not use: `lorakit.unused`).
 
     Raises:
         ConfigError: every config and path problem at once; InputError: a run that cannot fit (with what would).
@@ -95,6 +98,8 @@ def resolve(source: Path | dict | Config | None = None, overrides: list[str] | N
     out = Resolved(cfg, prov, device, world, notes=found)
     if read_ahead and cfg.model.path and int(os.environ.get("LOCAL_RANK", "0") or 0) == 0:
         out.read_ahead = transformer_read_ahead(trained_dir(cfg))
+    if settled:
+        settled(cfg)
     return plan_run(out, cap_gib, defer_attention) if train else out
 
 

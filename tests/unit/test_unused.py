@@ -77,3 +77,16 @@ def test_only_a_process_of_lorakits_own_leaves_it_out(monkeypatch):
     assert importlib.util.find_spec("bitsandbytes") is None  # what peft's and diffusers' checks ask
     with pytest.raises(ImportError):
         import bitsandbytes  # noqa: F401
+
+
+def test_resolve_settles_the_config_before_its_plan_imports_a_model_library(tmp_path, tiny, monkeypatch):
+    # on a GPU with compiled blocks the plan imports diffusers (and peft, and bitsandbytes with them): what the
+    # run leaves out is decided before that, from the config with its model folder and the profile's settings
+    import lorakit.plan.resolve as resolve_mod
+
+    order = []
+    plan_run = resolve_mod.plan_run
+    monkeypatch.setattr(resolve_mod, "plan_run", lambda *a, **k: (order.append("plan"), plan_run(*a, **k))[1])
+    cfg = make_cfg(tmp_path, "flux", tiny("flux"), steps=2, optim={"name": "adamw8bit"})
+    r = resolve_mod.resolve(cfg, settled=lambda c: order.append(("settled", needs_bitsandbytes(c), c.model.path)))
+    assert order == [("settled", True, r.cfg.model.path), "plan"]
