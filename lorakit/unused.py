@@ -5,7 +5,7 @@ peft and diffusers import bitsandbytes whenever it is installed, and its import 
 13.0 s from the command to its result with it and 11.2 s without it (first step 4.3 s -> 2.8 s; three runs each, the
 same in each). A run needs it for 8-bit AdamW states and an nf4 base (`plan.memory.needs_bitsandbytes`), and the
 stock loaders need it for a model folder whose components were saved quantized by it; every other `lorakit train`,
-`cache`, `infer` and `convert` leaves it out.
+`cache` and `infer` leaves it out.
 """
 
 from __future__ import annotations

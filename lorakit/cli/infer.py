@@ -69,8 +69,12 @@ def infer(
     from lorakit.models.sources import model_folder
     from lorakit.quiet import quiet_libraries
 
-    quiet_libraries()
+    quiet_libraries(imports=False)
     model, found = model_folder(model, base, keys=("MODEL", "--base"))
+    from lorakit.unused import leave_out_bitsandbytes, saved_by_bitsandbytes
+
+    leave_out_bitsandbytes(saved_by_bitsandbytes(model))  # sampling never uses it (`lorakit.unused`)
+    quiet_libraries()
     for note in found:
         err_console.print(f"note: {note}", markup=False, highlight=False, soft_wrap=True)
     if as_json:  # stdout holds the JSON alone; the phases, time-stamped, on a terminal's stderr (or when asked)

@@ -1,4 +1,5 @@
-"""bitsandbytes is left out of a `lorakit train` or `cache` process whose run does not use it, and only there."""
+"""bitsandbytes is left out of a `lorakit train`, `cache` or `infer` process whose run does not use it, and only
+there."""
 
 import json
 import subprocess
@@ -29,7 +30,7 @@ def _bnb_modules(stderr: str) -> list:
 
 
 @pytest.mark.slow
-def test_a_train_process_imports_bitsandbytes_only_when_its_run_uses_it(tmp_path, tiny):
+def test_a_train_or_infer_process_imports_bitsandbytes_only_when_its_run_uses_it(tmp_path, tiny):
     plain = make_cfg(tmp_path / "a", "flux", tiny("flux"), steps=2, sampling={"enabled": False})
     eight = make_cfg(tmp_path / "b", "flux", tiny("flux"), steps=2, sampling={"enabled": False},
                      optim={"name": "adamw8bit"})
@@ -43,6 +44,13 @@ def test_a_train_process_imports_bitsandbytes_only_when_its_run_uses_it(tmp_path
         done[name] = (json.loads(r.stdout), _bnb_modules(r.stderr))
     assert done["plain"][0]["steps"] == 2 and done["plain"][1] == []  # trained, and never imported it
     assert done["eight"][0]["steps"] == 2 and "bitsandbytes.optim" in done["eight"][1]  # 8-bit AdamW: imported
+    # sampling with the LoRA (peft's adapter layers, without its bitsandbytes ones) never imports it
+    r = subprocess.run([sys.executable, "-c", _COMMAND, "infer", str(tiny("flux")), "-p", "a cat", "--steps", "1",
+                        "--width", "64", "--height", "64", "--device", "cpu", "--dtype", "fp32", "--lora",
+                        done["plain"][0]["lora"], "-o", str(tmp_path / "images"), "--json"], capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert len(json.loads(r.stdout)["files"]) == 1 and _bnb_modules(r.stderr) == []
 
 
 def test_what_a_run_uses_decides(tmp_path, tiny):
