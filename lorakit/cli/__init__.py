@@ -7,7 +7,33 @@ import time
 from lorakit.errors import STOP
 
 STARTED = time.monotonic()  # when the command began (its log lines count from here)
-__all__ = ["STARTED", "STOP", "gone", "said"]
+__all__ = ["STARTED", "STOP", "gone", "interrupt", "said"]
+
+
+def _mid_import(frame) -> bool:
+    while frame is not None:
+        if frame.f_code.co_filename.startswith("<frozen importlib"):
+            return True
+        frame = frame.f_back
+    return False
+
+
+def interrupt(signum, frame) -> None:
+    """SIGTERM's handler until a training run puts in its own (a scheduler's stop, `kill`, ends a command as Ctrl-C
+    does): a KeyboardInterrupt at once, except in the middle of an import. There the signal can land in Python code
+    that a C++ extension's initialisation is calling (torch's operator registrations, through pybind11), where an
+    exception ends the process with an abort — exit -6 instead of 130 (CI under load, 2026-11-29,
+    `tests/integration/test_reliability.py::test_sigterm_during_startup_is_an_interrupt_130_not_a_bare_143`, the
+    stack pybind11 prints as it terminates). So mid-import it is asked again 0.05 s later (SIGALRM), until the
+    import is done."""
+    import signal
+
+    STOP["asked"] = True
+    if _mid_import(frame):
+        signal.signal(signal.SIGALRM, interrupt)
+        signal.setitimer(signal.ITIMER_REAL, 0.05)
+        return
+    raise KeyboardInterrupt
 
 
 def said() -> None:

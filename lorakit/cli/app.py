@@ -11,7 +11,7 @@ from typer.core import TyperGroup
 
 from lorakit import __version__
 from lorakit.cli import STOP as _STOP
-from lorakit.cli import bench, cache, convert, demo, doctor, gone, infer, push, train, ui
+from lorakit.cli import bench, cache, convert, demo, doctor, gone, infer, interrupt, push, train, ui
 from lorakit.cli.common import emit, err_console, json_requested, use_json
 from lorakit.errors import ConfigError, InputError, LorakitError, environment_fault, short
 
@@ -92,10 +92,6 @@ def _terminate_like_interrupt() -> None:
     replaces this with its own handler while it trains (it saves a checkpoint and exits 75)."""
     import signal
     import threading
-
-    def interrupt(signum, frame):
-        _STOP["asked"] = True
-        raise KeyboardInterrupt
 
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, interrupt)

@@ -7,19 +7,14 @@ from __future__ import annotations
 import signal
 import threading
 
-from lorakit.cli import STOP, gone
-
-
-def _interrupt(signum, frame):
-    STOP["asked"] = True
-    raise KeyboardInterrupt
+from lorakit.cli import STOP, gone, interrupt
 
 
 def main() -> None:
     """Console-script entry point (and `python -m lorakit`)."""
     STOP["entry"] = True  # a process of its own: an interrupted command ends at once (`cli.gone`)
     if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, _interrupt)
+        signal.signal(signal.SIGTERM, interrupt)
     try:
         from lorakit.cli.app import main as cli_main
     except KeyboardInterrupt:

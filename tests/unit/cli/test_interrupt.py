@@ -1,0 +1,66 @@
+"""SIGTERM during a command's start: an interrupt at once, or right after the import it landed in."""
+
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from lorakit.cli import STOP, interrupt
+
+
+def test_outside_an_import_the_interrupt_is_raised_at_once(monkeypatch):
+    monkeypatch.setitem(STOP, "asked", False)
+    with pytest.raises(KeyboardInterrupt):
+        interrupt(signal.SIGTERM, sys._getframe())
+    assert STOP["asked"]
+
+
+def test_in_the_middle_of_an_import_it_is_asked_again_once_the_import_is_done(tmp_path, monkeypatch):
+    (tmp_path / "mid_import_probe.py").write_text("import sys\nFRAME = sys._getframe()\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setitem(STOP, "asked", False)
+    import mid_import_probe  # its frame, and the import machinery's frames above it
+
+    before = signal.getsignal(signal.SIGALRM)
+    try:
+        interrupt(signal.SIGTERM, mid_import_probe.FRAME)  # no exception here
+        assert STOP["asked"] and 0 < signal.getitimer(signal.ITIMER_REAL)[0] <= 0.05
+        assert signal.getsignal(signal.SIGALRM) is interrupt
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, before)
+        sys.modules.pop("mid_import_probe", None)
+
+
+_SLOW_IMPORT = """
+import signal, sys, time
+from lorakit.cli import interrupt
+signal.signal(signal.SIGTERM, interrupt)
+sys.path.insert(0, sys.argv[1])
+try:
+    import slow_module
+    time.sleep(5)
+    print("not interrupted")
+except KeyboardInterrupt:
+    print("interrupted after the import" if "slow_module" in sys.modules and slow_module.DONE else "mid-import")
+"""
+
+
+def test_a_signal_during_a_slow_import_interrupts_right_after_it(tmp_path):
+    # the module runs ~1.5 s of Python code as it is imported (as torch's registrations do, called from C++); the
+    # signal comes 0.3 s into it
+    began = tmp_path / "began"
+    (tmp_path / "slow_module.py").write_text(
+        f"import time\nopen({str(began)!r}, 'w').close()\nt = time.monotonic()\n"
+        "while time.monotonic() - t < 1.5:\n    sum(range(1000))\nDONE = True\n")
+    p = subprocess.Popen([sys.executable, "-c", _SLOW_IMPORT, str(tmp_path)], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not began.exists() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.3)
+    p.send_signal(signal.SIGTERM)
+    out, err = p.communicate(timeout=60)
+    assert out.strip() == "interrupted after the import", (out, err[-2000:])
