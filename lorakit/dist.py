@@ -94,14 +94,18 @@ class Dist:
 
     def total(self, value: float) -> float:
         """The sum of a number over ranks (the global loss from each rank's share)."""
+        return self.totals([value])[0]
+
+    def totals(self, values: list[float]) -> list[float]:
+        """Each number summed over ranks, in one exchange."""
         if not self.enabled:
-            return value
+            return list(values)
         import torch
         import torch.distributed as td
 
-        t = torch.tensor([value], dtype=torch.float64, device=self._comm_device())
+        t = torch.tensor(values, dtype=torch.float64, device=self._comm_device())
         td.all_reduce(t)
-        return float(t.item())
+        return t.tolist()
 
     def broadcast(self, obj):
         """Rank 0's value of a picklable object, on every rank."""
@@ -112,6 +116,16 @@ class Dist:
         box = [obj]
         td.broadcast_object_list(box, src=0)
         return box[0]
+
+    def gathered(self, obj) -> list:
+        """Every rank's value of a picklable object, in rank order, on every rank (each rank must call it)."""
+        if not self.enabled:
+            return [obj]
+        import torch.distributed as td
+
+        out = [None] * self.world
+        td.all_gather_object(out, obj)
+        return out
 
     def _comm_device(self) -> str:
         return f"cuda:{self.local_rank}" if self.backend == "nccl" else "cpu"

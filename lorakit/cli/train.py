@@ -261,6 +261,9 @@ def _render(r: dict, since_start: bool = True) -> None:
     took = (f"{time.monotonic() - STARTED:.1f} s since the command began ({r['seconds']:.1f} s of them training, "
             f"samples and checkpoints)" if since_start else f"{r['seconds']:.1f} s training, samples and checkpoints")
     console.print(f"[bold]{state}[/] after {r['steps']} steps: {took}")
+    memory = gpu_memory_line(r)
+    if memory:
+        console.print(memory)
     if r.get("lora"):
         # diffusers loads a low-noise expert's LoRA into the pipeline's second transformer only when told
         how = "pipe.load_lora_weights(path, load_into_transformer_2=True)" if r.get("expert") == "low" else \
@@ -277,3 +280,16 @@ def _render(r: dict, since_start: bool = True) -> None:
     if r.get("loss_curve"):
         console.print(f"loss curve: {r['loss_curve']}")
     console.print(f"checkpoint: {r['checkpoint']}\nmetrics: {r['metrics']}")
+
+
+def gpu_memory_line(r: dict) -> str | None:
+    """The run's GPU memory peak beside the plan's estimate (each process's peak in a run of several); None on
+    the CPU."""
+    peaks = [x["peak_gpu_gib"] for x in r.get("per_rank") or [r]]
+    if any(p is None for p in peaks):
+        return None
+    est = (r.get("memory_estimate") or {}).get("gib")
+    planned = f" (planned {est:.1f} GiB{' each' if len(peaks) > 1 else ''})" if est is not None else ""
+    if len(peaks) == 1:
+        return f"GPU memory: {peaks[0]:.1f} GiB at peak{planned}"
+    return f"GPU memory per process: {', '.join(f'{p:.1f}' for p in peaks)} GiB at peak{planned}"

@@ -68,11 +68,12 @@ def steps(r: Run, end: int) -> None:
     alloc = AllocWatch(cuda)  # what the allocator asked of the driver, per step (train/allocwatch.py)
     peak = r.peak = PeakWatch(cuda)  # the GPU memory peak of each step, compile and grid, and the run's
     last = time.perf_counter()  # when the previous step's record was written (the loop's start for the first)
-    r.stop.share(d)  # a signal before the first step stops every rank before it (the loop tests only what all agreed)
+    # a signal before the first step stops every rank before it (the loop tests only what all agreed); `ready`: every
+    ready = r.stop.share(d, bool(bg and bg.loads_now))  # rank's graphs are in the cache (all take them at one step)
     with Collector() as collector:  # full collections timed per step; what the run keeps, frozen (train/gcpause.py)
         while tr.step < end and not r.stop.agreed:
             if bg:  # where the separate process compiled them all, the graphs are taken from the cache here
-                load = bg.loads_now
+                load = bg.loads_now and (ready or not d.enabled)  # a rank alone would hold the others up twice
                 if load:  # the process's end is said first, then the phase that takes its graphs
                     heard = news(bg, heard, tr.step + 1, r.events.info, r.note)
                 with r.events.phase("the compiled blocks from the compile cache") if load else nullcontext():
@@ -142,7 +143,7 @@ def steps(r: Run, end: int) -> None:
             if cfg.output.save_every and tr.step % cfg.output.save_every == 0:
                 with r.events.phase(f"checkpoint (step {tr.step})"):
                     save(r, background=True)
-            r.stop.share(d)  # a signal to any rank stops them all
+            ready = r.stop.share(d, bool(bg and bg.loads_now))  # a signal to any rank stops them all
             if tr.best and tr.best.stop:
                 break
 
@@ -217,6 +218,8 @@ def finish(r: Run) -> dict:
               "global_batch": tr.global_batch, "rank": d.rank, "warnings": list(r.note), "timeline": dict(r.mark),
               "peak_rss_gib": peak_rss_gib(),
               "peak_gpu_gib": (r.peak or PeakWatch(True)).whole() if tr.device != "cpu" else None}
+    if d.enabled:  # every rank's peaks, in rank order, beside the plan's per-GPU estimate (collective: all ranks)
+        result["per_rank"] = d.gathered({k: result[k] for k in ("peak_gpu_gib", "peak_rss_gib")})
     if tr.staging_wait_s:  # the steps that waited for a background save's copy of the weights
         result["staging_wait_s"] = round(tr.staging_wait_s, 2)
     if r.resumed:

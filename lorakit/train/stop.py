@@ -23,13 +23,18 @@ class StopFlag:
         self.requested = False
         self.agreed = False
 
-    def share(self, dist) -> None:
+    def share(self, dist, ready: bool = True) -> bool:
         """A stop asked on any rank stops them all, after the same step. The handler never writes `agreed`, and
         `requested` is never cleared: a signal whose handler runs while the ranks exchange the flag (after it was
         read) is agreed at the next exchange instead of lost (a SIGTERM sent just after a step's record was written
-        was lost that way once and the run trained on; CI, 2026-11-26)."""
-        if dist.total(float(self.requested)) > 0:
+        was lost that way once and the run trained on; CI, 2026-11-26).
+
+        The same exchange carries `ready`; returns whether every rank said it (the loop takes the compiled blocks'
+        graphs from the cache at the same step on every rank: `train.loop`)."""
+        stop, unready = dist.totals([float(self.requested), float(not ready)])
+        if stop > 0:
             self.agreed = True
+        return unready == 0
 
 
 @contextlib.contextmanager

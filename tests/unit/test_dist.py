@@ -42,6 +42,9 @@ def test_two_processes_match_one_with_the_same_global_batch(tmp_path, tiny, fami
     r2 = _train(_write(tmp_path, two, "two.yaml"), gpus=2)
     assert (r1["processes"], r1["global_batch"]) == (1, 2)
     assert (r2["processes"], r2["global_batch"]) == (2, 2)
+    # every rank's peaks reach rank 0's result, in rank order (the summary prints them beside the plan's estimate)
+    assert "per_rank" not in r1 and len(r2["per_rank"]) == 2
+    assert all(p["peak_rss_gib"] > 0.1 and p["peak_gpu_gib"] is None for p in r2["per_rank"])
     a, b = losses(r1["metrics"]), losses(r2["metrics"])
     assert len(a) == len(b) == 20
     assert a == pytest.approx(b, rel=0, abs=1e-4)  # every step

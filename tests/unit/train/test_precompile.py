@@ -227,3 +227,14 @@ def test_the_inputs_reach_the_process_through_a_file_read_without_unpickling_obj
     assert got["warm"][0][0] == "64x64" and isinstance(got["warm"][0][1], Batch)
     (cond,) = got["conds"]
     assert isinstance(cond, Condition) and cond.label == "a red square" and cond.shape == (4, 8, 8)
+
+
+def test_each_rank_of_a_lora_run_compiles_in_a_process_of_its_own_and_fsdp_in_its_own(tmp_path, tiny):
+    # data parallel LoRA ranks hold the blocks the child rehearses; FSDP's wrapped blocks are other graphs
+    from lorakit.train.precompile import RANK_VARS, wanted
+
+    lora = make_cfg(tmp_path, "flux", tiny("flux"), steps=4, memory={"compile": True, "compile_background": True})
+    assert wanted(lora, "cuda:1", 2) and wanted(lora, "cuda:0", 1)
+    full = lora.model_copy(update={"method": "full"})
+    assert wanted(full, "cuda:0", 1) and not wanted(full, "cuda:0", 2)
+    assert {"RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"} <= set(RANK_VARS)

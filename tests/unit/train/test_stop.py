@@ -9,12 +9,12 @@ from lorakit.train.stop import StopFlag, stop_on_signals
 class Ranks:
     """The exchange of the flag between ranks; `during` runs inside it, as a signal handler can."""
 
-    def __init__(self, during=lambda: None, others: float = 0.0):
-        self.during, self.others = during, others
+    def __init__(self, during=lambda: None, others: float = 0.0, unready: float = 0.0):
+        self.during, self.others, self.unready = during, others, unready
 
-    def total(self, x: float) -> float:
+    def totals(self, xs: list[float]) -> list[float]:
         self.during()
-        return x + self.others
+        return [xs[0] + self.others, xs[1] + self.unready]
 
 
 def test_a_signal_during_the_ranks_exchange_is_agreed_at_the_next_one():
@@ -74,3 +74,13 @@ def test_a_sigterm_swallowed_before_the_run_took_signals_over_stops_it_before_it
     monkeypatch.setitem(STOP, "asked", False)
     with stop_on_signals(StopFlag()):
         pass
+
+
+def test_the_exchange_says_whether_every_rank_is_ready():
+    # each rank's compiled blocks' graphs wait in the cache: all take them at the same step, or none does (a rank
+    # that took them alone held the others up in its next all-reduce, then they did the same to it)
+    flag = StopFlag()
+    assert flag.share(Ranks(), ready=True)
+    assert not flag.share(Ranks(unready=1.0), ready=True)  # another rank is not
+    assert not flag.share(Ranks(), ready=False)  # this one is not
+    assert not flag.agreed  # and none of it is a stop
