@@ -17,14 +17,15 @@ from pathlib import Path
 from lorakit.errors import STOP
 
 
-def leave_out_bitsandbytes(needed: bool) -> bool:
-    """Make bitsandbytes read as not installed to everything this process imports from now on, unless `needed`.
-    Its availability checks (`importlib.util.find_spec`, which peft and diffusers call) answer None and an import
-    raises ImportError, as where it is not installed. Only in a process of lorakit's own (the console script,
-    `python -m lorakit`, a launcher's workers) and only where nothing has imported it yet: a host program running
-    the CLI in its own process (typer's test runner) keeps its modules as they are. Returns whether it was left out.
-    """
-    if needed or not STOP.get("entry") or "bitsandbytes" in sys.modules:
+def leave_out_bitsandbytes(needed: bool, folder=None) -> bool:
+    """Make bitsandbytes read as not installed to everything this process imports from now on, unless `needed` or
+    the model `folder` holds a component saved quantized by it (`saved_by_bitsandbytes`, read only where the rest
+    would leave it out). Its availability checks (`importlib.util.find_spec`, which peft and diffusers call) answer
+    None and an import raises ImportError, as where it is not installed. Only in a process of lorakit's own (the
+    console script, `python -m lorakit`, a launcher's workers) and only where nothing has imported it yet: a host
+    program running the CLI in its own process (typer's test runner) keeps its modules as they are. Returns whether
+    it was left out."""
+    if needed or not STOP.get("entry") or "bitsandbytes" in sys.modules or saved_by_bitsandbytes(folder):
         return False
     sys.modules["bitsandbytes"] = None  # the import system's own "not importable" mark
     return True

@@ -67,9 +67,9 @@ def leave_out_unused(cfg, training: bool = True) -> None:
     `cache` pass as resolve's `settled`, called before anything imports the model libraries. Caching never uses
     it; either uses it for a model whose components were saved quantized by it."""
     from lorakit.plan.memory import needs_bitsandbytes
-    from lorakit.unused import leave_out_bitsandbytes, saved_by_bitsandbytes
+    from lorakit.unused import leave_out_bitsandbytes
 
-    leave_out_bitsandbytes((training and needs_bitsandbytes(cfg)) or saved_by_bitsandbytes(cfg.model.path))
+    leave_out_bitsandbytes(training and needs_bitsandbytes(cfg), cfg.model.path)
 
 
 def print_resolved(r) -> None:

@@ -71,9 +71,9 @@ def infer(
 
     quiet_libraries(imports=False)
     model, found = model_folder(model, base, keys=("MODEL", "--base"))
-    from lorakit.unused import leave_out_bitsandbytes, saved_by_bitsandbytes
+    from lorakit.unused import leave_out_bitsandbytes
 
-    leave_out_bitsandbytes(saved_by_bitsandbytes(model))  # sampling never uses it (`lorakit.unused`)
+    leave_out_bitsandbytes(False, model)  # sampling never uses it (`lorakit.unused`)
     quiet_libraries()
     for note in found:
         err_console.print(f"note: {note}", markup=False, highlight=False, soft_wrap=True)

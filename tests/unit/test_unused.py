@@ -71,7 +71,7 @@ def test_a_component_saved_quantized_by_bitsandbytes_keeps_it(tmp_path):
     assert saved_by_bitsandbytes(tmp_path)
 
 
-def test_only_a_process_of_lorakits_own_leaves_it_out(monkeypatch):
+def test_only_a_process_of_lorakits_own_leaves_it_out(tmp_path, monkeypatch):
     import importlib.util
 
     monkeypatch.delitem(sys.modules, "bitsandbytes", raising=False)
@@ -79,7 +79,11 @@ def test_only_a_process_of_lorakits_own_leaves_it_out(monkeypatch):
     assert not leave_out_bitsandbytes(False) and "bitsandbytes" not in sys.modules
     monkeypatch.setitem(STOP, "entry", True)
     assert not leave_out_bitsandbytes(True) and "bitsandbytes" not in sys.modules  # the run uses it
-    assert leave_out_bitsandbytes(False)
+    saved = tmp_path / "text_encoder"
+    saved.mkdir()
+    (saved / "config.json").write_text(json.dumps({"quantization_config": {"load_in_8bit": True}}))
+    assert not leave_out_bitsandbytes(False, tmp_path) and "bitsandbytes" not in sys.modules  # its model needs it
+    assert leave_out_bitsandbytes(False, tmp_path / "elsewhere")
     assert importlib.util.find_spec("bitsandbytes") is None  # what peft's and diffusers' checks ask
     with pytest.raises(ImportError):
         import bitsandbytes  # noqa: F401
