@@ -285,7 +285,7 @@ def _render(r: dict, since_start: bool = True) -> None:
 def gpu_memory_line(r: dict) -> str | None:
     """The run's GPU memory peak beside the plan's estimate (each process's peak in a run of several); None on
     the CPU."""
-    peaks = [x["peak_gpu_gib"] for x in r.get("per_rank") or [r]]
+    peaks = [x.get("peak_gpu_gib") for x in r.get("per_rank") or [r]]
     if any(p is None for p in peaks):
         return None
     est = (r.get("memory_estimate") or {}).get("gib")

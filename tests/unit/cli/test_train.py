@@ -13,4 +13,5 @@ def test_the_summary_puts_each_processes_gpu_peak_beside_the_plans_estimate():
 
 def test_a_cpu_run_says_nothing_of_gpu_memory():
     assert gpu_memory_line({"peak_gpu_gib": None, "memory_estimate": None}) is None
+    assert gpu_memory_line({}) is None
     assert gpu_memory_line({"peak_gpu_gib": None, "per_rank": [{"peak_gpu_gib": None}] * 2}) is None
