@@ -280,6 +280,13 @@ class BackgroundCompile:
         return self.handed_back and bool(self.pending) and not self.sealed
 
     @property
+    def lets_others_load(self) -> bool:
+        """Data parallel ranks take their graphs from the cache at the same step (`train.loop`): can the others
+        take theirs now without waiting for this rank in the next all-reduce? Where its own graphs wait in the cache
+        too, or it has nothing left to take (its worker compiled them: its separate process failed)."""
+        return self.sealed or self.loads_now
+
+    @property
     def failed(self) -> bool:
         """Did the worker fail anything (those shapes compiled in the run instead)?"""
         return bool(self._dead) or self.failures > 0

@@ -68,8 +68,8 @@ def steps(r: Run, end: int) -> None:
     alloc = AllocWatch(cuda)  # what the allocator asked of the driver, per step (train/allocwatch.py)
     peak = r.peak = PeakWatch(cuda)  # the GPU memory peak of each step, compile and grid, and the run's
     last = time.perf_counter()  # when the previous step's record was written (the loop's start for the first)
-    # a signal before the first step stops every rank before it (the loop tests only what all agreed); `ready`: every
-    ready = r.stop.share(d, bool(bg and bg.loads_now))  # rank's graphs are in the cache (all take them at one step)
+    # a signal before the first step stops every rank before it (the loop tests only what all agreed); `ready`: no
+    ready = r.stop.share(d, not bg or bg.lets_others_load)  # rank holds up a load (all take the graphs at one step)
     with Collector() as collector:  # full collections timed per step; what the run keeps, frozen (train/gcpause.py)
         while tr.step < end and not r.stop.agreed:
             if bg:  # where the separate process compiled them all, the graphs are taken from the cache here
@@ -143,7 +143,7 @@ def steps(r: Run, end: int) -> None:
             if cfg.output.save_every and tr.step % cfg.output.save_every == 0:
                 with r.events.phase(f"checkpoint (step {tr.step})"):
                     save(r, background=True)
-            ready = r.stop.share(d, bool(bg and bg.loads_now))  # a signal to any rank stops them all
+            ready = r.stop.share(d, not bg or bg.lets_others_load)  # a signal to any rank stops them all
             if tr.best and tr.best.stop:
                 break
 

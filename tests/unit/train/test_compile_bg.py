@@ -426,3 +426,17 @@ def test_a_view_in_another_dtype_than_its_base_is_that_view_of_the_copy():
     assert cw.untyped_storage().data_ptr() == ct.untyped_storage().data_ptr() != table.untyped_storage().data_ptr()
     odd = torch.randn(3, 5, dtype=torch.float64)[:, 1:4].view(torch.float64)  # no other dtype to read it in
     assert torch.equal(_detached(odd, {}), odd)
+
+
+def test_a_rank_whose_worker_compiled_alone_does_not_hold_up_the_others_load():
+    # ranks take their graphs from the cache at one step; a rank whose separate process failed compiles in its
+    # worker and then has nothing to take: it must not keep the others waiting for it to the end of the run
+    from lorakit.train.compile_bg import BackgroundCompile
+
+    bg = BackgroundCompile.__new__(BackgroundCompile)
+    bg.sealed, bg.handed_back, bg.pending = False, False, 3
+    assert not bg.lets_others_load  # still compiling (or its process is)
+    bg.handed_back = True
+    assert bg.lets_others_load  # its graphs wait in the cache
+    bg.handed_back, bg.sealed = False, True
+    assert bg.lets_others_load  # its worker compiled them itself
