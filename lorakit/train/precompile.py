@@ -154,8 +154,10 @@ class Rehearsal:
         self.said = True
         r = self.result()
         if r.get("ok"):
+            parts = ", ".join(f"{k} {v:.1f} s" for k, v in (r.get("parts") or {}).items())
             return (f"the blocks' {r.get('graphs', '?')} graphs compiled in a separate process in {r['seconds']:.1f} s "
-                    f"(into this machine's compile cache); the run takes them from there between two steps")
+                    f"{f'({parts}) ' if parts else ''}(into this machine's compile cache); the run takes them from "
+                    f"there between two steps")
         return f"the separate compile process failed ({r.get('why')}); the worker compiles the blocks itself"
 
     def close(self) -> None:
@@ -204,19 +206,33 @@ def rebuilt(x):
     return x
 
 
-def rehearse(tr, inputs: dict) -> None:
+def rehearse(tr, inputs: dict) -> dict:
     """The run's block calls, in its order: step 1 (forward and backward), the other shapes, a sampling step of each
-    grid prompt (eval mode, no gradients)."""
+    grid prompt (eval mode, no gradients). Returns the seconds each of the three took."""
+    took, t0 = {}, time.perf_counter()
+
+    def lap(name: str) -> None:
+        nonlocal t0
+        if tr.device.startswith("cuda"):
+            import torch
+
+            torch.cuda.synchronize()
+        took[name], t0 = round(time.perf_counter() - t0, 1), time.perf_counter()
+
     batch, sigmas, noise = inputs["first"]
     tr.loss_on(batch, sigmas, noise).backward()
     tr.opt.zero_grad(set_to_none=True)
+    lap("step 1")
     warm.warm_shapes(tr, inputs["warm"])
+    lap("other shapes")
     tr.transformer.eval()
     try:
         for k, c in enumerate(inputs["conds"]):
             sampling.denoise(tr, c, k, steps=1)
     finally:
         tr.transformer.train()
+    lap("grid")
+    return took
 
 
 def build_copy(cfg, device: str):
@@ -265,11 +281,9 @@ def main() -> int:
     print(f"rehearsing {1 + len(inputs['warm'])} training shape(s) and {len(inputs['conds'])} grid prompt(s)",
           flush=True)
     t1 = time.perf_counter()
-    rehearse(tr, inputs)
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
+    parts = rehearse(tr, inputs)
     graphs = int(counters["stats"]["unique_graphs"])
-    result = {"ok": True, "seconds": round(time.perf_counter() - t1, 1), "graphs": graphs}
+    result = {"ok": True, "seconds": round(time.perf_counter() - t1, 1), "graphs": graphs, "parts": parts}
     Path(spec["result"]).write_text(json.dumps(result), encoding="utf-8")
     print(json.dumps(result), flush=True)
     return 0

@@ -102,7 +102,8 @@ def test_the_copy_meets_the_calls_the_run_hands_its_worker_in_the_same_order(tmp
 
     for b in repeated_blocks(copy.transformer):
         b.register_forward_pre_hook(hook, with_kwargs=True)
-    precompile.rehearse(copy, rec.inputs)
+    took = precompile.rehearse(copy, rec.inputs)
+    assert list(took) == ["step 1", "other shapes", "grid"] and all(v >= 0 for v in took.values())
     assert any(not what[2] for what in handed)  # the grid's calls (no grad) were handed over too
     assert met == handed[:len(met)] and len(met) == len(handed)
 
@@ -159,6 +160,7 @@ def test_the_run_takes_the_processs_graphs_between_two_steps_in_its_own_thread_a
     assert not bg.ahead.folder.exists() and bg.ahead.proc.poll() is not None  # ended and cleaned up with the run
     said = [m for m in heard.lines if "compiled in a separate process" in m]
     assert len(said) == 1 and said[0].startswith("the blocks' 0 graphs compiled in a separate process in")
+    assert "(step 1 " in said[0] and ", other shapes " in said[0] and ", grid " in said[0]  # where its time went
     rows = [json.loads(x) for x in open(r["metrics"])]
     assert [x["step"] for x in rows if not x.get("eager_blocks")] == [3, 4, 5, 6]  # compiled from step 3 on
     used = [m for m in heard.lines if m.startswith("taken from the compile cache between two steps (")]
