@@ -320,11 +320,12 @@ if os.environ.get("RANK") == "0":  # the workers only (the launcher's agent has 
     shared = c.StopFlag.share
     calls = []
 
-    def share(self, dist):
-        shared(self, dist)
+    def share(self, dist, *more):
+        everyone = shared(self, dist, *more)
         calls.append(1)
         if len(calls) == 3:  # the exchange before step 1, after step 1, after step 2: then the handler runs
             self.requested = True
+        return everyone
 
     c.StopFlag.share = share
 '''
