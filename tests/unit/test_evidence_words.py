@@ -61,3 +61,11 @@ def test_the_check_catches_what_it_is_for():
     assert "a borrowed machine's budget" in whats
     fine = "H100 80GB HBM3, 2026-11-26, `lorakit bench step --family flux --res 1024`: 0.427 s/step (fp16, s3cret)"
     assert offences(fine, markdown=True) == []
+
+
+def test_the_benchmarks_page_holds_current_figures_only():
+    # one section per capability with its current figures: what a newer figure replaces goes to the history, dated
+    page = (ROOT / "docs" / "benchmarks.md").read_text(encoding="utf-8").splitlines()
+    assert len(page) <= 300, f"docs/benchmarks.md has {len(page)} lines: move superseded figures to " \
+                             f"docs/benchmarks-history.md"
+    assert (ROOT / "docs" / "benchmarks-history.md").is_file()
