@@ -103,6 +103,7 @@ def steps(r: Run, end: int) -> None:
                 settle = True
             if bg and not bg_settled and not bg.pending and not bg.eager_calls and tr.step > first:
                 settle = bg_settled = True  # the background compile's graphs are in use
+                r.compiled_from = tr.step
                 if r.warm_key and not bg.failed:  # every shape compiled: the next run with these settings starts steady
                     warm.remember(r.warm_key, r.sizes)
             r.mark("first_step")
@@ -216,10 +217,10 @@ def finish(r: Run) -> dict:
               "profile": r.resolved.profile, "memory_estimate": r.resolved.estimate,
               "memory_note": r.resolved.memory_note, "method": cfg.method, "processes": d.world,
               "global_batch": tr.global_batch, "rank": d.rank, "warnings": list(r.note), "timeline": dict(r.mark),
-              "peak_rss_gib": peak_rss_gib(),
+              "peak_rss_gib": peak_rss_gib(), "compiled_from": r.compiled_from,
               "peak_gpu_gib": (r.peak or PeakWatch(True)).whole() if tr.device != "cpu" else None}
     if d.enabled:  # every rank's peaks, in rank order, beside the plan's per-GPU estimate (collective: all ranks)
-        result["per_rank"] = d.gathered({k: result[k] for k in ("peak_gpu_gib", "peak_rss_gib")})
+        result["per_rank"] = d.gathered({k: result[k] for k in ("peak_gpu_gib", "peak_rss_gib", "compiled_from")})
     if tr.staging_wait_s:  # the steps that waited for a background save's copy of the weights
         result["staging_wait_s"] = round(tr.staging_wait_s, 2)
     if r.resumed:
