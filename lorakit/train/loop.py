@@ -98,6 +98,8 @@ def steps(r: Run, end: int) -> None:
             if tr.step == first:  # how long the first step took (compiling, the first kernels' warm-up)
                 r.events.phase_end(opening, rec["step_s"], {"size": tr.last_size})
                 settle = True
+                if tr.compiled and not bg:  # compiled in the step itself
+                    r.compiled_from = first
             elif tr.compiled and own_graphs(bg) > graphs:  # this step waited for the compiler (a new shape)
                 r.events.phase_end("compile", rec["step_s"], {"step": tr.step, "size": tr.last_size})
                 settle = True

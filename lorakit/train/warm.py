@@ -111,20 +111,42 @@ def shorter_text(batch):
     return Batch(batch.keys, batch.latents, text, batch.controls, batch.mask, batch.weights)
 
 
+def padded_text(batch):
+    """The batch with its first prompt one token shorter than the others, padded to their length: a text mask that
+    masks something, as a batch of captions of different lengths carries (`models.batch.drop_full_mask` leaves out
+    one that masks nothing)."""
+    import torch
+
+    emb = batch.text["prompt_embeds"].clone()
+    mask = batch.text.get("prompt_embeds_mask")
+    mask = torch.ones(emb.shape[:2], dtype=torch.long) if mask is None else mask.clone()
+    emb[0, -1:] = 0
+    mask[0, -1:] = 0
+    return Batch(batch.keys, batch.latents, {**batch.text, "prompt_embeds": emb, "prompt_embeds_mask": mask},
+                 batch.controls, batch.mask, batch.weights)
+
+
 def to_warm(tr, skip: set[str]) -> list[tuple[str, object]]:
     """What `warm_shapes` runs: (label, batch) for each bucket shape not in `skip`, and first, where the family's text
     length follows the caption, the size in `skip` with its text one token shorter. Torch compiles the blocks for
     the sizes it meets, and at the second length of a size it compiles them for any length (the size symbolic):
     without that pass, the first step whose caption had another length waited for the compiler (Qwen-Image 24 GiB
-    on an H100, 2026-11-26: 39.9 s at step 4, after every bucket shape had been compiled)."""
+    on an H100, 2026-11-26: 39.9 s at step 4, after every bucket shape had been compiled).
+    Last, where batches hold several prompts of such a family, one batch whose prompts differ in length: its text
+    mask is another graph, which the run met only at such a step (tiny Qwen-Image, batch 2, 2026-11-29: the two
+    graphs of the masked blocks were all a separate compile process had not compiled)."""
     out = []
+    last = None
     for size, key in shapes(tr.data, tr.adapter).items():
         batch = tr.data.load([key] * tr.cfg.schedule.batch_size)
         if size in skip:
             if text_varies(tr.adapter, batch):
                 out.insert(0, (f"{size} (text of another length)", shorter_text(batch)))
+                last = (size, batch)
         else:
             out.append((size, batch))
+    if last and tr.cfg.schedule.batch_size > 1:  # after the others: every size that varies is symbolic by then
+        out.append((f"{last[0]} (prompts of different lengths)", padded_text(last[1])))
     return out
 
 

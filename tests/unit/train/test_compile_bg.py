@@ -212,6 +212,7 @@ def test_a_run_steps_while_its_blocks_compile_and_then_runs_them_compiled(tmp_pa
     assert compiled, "no step ran the compiled blocks"
     used = [m for m in heard.lines if m.startswith("compiled in the background")]
     assert used and used[0].endswith(f"the blocks run compiled from step {compiled[0]}")
+    assert r["compiled_from"] == compiled[0]  # the result says it too
     assert all(x.get("eager_blocks") for x in rows[:compiled[0] - 1])
     # no step waited for the compiler before the worker's blocks came into use (a bucket met after that compiles in
     # the run, as without the worker)
@@ -253,6 +254,7 @@ def test_a_second_run_with_the_same_settings_compiles_from_the_cache_and_is_stea
     said = [m for m in heard2.lines if "from this machine's compile cache" in m]
     assert said and "not in the background" in said[0]
     assert not any(x.get("eager_blocks") for x in rows2)  # no step beside a worker: compiled from step 1
+    assert r2["compiled_from"] == 1 and r1["compiled_from"] > 1
     sizes = {x["size"] for x in rows1}
     if len(sizes) > 1:  # the other bucket shapes compiled in one phase before step 2, no step waited later
         assert any(name.startswith(f"compile {len(sizes) - 1} more bucket shape") for name, _ in heard2.phases)
@@ -345,18 +347,21 @@ def test_a_module_called_while_another_thread_traces_runs_as_itself(kept):
 
 
 @pytest.mark.slow
-def test_captions_of_every_length_run_the_graphs_compiled_before_step_2(tmp_path, tiny, monkeypatch):
+@pytest.mark.parametrize("batch", [1, 2])
+def test_captions_of_every_length_run_the_graphs_compiled_before_step_2(tmp_path, tiny, monkeypatch, batch):
     """Qwen-Image keeps each prompt's own length, so its blocks meet a new text length at many steps. Right after
     step 1 the blocks are also run with a text one token shorter (`train.warm.to_warm`): torch then compiles them
     for any length, and no later step waits for the compiler (H100, 2026-11-26: without it, a 39.9 s compile at
-    step 4 of a Qwen-Image run whose bucket shapes had all been compiled)."""
+    step 4 of a Qwen-Image run whose bucket shapes had all been compiled). A batch of two prompts of different
+    lengths calls the blocks with a text mask, another graph: it is compiled in the same phase."""
     import lorakit.plan.resolve as resolve_mod
 
     monkeypatch.setattr(resolve_mod, "compile_decision", lambda *a: (True, None))
     monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="aot_eager"))
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "compile-cache"))
     cfg = make_cfg(tmp_path, "qwen-image", tiny("qwen-image"), steps=12, lora={"dropout": 0.0},
-                   sampling={"enabled": False}, output={"save_every": 0}, memory={"compile_background": False})
+                   sampling={"enabled": False}, output={"save_every": 0}, memory={"compile_background": False},
+                   schedule={"batch_size": batch})
     words = "a small red circle near the middle of a wide plain blue field".split()
     for k, txt in enumerate(sorted((tmp_path / "d").glob("*.txt"))):
         txt.write_text(" ".join(words[: 3 + 3 * k]))
@@ -366,15 +371,15 @@ def test_captions_of_every_length_run_the_graphs_compiled_before_step_2(tmp_path
         r = run(resolve(cfg), events=heard)
     finally:
         torch._dynamo.reset()
-    assert r["steps"] == 12
+    assert r["steps"] == 12 and r["compiled_from"] == 1  # compiled in step 1 itself
     warmed = [name for name, _ in heard.phases if name.startswith("compile ") and name != "compile"]
     assert warmed, heard.phases
     assert not [step for name, step in heard.phases if name == "compile"], "a step waited for the compiler"
 
 
-def test_a_warm_pass_shortens_only_text_that_follows_the_caption(tiny):
-    from lorakit.models.batch import Batch
-    from lorakit.train.warm import shorter_text, text_varies
+def test_a_warm_pass_shortens_or_pads_only_text_that_follows_the_caption(tiny):
+    from lorakit.models.batch import Batch, drop_full_mask
+    from lorakit.train.warm import padded_text, shorter_text, text_varies
 
     qwen = load_adapter("qwen-image", tiny("qwen-image"), dtype=torch.float32)
     flux = load_adapter("flux", tiny("flux"), dtype=torch.float32)
@@ -388,6 +393,16 @@ def test_a_warm_pass_shortens_only_text_that_follows_the_caption(tiny):
     assert short.text["pooled"] is b.text["pooled"] and short.latents is b.latents
     padded = Batch(["k"], b.latents, {"prompt_embeds": torch.randn(1, flux.max_sequence_length, 4)}, [])
     assert not text_varies(flux, padded)
+    # a batch of two prompts of one length carries no mask; the pass for prompts of different lengths gives it one
+    two = drop_full_mask(Batch(["k", "k"], torch.zeros(2, 16, 8, 8), {"prompt_embeds": torch.randn(2, 7, 4),
+                                                                     "prompt_embeds_mask": torch.ones(2, 7).long()}, []))
+    assert "prompt_embeds_mask" not in two.text
+    mixed = padded_text(two)
+    assert drop_full_mask(mixed) is mixed  # a mask that masks something: the blocks are called with it
+    assert mixed.text["prompt_embeds_mask"].tolist() == [[1] * 6 + [0], [1] * 7]
+    assert not mixed.text["prompt_embeds"][0, 6].any() and torch.equal(mixed.text["prompt_embeds"][1],
+                                                                         two.text["prompt_embeds"][1])
+    assert "prompt_embeds_mask" not in two.text  # the batch it came from is as it was
 
 
 def test_the_workers_inputs_alias_each_other_as_the_runs_do():
