@@ -39,10 +39,11 @@ def main() -> None:
 def leave(code) -> None:
     """End a rank of a multi-process run now that its command is done: its output flushed, without the interpreter's
     teardown. The process groups' Python objects outlive `destroy_process_group` (a 2-process sharded CPU run at its
-    exit: the default group still held 6 times, by the model's device mesh and its parameters' specs, the checkpoint's
-    group twice), so they were freed, and their gloo threads ended, while the interpreter was torn down, where a
-    thread still holding tensors aborts ("terminate called without an active exception", exit -6: the likely end of
-    a rank in CI, 2026-11-29, `tests/unit/test_dist.py`'s late-signal run). A rank has nothing left to do here."""
+    exit: 6 references to the default group besides the probe's own, most likely the model's device mesh and its
+    parameters' specs, and 2 to the checkpoint's group), so they were freed, and their gloo threads ended, while the
+    interpreter was torn down, where a thread still holding tensors aborts ("terminate called without an active
+    exception", exit -6: the likely end of a rank in CI, 2026-11-29, `tests/unit/test_dist.py`'s late-signal run).
+    A rank has nothing left to do here."""
     if code is None:
         code = 0
     elif not isinstance(code, int):  # sys.exit("message"): said, as Python would
