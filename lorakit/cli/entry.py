@@ -26,14 +26,20 @@ def main() -> None:
         gone()
     if STOP["asked"]:  # the interrupt was raised where Python swallows it (an import lock's callback, seen once)
         gone()
-    if int(os.environ.get("WORLD_SIZE", "1") or 1) <= 1:
-        cli_main()
-        return
     try:
         cli_main()
     except SystemExit as e:
-        leave(e.code)
-    leave(0)
+        if _a_rank():
+            leave(e.code)
+        raise
+    if _a_rank():
+        leave(0)
+
+
+def _a_rank() -> bool:
+    """Is this process one rank of several? Asked once the command is done: a launcher sets WORLD_SIZE before it
+    starts, `srun lorakit train` while it runs (`dist.from_slurm`)."""
+    return int(os.environ.get("WORLD_SIZE", "1") or 1) > 1
 
 
 def leave(code) -> None:
