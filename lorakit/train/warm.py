@@ -136,17 +136,17 @@ def to_warm(tr, skip: set[str]) -> list[tuple[str, object]]:
     mask is another graph, which the run met only at such a step (tiny Qwen-Image, batch 2, 2026-11-29: the two
     graphs of the masked blocks were all a separate compile process had not compiled)."""
     out = []
-    last = None
+    started = None  # step 1's size and a batch of it, where its text length varies
     for size, key in shapes(tr.data, tr.adapter).items():
         batch = tr.data.load([key] * tr.cfg.schedule.batch_size)
         if size in skip:
             if text_varies(tr.adapter, batch):
                 out.insert(0, (f"{size} (text of another length)", shorter_text(batch)))
-                last = (size, batch)
+                started = (size, batch)
         else:
             out.append((size, batch))
-    if last and tr.cfg.schedule.batch_size > 1:  # after the others: every size that varies is symbolic by then
-        out.append((f"{last[0]} (prompts of different lengths)", padded_text(last[1])))
+    if started and tr.cfg.schedule.batch_size > 1:  # after the others: every size that varies is symbolic by then
+        out.append((f"{started[0]} (prompts of different lengths)", padded_text(started[1])))
     return out
 
 
