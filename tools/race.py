@@ -56,25 +56,32 @@ def draw_dataset(out: Path, count: int = 16, res: int = 1024) -> Path:
     return out
 
 
+def gpu_index() -> int:
+    """The GPU a measured run uses: the first of CUDA_VISIBLE_DEVICES when it names one by number (two races side by
+    side on a two-GPU host, one card each, with CUDA_DEVICE_ORDER=PCI_BUS_ID: NVML's order), else 0."""
+    first = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0].strip()
+    return int(first) if first.isdigit() else 0
+
+
 def _gpu_used_mib() -> int:
-    """GPU 0's used memory (NVML; 0 without one)."""
+    """The run's GPU's used memory (NVML; 0 without one)."""
     try:
         import pynvml
 
         pynvml.nvmlInit()
-        return int(pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(0)).used // 2**20)
+        return int(pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(gpu_index())).used // 2**20)
     except Exception:  # noqa: BLE001 - no NVML here (the CPU)
         return 0
 
 
 def gpu_name() -> str | None:
-    """GPU 0's name (NVML; None without one): each record says the card it ran on (a later call may land on
+    """The run's GPU's name (NVML; None without one): each record says the card it ran on (a later call may land on
     another kind of card)."""
     try:
         import pynvml
 
         pynvml.nvmlInit()
-        name = pynvml.nvmlDeviceGetName(pynvml.nvmlDeviceGetHandleByIndex(0))
+        name = pynvml.nvmlDeviceGetName(pynvml.nvmlDeviceGetHandleByIndex(gpu_index()))
         return name.decode() if isinstance(name, bytes) else str(name)
     except Exception:  # noqa: BLE001 - no NVML here (the CPU)
         return None
@@ -96,23 +103,31 @@ def _tree(pid: int) -> list[int]:
 
 def measure(cmd: list[str], log: Path, env: dict | None = None, timeout: float = 3600) -> dict:
     """Run a training command with its output to `log`; the wall time, the exit code, and the peaks (GPU memory in
-    use on GPU 0, the private host memory of the process tree), sampled every half second."""
+    use on the run's GPU, the private host memory of the process tree), sampled every half second. Past `timeout` the
+    whole tree is killed (a launcher's children too) and the record says so."""
     from lorakit.bench.matrix import private_gib
 
     base = _gpu_used_mib()
     peak_gpu = peak_private = 0.0
     started = time.time()
+    killed = False
     with open(log, "w") as out:
         p = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
         while p.poll() is None:
-            if time.time() - started > timeout:
-                p.kill()
+            if time.time() - started > timeout and not killed:
+                killed = True
+                for q in reversed(_tree(p.pid)):
+                    try:
+                        os.kill(q, 9)
+                    except OSError:
+                        pass
             private = sum(x for x in (private_gib(q) for q in _tree(p.pid)) if x is not None)
             peak_private = max(peak_private, private)
             peak_gpu = max(peak_gpu, (_gpu_used_mib() - base) / 1024)
             time.sleep(0.5)
     return {"cmd": " ".join(cmd), "rc": p.returncode, "started": started, "whole_s": round(time.time() - started, 1),
-            "gpu_peak_gib": round(peak_gpu, 2), "private_peak_gib": round(peak_private, 2), "gpu": gpu_name()}
+            "gpu_peak_gib": round(peak_gpu, 2), "private_peak_gib": round(peak_private, 2), "gpu": gpu_name(),
+            "stopped_at_limit_s": timeout if killed else None}
 
 
 def steady(times: list[float], skip: int = 2) -> dict:

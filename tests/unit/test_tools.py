@@ -65,6 +65,33 @@ def test_race_times_steps_by_the_wall_clock_stalls_included(tmp_path):
     assert line.startswith("| lorakit run 1 | rtx4090 (24 GiB) | 20.0 | 70.0 | 160.0 |") and "(1.04)" in line
 
 
+def test_race_stops_a_launcher_and_its_children_at_the_limit_and_reads_the_run_s_own_gpu(tmp_path, monkeypatch):
+    import os
+    import time
+
+    import race
+
+    pid_file = tmp_path / "child.pid"
+    code = ("import subprocess, sys, time; c = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']);"
+            f" open({str(pid_file)!r}, 'w').write(str(c.pid)); time.sleep(60)")  # a launcher and the run it starts
+    rec = race.measure([sys.executable, "-c", code], tmp_path / "log.txt", timeout=2)
+    assert rec["stopped_at_limit_s"] == 2 and rec["rc"] == -9 and rec["whole_s"] < 30
+    child = int(pid_file.read_text())
+    for _ in range(50):  # the child is gone too, not left running on the card
+        try:
+            os.kill(child, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.1)
+    else:
+        raise AssertionError(f"the launcher's child {child} outlived the limit")
+    assert race.measure([sys.executable, "-c", "pass"], tmp_path / "l2.txt")["stopped_at_limit_s"] is None
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
+    assert race.gpu_index() == 1  # two races side by side, one card each: each reads its own card's memory
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-8f3a")
+    assert race.gpu_index() == 0
+
+
 @pytest.mark.slow
 def test_race_runs_lorakit_as_a_user_does_and_reports_the_whole_job(tmp_path):
     work = tmp_path / "w"
@@ -172,3 +199,82 @@ def test_peer_aitoolkit_writes_its_documented_config_with_the_race_changes_and_t
     assert rec["steps"] == 3 and rec["lora_modules"] == 1 and 0 < rec["first_step_s"] <= rec["lora_s"]  # 0.1 s apart
     assert "gpu" in rec  # the card each side ran on (None here: no GPU)
     assert pa.ratios([rec, {**rec, "side": "lorakit", "lora_s": rec["lora_s"] / 2}])["whole_job"] == 2.0
+
+
+def _fake_simpletuner(site: Path) -> Path:
+    """A stand-in for an installed SimpleTuner, as far as peer_simpletuner reads it: its example configs, its step
+    counter, and a train.py that reads the config as `CONFIG_BACKEND=json` does, counts its steps and writes the
+    LoRA file where SimpleTuner does."""
+    pkg = site / "simpletuner"
+    for name, cfg in (("flux.peft-lora", {"base_model_precision": "int8-quanto", "checkpoint_step_interval": 10,
+                                          "lora_rank": 16, "lora_alpha": 16, "max_train_steps": 100,
+                                          "model_family": "flux", "optimizer": "adamw_bf16",
+                                          "validation_steps": 50}),
+                      ("qwen_image.peft-lora", {"base_model_precision": "no_change", "lora_rank": 32,
+                                                "lora_alpha": 32, "model_family": "qwen_image",
+                                                "model_flavour": "v2.1", "resume_from_checkpoint": "",
+                                                "crepa_enabled": True, "validation_step_interval": 250,
+                                                "assistant_lora_path": "SimpleTuner/Qwen-Image-2.1-assistant",
+                                                "disable_assistant_lora": False})):
+        (pkg / "examples" / name).mkdir(parents=True)
+        (pkg / "examples" / name / "config.json").write_text(json.dumps(cfg))
+    (pkg / "helpers" / "training").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "helpers" / "__init__.py").write_text("")
+    (pkg / "helpers" / "training" / "__init__.py").write_text("")
+    (pkg / "helpers" / "training" / "iteration_tracker.py").write_text(
+        "class IterationTracker:\n    def record_step(self, global_step):\n        self.last = global_step\n")
+    (pkg / "train.py").write_text(
+        "import json, os, time\nfrom pathlib import Path\n"
+        "from simpletuner.helpers.training.iteration_tracker import IterationTracker\n"
+        "assert os.environ['CONFIG_BACKEND'] == 'json'\n"
+        "cfg = json.loads(Path(os.environ['CONFIG_PATH'] + '.json').read_text())\n"
+        "assert json.loads(Path(cfg['data_backend_config']).read_text())[0]['caption_strategy'] == 'textfile'\n"
+        "t = IterationTracker()\n"
+        "for k in range(cfg['max_train_steps']):\n    time.sleep(0.05)\n    t.record_step(k + 1)\n"
+        "out = Path(cfg['output_dir'])\nout.mkdir(parents=True)\n"
+        "from safetensors.torch import save_file\nimport torch\n"
+        "save_file({'m.lora_A.weight': torch.zeros(1), 'm.lora_B.weight': torch.zeros(1)},"
+        " str(out / 'pytorch_lora_weights.safetensors'))\n")
+    return site
+
+
+@pytest.mark.slow
+def test_peer_simpletuner_runs_its_example_config_with_the_race_changes_through_accelerate_and_times_its_steps(
+        tmp_path):
+    import argparse
+
+    import peer_simpletuner as ps
+
+    site = _fake_simpletuner(tmp_path / "site")
+    a = argparse.Namespace(st_path=[str(site)], st_python=sys.executable, family="qwen-image",
+                           models=str(tmp_path / "m"), data=tmp_path / "d", steps=3, setting="datacenter",
+                           tiny=False, cap=None, limit=120, st_inductor_first=False)
+    work = tmp_path / "w"
+    (work / "q").mkdir(parents=True)
+    path, changed = ps.st_config(a, work / "q", ps.st_example_dir(a))
+    cfg = json.loads(path.with_suffix(".json").read_text())
+    assert cfg["peft_lora_target_modules"] == ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj",
+                                               "add_v_proj", "to_add_out"]  # its default trains 4 of the 8
+    assert (cfg["lora_rank"], cfg["lora_alpha"], cfg["max_train_steps"]) == (16, 16, 3)
+    assert cfg["base_model_precision"] == "no_change" and cfg["resume_from_checkpoint"] is None
+    assert cfg["checkpoint_step_interval"] == cfg["validation_steps"] == cfg["validation_step_interval"] == 3
+    assert cfg["model_flavour"] == "v1.0" and cfg["crepa_enabled"] is False  # the folder is Qwen-Image; no hub
+    assert cfg["assistant_lora_path"] is None and cfg["disable_assistant_lora"] is True
+    assert any("rank/alpha 32/32" in c for c in changed) and any("crepa_enabled True off" in c for c in changed)
+    backend = json.loads(Path(cfg["data_backend_config"]).read_text())
+    assert backend[0]["resolution"] == 1024 and backend[0]["crop"] is False and backend[1]["default"] is True
+    a.family, a.setting = "flux", "24gb"
+    (work / "f").mkdir()
+    cfg = json.loads(ps.st_config(a, work / "f", ps.st_example_dir(a))[0].with_suffix(".json").read_text())
+    assert cfg["base_model_precision"] == "int8-quanto" and cfg["flux_lora_target"] == "all"  # as documented
+    assert cfg["optimizer"] == "adamw_bf16" and cfg["model_flavour"] == "dev"
+    a.setting = "datacenter"
+    rec = ps.st_run(a, work)  # accelerate launch -> the launcher -> the stand-in's train.py, its steps timed
+    assert rec["rc"] == 0, rec["log_tail"]
+    assert "accelerate.commands.launch --mixed_precision=bf16 --num_processes=1" in rec["cmd"]
+    assert rec["steps"] == 3 and rec["lora_modules"] == 1 and 0 < rec["first_step_s"] <= rec["lora_s"]
+    assert ps.ratios([rec, {**rec, "side": "lorakit", "lora_s": rec["lora_s"] / 2}])["whole_job"] == 2.0
+    a.st_path = [str(tmp_path / "nothing")]
+    with pytest.raises(SystemExit, match="SimpleTuner is not importable"):
+        ps.st_example_dir(a)
