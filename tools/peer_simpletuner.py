@@ -28,8 +28,9 @@ says, for a 24 GB card), with only these changes (each said in the report's `cha
     made for Qwen-Image-2.1: CREPA's DINOv2 encoder through torch.hub, the assistant LoRA, a prompt library file of
     its repository checkout): off, each named in `changed`;
   - `datacenter`: `base_model_precision: no_change` (its FLUX quickstart: "a bit more than 30G VRAM when not
-    quantising the base model"); `24gb`: the example's quantised base as documented, both processes held to 24 GiB
-    (`lorakit.hardware.gpu.apply_cap`: the CUDA context inside the cap, as on the card).
+    quantising the base model"); `24gb`: FLUX's example's int8-quanto base as documented, Qwen-Image's quickstart's
+    int2-quanto ("required for 24GB cards"), both processes held to 24 GiB (`lorakit.hardware.gpu.apply_cap`: the
+    CUDA context inside the cap, as on the card).
 lorakit runs `lorakit train` as a user does (race.py's lorakit side: own YAML, the profile's defaults, rtx4090 under
 the 24 GiB cap). SimpleTuner's steps are timed where it counts them (`IterationTracker.record_step`, once per
 optimizer step, through the launcher below); lorakit's from metrics.jsonl. `--tiny` runs both on the tiny layout
@@ -53,6 +54,8 @@ import race  # noqa: E402 - tools/ is not a package
 EXAMPLES = {"flux": ("flux.peft-lora", "dev"), "qwen-image": ("qwen_image.peft-lora", "v1.0")}
 SETTINGS = {"datacenter": ("datacenter", None), "24gb": ("rtx4090", 24)}  # -> lorakit profile, cap GiB
 LORA_FILE = "pytorch_lora_weights.safetensors"
+QUANT_24GB = {"qwen-image": "int2-quanto"}  # QWEN_IMAGE.md's lowest-VRAM config ("required for 24GB cards"); the
+# 4.10.1 example (made for Qwen-Image-2.1) leaves the base unquantised. FLUX: the example's own int8-quanto.
 OFFLINE = {  # SimpleTuner 4.10.1's Qwen-Image example (made for Qwen-Image-2.1) fetches these at start
     "crepa_enabled": "its CREPA regulariser loads DINOv2 through torch.hub, a download",
     "assistant_lora_path": "a hub download, made for Qwen-Image-2.1",
@@ -149,9 +152,11 @@ def st_config(a, out: Path, example: Path) -> tuple[Path, list[str]]:
              if k in cfg or k != "validation_step_interval"}
     changed.append(", ".join(f"{k} {v} -> {a.steps}" for k, v in every.items()) + " (one save, validation at the end)")
     cfg.update({k: a.steps for k in every}, resume_from_checkpoint=None)
-    if a.setting == "datacenter":
-        changed.append(f"base_model_precision {cfg.get('base_model_precision')} -> no_change (80 GB card)")
-        cfg["base_model_precision"] = "no_change"
+    want = "no_change" if a.setting == "datacenter" else QUANT_24GB.get(a.family, cfg.get("base_model_precision"))
+    if cfg.get("base_model_precision") != want:
+        why = "80 GB card" if a.setting == "datacenter" else "its quickstart's 24 GB setting"
+        changed.append(f"base_model_precision {cfg.get('base_model_precision')} -> {want} ({why})")
+        cfg["base_model_precision"] = want
     if a.tiny:
         cfg.update(validation_resolution="64x64", validation_num_inference_steps=2, base_model_precision="no_change")
     path = out / "config.json"

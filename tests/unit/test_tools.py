@@ -262,6 +262,12 @@ def test_peer_simpletuner_runs_its_example_config_with_the_race_changes_through_
     assert cfg["model_flavour"] == "v1.0" and cfg["crepa_enabled"] is False  # the folder is Qwen-Image; no hub
     assert cfg["assistant_lora_path"] is None and cfg["disable_assistant_lora"] is True
     assert any("rank/alpha 32/32" in c for c in changed) and any("crepa_enabled True off" in c for c in changed)
+    assert not any("base_model_precision" in c for c in changed)  # unquantised already: nothing changed, none said
+    a.setting = "24gb"
+    (work / "q24").mkdir()
+    cfg = json.loads(ps.st_config(a, work / "q24", ps.st_example_dir(a))[0].with_suffix(".json").read_text())
+    assert cfg["base_model_precision"] == "int2-quanto"  # its quickstart's 24 GB setting
+    a.setting = "datacenter"
     backend = json.loads(Path(cfg["data_backend_config"]).read_text())
     assert backend[0]["resolution"] == 1024 and backend[0]["crop"] is False and backend[1]["default"] is True
     a.family, a.setting = "flux", "24gb"
