@@ -87,6 +87,7 @@ def test_16_bit_and_float_images_are_scaled_not_clipped_or_refused(tmp_path):
 # 3. ordinary faults are named, not called bugs
 
 
+@pytest.mark.slow
 def test_damaged_state_pt_is_named(tmp_path, tiny):
     path = run_cfg(tmp_path, tiny, steps=2)
     assert cli("train", path, "--json").exit_code == 0
@@ -201,6 +202,7 @@ def test_a_failing_tensorboard_writer_is_one_warning(tmp_path, monkeypatch):
 # 5. a damaged newest checkpoint: resume from the newest intact one, with a warning naming the damaged one
 
 
+@pytest.mark.slow
 def test_resume_latest_skips_a_damaged_newest_checkpoint(tmp_path, tiny):
     path = run_cfg(tmp_path, tiny, steps=3)
     assert cli("train", path, "--json").exit_code == 0

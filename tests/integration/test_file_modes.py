@@ -56,6 +56,7 @@ def test_a_run_converted_and_merged_files_honour_the_umask(tmp_path, tiny):
     assert _modes(out) == [] and _modes(shared) == []
 
 
+@pytest.mark.slow
 def test_a_private_umask_is_kept(tmp_path, tiny):
     lora_dir = tmp_path / "private"
     code = ("import os, torch; os.umask(0o077); from lorakit.io import save; "

@@ -225,6 +225,7 @@ def test_wandb_that_cannot_start_is_a_named_machine_fault_before_anything_loads(
 # soft: SIGTERM during startup, --strict naming the clip, read-only folders, the pickle refusal's words
 
 
+@pytest.mark.slow
 def test_sigterm_during_startup_is_an_interrupt_130_not_a_bare_143(tmp_path, tiny):
     path, _ = _run_yaml(tmp_path, tiny)
     p = subprocess.Popen([sys.executable, "-m", "lorakit", "train", str(path)], stdout=subprocess.PIPE,
@@ -241,6 +242,7 @@ def test_sigterm_during_startup_is_an_interrupt_130_not_a_bare_143(tmp_path, tin
     assert not list((tmp_path / "out").rglob(".*.tmp"))  # an unfinished write left nothing behind
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("command", [[sys.executable, "-m", "lorakit"], ["lorakit"]])
 def test_sigterm_in_the_first_moments_is_130_never_a_bare_minus_15(tmp_path, tiny, command):
     import shutil

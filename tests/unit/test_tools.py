@@ -65,6 +65,7 @@ def test_race_times_steps_by_the_wall_clock_stalls_included(tmp_path):
     assert line.startswith("| lorakit run 1 | rtx4090 (24 GiB) | 20.0 | 70.0 | 160.0 |") and "(1.04)" in line
 
 
+@pytest.mark.slow
 def test_race_stops_a_launcher_and_its_children_at_the_limit_and_reads_the_run_s_own_gpu(tmp_path, monkeypatch):
     import os
     import time

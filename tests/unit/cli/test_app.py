@@ -61,6 +61,7 @@ def test_emit_writes_json_only_when_asked(capsys):
     (["infer"], "Missing argument 'model'."),
     (["convert", "lora", "--jsn", "x"], "No such option: --jsn (Possible options: --json)"),
 ])
+@pytest.mark.slow
 def test_a_usage_mistake_is_bad_input_exit_2_with_where_to_look_not_a_bug(args, said):
     import subprocess
     import sys

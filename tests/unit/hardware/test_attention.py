@@ -215,6 +215,7 @@ CPU_CASES = (AttentionCase("tiny", 64, False, heads=2, head_dim=16),
              AttentionCase("tiny+mask", 64, True, heads=2, head_dim=16))
 
 
+@pytest.mark.slow
 def test_self_test_runs_and_caches_on_cpu():
     rep = att.self_test("cpu", repeats=1, cases=CPU_CASES)
     assert not rep.cached
@@ -225,6 +226,7 @@ def test_self_test_runs_and_caches_on_cpu():
     assert again.cached and [r.ok for r in again.results] == [r.ok for r in rep.results]
 
 
+@pytest.mark.slow
 def test_jobs_run_in_a_child_process_and_report_as_they_finish():
     seen = []
     rows = att.run_jobs([("math", "tiny"), ("math", "tiny+mask")], "cpu", 1, CPU_CASES, progress=seen.append)

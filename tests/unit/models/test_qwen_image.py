@@ -1,6 +1,7 @@
 """Qwen-Image's real-valued rotary (`before_compile`): the same numbers, and a block graph without complex
 tensors for inductor."""
 
+import pytest
 import torch
 
 from lorakit.io.modules import load_component
@@ -36,6 +37,7 @@ def _captured_block_graphs(adapter, transformer, batch):
     return graphs
 
 
+@pytest.mark.slow
 def test_real_rotary_equals_the_complex_one_and_leaves_no_complex_op_in_a_block(tiny):
     family = "qwen-image-edit-plus"  # image + control tokens: both rotary paths (target and condition)
     folder = tiny(family)

@@ -175,6 +175,7 @@ def _files(folder):
     return {p.relative_to(folder): p.stat() for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
+@pytest.mark.slow
 def test_a_full_fine_tune_ending_on_a_saved_step_links_final_to_it_and_a_stop_there_keeps_it(tmp_path, tiny):
     # the last step's step checkpoint is the run's checkpoint: final/ is hard links to its files (its state is not
     # written a second time: 22 GB, 18.7 s for FLUX.2 [klein] 4B on 2x H100), and resumes and exports alike

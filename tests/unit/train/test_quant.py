@@ -141,6 +141,7 @@ def test_fp8_compute_is_refused_with_a_full_fine_tune_or_a_4_bit_base(tmp_path, 
         make_cfg(tmp_path, "flux", tiny("flux"), steps=2, memory={"compute": "fp8", "base_quant": "nf4"})
 
 
+@pytest.mark.slow
 def test_a_compiled_block_over_the_8bit_base_gives_eager_outputs_and_lora_gradients():
     """The rtx4090/rtx5090 profiles compile the blocks over Float8Linear (dequantised inside the compiled graph)."""
     import copy

@@ -167,6 +167,7 @@ def test_a_non_finite_sample_is_reported_with_where_it_broke(tmp_path, tiny):
     assert len(problems) == 1 and "prediction at sampling step 1 of 3" in problems[0], problems
 
 
+@pytest.mark.slow
 def test_the_step_0_grid_is_taken_from_an_earlier_run_with_the_same_inputs_and_rendered_when_one_differs(
         tmp_path, tiny, monkeypatch):
     """The untrained LoRA's grid is the base model's: a second run with the same model files, prompts, sampler
