@@ -12,8 +12,9 @@ the packages it needs beyond the environment's; it goes first on SimpleTuner's P
 may differ from lorakit's). `--st-python` may instead name a virtual environment's Python that has it installed. For
 a machine without network, what to carry is what a `--tiny` run imports beyond that machine's packages
 (benchmarks-history.md, 2026-11-29, says how the race's archive was made). SimpleTuner is not part of lorakit;
-docs/benchmarks.md names the version measured. SimpleTuner runs as its `simpletuner train` runs it — `accelerate launch --mixed_precision=bf16 --num_processes=1
---num_machines=1 --dynamo_backend=no train.py` with `CONFIG_BACKEND=json` — on ITS example config for the case,
+docs/benchmarks.md names the version measured. SimpleTuner runs as its `simpletuner train` runs it — `accelerate
+launch --mixed_precision=bf16 --num_processes=1 --num_machines=1 --dynamo_backend=no train.py` with
+`CONFIG_BACKEND=json` — on ITS example config for the case,
 `simpletuner/examples/<flux|qwen_image>.peft-lora/config.json` read from the installed package (made, its README
 says, for a 24 GB card), with only these changes (each said in the report's `changed`):
   - the model folder, the output folder, the steps, `model_flavour` naming the published model the folder stands
