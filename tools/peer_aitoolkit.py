@@ -43,7 +43,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import race  # noqa: E402 - tools/ is not a package
 
 EXAMPLES = {"flux": "train_lora_flux_24gb.yaml", "qwen-image": "train_lora_qwen_image_24gb.yaml"}
-SETTINGS = {"datacenter": ("datacenter", None), "24gb": ("rtx4090", 24)}  # -> lorakit profile, cap GiB
 
 
 # ---- in the measured process ----
@@ -143,48 +142,9 @@ def aitk_run(a, work: Path) -> dict:
     path = [*(a.aitk_path or []), str(Path(a.aitk).resolve()), os.environ.get("PYTHONPATH")]
     env = {"PYTHONPATH": os.pathsep.join(p for p in path if p), "NO_ALBUMENTATIONS_UPDATE": "1",
            "HF_HUB_OFFLINE": "1"}
-    rec = race.measure(cmd, work / f"aitk-{a.setting}.log", env, timeout=a.limit)
-    times = json.loads(stats.read_text())["steps"] if stats.is_file() else []
     # ai-toolkit's final LoRA: TRAINING_FOLDER/<name>/<name>.safetensors
-    rec.update(side="ai-toolkit", run=1, profile=a.setting, cap_gib=a.cap, changed=changed,
-               **race.timeline(rec["started"], times, out / "aitk" / "aitk.safetensors"))
-    rec["log_tail"] = (work / f"aitk-{a.setting}.log").read_text(errors="replace")[-3000:]
-    return rec
-
-
-def lorakit_side(a, work: Path) -> dict:
-    ns = argparse.Namespace(family=a.family, models=a.models, data=a.data, steps=a.steps, tiny=a.tiny, cap=a.cap,
-                            profile=a.profile, set=a.set)
-    return race.lorakit_run(ns, work, 1)
-
-
-def ratios(recs: list[dict]) -> dict:
-    """lorakit against ai-toolkit in this run: whole job and steady step (above 1: lorakit faster)."""
-    by = {r["side"]: r for r in recs}
-    lk, pe = by.get("lorakit"), by.get("ai-toolkit")
-    if not (lk and pe):
-        return {}
-    out = {}
-    for key, name in (("lora_s", "whole_job"), ("median_s", "steady_step"), ("first_step_s", "first_step")):
-        if lk.get(key) and pe.get(key):
-            out[name] = round(pe[key] / lk[key], 2)
-    return out
-
-
-def race_cmd(a) -> None:
-    work = Path(a.work) / f"{a.family}-{a.setting}"
-    work.mkdir(parents=True, exist_ok=True)
-    a.profile, a.cap = SETTINGS[a.setting]
-    report = {"family": a.family, "setting": a.setting, "steps": a.steps, "records": []}
-    print(race.HEAD)
-    for side in a.only or ["aitk", "lorakit"]:
-        rec = aitk_run(a, work) if side == "aitk" else lorakit_side(a, work)
-        report["records"].append(rec)
-        print(race.row(rec), flush=True)
-        (work / "report.json").write_text(json.dumps(report, indent=1))  # after each: a plan stopped midway keeps it
-    report["lorakit_vs_aitk"] = ratios(report["records"])
-    (work / "report.json").write_text(json.dumps(report, indent=1))
-    print(json.dumps(report["lorakit_vs_aitk"]))
+    return race.peer_record(a, cmd, env, work / f"aitk-{a.setting}.log", stats, out / "aitk" / "aitk.safetensors",
+                            "ai-toolkit", changed)
 
 
 def main() -> None:
@@ -200,21 +160,12 @@ def main() -> None:
     r.add_argument("--aitk", required=True, help="a checkout of ai-toolkit")
     r.add_argument("--aitk-path", action="append", help="a folder of ai-toolkit's own packages (its pinned "
                    "diffusers, ...), put first on its PYTHONPATH only: lorakit keeps its own")
-    r.add_argument("--family", choices=sorted(EXAMPLES), default="flux")
-    r.add_argument("--models", required=True)
-    r.add_argument("--data", required=True)
-    r.add_argument("--work", required=True)
-    r.add_argument("--setting", choices=sorted(SETTINGS), default="datacenter")
-    r.add_argument("--steps", type=int, default=300)
-    r.add_argument("--limit", type=float, default=3600, help="seconds for each side")
-    r.add_argument("--only", nargs="*", choices=["aitk", "lorakit"], help="these sides, in this order")
-    r.add_argument("--set", action="append", help="a lorakit setting key=value")
     r.add_argument("--aitk-cudnn-sdpa", action="store_true", help="leave torch's cuDNN attention on for ai-toolkit "
                    "(off by default: on torch 2.11 / cuDNN 9.19 its backward failed ai-toolkit's first step, "
                    "'mha_graph.execute ... is_good()' / illegal memory access; flash and efficient SDPA stay on)")
-    r.add_argument("--tiny", action="store_true")
+    race.add_race_args(r, sorted(EXAMPLES), "aitk")
     a = p.parse_args()
-    launch(a) if a.cmd == "launch" else race_cmd(a)
+    launch(a) if a.cmd == "launch" else race.race_peer(a, "ai-toolkit", "aitk", aitk_run)
 
 
 if __name__ == "__main__":

@@ -55,7 +55,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import race  # noqa: E402 - tools/ is not a package
 
 EXAMPLES = {"flux": ("flux.peft-lora", "dev"), "qwen-image": ("qwen_image.peft-lora", "v1.0")}
-SETTINGS = {"datacenter": ("datacenter", None), "24gb": ("rtx4090", 24)}  # -> lorakit profile, cap GiB
 LORA_FILE = "pytorch_lora_weights.safetensors"
 QUANT_24GB = {"qwen-image": "int2-quanto"}  # QWEN_IMAGE.md's lowest-VRAM config ("required for 24GB cards"); the
 # 4.10.1 example (made for Qwen-Image-2.1) leaves the base unquantised. FLUX: the example's own int8-quanto.
@@ -198,47 +197,8 @@ def st_run(a, work: Path) -> dict:
     if a.st_inductor_first:
         changed.append("torch._inductor imported before SimpleTuner starts (--st-inductor-first)")
     env = {**st_env(a), "CONFIG_BACKEND": "json", "CONFIG_PATH": str(cfg)}
-    rec = race.measure(cmd, work / f"st-{a.setting}.log", env, timeout=a.limit)
-    times = json.loads(stats.read_text())["steps"] if stats.is_file() else []
-    rec.update(side="SimpleTuner", run=1, profile=a.setting, cap_gib=a.cap, changed=changed,
-               **race.timeline(rec["started"], times, out / "output" / LORA_FILE))
-    rec["log_tail"] = (work / f"st-{a.setting}.log").read_text(errors="replace")[-3000:]
-    return rec
-
-
-def lorakit_side(a, work: Path) -> dict:
-    ns = argparse.Namespace(family=a.family, models=a.models, data=a.data, steps=a.steps, tiny=a.tiny, cap=a.cap,
-                            profile=a.profile, set=a.set)
-    return race.lorakit_run(ns, work, 1)
-
-
-def ratios(recs: list[dict]) -> dict:
-    """lorakit against SimpleTuner in this run: whole job, steady step, first step (above 1: lorakit faster)."""
-    by = {r["side"]: r for r in recs}
-    lk, pe = by.get("lorakit"), by.get("SimpleTuner")
-    if not (lk and pe):
-        return {}
-    out = {}
-    for key, name in (("lora_s", "whole_job"), ("median_s", "steady_step"), ("first_step_s", "first_step")):
-        if lk.get(key) and pe.get(key):
-            out[name] = round(pe[key] / lk[key], 2)
-    return out
-
-
-def race_cmd(a) -> None:
-    work = Path(a.work) / f"{a.family}-{a.setting}"
-    work.mkdir(parents=True, exist_ok=True)
-    a.profile, a.cap = SETTINGS[a.setting]
-    report = {"family": a.family, "setting": a.setting, "steps": a.steps, "records": []}
-    print(race.HEAD)
-    for side in a.only or ["st", "lorakit"]:
-        rec = st_run(a, work) if side == "st" else lorakit_side(a, work)
-        report["records"].append(rec)
-        print(race.row(rec), flush=True)
-        (work / "report.json").write_text(json.dumps(report, indent=1))  # after each: a plan stopped midway keeps it
-    report["lorakit_vs_simpletuner"] = ratios(report["records"])
-    (work / "report.json").write_text(json.dumps(report, indent=1))
-    print(json.dumps(report["lorakit_vs_simpletuner"]))
+    return race.peer_record(a, cmd, env, work / f"st-{a.setting}.log", stats, out / "output" / LORA_FILE,
+                            "SimpleTuner", changed)
 
 
 def main() -> None:
@@ -253,22 +213,13 @@ def main() -> None:
     r.add_argument("--st-path", action="append", help="a folder holding SimpleTuner and its own packages, put first "
                    "on its PYTHONPATH only: lorakit keeps its own")
     r.add_argument("--st-python", default=sys.executable, help="the Python that runs SimpleTuner (3.12 or 3.13)")
-    r.add_argument("--family", choices=sorted(EXAMPLES), default="flux")
-    r.add_argument("--models", required=True)
-    r.add_argument("--data", required=True)
-    r.add_argument("--work", required=True)
-    r.add_argument("--setting", choices=sorted(SETTINGS), default="datacenter")
-    r.add_argument("--steps", type=int, default=300)
-    r.add_argument("--limit", type=float, default=3600, help="seconds for each side")
-    r.add_argument("--only", nargs="*", choices=["st", "lorakit"], help="these sides, in this order")
-    r.add_argument("--set", action="append", help="a lorakit setting key=value")
     r.add_argument("--st-inductor-first", action="store_true", help="import torch._inductor in SimpleTuner's process "
                    "before SimpleTuner loads (its 24 GB FLUX example on torch 2.11.0 + optimum-quanto 0.2.7 on an "
                    "H200 failed its first step importing it later: \"TypeError: 'CustomDecompTable' object is not a "
                    "mapping\", torch/_inductor/decomposition.py, from torch.compiler.cudagraph_mark_step_begin)")
-    r.add_argument("--tiny", action="store_true")
+    race.add_race_args(r, sorted(EXAMPLES), "st")
     a = p.parse_args()
-    launch(a) if a.cmd == "launch" else race_cmd(a)
+    launch(a) if a.cmd == "launch" else race.race_peer(a, "SimpleTuner", "st", st_run)
 
 
 if __name__ == "__main__":

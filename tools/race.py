@@ -191,6 +191,72 @@ def lorakit_run(a, work: Path, k: int) -> dict:
     return rec
 
 
+SETTINGS = {"datacenter": ("datacenter", None), "24gb": ("rtx4090", 24)}  # peer race setting -> profile, cap GiB
+
+
+def add_race_args(r, families: list[str], key: str) -> None:
+    """The arguments every peer race takes (the peer's own are added by its tool; `key` names its side in `--only`)."""
+    r.add_argument("--only", nargs="*", choices=[key, "lorakit"], help="these sides, in this order")
+    r.add_argument("--family", choices=families, default="flux")
+    r.add_argument("--models", required=True)
+    r.add_argument("--data", required=True)
+    r.add_argument("--work", required=True)
+    r.add_argument("--setting", choices=sorted(SETTINGS), default="datacenter")
+    r.add_argument("--steps", type=int, default=300)
+    r.add_argument("--limit", type=float, default=3600, help="seconds for each side")
+    r.add_argument("--set", action="append", help="a lorakit setting key=value")
+    r.add_argument("--tiny", action="store_true")
+
+
+def peer_record(a, cmd: list[str], env: dict, log: Path, stats: Path, lora: Path, side: str, changed: list) -> dict:
+    """A peer's side of a race: its command `measure`d, its step times (the launcher's `stats` file: {"steps": [unix
+    seconds, ...]}) and its final LoRA file made into `timeline`'s figures, the race's changes and its log's tail."""
+    rec = measure(cmd, log, env, timeout=a.limit)
+    times = json.loads(stats.read_text())["steps"] if stats.is_file() else []
+    rec.update(side=side, run=1, profile=a.setting, cap_gib=a.cap, changed=changed,
+               **timeline(rec["started"], times, lora))
+    rec["log_tail"] = log.read_text(errors="replace")[-3000:]
+    return rec
+
+
+def ratios(recs: list[dict], peer: str) -> dict:
+    """lorakit against the peer in one race: whole job, steady step, first step (above 1: lorakit faster)."""
+    by = {r["side"]: r for r in recs}
+    lk, pe = by.get("lorakit"), by.get(peer)
+    if not (lk and pe):
+        return {}
+    out = {}
+    for key, name in (("lora_s", "whole_job"), ("median_s", "steady_step"), ("first_step_s", "first_step")):
+        if lk.get(key) and pe.get(key):
+            out[name] = round(pe[key] / lk[key], 2)
+    return out
+
+
+def race_peer(a, peer: str, key: str, run_peer) -> None:
+    """A peer race: each side of `a.only` (default: the peer's `key`, then lorakit) in turn, a table row each, the
+    report in W/<family>-<setting>/report.json after every side (a call stopped midway keeps what it has) and the
+    ratios at the end. `run_peer(a, work)` runs the peer's side and returns its record (`measure` + `timeline`)."""
+    work = Path(a.work) / f"{a.family}-{a.setting}"
+    work.mkdir(parents=True, exist_ok=True)
+    a.profile, a.cap = SETTINGS[a.setting]
+    report = {"family": a.family, "setting": a.setting, "steps": a.steps, "records": []}
+    print(HEAD)
+    for side in a.only or [key, "lorakit"]:
+        if side == key:
+            rec = run_peer(a, work)
+        else:
+            ns = argparse.Namespace(family=a.family, models=a.models, data=a.data, steps=a.steps, tiny=a.tiny,
+                                    cap=a.cap, profile=a.profile, set=a.set)
+            rec = lorakit_run(ns, work, 1)
+        report["records"].append(rec)
+        print(row(rec), flush=True)
+        (work / "report.json").write_text(json.dumps(report, indent=1))
+    name = f"lorakit_vs_{key}"
+    report[name] = ratios(report["records"], peer)
+    (work / "report.json").write_text(json.dumps(report, indent=1))
+    print(json.dumps(report[name]))
+
+
 def row(r: dict) -> str:
     def f(v, spec="{:.1f}"):
         return "-" if v is None else spec.format(v)

@@ -174,6 +174,7 @@ def test_peer_aitoolkit_writes_its_documented_config_with_the_race_changes_and_t
     import argparse
 
     import peer_aitoolkit as pa
+    import race
 
     src = _fake_aitk(tmp_path / "aitk", steps=3)
     a = argparse.Namespace(aitk=str(src), family="flux", models=str(tmp_path / "m"), data=tmp_path / "d", steps=3,
@@ -199,7 +200,7 @@ def test_peer_aitoolkit_writes_its_documented_config_with_the_race_changes_and_t
     assert rec["rc"] == 0, rec["log_tail"]
     assert rec["steps"] == 3 and rec["lora_modules"] == 1 and 0 < rec["first_step_s"] <= rec["lora_s"]  # 0.1 s apart
     assert "gpu" in rec  # the card each side ran on (None here: no GPU)
-    assert pa.ratios([rec, {**rec, "side": "lorakit", "lora_s": rec["lora_s"] / 2}])["whole_job"] == 2.0
+    assert race.ratios([rec, {**rec, "side": "lorakit", "lora_s": rec["lora_s"] / 2}], "ai-toolkit")["whole_job"] == 2.0
 
 
 def _fake_simpletuner(site: Path) -> Path:
@@ -246,6 +247,7 @@ def test_peer_simpletuner_runs_its_example_config_with_the_race_changes_through_
     import argparse
 
     import peer_simpletuner as ps
+    import race
 
     site = _fake_simpletuner(tmp_path / "site")
     a = argparse.Namespace(st_path=[str(site)], st_python=sys.executable, family="qwen-image",
@@ -281,7 +283,7 @@ def test_peer_simpletuner_runs_its_example_config_with_the_race_changes_through_
     assert rec["rc"] == 0, rec["log_tail"]
     assert "accelerate.commands.launch --mixed_precision=bf16 --num_processes=1" in rec["cmd"]
     assert rec["steps"] == 3 and rec["lora_modules"] == 1 and 0 < rec["first_step_s"] <= rec["lora_s"]
-    assert ps.ratios([rec, {**rec, "side": "lorakit", "lora_s": rec["lora_s"] / 2}])["whole_job"] == 2.0
+    assert race.ratios([rec, {**rec, "side": "lorakit", "lora_s": rec["lora_s"] / 2}], "SimpleTuner")["whole_job"] == 2.0
     a.st_path = [str(tmp_path / "nothing")]
     with pytest.raises(SystemExit, match="SimpleTuner is not importable"):
         ps.st_example_dir(a)
