@@ -30,11 +30,9 @@ launcher below); lorakit's from metrics.jsonl. `--tiny` runs both on the tiny la
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import sys
-import time
 from pathlib import Path
 
 import yaml
@@ -50,21 +48,14 @@ EXAMPLES = {"flux": "train_lora_flux_24gb.yaml", "qwen-image": "train_lora_qwen_
 def launch(a) -> None:
     """ai-toolkit's run.py as __main__ (cwd = SRC, as its docs run it), with the cap applied and the time of each
     progress-bar update (one per optimizer step) written to `--stats` at exit."""
-    import atexit
     import runpy
 
     import torch
 
-    rec: dict = {"steps": []}
-    if a.cap and torch.cuda.is_available():  # held as lorakit holds its own runs: the CUDA context inside the cap
-        sys.path.append(str(Path(__file__).resolve().parents[1]))  # lorakit's source, after the peer's packages
-        from lorakit.hardware.gpu import apply_cap
-
-        apply_cap("cuda", a.cap)
-        rec["cap_gib"] = a.cap
+    log = race.StepLog(a.stats, a.cap)
     if not a.cudnn_sdpa:  # see race --aitk-cudnn-sdpa
         torch.backends.cuda.enable_cudnn_sdp(False)
-        rec["cudnn_sdpa"] = False
+        log.rec["cudnn_sdpa"] = False
     os.chdir(a.aitk)
     sys.path.insert(0, a.aitk)
     from toolkit.progress_bar import ToolkitProgressBar
@@ -74,17 +65,9 @@ def launch(a) -> None:
     def timed(self, n=1):
         out = update(self, n)
         if n and not self.paused:
-            rec["steps"].extend([time.time()] * int(n))
-            if len(rec["steps"]) % 10 == 0:  # a run stopped at the time limit keeps its step times
-                Path(a.stats).write_text(json.dumps(rec))
+            log.step(int(n))
         return out
     ToolkitProgressBar.update = timed
-
-    def done():
-        if torch.cuda.is_available():
-            rec["torch_peak_reserved_gib"] = round(torch.cuda.max_memory_reserved() / 2**30, 2)
-        Path(a.stats).write_text(json.dumps(rec))
-    atexit.register(done)
     sys.argv = ["run.py", a.config]
     runpy.run_path(str(Path(a.aitk) / "run.py"), run_name="__main__")
 
@@ -152,8 +135,7 @@ def main() -> None:
     sub = p.add_subparsers(dest="cmd", required=True)
     la = sub.add_parser("launch")
     la.add_argument("--aitk", required=True)
-    la.add_argument("--stats", required=True)
-    la.add_argument("--cap", type=float)
+    race.add_launch_args(la)
     la.add_argument("--cudnn-sdpa", action="store_true")
     la.add_argument("config")
     r = sub.add_parser("race")

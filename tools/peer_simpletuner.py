@@ -48,7 +48,6 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -70,42 +69,27 @@ OFFLINE = {  # SimpleTuner 4.10.1's Qwen-Image example (made for Qwen-Image-2.1)
 def launch(a) -> None:
     """SimpleTuner's train.py as __main__, with the cap applied and the time of each optimizer step written to
     `--stats` as it goes and at exit."""
-    import atexit
     import runpy
 
     os.chdir(a.cwd)  # SimpleTuner writes its debug.log where it runs
     import torch
 
-    rec: dict = {"steps": []}
-    if a.cap and torch.cuda.is_available():  # held as lorakit holds its own runs: the CUDA context inside the cap
-        sys.path.append(str(Path(__file__).resolve().parents[1]))  # lorakit's source, after the peer's packages
-        from lorakit.hardware.gpu import apply_cap
-
-        apply_cap("cuda", a.cap)
-        rec["cap_gib"] = a.cap
+    log = race.StepLog(a.stats, a.cap)
     if a.inductor_first:  # see race --st-inductor-first
         import torch._inductor.compile_fx  # noqa: F401
-        rec["inductor_first"] = True
+        log.rec["inductor_first"] = True
     if not torch.cuda.is_available():  # the CPU test: SimpleTuner pins each latent it loads
         torch.Tensor.pin_memory = lambda self, *args, **kw: self
-        rec["pin_memory"] = "no-op (no GPU)"
+        log.rec["pin_memory"] = "no-op (no GPU)"
     import simpletuner
     from simpletuner.helpers.training.iteration_tracker import IterationTracker
 
     record = IterationTracker.record_step
 
     def timed(self, global_step):
-        rec["steps"].append(time.time())
-        if len(rec["steps"]) % 10 == 0:  # a run stopped at the time limit keeps its step times
-            Path(a.stats).write_text(json.dumps(rec))
+        log.step()
         return record(self, global_step)
     IterationTracker.record_step = timed
-
-    def done():
-        if torch.cuda.is_available():
-            rec["torch_peak_reserved_gib"] = round(torch.cuda.max_memory_reserved() / 2**30, 2)
-        Path(a.stats).write_text(json.dumps(rec))
-    atexit.register(done)
     train = Path(simpletuner.__file__).parent / "train.py"
     sys.argv = [str(train)]
     runpy.run_path(str(train), run_name="__main__")
@@ -150,8 +134,8 @@ def st_config(a, out: Path, example: Path) -> tuple[Path, list[str]]:
             cfg[key] = False if key.endswith("_enabled") else None
     if cfg.get("assistant_lora_path") is None and "assistant_lora_path" in cfg:
         cfg["disable_assistant_lora"] = True
-    every = {k: cfg.get(k) for k in ("checkpoint_step_interval", "validation_steps", "validation_step_interval")
-             if k in cfg or k != "validation_step_interval"}
+    every = {k: cfg.get(k) for k in ("checkpoint_step_interval", "validation_steps",
+                                     *(["validation_step_interval"] if "validation_step_interval" in cfg else []))}
     changed.append(", ".join(f"{k} {v} -> {a.steps}" for k, v in every.items()) + " (one save, validation at the end)")
     cfg.update({k: a.steps for k in every}, resume_from_checkpoint=None)
     want = "no_change" if a.setting == "datacenter" else QUANT_24GB.get(a.family, cfg.get("base_model_precision"))
@@ -205,10 +189,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
     la = sub.add_parser("launch")
-    la.add_argument("--stats", required=True)
+    race.add_launch_args(la)
     la.add_argument("--cwd", default=".")
     la.add_argument("--inductor-first", action="store_true")
-    la.add_argument("--cap", type=float)
     r = sub.add_parser("race")
     r.add_argument("--st-path", action="append", help="a folder holding SimpleTuner and its own packages, put first "
                    "on its PYTHONPATH only: lorakit keeps its own")

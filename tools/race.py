@@ -208,6 +208,44 @@ def add_race_args(r, families: list[str], key: str) -> None:
     r.add_argument("--tiny", action="store_true")
 
 
+class StepLog:
+    """A peer race's record inside the peer's own process (its launcher): the process held to `cap` GiB as lorakit
+    holds its own runs (the CUDA context inside the cap), the time of each optimizer step written to `stats` every 10
+    steps (a run stopped at the time limit keeps them) and at exit with torch's peak; `peer_record` reads it."""
+
+    def __init__(self, stats: str, cap: float | None):
+        import atexit
+
+        import torch
+
+        self.path, self.rec = Path(stats), {"steps": []}
+        if cap and torch.cuda.is_available():
+            sys.path.append(str(Path(__file__).resolve().parents[1]))  # lorakit's source, after the peer's packages
+            from lorakit.hardware.gpu import apply_cap
+
+            apply_cap("cuda", cap)
+            self.rec["cap_gib"] = cap
+        atexit.register(self.done)
+
+    def step(self, n: int = 1) -> None:
+        self.rec["steps"].extend([time.time()] * n)
+        if len(self.rec["steps"]) % 10 == 0:
+            self.path.write_text(json.dumps(self.rec))
+
+    def done(self) -> None:
+        import torch
+
+        if torch.cuda.is_available():
+            self.rec["torch_peak_reserved_gib"] = round(torch.cuda.max_memory_reserved() / 2**30, 2)
+        self.path.write_text(json.dumps(self.rec))
+
+
+def add_launch_args(la) -> None:
+    """The arguments every peer launcher takes (`StepLog`'s)."""
+    la.add_argument("--stats", required=True)
+    la.add_argument("--cap", type=float)
+
+
 def peer_record(a, cmd: list[str], env: dict, log: Path, stats: Path, lora: Path, side: str, changed: list) -> dict:
     """A peer's side of a race: its command `measure`d, its step times (the launcher's `stats` file: {"steps": [unix
     seconds, ...]}) and its final LoRA file made into `timeline`'s figures, the race's changes and its log's tail."""
