@@ -21,7 +21,10 @@ changes (each said in the report's `changed`):
   - sample_every = steps: a grid before the first step and after the last, as lorakit's default (its own 10
     prompts at 20 steps kept);
   - `datacenter`: quantize / quantize_te off (the 80 GB card needs no 8-bit base); `24gb`: as documented, and both
-    processes held to 24 GiB (`lorakit.hardware.gpu.apply_cap`: the CUDA context inside the cap, as on the card).
+    processes held to 24 GiB (`lorakit.hardware.gpu.apply_cap`: the CUDA context inside the cap, as on the card);
+  - a `qtype` naming an accuracy recovery adapter on a hub (`uint3|ostris/...`, its Qwen-Image 24 GB example): the
+    quantisation kept, the adapter left out (the race's machine reaches no hub; it is a LoRA on every quantised
+    Linear, so ai-toolkit's step does less than as documented).
 lorakit runs `lorakit train` as a user does (race.py's lorakit side: own YAML, the profile's defaults, rtx4090
 under the 24 GiB cap). ai-toolkit's steps are timed where it counts them (its progress bar's update, through the
 launcher below); lorakit's from metrics.jsonl. `--tiny` runs both on the tiny layout on a CPU (the tool's test).
@@ -102,6 +105,11 @@ def aitk_config(a, out: Path) -> tuple[Path, list[str]]:
         proc["model"]["quantize"] = False
         proc["model"]["quantize_te"] = False
         changed.append("quantize and quantize_te off (80 GB card)")
+    qtype, _, adapter = str(proc["model"].get("qtype", "")).partition("|")
+    if adapter and not Path(adapter).is_file():  # its Qwen-Image 24 GB example: uint3 + a LoRA of the hub's
+        proc["model"]["qtype"] = qtype
+        changed.append(f"qtype {qtype}|{adapter} -> {qtype}: its accuracy recovery adapter is a hub download "
+                       "(a LoRA on every quantised Linear: without it ai-toolkit's step does less)")
     if a.tiny:
         proc["sample"]["sample_steps"] = 2
         proc["sample"]["width"] = proc["sample"]["height"] = 64

@@ -32,8 +32,11 @@ says, for a 24 GB card), with only these changes (each said in the report's `cha
     its repository checkout): off, each named in `changed`;
   - `datacenter`: `base_model_precision: no_change` (its FLUX quickstart: "a bit more than 30G VRAM when not
     quantising the base model"); `24gb`: FLUX's example's int8-quanto base as documented, Qwen-Image's quickstart's
-    int2-quanto ("required for 24GB cards"), both processes held to 24 GiB (`lorakit.hardware.gpu.apply_cap`: the
-    CUDA context inside the cap, as on the card).
+    lowest-VRAM settings (int2-quanto, "required for 24GB cards", quantised on the CPU, `offload_during_startup`,
+    expandable segments), both processes held to 24 GiB (`lorakit.hardware.gpu.apply_cap`: the CUDA context inside
+    the cap, as on the card);
+  - `--st-dynamo-wrapper python` where its compiled example's default C++ wrapper fails on the machine's torch,
+    `--st-no-compile` where its compile fails altogether (each option's help quotes the error).
 lorakit runs `lorakit train` as a user does (race.py's lorakit side: own YAML, the profile's defaults, rtx4090 under
 the 24 GiB cap). SimpleTuner's steps are timed where it counts them (`IterationTracker.record_step`, once per
 optimizer step, through the launcher below); lorakit's from metrics.jsonl. `--tiny` runs both on the tiny layout
@@ -55,8 +58,12 @@ import race  # noqa: E402 - tools/ is not a package
 
 EXAMPLES = {"flux": ("flux.peft-lora", "dev"), "qwen-image": ("qwen_image.peft-lora", "v1.0")}
 LORA_FILE = "pytorch_lora_weights.safetensors"
-QUANT_24GB = {"qwen-image": "int2-quanto"}  # QWEN_IMAGE.md's lowest-VRAM config ("required for 24GB cards"); the
-# 4.10.1 example (made for Qwen-Image-2.1) leaves the base unquantised. FLUX: the example's own int8-quanto.
+QUANT_24GB = {  # QWEN_IMAGE.md's "Lowest VRAM config (24GB minimum)": int2-quanto ("required for 24GB cards"),
+    # `--quantize_via=cpu` ("to avoid OOM during startup": its default quantises on the GPU, the bf16 transformer
+    # first), `offload_during_startup` (for OOM while caching); the 4.10.1 example (made for Qwen-Image-2.1) leaves
+    # the base unquantised. FLUX: the example's own int8-quanto, quantised on the CPU as it says.
+    "qwen-image": {"base_model_precision": "int2-quanto", "quantize_via": "cpu", "offload_during_startup": True}}
+ALLOC_24GB = {"qwen-image": "expandable_segments:True"}  # the same tips' PYTORCH_CUDA_ALLOC_CONF
 OFFLINE = {  # SimpleTuner 4.10.1's Qwen-Image example (made for Qwen-Image-2.1) fetches these at start
     "crepa_enabled": "its CREPA regulariser loads DINOv2 through torch.hub, a download",
     "assistant_lora_path": "a hub download, made for Qwen-Image-2.1",
@@ -138,11 +145,20 @@ def st_config(a, out: Path, example: Path) -> tuple[Path, list[str]]:
                                      *(["validation_step_interval"] if "validation_step_interval" in cfg else []))}
     changed.append(", ".join(f"{k} {v} -> {a.steps}" for k, v in every.items()) + " (one save, validation at the end)")
     cfg.update({k: a.steps for k in every}, resume_from_checkpoint=None)
-    want = "no_change" if a.setting == "datacenter" else QUANT_24GB.get(a.family, cfg.get("base_model_precision"))
-    if cfg.get("base_model_precision") != want:
-        why = "80 GB card" if a.setting == "datacenter" else "its quickstart's 24 GB setting"
-        changed.append(f"base_model_precision {cfg.get('base_model_precision')} -> {want} ({why})")
-        cfg["base_model_precision"] = want
+    want = ({"base_model_precision": "no_change"} if a.setting == "datacenter"
+            else QUANT_24GB.get(a.family, {"base_model_precision": cfg.get("base_model_precision")}))
+    for key, value in want.items():
+        if cfg.get(key) != value:
+            why = "80 GB card" if a.setting == "datacenter" else "its quickstart's 24 GB setting"
+            changed.append(f"{key} {cfg.get(key)} -> {value} ({why})")
+            cfg[key] = value
+    if a.st_no_compile and cfg.get("dynamo_backend", "no") != "no":
+        changed.append(f"dynamo_backend {cfg['dynamo_backend']} -> no (--st-no-compile)")
+        cfg["dynamo_backend"] = "no"
+    if a.st_dynamo_wrapper and cfg.get("dynamo_backend", "no") != "no":
+        changed.append(f"dynamo_wrapper {cfg.get('dynamo_wrapper', 'cpp (its default)')} -> {a.st_dynamo_wrapper} "
+                       "(--st-dynamo-wrapper)")
+        cfg["dynamo_wrapper"] = a.st_dynamo_wrapper
     if a.tiny:
         cfg.update(validation_resolution="64x64", validation_num_inference_steps=2, base_model_precision="no_change")
     path = out / "config.json"
@@ -181,6 +197,9 @@ def st_run(a, work: Path) -> dict:
     if a.st_inductor_first:
         changed.append("torch._inductor imported before SimpleTuner starts (--st-inductor-first)")
     env = {**st_env(a), "CONFIG_BACKEND": "json", "CONFIG_PATH": str(cfg)}
+    if a.setting == "24gb" and a.family in ALLOC_24GB:
+        env["PYTORCH_CUDA_ALLOC_CONF"] = ALLOC_24GB[a.family]
+        changed.append(f"PYTORCH_CUDA_ALLOC_CONF={ALLOC_24GB[a.family]} (its quickstart's 24 GB tips)")
     return race.peer_record(a, cmd, env, work / f"st-{a.setting}.log", stats, out / "output" / LORA_FILE,
                             "SimpleTuner", changed)
 
@@ -200,6 +219,15 @@ def main() -> None:
                    "before SimpleTuner loads (its 24 GB FLUX example on torch 2.11.0 + optimum-quanto 0.2.7 on an "
                    "H200 failed its first step importing it later: \"TypeError: 'CustomDecompTable' object is not a "
                    "mapping\", torch/_inductor/decomposition.py, from torch.compiler.cudagraph_mark_step_begin)")
+    r.add_argument("--st-dynamo-wrapper", choices=["python", "cpp"], help="its `dynamo_wrapper` for an example "
+                   "that compiles (Qwen-Image's regional blocks): its default, cpp, failed on torch 2.11.0 (H200) "
+                   "compiling the generated wrapper (torch/csrc/stable/stableivalue_conversions.h: no matching "
+                   "'from(cached_torch_device_type_cuda, 0)'); python is its other choice")
+    r.add_argument("--st-no-compile", action="store_true", help="its `dynamo_backend: no` for an example that "
+                   "compiles: its Qwen-Image regional compile over int2-quanto Linears failed on torch 2.11.0 + "
+                   "optimum-quanto 0.2.7 (H200): 'InternalTorchDynamoError: RuntimeError: Attempted to set the "
+                   "storage of a tensor on device \"cuda:0\" to a storage on different device \"meta\"', from "
+                   "quanto's qlinear.py forward; its quickstart's 24 GB config sets no compile")
     race.add_race_args(r, sorted(EXAMPLES), "st")
     a = p.parse_args()
     launch(a) if a.cmd == "launch" else race.race_peer(a, "SimpleTuner", "st", st_run)

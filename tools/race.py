@@ -181,7 +181,7 @@ def lorakit_run(a, work: Path, k: int) -> dict:
     env = {"LORAKIT_MEMORY_CAP_GIB": str(a.cap)} if a.cap else {}
     cmd = [sys.executable, "-m", "lorakit", "train", str(path), "--profile", a.profile, "--log-format", "plain",
            "--force", *[x for kv in a.set or [] for x in ("--set", kv)]]
-    rec = measure(cmd, work / f"lorakit-run{k}.log", env)
+    rec = measure(cmd, work / f"lorakit-run{k}.log", env, timeout=getattr(a, "limit", None) or 3600)
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()] \
         if (out / "metrics.jsonl").is_file() else []
     times = [r["time"] for r in rows if "loss" in r]
@@ -284,7 +284,7 @@ def race_peer(a, peer: str, key: str, run_peer) -> None:
             rec = run_peer(a, work)
         else:
             ns = argparse.Namespace(family=a.family, models=a.models, data=a.data, steps=a.steps, tiny=a.tiny,
-                                    cap=a.cap, profile=a.profile, set=a.set)
+                                    cap=a.cap, profile=a.profile, set=a.set, limit=a.limit)
             rec = lorakit_run(ns, work, 1)
         report["records"].append(rec)
         print(row(rec), flush=True)

@@ -150,6 +150,11 @@ def _fake_aitk(root: Path, steps: int = 3) -> Path:
                        "sample_steps": 20}}
     (ex / "train_lora_flux_24gb.yaml").write_text(yaml.safe_dump({"job": "extension", "config": {
         "name": "example", "process": [proc]}}))
+    qwen = {**proc, "model": {"name_or_path": "Qwen/Qwen-Image", "arch": "qwen_image", "quantize": True,
+                              "qtype": "uint3|ostris/accuracy_recovery_adapters/qwen_image_torchao_uint3.safetensors",
+                              "quantize_te": True, "qtype_te": "qfloat8", "low_vram": True}}
+    (ex / "train_lora_qwen_image_24gb.yaml").write_text(yaml.safe_dump({"job": "extension", "config": {
+        "name": "example", "process": [qwen]}}))
     (root / "toolkit").mkdir()
     (root / "toolkit" / "__init__.py").write_text("")
     (root / "toolkit" / "progress_bar.py").write_text(
@@ -203,6 +208,28 @@ def test_peer_aitoolkit_writes_its_documented_config_with_the_race_changes_and_t
     assert race.ratios([rec, {**rec, "side": "lorakit", "lora_s": rec["lora_s"] / 2}], "ai-toolkit")["whole_job"] == 2.0
 
 
+def test_peer_aitoolkit_keeps_the_qwen_24gb_quantisation_without_its_hub_adapter(tmp_path):
+    import argparse
+
+    import peer_aitoolkit as pa
+
+    src = _fake_aitk(tmp_path / "aitk")
+    a = argparse.Namespace(aitk=str(src), family="qwen-image", models=str(tmp_path / "m"), data=tmp_path / "d",
+                           steps=300, setting="24gb", tiny=False)
+    path, changed = pa.aitk_config(a, tmp_path / "aitk-24gb")
+    model = yaml.safe_load(path.read_text())["config"]["process"][0]["model"]
+    assert model["quantize"] is True and model["qtype"] == "uint3" and model["qtype_te"] == "qfloat8"
+    assert any("accuracy recovery adapter" in c and "uint3|ostris/" in c for c in changed)
+    local = tmp_path / "ara.safetensors"  # an adapter on the machine stays as documented
+    local.write_bytes(b"x")
+    doc = yaml.safe_load((src / "config/examples/train_lora_qwen_image_24gb.yaml").read_text())
+    doc["config"]["process"][0]["model"]["qtype"] = f"uint3|{local}"
+    (src / "config/examples/train_lora_qwen_image_24gb.yaml").write_text(yaml.safe_dump(doc))
+    path, changed = pa.aitk_config(a, tmp_path / "aitk-24gb")
+    assert yaml.safe_load(path.read_text())["config"]["process"][0]["model"]["qtype"] == f"uint3|{local}"
+    assert not any("accuracy recovery adapter" in c for c in changed)
+
+
 def _fake_simpletuner(site: Path) -> Path:
     """A stand-in for an installed SimpleTuner, as far as peer_simpletuner reads it: its example configs, its step
     counter, and a train.py that reads the config as `CONFIG_BACKEND=json` does, counts its steps and writes the
@@ -217,7 +244,7 @@ def _fake_simpletuner(site: Path) -> Path:
                                                 "model_flavour": "v2.1", "resume_from_checkpoint": "",
                                                 "crepa_enabled": True, "validation_step_interval": 250,
                                                 "assistant_lora_path": "SimpleTuner/Qwen-Image-2.1-assistant",
-                                                "disable_assistant_lora": False})):
+                                                "disable_assistant_lora": False, "dynamo_backend": "inductor"})):
         (pkg / "examples" / name).mkdir(parents=True)
         (pkg / "examples" / name / "config.json").write_text(json.dumps(cfg))
     (pkg / "helpers" / "training").mkdir(parents=True)
@@ -252,7 +279,8 @@ def test_peer_simpletuner_runs_its_example_config_with_the_race_changes_through_
     site = _fake_simpletuner(tmp_path / "site")
     a = argparse.Namespace(st_path=[str(site)], st_python=sys.executable, family="qwen-image",
                            models=str(tmp_path / "m"), data=tmp_path / "d", steps=3, setting="datacenter",
-                           tiny=False, cap=None, limit=120, st_inductor_first=False)
+                           tiny=False, cap=None, limit=120, st_inductor_first=False,
+                           st_dynamo_wrapper=None, st_no_compile=False)
     work = tmp_path / "w"
     (work / "q").mkdir(parents=True)
     path, changed = ps.st_config(a, work / "q", ps.st_example_dir(a))
@@ -269,7 +297,16 @@ def test_peer_simpletuner_runs_its_example_config_with_the_race_changes_through_
     a.setting = "24gb"
     (work / "q24").mkdir()
     cfg = json.loads(ps.st_config(a, work / "q24", ps.st_example_dir(a))[0].with_suffix(".json").read_text())
-    assert cfg["base_model_precision"] == "int2-quanto"  # its quickstart's 24 GB setting
+    assert cfg["base_model_precision"] == "int2-quanto"  # its quickstart's 24 GB settings
+    assert cfg["quantize_via"] == "cpu" and cfg["offload_during_startup"] is True
+    assert "dynamo_wrapper" not in cfg  # its own default unless asked
+    a.st_dynamo_wrapper = "python"
+    cfg = json.loads(ps.st_config(a, work / "q24", ps.st_example_dir(a))[0].with_suffix(".json").read_text())
+    assert cfg["dynamo_wrapper"] == "python"
+    a.st_dynamo_wrapper, a.st_no_compile = None, True
+    cfg = json.loads(ps.st_config(a, work / "q24", ps.st_example_dir(a))[0].with_suffix(".json").read_text())
+    assert cfg["dynamo_backend"] == "no"
+    a.st_no_compile = False
     a.setting = "datacenter"
     backend = json.loads(Path(cfg["data_backend_config"]).read_text())
     assert backend[0]["resolution"] == 1024 and backend[0]["crop"] is False and backend[1]["default"] is True
