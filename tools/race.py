@@ -104,30 +104,40 @@ def _tree(pid: int) -> list[int]:
 def measure(cmd: list[str], log: Path, env: dict | None = None, timeout: float = 3600) -> dict:
     """Run a training command with its output to `log`; the wall time, the exit code, and the peaks (GPU memory in
     use on the run's GPU, the private host memory of the process tree), sampled every half second. Past `timeout` the
-    whole tree is killed (a launcher's children too) and the record says so."""
+    whole tree is killed (a launcher's children too) and the record says so; so is a SIGTERM to this process (an
+    outer `timeout` ending the driver first): the tree is killed as at the limit and the record returned, so the
+    driver still writes what it measured (`stopped_by_signal`)."""
+    import signal
+
     from lorakit.bench.matrix import private_gib
 
     base = _gpu_used_mib()
     peak_gpu = peak_private = 0.0
     started = time.time()
     killed = False
-    with open(log, "w") as out:
-        p = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
-        while p.poll() is None:
-            if time.time() - started > timeout and not killed:
-                killed = True
-                for q in reversed(_tree(p.pid)):
-                    try:
-                        os.kill(q, 9)
-                    except OSError:
-                        pass
-            private = sum(x for x in (private_gib(q) for q in _tree(p.pid)) if x is not None)
-            peak_private = max(peak_private, private)
-            peak_gpu = max(peak_gpu, (_gpu_used_mib() - base) / 1024)
-            time.sleep(0.5)
+    termed: list[float] = []
+    previous = signal.signal(signal.SIGTERM, lambda *_: termed.append(time.time()))
+    try:
+        with open(log, "w") as out:
+            p = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+            while p.poll() is None:
+                if (termed or time.time() - started > timeout) and not killed:
+                    killed = True
+                    for q in reversed(_tree(p.pid)):
+                        try:
+                            os.kill(q, 9)
+                        except OSError:
+                            pass
+                private = sum(x for x in (private_gib(q) for q in _tree(p.pid)) if x is not None)
+                peak_private = max(peak_private, private)
+                peak_gpu = max(peak_gpu, (_gpu_used_mib() - base) / 1024)
+                time.sleep(0.5)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     return {"cmd": " ".join(cmd), "rc": p.returncode, "started": started, "whole_s": round(time.time() - started, 1),
             "gpu_peak_gib": round(peak_gpu, 2), "private_peak_gib": round(peak_private, 2), "gpu": gpu_name(),
-            "stopped_at_limit_s": timeout if killed else None}
+            "stopped_at_limit_s": timeout if killed and not termed else None,
+            "stopped_by_signal_s": round(termed[0] - started, 1) if termed else None}
 
 
 def steady(times: list[float], skip: int = 2) -> dict:
@@ -289,6 +299,8 @@ def race_peer(a, peer: str, key: str, run_peer) -> None:
         report["records"].append(rec)
         print(row(rec), flush=True)
         (work / "report.json").write_text(json.dumps(report, indent=1))
+        if rec.get("stopped_by_signal_s") is not None:  # stopped from outside: what was measured is written
+            sys.exit(143)
     name = f"lorakit_vs_{key}"
     report[name] = ratios(report["records"], peer)
     (work / "report.json").write_text(json.dumps(report, indent=1))
@@ -353,6 +365,8 @@ def main() -> None:
             done.append(rec)
             report.write_text(json.dumps(done, indent=1))
             print(row(rec), flush=True)
+            if rec.get("stopped_by_signal_s") is not None:  # stopped from outside: no further run
+                sys.exit(143)
 
 
 if __name__ == "__main__":

@@ -93,6 +93,37 @@ def test_race_stops_a_launcher_and_its_children_at_the_limit_and_reads_the_run_s
     assert race.gpu_index() == 0
 
 
+def test_a_race_driver_stopped_by_sigterm_ends_the_run_and_still_returns_its_record(tmp_path):
+    import os
+    import signal
+    import time
+
+    pid_file, out = tmp_path / "child.pid", tmp_path / "rec.json"
+    run = ("import subprocess, sys, time; c = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']);"
+           f" open({str(pid_file)!r}, 'w').write(str(c.pid)); time.sleep(60)")
+    driver = (f"import json, sys; sys.path[:0] = [{str(TOOLS)!r}, {str(TOOLS.parent)!r}]; import race; "
+              f"rec = race.measure([sys.executable, '-c', {run!r}], __import__('pathlib').Path({str(tmp_path / 'l')!r}),"
+              f" timeout=120); open({str(out)!r}, 'w').write(json.dumps(rec))")
+    d = subprocess.Popen([sys.executable, "-c", driver])
+    for _ in range(300):  # the measured run has started its child
+        if pid_file.is_file() and pid_file.read_text():
+            break
+        time.sleep(0.1)
+    d.send_signal(signal.SIGTERM)  # as an outer `timeout` ends the driver before the run's own limit
+    assert d.wait(timeout=60) == 0
+    rec = json.loads(out.read_text())
+    assert rec["stopped_by_signal_s"] is not None and rec["stopped_at_limit_s"] is None and rec["rc"] == -9
+    child = int(pid_file.read_text())
+    for _ in range(50):
+        try:
+            os.kill(child, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.1)
+    else:
+        raise AssertionError(f"the run's child {child} outlived the driver's SIGTERM")
+
+
 @pytest.mark.slow
 def test_race_runs_lorakit_as_a_user_does_and_reports_the_whole_job(tmp_path):
     work = tmp_path / "w"
