@@ -66,9 +66,21 @@ def test_race_times_steps_by_the_wall_clock_stalls_included(tmp_path):
 
 
 @pytest.mark.slow
-def test_race_stops_a_launcher_and_its_children_at_the_limit_and_reads_the_run_s_own_gpu(tmp_path, monkeypatch):
+def _gone(pid: int, seconds: float = 5.0) -> bool:
+    """Has process `pid` ended within `seconds`?"""
     import os
     import time
+
+    for _ in range(int(seconds * 10)):
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def test_race_stops_a_launcher_and_its_children_at_the_limit_and_reads_the_run_s_own_gpu(tmp_path, monkeypatch):
 
     import race
 
@@ -77,15 +89,7 @@ def test_race_stops_a_launcher_and_its_children_at_the_limit_and_reads_the_run_s
             f" open({str(pid_file)!r}, 'w').write(str(c.pid)); time.sleep(60)")  # a launcher and the run it starts
     rec = race.measure([sys.executable, "-c", code], tmp_path / "log.txt", timeout=2)
     assert rec["stopped_at_limit_s"] == 2 and rec["rc"] == -9 and rec["whole_s"] < 30
-    child = int(pid_file.read_text())
-    for _ in range(50):  # the child is gone too, not left running on the card
-        try:
-            os.kill(child, 0)
-        except ProcessLookupError:
-            break
-        time.sleep(0.1)
-    else:
-        raise AssertionError(f"the launcher's child {child} outlived the limit")
+    assert _gone(int(pid_file.read_text())), "the launcher's child outlived the limit"  # not left on the card
     assert race.measure([sys.executable, "-c", "pass"], tmp_path / "l2.txt")["stopped_at_limit_s"] is None
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
     assert race.gpu_index() == 1  # two races side by side, one card each: each reads its own card's memory
@@ -94,7 +98,6 @@ def test_race_stops_a_launcher_and_its_children_at_the_limit_and_reads_the_run_s
 
 
 def test_a_race_driver_stopped_by_sigterm_ends_the_run_and_still_returns_its_record(tmp_path):
-    import os
     import signal
     import time
 
@@ -113,15 +116,7 @@ def test_a_race_driver_stopped_by_sigterm_ends_the_run_and_still_returns_its_rec
     assert d.wait(timeout=60) == 0
     rec = json.loads(out.read_text())
     assert rec["stopped_by_signal_s"] is not None and rec["stopped_at_limit_s"] is None and rec["rc"] == -9
-    child = int(pid_file.read_text())
-    for _ in range(50):
-        try:
-            os.kill(child, 0)
-        except ProcessLookupError:
-            break
-        time.sleep(0.1)
-    else:
-        raise AssertionError(f"the run's child {child} outlived the driver's SIGTERM")
+    assert _gone(int(pid_file.read_text())), "the run's child outlived the driver's SIGTERM"
 
 
 @pytest.mark.slow
