@@ -106,7 +106,7 @@ def measure(cmd: list[str], log: Path, env: dict | None = None, timeout: float =
     use on the run's GPU, the private host memory of the process tree), sampled every half second. Past `timeout` the
     whole tree is killed (a launcher's children too) and the record says so; so is a SIGTERM to this process (an
     outer `timeout` ending the driver first): the tree is killed as at the limit and the record returned, so the
-    driver still writes what it measured (`stopped_by_signal`)."""
+    driver still writes what it measured (`stopped_by_signal_s`)."""
     import signal
 
     from lorakit.bench.matrix import private_gib
