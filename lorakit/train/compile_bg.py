@@ -46,6 +46,8 @@ import threading
 import time
 from dataclasses import dataclass
 
+from lorakit.train.dims import carry_marks, unwrap_route
+
 
 def thread_own_fx_patches() -> bool:
     """Make torch.fx's tracer patch `torch.nn.Module.__call__` and `__getattr__` for its own thread only. While it
@@ -144,7 +146,7 @@ def _view_like(copy, v):
             copy = copy.view(v.dtype)
         except RuntimeError:
             return _copy(v)
-    return copy.as_strided(v.shape, v.stride(), v.storage_offset())
+    return carry_marks(v, copy.as_strided(v.shape, v.stride(), v.storage_offset()))
 
 
 def _copy(t):
@@ -153,7 +155,7 @@ def _copy(t):
     import torch
 
     c = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device).copy_(t.detach())
-    return c.requires_grad_(t.requires_grad) if t.is_floating_point() else c
+    return carry_marks(t, c.requires_grad_(t.requires_grad) if t.is_floating_point() else c)
 
 
 def _tensors(v) -> list:
@@ -271,7 +273,7 @@ class BackgroundCompile:
         self.pending, self.sealed = 0, True
         self.close()  # idle: it stops (what the run meets from now on compiles in the run)
         for b in self._blocks:  # the blocks call their compiled code directly: no description per call from now on
-            b._compiled_call_impl = b._compiled_call_impl.compiled
+            unwrap_route(b)
         return done
 
     @property

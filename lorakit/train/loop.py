@@ -179,7 +179,9 @@ def warm_other_shapes(r: Run) -> float:
         shapes = sum(1 for label, _ in todo if label in r.sizes)
         what = f"{shapes} more bucket shape(s)" if shapes else "other text lengths"
         with r.events.phase(f"compile {what}") as facts:
+            before = compiled_graphs()
             facts["sizes"] = ", ".join(warm.warm_shapes(tr, todo))
+            facts["new_graphs"] = compiled_graphs() - before  # none where their sizes were symbolic (train.dims)
     if r.warm_key and not tr.background:
         warm.remember(r.warm_key, r.sizes)
     return time.perf_counter() - t0

@@ -38,7 +38,7 @@ from lorakit.io.modules import random_component
 from lorakit.models.base import load_adapter, trained_dir
 from lorakit.models.batch import Batch
 from lorakit.plan.memory import PLAN_MARGIN_GIB
-from lorakit.train import sampling, warm
+from lorakit.train import dims, sampling, warm
 from lorakit.train.inputs import draw
 
 BLOCKS = 2  # of each repeated list: the first block's inputs need no gradient, the next ones' do
@@ -109,14 +109,14 @@ class Rehearsal:
         except (OSError, ValueError):  # the child is gone: `wait` says why
             pass
 
-    def go(self, tr, conds) -> None:
-        """Hand the child the run's inputs (step 1's, the other shapes', the grid's prompts) and the attention
-        backend in force: it compiles now."""
+    def go(self, tr, conds, varying: dict | None = None) -> None:
+        """Hand the child the run's inputs (step 1's, the other shapes', the grid's prompts), the attention
+        backend in force and the sizes the run's blocks compile symbolic (`train.dims`): it compiles now."""
         import torch
 
         path = self.folder / "inputs.pt"
         torch.save(plain(rehearsal_inputs(tr, conds)), path)  # read back with weights_only=True
-        self._send({"inputs": str(path), "attention": tr.cfg.memory.attention})
+        self._send({"inputs": str(path), "attention": tr.cfg.memory.attention, "dims": dims.to_json(varying or {})})
         self._send(None)
 
     def wait(self, timeout: float = WAIT_S) -> dict:
@@ -278,6 +278,7 @@ def main() -> int:
     go = json.loads(line)
     apply_attention(None if go["attention"] == "auto" else go["attention"], fallback=True)
     inputs = rebuilt(torch.load(go["inputs"], weights_only=True))
+    dims.install(tr.transformer, dims.from_json(go.get("dims")))  # the run's graphs, symbolic where the run's are
     print(f"rehearsing {1 + len(inputs['warm'])} training shape(s) and {len(inputs['conds'])} grid prompt(s)",
           flush=True)
     t1 = time.perf_counter()

@@ -26,7 +26,7 @@ from lorakit.models.base import load_adapter
 from lorakit.plan import disk
 from lorakit.plan.decide import choice_from
 from lorakit.plan.resolve import Resolved
-from lorakit.train import checkpoint, first_grid, precompile, sampling, stop, warm
+from lorakit.train import checkpoint, dims, first_grid, precompile, sampling, stop, warm
 from lorakit.train import resume as resume_mod
 from lorakit.train.data import CachedData
 from lorakit.train.prepare import load_base
@@ -177,6 +177,7 @@ def setup(resolved: Resolved, resume: str | None, events: Events, force: bool = 
                 facts.update(ahead.stop())
         resolved.read_ahead = None
         del base
+        varying = symbolic_sizes(tr, events)
         if measuring:  # the first run here: the family's attention was measured beside the cache and the load
             cfg = tr.cfg = choose_attention(resolved, measuring, out, events, note)
             key = warm.warm_key(cfg, device) if key else None  # the compile depends on the backend chosen now
@@ -199,7 +200,7 @@ def setup(resolved: Resolved, resume: str | None, events: Events, force: bool = 
             else:  # the step-0 grid renders right after step 1 from these weights: it does not hold up the first step
                 r.initial = checkpoint.snapshot(tr)
         if rehearsal and tr.background and tr.step < cfg.schedule.steps:
-            rehearsal.go(tr, conds if sampler else None)
+            rehearsal.go(tr, conds if sampler else None, varying)
             tr.background.ahead = rehearsal
             events.info("the blocks compile in a separate process (a first run with these settings here): the "
                         "first steps run them uncompiled meanwhile, then they switch between two steps")
@@ -210,6 +211,19 @@ def setup(resolved: Resolved, resume: str | None, events: Events, force: bool = 
         if rehearsal:
             rehearsal.close()
         raise
+
+
+def symbolic_sizes(tr, events: Events) -> dict:
+    """The blocks' input sizes that vary over the run's data (its bucket shapes, text lengths), symbolic in their
+    compiled graphs from the first compile (`train.dims`). Not under FSDP nor with CUDA graphs."""
+    batches = warm.variants(tr) if tr.compiled and not tr.sharded and not tr.graphs and tr.data is not None else []
+    if len(batches) < 2:  # one shape: the graphs stay specialised to it
+        return {}
+    with events.phase("sizes that vary") as facts:
+        found = dims.varying(tr, batches)
+        dims.install(tr.transformer, found)
+        facts["symbolic"] = dims.said(found) or "none"
+    return found
 
 
 def choose_attention(resolved: Resolved, measuring: Measuring, out: Path, events: Events, note):

@@ -45,7 +45,8 @@ def warm_key(cfg, device: str) -> str:
                                                          "free_encoders_after_cache"})
     facts = {"torch": torch.__version__, "lorakit": lorakit.__version__, "card": card, "family": cfg.model.family,
              "config": config, "dtype": cfg.model.dtype, "method": cfg.method, "batch": cfg.schedule.batch_size,
-             "lora": cfg.lora.model_dump(mode="json"), "memory": memory}
+             "lora": cfg.lora.model_dump(mode="json"), "memory": memory,
+             "graphs": "the data's varying sizes symbolic from the first compile (train.dims)"}
     return hashlib.sha256(json.dumps(facts, sort_keys=True, default=str).encode()).hexdigest()[:24]
 
 
@@ -147,6 +148,15 @@ def to_warm(tr, skip: set[str]) -> list[tuple[str, object]]:
             out.append((size, batch))
     if started and tr.cfg.schedule.batch_size > 1:  # after the others: every size that varies is symbolic by then
         out.append((f"{started[0]} (prompts of different lengths)", padded_text(started[1])))
+    return out
+
+
+def variants(tr) -> list:
+    """One batch of each bucket shape the run trains on, and, where the family's text length follows the caption,
+    the first with its text one token shorter: what `train.dims` compares to find the sizes that vary."""
+    out = [tr.data.load([key] * tr.cfg.schedule.batch_size) for key in shapes(tr.data, tr.adapter).values()]
+    if out and text_varies(tr.adapter, out[0]):
+        out.append(shorter_text(out[0]))
     return out
 
 

@@ -41,8 +41,8 @@ class _Recorder:
         self.cfg, self.inputs = cfg, None
         _Recorder.made.append(self)
 
-    def go(self, tr, conds):
-        self.inputs = precompile.rehearsal_inputs(tr, conds)
+    def go(self, tr, conds, varying=None):
+        self.inputs, self.varying = precompile.rehearsal_inputs(tr, conds), varying
 
     def wait(self, timeout=None):
         return {"ok": True, "seconds": 0.0, "graphs": 0}
@@ -91,6 +91,7 @@ def test_the_copy_meets_the_calls_the_run_hands_its_worker_in_the_same_order(tmp
     assert r["steps"] == 3
     (rec,) = _Recorder.made
     assert rec.inputs is not None
+    assert set(rec.varying) == {"FluxTransformerBlock", "FluxSingleTransformerBlock"}  # symbolic as in the run
     cfg = rec.cfg.model_copy(update={"memory": rec.cfg.memory.model_copy(update={"compile": False})})
     copy = precompile.build_copy(cfg, "cpu")
     met = []

@@ -1,0 +1,198 @@
+"""The blocks' sizes that vary with the data, symbolic in their compiled graphs from the first compile.
+
+A compiled block holds graphs specialised to the sizes of the inputs it met. At the second value of a size torch
+compiles it again, that size symbolic (a graph for any value): a run with three bucket shapes (and, for families
+whose text length follows the caption, other text lengths) compiled each block twice before its steps were steady —
+FLUX.1-dev 1024² on an H100 (2026-11-25): step 1 compiling 39.3 s, the other shapes 41.7 s; Qwen-Image at 24 GiB on
+one H200 (2026-11-29): 40.0 s, then 90.2 s. The second graph, symbolic in what varies, serves every shape; the first
+one is met once.
+
+Before step 1, `varying` runs the transformer once (no gradients, the blocks uncompiled) on one batch of each bucket
+shape and text length the run will meet, records the first call of each block kind, and compares: the dimensions of
+the blocks' inputs whose sizes differ are the ones that vary. `install` marks them symbolic (torch's
+`maybe_mark_dynamic`, a hint torch drops where the code needs the size fixed) at each call of a compiled block, so the
+first compile makes the graph the second one would have made and no shape of the data compiles again. Where nothing
+varies (one bucket, a fixed text length) nothing is marked: the graphs stay specialised, as before."""
+
+from __future__ import annotations
+
+import functools
+import inspect
+
+MARKS = ("_dynamo_", "_has_dynamo_")  # the names of the attributes torch keeps a tensor's marked dims in
+
+
+def _shapes(v, path=()) -> dict:
+    """Each tensor among a call's inputs: its path (positions and keyword names) -> its shape."""
+    import torch
+
+    if isinstance(v, torch.Tensor):
+        return {path: tuple(v.shape)}
+    if isinstance(v, (tuple, list)):
+        return {p: s for i, x in enumerate(v) for p, s in _shapes(x, path + (i,)).items()}
+    if isinstance(v, dict):
+        return {p: s for k, x in v.items() for p, s in _shapes(x, path + (str(k),)).items()}
+    return {}
+
+
+def differing(calls: list[dict]) -> tuple[tuple[tuple, int], ...]:
+    """(path, dim) of each input dimension whose size is not the same in every call (a path missing from a call, or
+    of another rank, is left as it is: a mask present in one call only is a graph of its own anyway)."""
+    out = []
+    for path, shape in calls[0].items():
+        others = [c.get(path) for c in calls[1:]]
+        if any(o is None or len(o) != len(shape) for o in others):
+            continue
+        out += [(path, d) for d, n in enumerate(shape) if any(o[d] != n for o in others)]
+    return tuple(out)
+
+
+def varying(tr, batches: list) -> dict[str, tuple[tuple[tuple, int], ...]]:
+    """Block kind -> the (path, dim) of its inputs that differ over these batches of the run (`found`, one forward of
+    each at sigma 0.5 with noise from its own generator). Fewer than two batches: nothing."""
+    import torch
+
+    if len(batches) < 2:
+        return {}
+    gen = torch.Generator().manual_seed(0)
+
+    def forward(batch):
+        n = batch.latents.shape[0]
+        return lambda: tr.loss_on(batch, torch.full((n,), 0.5), torch.randn(batch.latents.shape, generator=gen))
+
+    return found(tr.transformer, [forward(b) for b in batches], tr.device)
+
+
+def found(transformer, passes: list, device: str) -> dict[str, tuple[tuple[tuple, int], ...]]:
+    """Block kind -> the (path, dim) of its inputs whose sizes differ between these passes through the transformer
+    (each run once without gradients, the blocks uncompiled; the random states and gradients as before), from the
+    first call of each kind in each pass. Kinds where nothing differs are left out."""
+    import torch
+
+    from lorakit.train.swap import repeated_blocks
+
+    blocks = repeated_blocks(transformer)
+    seen: dict[str, list[dict]] = {}
+    first: dict[str, dict] = {}
+
+    def hook(block, args, kwargs):
+        first.setdefault(type(block).__name__, _shapes(named(block, args, kwargs)))
+
+    impls = [b._compiled_call_impl for b in blocks]
+    hooks = [b.register_forward_pre_hook(hook, with_kwargs=True) for b in blocks]
+    cpu_rng = torch.random.get_rng_state()
+    cuda = device.startswith("cuda")
+    cuda_rng = torch.cuda.get_rng_state(torch.device(device)) if cuda else None
+    try:
+        for b in blocks:
+            b._compiled_call_impl = None  # eager: the hooks see the calls, nothing compiles
+        with torch.no_grad():
+            for run in passes:
+                first.clear()
+                run()
+                for kind, shapes in first.items():
+                    seen.setdefault(kind, []).append(shapes)
+    finally:
+        for b, impl in zip(blocks, impls, strict=True):
+            b._compiled_call_impl = impl
+        for h in hooks:
+            h.remove()
+        torch.random.set_rng_state(cpu_rng)
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state(cuda_rng, torch.device(device))
+    dims = {kind: differing(calls) for kind, calls in seen.items() if len(calls) == len(passes) > 1}
+    return {kind: d for kind, d in dims.items() if d}
+
+
+def _at(v, path):
+    for p in path:
+        try:
+            v = v[p]
+        except (IndexError, KeyError, TypeError):
+            return None
+    return v
+
+
+@functools.cache
+def _signature(cls) -> inspect.Signature:
+    return inspect.signature(cls.forward)
+
+
+def named(block, args, kwargs) -> dict:
+    """A block call's inputs by the names of its `forward`'s parameters: the same whether they came by position
+    (diffusers' gradient checkpointing passes them so) or by keyword (its calls without gradients)."""
+    try:
+        got = _signature(type(block)).bind_partial(block, *args, **kwargs).arguments
+    except TypeError:  # not this forward's arguments: positions and keywords as they are
+        return {**{str(i): a for i, a in enumerate(args)}, **kwargs}
+    return {k: v for k, v in list(got.items())[1:]}  # the block itself left out
+
+
+def mark(block, args, kwargs, dims) -> None:
+    """Mark these (path, dim) of a block call's inputs symbolic for torch.compile."""
+    import torch
+
+    inputs = named(block, args, kwargs)
+    for path, d in dims:
+        t = _at(inputs, path)
+        if isinstance(t, torch.Tensor) and d < t.dim() and t.shape[d] > 1:  # torch keeps sizes 0 and 1 fixed
+            torch._dynamo.maybe_mark_dynamic(t, d)
+
+
+def carry_marks(src, dst):
+    """`dst` (a copy of `src`) with `src`'s marks (the background compile's copies of a call's inputs): the
+    attributes torch keeps them in (`_dynamo_weak_dynamic_indices`, ..., and `_has_dynamo_dim_marking`)."""
+    for attr, v in getattr(src, "__dict__", {}).items():
+        if attr.startswith(MARKS):
+            setattr(dst, attr, set(v) if isinstance(v, set) else v)
+    return dst
+
+
+class Marked:
+    """A block's `_compiled_call_impl`: marks the call's varying dims, then calls what it wraps (`inner`)."""
+
+    def __init__(self, block, inner, dims):
+        self.block, self.inner, self.dims = block, inner, dims
+
+    def __call__(self, *args, **kwargs):
+        mark(self.block, args, kwargs, self.dims)
+        return self.inner(*args, **kwargs)
+
+
+def install(transformer, dims: dict) -> int:
+    """Wrap each compiled block whose kind has varying dims; returns how many blocks were wrapped."""
+    from lorakit.train.swap import repeated_blocks
+
+    n = 0
+    for b in repeated_blocks(transformer):
+        d = dims.get(type(b).__name__)
+        impl = b._compiled_call_impl
+        if d and impl is not None and not isinstance(impl, Marked):
+            b._compiled_call_impl = Marked(b, impl, d)
+            n += 1
+    return n
+
+
+def unwrap_route(block) -> None:
+    """After the background compile: the block calls its compiled code directly, still marked where it was."""
+    impl = block._compiled_call_impl
+    if isinstance(impl, Marked):
+        impl.inner = impl.inner.compiled
+    else:
+        block._compiled_call_impl = impl.compiled
+
+
+def said(dims: dict) -> str:
+    """The varying dims in words, for the log."""
+    def name(path):
+        return "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in path).lstrip(".")
+
+    return "; ".join(f"{kind}: " + ", ".join(f"{name(p)} dim {d}" for p, d in ds) for kind, ds in dims.items())
+
+
+def to_json(dims: dict) -> dict:
+    return {kind: [[list(p), d] for p, d in ds] for kind, ds in dims.items()}
+
+
+def from_json(data: dict) -> dict:
+    return {kind: tuple((tuple(p), d) for p, d in ds) for kind, ds in (data or {}).items()}

@@ -1,0 +1,114 @@
+"""The blocks' sizes that vary with the data, symbolic from the first compile (train/dims.py). torch.compile's
+`aot_eager` backend stands in for Inductor on the CPU: the same Dynamo capture, guards and graphs."""
+
+import functools
+import json
+import time
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+from lorakit.data.demo import make_demo_dataset
+from lorakit.io.modules import load_component
+from lorakit.models.base import load_adapter
+from lorakit.plan.resolve import resolve
+from lorakit.train import dims
+from lorakit.train.compile_bg import BackgroundCompile
+from lorakit.train.loop import run
+from lorakit.train.swap import repeated_blocks
+from tests.unit.train.test_compile_bg import _Heard, _model, _step
+from tests.unit.train.test_loop import make_cfg
+
+
+def test_only_the_dimensions_whose_sizes_differ_are_found():
+    a = {("hidden_states",): (1, 64, 8), ("temb",): (1, 8), ("mask",): (1, 5), ("rope", 0): (69, 4)}
+    b = {("hidden_states",): (1, 96, 8), ("temb",): (1, 8), ("rope", 0): (101, 4)}
+    c = {("hidden_states",): (1, 48, 8), ("temb",): (1, 8), ("rope", 0): (53, 4, 1)}
+    assert dims.differing([a, b]) == ((("hidden_states",), 1), (("rope", 0), 0))
+    assert dims.differing([a, b, c]) == ((("hidden_states",), 1),)  # another rank: left alone
+    assert dims.differing([a, a]) == ()
+    found = {"Block": ((("hidden_states",), 1), (("rope", 0), 0))}
+    assert dims.from_json(json.loads(json.dumps(dims.to_json(found)))) == found  # to the compile process and back
+    assert dims.said(found) == "Block: hidden_states dim 1, rope[0] dim 0"
+
+
+def _runs_compiled(monkeypatch, tmp_path):
+    import lorakit.plan.resolve as resolve_mod
+
+    monkeypatch.setattr(resolve_mod, "compile_decision", lambda *a: (True, None))
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="aot_eager"))
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "compile-cache"))
+
+
+class _Facts(_Heard):
+    def phase_end(self, name, seconds, facts):
+        self.phases.append((name, facts.get("step"), dict(facts)))
+
+
+@pytest.mark.slow
+def test_three_bucket_shapes_and_every_caption_length_run_the_graphs_compiled_at_step_1(tmp_path, tiny, monkeypatch):
+    """Qwen-Image (its text length follows the caption) on three aspect ratios, the blocks compiled in the run: the
+    image and text token counts are found to vary before step 1 and compile symbolic there, so the pass over the
+    other shapes right after step 1 compiles nothing (without the marks: a second graph per block, 25 s of that
+    phase on this CPU) and no later step waits for the compiler."""
+    _runs_compiled(monkeypatch, tmp_path)
+    cfg = make_cfg(tmp_path, "qwen-image", tiny("qwen-image"), steps=8, lora={"dropout": 0.0},
+                   sampling={"enabled": False}, output={"save_every": 0}, memory={"compile_background": False})
+    make_demo_dataset(tmp_path / "d", count=4, size=[(64, 64), (96, 64), (64, 96)])
+    words = "a small red circle near the middle of a wide plain blue field".split()
+    for k, txt in enumerate(sorted((tmp_path / "d").glob("*.txt"))):
+        txt.write_text(" ".join(words[: 3 + 3 * k]))
+    heard = _Facts()
+    torch._dynamo.reset()
+    try:
+        r = run(resolve(cfg), events=heard)
+    finally:
+        torch._dynamo.reset()
+    assert r["steps"] == 8 and r["compiled_from"] == 1
+    symbolic = [f["symbolic"] for name, _, f in heard.phases if name == "sizes that vary"]
+    assert symbolic and "hidden_states dim 1" in symbolic[0] and "encoder_hidden_states dim 1" in symbolic[0]
+    warmed = [f for name, _, f in heard.phases if name.startswith("compile 2 more bucket shape")]
+    assert warmed and warmed[0]["new_graphs"] == 0, heard.phases
+    assert not [step for name, step, _ in heard.phases if name == "compile"], "a step waited for the compiler"
+    assert len({json.loads(x)["size"] for x in open(r["metrics"])}) == 3
+
+
+@pytest.mark.slow
+def test_a_bucket_met_after_the_background_compile_runs_its_symbolic_graphs(tiny):
+    """With the image token count marked, what the worker compiled for step 1's bucket serves a bucket first met
+    after the compiled blocks came into use: no compile in the run's thread, the eager results."""
+    torch._dynamo.reset()
+    counters.clear()
+    folder = tiny("flux")
+    adapter = load_adapter("flux", folder, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(0)
+    config = dict(load_component(folder / "transformer").config)
+    small, large = (adapter.example_inputs(config, res, 8, gen) for res in (64, 96))
+    ref = _model(folder, adapter)
+    want = _step(ref, adapter, large)
+
+    tr = _model(folder, adapter)
+    tr.load_state_dict(ref.state_dict())
+    bg = BackgroundCompile(repeated_blocks(tr), {"backend": "aot_eager"}, "cpu")
+    try:
+        passes = [functools.partial(adapter.predict, tr, b.latents, torch.tensor([0.6]), b.text)
+                  for b in (small, large)]
+        found = dims.found(tr, passes, "cpu")
+        assert set(found) == {"FluxTransformerBlock", "FluxSingleTransformerBlock"}
+        assert dims.install(tr, found) == len(repeated_blocks(tr))
+        _step(tr, adapter, small)  # eager, the worker given its calls (their copies marked as the run's)
+        deadline = time.monotonic() + 120
+        while not bg.advance():
+            assert time.monotonic() < deadline, "the worker did not finish"
+            time.sleep(0.05)
+        assert bg.sealed and bg.own_graphs() == 0
+        assert all(isinstance(b._compiled_call_impl, dims.Marked) for b in repeated_blocks(tr))
+        out, grads = _step(tr, adapter, large)  # a bucket the worker never saw
+        assert bg.eager_calls == 0 and bg.own_graphs() == 0  # its graphs, symbolic: nothing compiled here
+        torch.testing.assert_close(out, want[0])
+        for n, g in want[1].items():
+            torch.testing.assert_close(grads[n], g, msg=n)
+    finally:
+        bg.close()
+        torch._dynamo.reset()
