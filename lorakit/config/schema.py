@@ -183,9 +183,10 @@ class MemoryConfig(_Section):
     free_encoders_after_cache: bool = Field(True, description="free text encoders and VAE once cached")
     compile: bool = Field(False, description="torch.compile the repeated transformer blocks")
     compile_shapes: Literal["static", "dynamic"] = Field(
-        "static", description="static: the compiled blocks specialise to the first bucket's sizes and become "
-                              "symbolic at the second (torch's default); dynamic: symbolic from the start (measured "
-                              "slower to compile: FLUX 1024² on an H100, 174 s for step 1 against ~52 s)")
+        "static", description="static: the sizes that vary over the run's data (bucket shapes, text lengths) are "
+                              "symbolic from the first compile, the others fixed (Qwen-Image 24 GiB, 3 buckets: the "
+                              "other shapes' compile 90.2 -> 2.4 s); dynamic: every size symbolic from the start "
+                              "(measured slower to compile: FLUX 1024² on an H100, 174 s for step 1 against ~52 s)")
     compile_background: bool | Literal["auto"] = Field(
         "auto", description="with compile: the first steps run the blocks uncompiled while a worker thread "
                             "compiles them for the shapes they meet (on a first run with these settings on the "

@@ -151,7 +151,8 @@ def allow_block_graphs(limit: int = BLOCK_GRAPHS) -> None:
 
 def compile_dynamic(shapes_setting: str) -> bool | None:
     """torch.compile's `dynamic`: True compiles each block for symbolic sizes from the start; None is torch's
-    default, a graph for the first shape and, at the second, one with the changed sizes symbolic."""
+    default, a graph for the first shape and, at the second, one with the changed sizes symbolic — before the first
+    compile `train.dims` marks the sizes that vary over the run's data, so the first graph is that one."""
     return True if shapes_setting == "dynamic" else None
 
 
