@@ -19,6 +19,8 @@ from __future__ import annotations
 import functools
 import inspect
 
+from lorakit.train.swap import repeated_blocks
+
 MARKS = ("_dynamo_", "_has_dynamo_")  # the names of the attributes torch keeps a tensor's marked dims in
 
 
@@ -68,8 +70,6 @@ def found(transformer, passes: list, device: str) -> dict[str, tuple[tuple[tuple
     (each run once without gradients, the blocks uncompiled; the random states and gradients as before), from the
     first call of each kind in each pass. Kinds where nothing differs are left out."""
     import torch
-
-    from lorakit.train.swap import repeated_blocks
 
     blocks = repeated_blocks(transformer)
     seen: dict[str, list[dict]] = {}
@@ -161,8 +161,6 @@ class Marked:
 
 def install(transformer, dims: dict) -> int:
     """Wrap each compiled block whose kind has varying dims; returns how many blocks were wrapped."""
-    from lorakit.train.swap import repeated_blocks
-
     n = 0
     for b in repeated_blocks(transformer):
         d = dims.get(type(b).__name__)
