@@ -33,6 +33,26 @@ def test_only_the_dimensions_whose_sizes_differ_are_found():
     assert dims.said(found) == "Block: hidden_states dim 1, rope[0] dim 0"
 
 
+def test_a_call_by_position_and_by_keyword_has_the_same_paths():
+    """diffusers' gradient checkpointing passes a block's inputs by position, its calls without gradients by keyword:
+    the marks found on one reach the other."""
+    from diffusers.models.transformers.transformer_flux import FluxTransformerBlock
+
+    block = FluxTransformerBlock(dim=16, num_attention_heads=2, attention_head_dim=8)
+    h, e, temb, rope = torch.zeros(1, 6, 16), torch.zeros(1, 3, 16), torch.zeros(1, 16), (torch.zeros(9, 8),) * 2
+    by_key = dims.named(block, (), {"hidden_states": h, "encoder_hidden_states": e, "temb": temb,
+                                    "image_rotary_emb": rope})
+    by_pos = dims.named(block, (h, e, temb, rope), {})
+    assert dims._shapes(by_key) == dims._shapes(by_pos)
+    marks = ((("hidden_states",), 1), (("image_rotary_emb", 1), 0))
+    dims.mark(block, (h, e, temb, rope), {}, marks)
+    assert h._dynamo_weak_dynamic_indices == {1} and rope[1]._dynamo_weak_dynamic_indices == {0}
+    assert not hasattr(e, "_dynamo_weak_dynamic_indices")
+    copy = dims.carry_marks(h, h.clone())
+    assert copy._dynamo_weak_dynamic_indices == {1} and copy._dynamo_weak_dynamic_indices is not \
+        h._dynamo_weak_dynamic_indices
+
+
 def _runs_compiled(monkeypatch, tmp_path):
     import lorakit.plan.resolve as resolve_mod
 
