@@ -12,7 +12,12 @@ shape and text length the run will meet, records the first call of each block ki
 the blocks' inputs whose sizes differ are the ones that vary. `install` marks them symbolic (torch's
 `maybe_mark_dynamic`, a hint torch drops where the code needs the size fixed) at each call of a compiled block, so the
 first compile makes the graph the second one would have made and no shape of the data compiles again. Where nothing
-varies (one bucket, a fixed text length) nothing is marked: the graphs stay specialised, as before."""
+varies (one bucket, a fixed text length) nothing is marked: the graphs stay specialised, as before.
+
+Measured (2026-11-30): Qwen-Image at 24 GiB on one card of a 2x H200 host, three bucket shapes, captions of their own
+lengths: the other shapes after step 1 took 2.4 s and no new graph (90.2 s before). Where Inductor keeps a property of
+a symbolic size fixed, data with both kinds still compiles twice: FLUX.1's attention lowering guards on 512 + the image
+tokens being a multiple of 8 (848x1232: 4081 tokens, 1024²: 4096), one graph for each."""
 
 from __future__ import annotations
 
