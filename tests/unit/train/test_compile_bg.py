@@ -172,6 +172,22 @@ def test_a_description_names_what_a_compiled_graph_depends_on():
     assert describe(block, (torch.zeros(2, 3, 4),), {}) != a
 
 
+def captions_of_lengths(folder) -> None:
+    """Each caption of the dataset a different number of words (3, 6, 9, ...): text lengths that differ."""
+    words = "a small red circle near the middle of a wide plain blue field".split()
+    for k, txt in enumerate(sorted(folder.glob("*.txt"))):
+        txt.write_text(" ".join(words[: 3 + 3 * k]))
+
+
+def run_fresh(cfg, heard):
+    """`lorakit train`'s loop with torch.compile's caches empty before and after."""
+    torch._dynamo.reset()
+    try:
+        return run(resolve(cfg), events=heard)
+    finally:
+        torch._dynamo.reset()
+
+
 class _Heard(Events):
     def __init__(self):
         self.lines, self.phases = [], []
@@ -362,15 +378,9 @@ def test_captions_of_every_length_run_the_graphs_compiled_before_step_2(tmp_path
     cfg = make_cfg(tmp_path, "qwen-image", tiny("qwen-image"), steps=12, lora={"dropout": 0.0},
                    sampling={"enabled": False}, output={"save_every": 0}, memory={"compile_background": False},
                    schedule={"batch_size": batch})
-    words = "a small red circle near the middle of a wide plain blue field".split()
-    for k, txt in enumerate(sorted((tmp_path / "d").glob("*.txt"))):
-        txt.write_text(" ".join(words[: 3 + 3 * k]))
+    captions_of_lengths(tmp_path / "d")
     heard = _Heard()
-    torch._dynamo.reset()
-    try:
-        r = run(resolve(cfg), events=heard)
-    finally:
-        torch._dynamo.reset()
+    r = run_fresh(cfg, heard)
     assert r["steps"] == 12 and r["compiled_from"] == 1  # compiled in step 1 itself
     warmed = [name for name, _ in heard.phases if name.startswith("compile ") and name != "compile"]
     assert warmed, heard.phases

@@ -12,12 +12,10 @@ from torch._dynamo.utils import counters
 from lorakit.data.demo import make_demo_dataset
 from lorakit.io.modules import load_component
 from lorakit.models.base import load_adapter
-from lorakit.plan.resolve import resolve
 from lorakit.train import dims
 from lorakit.train.compile_bg import BackgroundCompile
-from lorakit.train.loop import run
 from lorakit.train.swap import repeated_blocks
-from tests.unit.train.test_compile_bg import _Heard, _model, _step
+from tests.unit.train.test_compile_bg import _Heard, _model, _step, captions_of_lengths, run_fresh
 from tests.unit.train.test_loop import make_cfg
 
 
@@ -76,15 +74,9 @@ def test_three_bucket_shapes_and_every_caption_length_run_the_graphs_compiled_at
     cfg = make_cfg(tmp_path, "qwen-image", tiny("qwen-image"), steps=8, lora={"dropout": 0.0},
                    sampling={"enabled": False}, output={"save_every": 0}, memory={"compile_background": False})
     make_demo_dataset(tmp_path / "d", count=4, size=[(64, 64), (96, 64), (64, 96)])
-    words = "a small red circle near the middle of a wide plain blue field".split()
-    for k, txt in enumerate(sorted((tmp_path / "d").glob("*.txt"))):
-        txt.write_text(" ".join(words[: 3 + 3 * k]))
+    captions_of_lengths(tmp_path / "d")
     heard = _Facts()
-    torch._dynamo.reset()
-    try:
-        r = run(resolve(cfg), events=heard)
-    finally:
-        torch._dynamo.reset()
+    r = run_fresh(cfg, heard)
     assert r["steps"] == 8 and r["compiled_from"] == 1
     symbolic = [f["symbolic"] for name, _, f in heard.phases if name == "sizes that vary"]
     assert symbolic and "hidden_states dim 1" in symbolic[0] and "encoder_hidden_states dim 1" in symbolic[0]
