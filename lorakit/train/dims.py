@@ -119,18 +119,16 @@ def _at(v, path):
 
 
 @functools.cache
-def _signature(cls) -> inspect.Signature:
-    return inspect.signature(cls.forward)
+def _params(cls) -> tuple[str, ...]:
+    """The names `cls.forward` takes by position, in order (`self` and any `*args`/`**kwargs` left out)."""
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return tuple(n for n, p in inspect.signature(cls.forward).parameters.items() if p.kind in kinds)[1:]
 
 
 def named(block, args, kwargs) -> dict:
     """A block call's inputs by the names of its `forward`'s parameters: the same whether they came by position
     (diffusers' gradient checkpointing passes them so) or by keyword (its calls without gradients)."""
-    try:
-        got = _signature(type(block)).bind_partial(block, *args, **kwargs).arguments
-    except TypeError:  # not this forward's arguments: positions and keywords as they are
-        return {**{str(i): a for i, a in enumerate(args)}, **kwargs}
-    return {k: v for k, v in list(got.items())[1:]}  # the block itself left out
+    return {**dict(zip(_params(type(block)), args, strict=False)), **kwargs}
 
 
 def mark(block, args, kwargs, dims) -> None:
