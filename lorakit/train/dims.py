@@ -17,7 +17,8 @@ varies (one bucket, a fixed text length) nothing is marked: the graphs stay spec
 Measured (2026-11-30): Qwen-Image at 24 GiB on one card of a 2x H200 host, three bucket shapes, captions of their own
 lengths: the other shapes after step 1 took 2.4 s and no new graph (90.2 s before). Where Inductor keeps a property of
 a symbolic size fixed, data with both kinds still compiles twice: FLUX.1's attention lowering guards on 512 + the image
-tokens being a multiple of 8 (848x1232: 4081 tokens, 1024²: 4096), one graph for each."""
+tokens being a multiple of 8 (848x1232: 4081 tokens, 1024²: 4096), one graph for each — `data.buckets` makes every
+bucket's token count a multiple of 8 for that reason."""
 
 from __future__ import annotations
 
