@@ -12,30 +12,28 @@ weights (`torch.autograd.grad`: the run's gradients are untouched), which compil
 trainable weights are new parameters over the same storage, so the optimizer's in-place updates never invalidate
 the worker's pass, and no weight memory is duplicated.
 
-The worker begins after the first step (at the first `advance` with work given): that step's kernels, memory and
-host work run alone, as fast as an eager step can (on a second run, whose compiles come from the cache, a step 1
-beside the worker took 4.7 s on the H100).
+The worker begins after the first step (the first `advance` with work given): that step runs alone (beside the
+worker a second run's step 1, compiling from the cache, took 4.7 s on the H100).
 
-Which calls run compiled changes only between optimizer steps (`advance`), never inside one: a block's forward and
-its recompute (gradient checkpointing) always run the same code. And it changes once, all together, when the worker
-has finished everything it was given: the run's thread never runs compiled code while the worker compiles (in
-torch 2.11 the FX tracing flag is global: a compiled call beside the worker's tracing was refused, measured on the
-H100). The worker then stops; a shape met later (a new bucket) compiles in the run, as without this.
+Which calls run compiled changes only between optimizer steps (`advance`), never inside one (a block's forward and
+its recompute run the same code), and once, all together, when the worker has finished everything it was given: the
+run's thread never runs compiled code while the worker compiles (torch 2.11's FX tracing flag is global: a compiled
+call beside the worker's tracing was refused on the H100). The worker then stops; a later shape compiles in the run.
 
-The cost: while the worker compiles, the run's thread gets the interpreter less often (the compiler holds it for
-long stretches), so the uncompiled steps are slower than plain eager steps (FLUX.1 1024² on an H100: 0.67-12.9 s
-against 0.62) and host-heavy work between them (a checkpoint's save: 67 s against 3) is much slower; the run's
-final saves wait for the compile in progress to end.
+The cost: while the worker compiles, the run's thread gets the interpreter less often, so the uncompiled steps are
+slower than plain eager steps (FLUX.1 1024² on an H100: 0.67-12.9 s against 0.62), host-heavy work between them
+more so (a checkpoint's save: 67 s against 3); the run's final saves wait for the compile in progress to end.
 
 On a first run with these settings on the machine the worker first waits for `ahead`, a separate process that
 compiles the same calls into the compile cache (`train.precompile`): the uncompiled steps meanwhile have the
-interpreter to themselves. Once that process has compiled everything, the worker hands its calls back to the run's
-thread, which takes their graphs from the cache between two steps, in one phase, and switches. Taken beside the
+interpreter to themselves. Once that process has compiled the training calls, the worker hands its calls back to the
+run's thread, which takes their graphs from the cache between two steps, in one phase, and switches; the grid's calls
+(eval, no grad) take theirs at the next grid, while the process may still be compiling them. Taken beside the
 uncompiled steps, the worker starved them (FLUX.1-dev 1024², fp8 compute, one H200, 2026-11-28: 19 graphs from the
 cache in 66.4 s while steps 166-171 took 67 s); in the run's thread, between two steps: 54.5 s.
 
 A compile that fails in the worker (out of memory, say) leaves that description to the run: it compiles there at
-its next call, as it would without this (the step waits; the loop says so)."""
+its next call (the step waits; the loop says so)."""
 
 from __future__ import annotations
 
@@ -192,6 +190,7 @@ class Ready:
     what: tuple
     seconds: float
     failed: str | None = None
+    later: bool = False  # left to its next call (a grid's, from the cache)
 
 
 class BackgroundCompile:
@@ -259,8 +258,8 @@ class BackgroundCompile:
             left = [Ready(job[0], 0.0, self._dead) for job in self._drain()]
             with self._lock:
                 self._done += left
-        if load and self.handed_back and self.pending:  # every graph is in the cache: taken here, between steps
-            here = [self._compile(job) for job in self._drain()]
+        if load and self.handed_back and self.pending:  # the training graphs are in the cache: taken here, between steps
+            here = [self._compile(job) if job[0][1] else Ready(job[0], 0.0, later=True) for job in self._drain()]
             with self._lock:
                 self._done += here
         with self._lock:
@@ -271,7 +270,7 @@ class BackgroundCompile:
             self.active.add(r.what)
         self.failures += sum(1 for r in done if r.failed)
         self.pending, self.sealed = 0, True
-        self.close()  # idle: it stops (what the run meets from now on compiles in the run)
+        self.close(ahead=False)  # idle: it stops (what the run meets from now on compiles in the run)
         for b in self._blocks:  # the blocks call their compiled code directly: no description per call from now on
             unwrap_route(b)
         return done
@@ -305,14 +304,15 @@ class BackgroundCompile:
             now = int(counters["stats"]["unique_graphs"])
             return (now if self._started_at is None else self._started_at) - self._made
 
-    def close(self) -> None:
+    def close(self, ahead: bool = True) -> None:
         """Stop the worker: what it has not begun is dropped, the compile it is in finishes (a process that exits
-        while the compiler runs in a thread aborts). Called again, it returns at once."""
+        while the compiler runs in a thread aborts); `ahead`: the separate process too (else it goes on with the
+        grid's graphs). Called again, it returns at once."""
         alive = self._thread.is_alive()
         if alive:
             self._drain()
             self._jobs.put(None)
-        if self.ahead:  # the worker may be waiting for it: it then finds nothing to begin
+        if self.ahead and ahead:  # the worker may be waiting for it: it then finds nothing to begin
             self.ahead.close()
         if alive:
             self._go.set()
@@ -346,7 +346,7 @@ class BackgroundCompile:
             torch.cuda.set_device(self._index)
         self._go.wait()
         if self.ahead:  # its graphs are compiled in a separate process first
-            if self.ahead.wait().get("ok"):  # all of them: the run's thread takes them from the cache (`advance`)
+            if self.ahead.wait(training=True).get("ok"):  # the run's thread takes them from the cache (`advance`)
                 self.handed_back = True
                 return
         while True:
@@ -443,6 +443,8 @@ def news(bg: BackgroundCompile, ready: list, step: int, info, note) -> list:
     if bg.pending or not done:
         return done
     how = "taken from the compile cache between two steps" if bg.handed_back else "compiled in the background"
+    later = sum(x.later for x in done)
     info(f"{how} ({sum(x.seconds for x in done):.1f} s{cache_news()}): "
-         f"{', '.join(summary(x.what) for x in done)}; the blocks run compiled from step {step}")
+         f"{', '.join(summary(x.what) for x in done if not x.later)}; the blocks run compiled from step {step}"
+         + (f"; the grid's {later} call(s) take theirs from the cache at the next grid" if later else ""))
     return []

@@ -104,9 +104,10 @@ class _Ahead:
     """Stands for `train.precompile.Rehearsal` (the separate compile process): its result once waited for."""
 
     def __init__(self, ok: bool):
-        self.ok, self.closed = ok, False
+        self.ok, self.closed, self.asked = ok, False, []
 
-    def wait(self, timeout=None):
+    def wait(self, timeout=None, training=False):
+        self.asked.append(training)
         return {"ok": True, "seconds": 1.0, "graphs": 4} if self.ok else {"ok": False, "why": "exited with code 1"}
 
     def close(self):
@@ -116,10 +117,11 @@ class _Ahead:
 @pytest.mark.slow
 @pytest.mark.parametrize("ok", [True, False])
 def test_after_the_compile_process_the_run_takes_the_graphs_itself_or_where_it_failed_the_worker_compiles(tiny, ok):
-    """Once the separate process has compiled everything, the worker compiles nothing: it hands the calls back and
-    the run's thread takes them (from the cache), all at once, when the loop asks (`advance(load=True)`) — beside the
-    uncompiled steps the worker starved them (FLUX.1-dev, H200, 2026-11-28: 67 s for 6 steps). Where the process
-    failed, the worker compiles them itself, as before."""
+    """Once the separate process has compiled the training calls, the worker compiles nothing: it hands the calls
+    back and the run's thread takes them (from the cache), all at once, when the loop asks (`advance(load=True)`) —
+    beside the uncompiled steps the worker starved them (FLUX.1-dev, H200, 2026-11-28: 67 s for 6 steps). A grid's
+    calls (eval, no grad) are left to their next call, and the process goes on (it compiles them after the training
+    ones) until the run ends. Where the process failed, the worker compiles them itself, as before."""
     torch._dynamo.reset()
     counters.clear()
     folder = tiny("flux")
@@ -134,6 +136,10 @@ def test_after_the_compile_process_the_run_takes_the_graphs_itself_or_where_it_f
     bg._compile = lambda job: (where.append(threading.current_thread() is threading.main_thread()), compile_one(job))[1]
     try:
         _step(tr, adapter, small)  # step 1, eager
+        tr.eval()
+        with torch.no_grad():  # the step-0 grid's calls
+            adapter.predict(tr, small.latents.clone(), torch.tensor([0.6]), small.text)
+        tr.train()
         assert bg.pending > 0 and bg.advance() == []  # the worker begins: waits for the process
         deadline = time.monotonic() + 120
         while bg._thread.is_alive() and len(bg._done) < bg.pending and time.monotonic() < deadline:
@@ -143,6 +149,10 @@ def test_after_the_compile_process_the_run_takes_the_graphs_itself_or_where_it_f
             assert bg.advance() == [] and bg.pending > 0  # not without `load`: the loop makes it a phase of its own
             ready = bg.advance(load=True)
             assert ready and all(r.failed is None for r in ready) and where and all(where)  # in the run's thread
+            assert bg.ahead.asked == [True]  # it waited for the training graphs, not the process's end
+            grid = [r for r in ready if r.later]
+            assert grid and all(not r.what[1] and not r.what[2] for r in grid) and len(where) == len(ready) - len(grid)
+            assert not bg.ahead.closed  # sealed: the process goes on with the grid's graphs
         else:
             assert not bg.handed_back and not bg.loads_now and where and not any(where)  # in the worker's
             ready = bg.advance()

@@ -3,6 +3,7 @@ calls it makes (those the run hands its worker, in the same order), and the proc
 
 import functools
 import json
+import re
 
 import pytest
 import torch
@@ -120,11 +121,12 @@ class _Eager(precompile.Rehearsal):
 def test_the_run_takes_the_processs_graphs_between_two_steps_in_its_own_thread_and_says_both(tmp_path, tiny,
                                                                                               monkeypatch):
     """The real process beside a run of the loop: handed its inputs once the model is prepared, waited for by the
-    worker, said when it ends, ended and cleaned up with the run. Once it has compiled everything the worker hands
-    the calls back: the run's thread takes their graphs from the cache between two steps, as a phase of its own
-    (beside the uncompiled steps the worker starved them: 67 s for 6 steps on an H200). (The steps here wait for
-    the worker to hand back at the first step boundary after the process has ended, so the switch to compiled
-    blocks comes at a known step whatever the machine's load.)"""
+    worker, said when its training graphs are in the cache, ended and cleaned up with the run. Then the worker hands
+    the calls back: the run's thread takes the training calls' graphs from the cache between two steps, as a phase
+    of its own (beside the uncompiled steps the worker starved them: 67 s for 6 steps on an H200); the step-0 grid's
+    calls are left to the next grid (the process compiles them after the training ones, and goes on doing so after
+    the run switched). (The steps here wait for the process to end before the worker hands back, so the switch to
+    compiled blocks comes at a known step whatever the machine's load.)"""
     import lorakit.plan.resolve as resolve_mod
 
     monkeypatch.setattr(resolve_mod, "compile_decision", lambda *a: (True, None))
@@ -149,7 +151,7 @@ def test_the_run_takes_the_processs_graphs_between_two_steps_in_its_own_thread_a
     monkeypatch.setattr(BackgroundCompile, "loads_now", property(settled))
     torch._dynamo.reset()
     cfg = make_cfg(tmp_path, "flux", tiny("flux"), steps=6, lora={"dropout": 0.0}, output={"save_every": 0},
-                   sampling={"enabled": False})
+                   sampling={"steps": 2})
     heard = _Heard()
     heard.phase_start = lambda name: heard.lines.append(f"phase: {name}")  # where each phase begins among the lines
     try:
@@ -157,15 +159,18 @@ def test_the_run_takes_the_processs_graphs_between_two_steps_in_its_own_thread_a
     finally:
         torch._dynamo.reset()
     (bg,) = made
-    assert bg.ahead is not None and bg.ahead.result()["ok"] is True
+    assert bg.ahead is not None and bg.ahead.result()["ok"] is True and "grid" in bg.ahead.result()["parts"]
     assert not bg.ahead.folder.exists() and bg.ahead.proc.poll() is not None  # ended and cleaned up with the run
     said = [m for m in heard.lines if "compiled in a separate process" in m]
     assert len(said) == 1 and said[0].startswith("the blocks' 0 graphs compiled in a separate process in")
-    assert "(step 1 " in said[0] and ", other shapes " in said[0] and ", grid " in said[0]  # where its time went
+    assert "(step 1 " in said[0] and ", other shapes " in said[0] and ", grid " not in said[0]  # said before the grid
+    assert said[0].endswith("the run takes them from there between two steps; the grid's follow there")
     rows = [json.loads(x) for x in open(r["metrics"])]
     assert [x["step"] for x in rows if not x.get("eager_blocks")] == [3, 4, 5, 6]  # compiled from step 3 on
     used = [m for m in heard.lines if m.startswith("taken from the compile cache between two steps (")]
-    assert used and used[0].endswith("the blocks run compiled from step 3")
+    assert used and "(no grad)" not in used[0]  # the training calls only: the grid's at the next grid
+    assert re.search(r"the blocks run compiled from step 3; the grid's \d+ call\(s\) take theirs from the cache at "
+                     r"the next grid$", used[0])
     phase = heard.lines.index("phase: the compiled blocks from the compile cache")
     assert heard.lines.index(said[0]) < phase < heard.lines.index(used[0])  # the process's end said before the load
     assert bg.handed_back and not bg.running and bg.sealed
