@@ -434,7 +434,7 @@ def news(bg: BackgroundCompile, ready: list, step: int, info, note) -> list:
     Returns what is still to be said."""
     said = bg.ahead.news() if bg.ahead else None  # the separate compile process ended (train.precompile)
     if said:
-        (info if bg.ahead.result().get("ok") else note)(said)
+        (info if bg.ahead.state().get("ok") else note)(said)  # ok once its training graphs are in the cache
     for x in ready:
         if x.failed:
             note(f"the background compile of {summary(x.what)} failed ({x.failed}); the run compiles it at its "

@@ -165,6 +165,26 @@ def test_after_the_compile_process_the_run_takes_the_graphs_itself_or_where_it_f
     assert bg.ahead.closed
 
 
+def test_the_processs_training_graphs_are_news_while_it_still_compiles_the_grids_not_a_warning():
+    from types import SimpleNamespace
+
+    from lorakit.train.compile_bg import news
+
+    class Compiling:  # its training graphs in the cache, the grid's still compiling (the process runs on)
+        def news(self):
+            return "the blocks' 4 graphs compiled in a separate process in 59.4 s"
+
+        def state(self):
+            return {"ok": True, "seconds": 59.4, "graphs": 4}
+
+        def result(self):
+            return {"ok": None}
+
+    infos, notes = [], []
+    news(SimpleNamespace(ahead=Compiling(), pending=3, handed_back=True), [], 2, infos.append, notes.append)
+    assert infos == ["the blocks' 4 graphs compiled in a separate process in 59.4 s"] and notes == []
+
+
 def test_a_description_names_what_a_compiled_graph_depends_on():
     block = torch.nn.Linear(4, 4)
     x = torch.zeros(2, 3, 4)
