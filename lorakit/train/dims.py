@@ -18,7 +18,16 @@ Measured (2026-11-30): Qwen-Image at 24 GiB on one card of a 2x H200 host, three
 lengths: the other shapes after step 1 took 2.4 s and no new graph (90.2 s before). Where Inductor keeps a property of
 a symbolic size fixed, data with both kinds still compiles twice: FLUX.1's attention lowering guards on 512 + the image
 tokens being a multiple of 8 (848x1232: 4081 tokens, 1024²: 4096), one graph for each — `data.buckets` makes every
-bucket's token count a multiple of 8 for that reason."""
+bucket's token count a multiple of 8 for that reason.
+
+The same pass finds the inputs each block carries on from the block before it (`carried`: a tensor of the previous
+block's output, not passed through from its input — the image and text streams, not the timestep nor, in a
+cross-attention model, the text). With LoRA the first block of a list gets them from frozen embedders, without
+gradients, where every later block gets them with: two graphs (forward and backward) for the same block code, which
+doubled the compile — Qwen-Image on an H200 (2026-11-30): the separate process compiled 2 graphs in 47.7 s, the run
+took 4 from the cache in 7.5 s. `install` has a block holding trained weights take those inputs as requiring
+gradients (a leaf's flag: the backward then also computes the gradient of that block's inputs, a few matrix
+products of one block, and stops there), so every block of the kind calls one graph."""
 
 from __future__ import annotations
 
@@ -30,17 +39,25 @@ from lorakit.train.swap import repeated_blocks
 MARKS = ("_dynamo_", "_has_dynamo_")  # the names of the attributes torch keeps a tensor's marked dims in
 
 
-def _shapes(v, path=()) -> dict:
-    """Each tensor among a call's inputs: its path (positions and keyword names) -> its shape."""
+def _tensors(v, path=()) -> dict:
+    """Each tensor among a call's inputs (or outputs): its path (positions and keyword names) -> the tensor."""
     import torch
 
     if isinstance(v, torch.Tensor):
-        return {path: tuple(v.shape)}
+        return {path: v}
     if isinstance(v, (tuple, list)):
-        return {p: s for i, x in enumerate(v) for p, s in _shapes(x, path + (i,)).items()}
+        return {p: t for i, x in enumerate(v) for p, t in _tensors(x, path + (i,)).items()}
     if isinstance(v, dict):
-        return {p: s for k, x in v.items() for p, s in _shapes(x, path + (str(k),)).items()}
+        return {p: t for k, x in v.items() for p, t in _tensors(x, path + (str(k),)).items()}
     return {}
+
+
+def _shapes(v) -> dict:
+    return {p: tuple(t.shape) for p, t in _tensors(v).items()}
+
+
+def _storages(v) -> set:
+    return {t.untyped_storage().data_ptr() for t in _tensors(v).values() if t.is_floating_point()}
 
 
 def differing(calls: list[dict]) -> tuple[tuple[tuple, int], ...]:
@@ -55,12 +72,13 @@ def differing(calls: list[dict]) -> tuple[tuple[tuple, int], ...]:
     return tuple(out)
 
 
-def varying(tr, batches: list) -> dict[str, tuple[tuple[tuple, int], ...]]:
+def varying(tr, batches: list, carried: dict | None = None) -> dict[str, tuple[tuple[tuple, int], ...]]:
     """Block kind -> the (path, dim) of its inputs that differ over these batches of the run (`found`, one forward of
-    each at sigma 0.5 with noise from its own generator). Fewer than two batches: nothing."""
+    each at sigma 0.5 with noise from its own generator; fewer than two batches: none), and into `carried` the
+    inputs each kind carries on from the block before."""
     import torch
 
-    if len(batches) < 2:
+    if not batches:
         return {}
     gen = torch.Generator().manual_seed(0)
 
@@ -68,24 +86,37 @@ def varying(tr, batches: list) -> dict[str, tuple[tuple[tuple, int], ...]]:
         n = batch.latents.shape[0]
         return lambda: tr.loss_on(batch, torch.full((n,), 0.5), torch.randn(batch.latents.shape, generator=gen))
 
-    return found(tr.transformer, [forward(b) for b in batches], tr.device)
+    return found(tr.transformer, [forward(b) for b in batches], tr.device, carried)
 
 
-def found(transformer, passes: list, device: str) -> dict[str, tuple[tuple[tuple, int], ...]]:
+def found(transformer, passes: list, device: str, carried: dict | None = None) -> dict[str, tuple[tuple[tuple, int], ...]]:
     """Block kind -> the (path, dim) of its inputs whose sizes differ between these passes through the transformer
     (each run once without gradients, the blocks uncompiled; the random states and gradients as before), from the
-    first call of each kind in each pass. Kinds where nothing differs are left out."""
+    first call of each kind in each pass. Kinds where nothing differs are left out. Into `carried`: block kind -> the
+    paths of the inputs its calls took from the previous block call's outputs (and not from that call's inputs)."""
     import torch
 
     blocks = repeated_blocks(transformer)
     seen: dict[str, list[dict]] = {}
     first: dict[str, dict] = {}
+    before = {"in": set(), "out": set()}  # the storages of the previous block call's inputs and outputs
+    took: dict[str, set] = {}
 
     def hook(block, args, kwargs):
-        first.setdefault(type(block).__name__, _shapes(named(block, args, kwargs)))
+        inputs = named(block, args, kwargs)
+        first.setdefault(type(block).__name__, _shapes(inputs))
+        got = {p for p, t in _tensors(inputs).items() if t.is_floating_point()
+               and t.untyped_storage().data_ptr() in before["out"] - before["in"]}
+        if got:
+            took.setdefault(type(block).__name__, set()).update(got)
+        before["in"] = _storages(inputs)
+
+    def after(block, args, kwargs, output):
+        before["out"] = _storages(output)
 
     impls = [b._compiled_call_impl for b in blocks]
     hooks = [b.register_forward_pre_hook(hook, with_kwargs=True) for b in blocks]
+    hooks += [b.register_forward_hook(after, with_kwargs=True) for b in blocks]
     cpu_rng = torch.random.get_rng_state()
     cuda = device.startswith("cuda")
     cuda_rng = torch.cuda.get_rng_state(torch.device(device)) if cuda else None
@@ -106,6 +137,8 @@ def found(transformer, passes: list, device: str) -> dict[str, tuple[tuple[tuple
         torch.random.set_rng_state(cpu_rng)
         if cuda_rng is not None:
             torch.cuda.set_rng_state(cuda_rng, torch.device(device))
+    if carried is not None:
+        carried.update({kind: tuple(sorted(paths, key=str)) for kind, paths in took.items()})
     dims = {kind: differing(calls) for kind, calls in seen.items() if len(calls) == len(passes) > 1}
     return {kind: d for kind, d in dims.items() if d}
 
@@ -152,25 +185,44 @@ def carry_marks(src, dst):
     return dst
 
 
-class Marked:
-    """A block's `_compiled_call_impl`: marks the call's varying dims, then calls what it wraps (`inner`)."""
+def with_grad(block, args, kwargs, paths) -> None:
+    """In a training call with gradients: these inputs (leaves without gradients: the first block's, from frozen
+    embedders) require them, as every later block's do."""
+    import torch
 
-    def __init__(self, block, inner, dims):
-        self.block, self.inner, self.dims = block, inner, dims
+    if not (torch.is_grad_enabled() and block.training):
+        return
+    inputs = named(block, args, kwargs)
+    for path in paths:
+        t = _at(inputs, path)
+        if isinstance(t, torch.Tensor) and t.is_floating_point() and t.is_leaf and not t.requires_grad:
+            t.requires_grad_(True)
+
+
+class Marked:
+    """A block's `_compiled_call_impl`: marks the call's varying dims, has its carried inputs require gradients
+    (`with_grad`), then calls what it wraps (`inner`)."""
+
+    def __init__(self, block, inner, dims, carried=()):
+        self.block, self.inner, self.dims, self.carried = block, inner, dims, carried
 
     def __call__(self, *args, **kwargs):
         mark(self.block, args, kwargs, self.dims)
+        if self.carried:
+            with_grad(self.block, args, kwargs, self.carried)
         return self.inner(*args, **kwargs)
 
 
-def install(transformer, dims: dict) -> int:
-    """Wrap each compiled block whose kind has varying dims; returns how many blocks were wrapped."""
+def install(transformer, dims: dict, carried: dict | None = None) -> int:
+    """Wrap each compiled block whose kind has varying dims, or carried inputs and trained weights of its own;
+    returns how many blocks were wrapped."""
     n = 0
     for b in repeated_blocks(transformer):
-        d = dims.get(type(b).__name__)
+        d = dims.get(type(b).__name__, ())
+        c = (carried or {}).get(type(b).__name__, ()) if any(p.requires_grad for p in b.parameters()) else ()
         impl = b._compiled_call_impl
-        if d and impl is not None and not isinstance(impl, Marked):
-            b._compiled_call_impl = Marked(b, impl, d)
+        if (d or c) and impl is not None and not isinstance(impl, Marked):
+            b._compiled_call_impl = Marked(b, impl, d, c)
             n += 1
     return n
 
@@ -184,17 +236,27 @@ def unwrap_route(block) -> None:
         block._compiled_call_impl = impl.compiled
 
 
+def _name(path) -> str:
+    return "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in path).lstrip(".")
+
+
 def said(dims: dict) -> str:
     """The varying dims in words, for the log."""
-    def name(path):
-        return "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in path).lstrip(".")
-
-    return "; ".join(f"{kind}: " + ", ".join(f"{name(p)} dim {d}" for p, d in ds) for kind, ds in dims.items())
+    return "; ".join(f"{kind}: " + ", ".join(f"{_name(p)} dim {d}" for p, d in ds) for kind, ds in dims.items())
 
 
-def to_json(dims: dict) -> dict:
-    return {kind: [[list(p), d] for p, d in ds] for kind, ds in dims.items()}
+def said_carried(carried: dict) -> str:
+    """The carried inputs in words, for the log."""
+    return "; ".join(f"{kind}: " + ", ".join(_name(p) for p in ps) for kind, ps in carried.items())
 
 
-def from_json(data: dict) -> dict:
-    return {kind: tuple((tuple(p), d) for p, d in ds) for kind, ds in (data or {}).items()}
+def to_json(dims: dict, carried: dict | None = None) -> dict:
+    return {"dims": {kind: [[list(p), d] for p, d in ds] for kind, ds in dims.items()},
+            "carried": {kind: [list(p) for p in ps] for kind, ps in (carried or {}).items()}}
+
+
+def from_json(data: dict) -> tuple[dict, dict]:
+    """`to_json`'s inverse: (dims, carried)."""
+    data = data or {}
+    return ({kind: tuple((tuple(p), d) for p, d in ds) for kind, ds in data.get("dims", {}).items()},
+            {kind: tuple(tuple(p) for p in ps) for kind, ps in data.get("carried", {}).items()})

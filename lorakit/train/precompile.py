@@ -113,14 +113,15 @@ class Rehearsal:
         except (OSError, ValueError):  # the child is gone: `wait` says why
             pass
 
-    def go(self, tr, conds, varying: dict | None = None) -> None:
+    def go(self, tr, conds, varying: dict | None = None, carried: dict | None = None) -> None:
         """Hand the child the run's inputs (step 1's, the other shapes', the grid's prompts), the attention
-        backend in force and the sizes the run's blocks compile symbolic (`train.dims`): it compiles now."""
+        backend in force, the sizes the run's blocks compile symbolic and the inputs they take with gradients
+        (`train.dims`): it compiles now."""
         import torch
 
         path = self.folder / "inputs.pt"
         torch.save(plain(rehearsal_inputs(tr, conds)), path)  # read back with weights_only=True
-        self._send({"inputs": str(path), "attention": tr.cfg.memory.attention, "dims": dims.to_json(varying or {})})
+        self._send({"inputs": str(path), "attention": tr.cfg.memory.attention, "dims": dims.to_json(varying or {}, carried)})
         self._send(None)
 
     def wait(self, timeout: float = WAIT_S, training: bool = False) -> dict:
@@ -306,7 +307,7 @@ def main() -> int:
     go = json.loads(line)
     apply_attention(None if go["attention"] == "auto" else go["attention"], fallback=True)
     inputs = rebuilt(torch.load(go["inputs"], weights_only=True))
-    dims.install(tr.transformer, dims.from_json(go.get("dims")))  # the run's graphs, symbolic where the run's are
+    dims.install(tr.transformer, *dims.from_json(go.get("dims")))  # the run's graphs: symbolic, grads as the run's
     print(f"rehearsing {1 + len(inputs['warm'])} training shape(s) and {len(inputs['conds'])} grid prompt(s)",
           flush=True)
     t1 = time.perf_counter()

@@ -177,7 +177,7 @@ def setup(resolved: Resolved, resume: str | None, events: Events, force: bool = 
                 facts.update(ahead.stop())
         resolved.read_ahead = None
         del base
-        varying = symbolic_sizes(tr, events)
+        varying, carried = block_inputs(tr, events)
         if measuring:  # the first run here: the family's attention was measured beside the cache and the load
             cfg = tr.cfg = choose_attention(resolved, measuring, out, events, note)
             key = warm.warm_key(cfg, device) if key else None  # the compile depends on the backend chosen now
@@ -200,7 +200,7 @@ def setup(resolved: Resolved, resume: str | None, events: Events, force: bool = 
             else:  # the step-0 grid renders right after step 1 from these weights: it does not hold up the first step
                 r.initial = checkpoint.snapshot(tr)
         if rehearsal and tr.background and tr.step < cfg.schedule.steps:
-            rehearsal.go(tr, conds if sampler else None, varying)
+            rehearsal.go(tr, conds if sampler else None, varying, carried)
             tr.background.ahead = rehearsal
             events.info("the blocks compile in a separate process (a first run with these settings here): the "
                         "first steps run them uncompiled meanwhile, then they switch between two steps")
@@ -213,17 +213,21 @@ def setup(resolved: Resolved, resume: str | None, events: Events, force: bool = 
         raise
 
 
-def symbolic_sizes(tr, events: Events) -> dict:
+def block_inputs(tr, events: Events) -> tuple[dict, dict]:
     """The blocks' input sizes that vary over the run's data (its bucket shapes, text lengths), symbolic in their
-    compiled graphs from the first compile (`train.dims`). Not under FSDP nor with CUDA graphs."""
+    compiled graphs from the first compile, and the inputs each block carries on to the next, with gradients in the
+    first block too (`train.dims`): (varying, carried). Not under FSDP nor with CUDA graphs."""
     batches = warm.variants(tr) if tr.compiled and not tr.sharded and not tr.graphs and tr.data is not None else []
-    if len(batches) < 2:  # one shape: the graphs stay specialised to it
-        return {}
-    with events.phase("sizes that vary") as facts:
-        found = dims.varying(tr, batches)
-        dims.install(tr.transformer, found)
-        facts["symbolic"] = dims.said(found) or "none"
-    return found
+    if not batches:
+        return {}, {}
+    carried: dict = {}
+    with events.phase("sizes that vary" if len(batches) > 1 else "the blocks' inputs") as facts:
+        found = dims.varying(tr, batches, carried)  # one shape: the graphs stay specialised to it
+        dims.install(tr.transformer, found, carried)
+        if len(batches) > 1:
+            facts["symbolic"] = dims.said(found) or "none"
+        facts["with_grad"] = dims.said_carried(carried) or "none"
+    return found, carried
 
 
 def choose_attention(resolved: Resolved, measuring: Measuring, out: Path, events: Events, note):

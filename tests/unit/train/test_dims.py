@@ -27,7 +27,10 @@ def test_only_the_dimensions_whose_sizes_differ_are_found():
     assert dims.differing([a, b, c]) == ((("hidden_states",), 1),)  # another rank: left alone
     assert dims.differing([a, a]) == ()
     found = {"Block": ((("hidden_states",), 1), (("rope", 0), 0))}
-    assert dims.from_json(json.loads(json.dumps(dims.to_json(found)))) == found  # to the compile process and back
+    carried = {"Block": (("encoder_hidden_states",), ("hidden_states",))}
+    back = dims.from_json(json.loads(json.dumps(dims.to_json(found, carried))))  # to the compile process and back
+    assert back == (found, carried) and dims.from_json(None) == ({}, {})
+    assert dims.said_carried(carried) == "Block: encoder_hidden_states, hidden_states"
     assert dims.said(found) == "Block: hidden_states dim 1, rope[0] dim 0"
 
 
@@ -49,6 +52,59 @@ def test_a_call_by_position_and_by_keyword_has_the_same_paths():
     copy = dims.carry_marks(h, h.clone())
     assert copy._dynamo_weak_dynamic_indices == {1} and copy._dynamo_weak_dynamic_indices is not \
         h._dynamo_weak_dynamic_indices
+
+
+def _lora_model(tiny, family: str):
+    from lorakit.config import assemble
+    from lorakit.train.lora import add_lora
+
+    folder = tiny(family)
+    adapter = load_adapter(family, folder, dtype=torch.float32)
+    cfg, _ = assemble(None, [f"model.family={family}"], "datacenter")
+    x = adapter.example_inputs(dict(load_component(folder / "transformer").config), 64, 8,
+                               torch.Generator().manual_seed(0))
+    torch.manual_seed(0)
+    tr = load_component(folder / "transformer", "cpu", torch.float32)
+    add_lora(tr, adapter, cfg)
+    return tr.train(), adapter, x
+
+
+@pytest.mark.parametrize(("family", "carried", "graphs"), [
+    ("qwen-image", {"QwenImageTransformerBlock": (("encoder_hidden_states",), ("hidden_states",))}, (2, 1)),
+    ("wan2.1-t2v", {"WanTransformerBlock": (("hidden_states",),)}, (2, 1)),  # the text is cross-attended: not carried
+])
+def test_the_first_block_takes_its_carried_inputs_with_gradients_so_every_block_of_a_kind_calls_one_graph(
+        tiny, family, carried, graphs):
+    """With LoRA the first block of a list gets the image and text streams from frozen embedders, without gradients,
+    and every later block with them: two graphs for the same code. Marked as carried, they require gradients in the
+    first block too: one graph, the same output and LoRA gradients."""
+    def step(tr, adapter, x):
+        v = adapter.predict(tr, x.latents.clone(), torch.tensor([0.6]), x.text)
+        v.square().mean().backward()
+        # a weight whose output is unused (the last block's text stream): None eager, zeros compiled
+        return v.detach(), {n: torch.zeros_like(p) if p.grad is None else p.grad
+                            for n, p in tr.named_parameters() if p.requires_grad}
+
+    want = step(*_lora_model(tiny, family))
+    made = []
+    for use in (False, True):
+        torch._dynamo.reset()
+        counters.clear()
+        tr, adapter, x = _lora_model(tiny, family)
+        for b in repeated_blocks(tr):
+            b._compiled_call_impl = torch.compile(b._call_impl, backend="aot_eager")
+        found: dict = {}
+        run = functools.partial(adapter.predict, tr, x.latents.clone(), torch.tensor([0.6]), x.text)
+        assert dims.found(tr, [run], "cpu", found) == {} and found == carried  # one pass: no sizes vary
+        if use:
+            assert dims.install(tr, {}, found) == len(repeated_blocks(tr))
+        got = step(tr, adapter, x)
+        made.append(counters["stats"]["unique_graphs"])
+        torch.testing.assert_close(got[0], want[0], rtol=0, atol=0)
+        for n, g in want[1].items():
+            torch.testing.assert_close(got[1][n], g, rtol=1e-6, atol=1e-9, equal_nan=True, msg=n)
+    torch._dynamo.reset()
+    assert tuple(made) == graphs
 
 
 def _runs_compiled(monkeypatch, tmp_path):

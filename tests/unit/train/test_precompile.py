@@ -42,8 +42,8 @@ class _Recorder:
         self.cfg, self.inputs = cfg, None
         _Recorder.made.append(self)
 
-    def go(self, tr, conds, varying=None):
-        self.inputs, self.varying = precompile.rehearsal_inputs(tr, conds), varying
+    def go(self, tr, conds, varying=None, carried=None):
+        self.inputs, self.varying, self.carried = precompile.rehearsal_inputs(tr, conds), varying, carried
 
     def wait(self, timeout=None):
         return {"ok": True, "seconds": 0.0, "graphs": 0}
@@ -93,6 +93,7 @@ def test_the_copy_meets_the_calls_the_run_hands_its_worker_in_the_same_order(tmp
     (rec,) = _Recorder.made
     assert rec.inputs is not None
     assert set(rec.varying) == {"FluxTransformerBlock", "FluxSingleTransformerBlock"}  # symbolic as in the run
+    assert rec.carried == {"FluxSingleTransformerBlock": (("encoder_hidden_states",), ("hidden_states",))}
     cfg = rec.cfg.model_copy(update={"memory": rec.cfg.memory.model_copy(update={"compile": False})})
     copy = precompile.build_copy(cfg, "cpu")
     met = []
