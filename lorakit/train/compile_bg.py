@@ -32,8 +32,7 @@ run's thread, which takes their graphs from the cache between two steps, in one 
 uncompiled steps, the worker starved them (FLUX.1-dev 1024², fp8 compute, one H200, 2026-11-28: 19 graphs from the
 cache in 66.4 s while steps 166-171 took 67 s); in the run's thread, between two steps: 54.5 s.
 
-A compile that fails in the worker (out of memory, say) leaves that description to the run: it compiles there at
-its next call (the step waits; the loop says so)."""
+A description the worker fails to compile (out of memory, say) compiles in the run at its next call (it waits)."""
 
 from __future__ import annotations
 
@@ -133,18 +132,19 @@ def _detached(v, bases: dict | None = None):
 
 
 def _view_like(copy, v):
-    """`v`'s view (shape, strides, offset, dtype) of `copy`, the copy of its base. A view may have another dtype
-    than its base: Qwen-Image's rotary tables are complex, its blocks take their real view (`view_as_real`), whose
-    strides count in the real dtype's elements — laid over the complex copy as they are, they ran past its end
-    (`setStorage: ... out of bounds` before step 1 of a Qwen-Image run compiling in the background, H200,
-    2026-11-28). Where the copy cannot be reinterpreted in `v`'s dtype, `v` is copied apart (its graph may then miss
-    the compile cache: slower to compile, the same results)."""
+    """`v`'s view (shape, strides, offset, dtype, grad requirement) of `copy`, the copy of its base. A view may have
+    another dtype than its base: Qwen-Image's real view (`view_as_real`) of its complex rotary tables, laid over the
+    complex copy as it is, ran past its end (`setStorage: ... out of bounds`, H200, 2026-11-28); where the copy cannot
+    be reinterpreted in `v`'s dtype, `v` is copied apart (its graph may then miss the compile cache). A view given
+    its own grad requirement kept its base's: the run's graphs then missed the compile process's (Qwen-Image with
+    checkpointed blocks, H200, 2026-11-30: 17.2 s compiling between two steps, against 7.5 s taking them)."""
     if copy.dtype != v.dtype:
         try:
             copy = copy.view(v.dtype)
         except RuntimeError:
             return _copy(v)
-    return carry_marks(v, copy.as_strided(v.shape, v.stride(), v.storage_offset()))
+    out = copy.as_strided(v.shape, v.stride(), v.storage_offset())
+    return carry_marks(v, out.requires_grad_(True) if v.requires_grad and not out.requires_grad else out)
 
 
 def _copy(t):

@@ -483,6 +483,19 @@ def test_a_view_in_another_dtype_than_its_base_is_that_view_of_the_copy():
     assert torch.equal(_detached(odd, {}), odd)
 
 
+def test_a_view_made_to_require_grad_itself_is_copied_requiring_it():
+    """`train.dims.with_grad` has the first block's inputs require grad; one that is a view of a tensor that does not
+    (the checkpointed blocks' inputs) was copied without it: the worker compiled another graph than the run's blocks
+    call (Qwen-Image, H200, 2026-11-30: 17.2 s compiling between two steps, then again at step 3)."""
+    from lorakit.train.compile_bg import _detached
+
+    base = torch.randn(1, 20, 4)
+    view = base[:, 4:].requires_grad_(True)
+    (copy,) = _detached((view,), {})
+    assert copy.requires_grad and copy._base is not None and torch.equal(copy, view.detach())
+    assert describe(torch.nn.Identity(), (view,), {}) == describe(torch.nn.Identity(), (copy,), {})
+
+
 def test_a_rank_whose_worker_compiled_alone_does_not_hold_up_the_others_load():
     # ranks take their graphs from the cache at one step; a rank whose separate process failed compiles in its
     # worker and then has nothing to take: it must not keep the others waiting for it to the end of the run

@@ -143,6 +143,28 @@ def test_three_bucket_shapes_and_every_caption_length_run_the_graphs_compiled_at
 
 
 @pytest.mark.slow
+def test_checkpointed_blocks_compiling_in_the_background_run_the_workers_graphs_from_the_switch_on(
+        tmp_path, tiny, monkeypatch):
+    """Qwen-Image with every block recomputed in backward (its inputs reach the first block as views), the blocks
+    compiled in the background on three aspect ratios and captions of four lengths: the worker's copies of the first
+    block's inputs require grad as the run's do (`train.dims.with_grad`), so once the blocks switch no step waits for
+    the compiler (the copies without it: a graph of another grad requirement, and a compile at step 5 here)."""
+    _runs_compiled(monkeypatch, tmp_path)
+    cfg = make_cfg(tmp_path, "qwen-image", tiny("qwen-image"), steps=8, lora={"dropout": 0.0},
+                   sampling={"enabled": False}, output={"save_every": 0},
+                   memory={"compile_background": True, "gradient_checkpointing": True})
+    make_demo_dataset(tmp_path / "d", count=4, size=[(64, 64), (96, 64), (64, 96)])
+    captions_of_lengths(tmp_path / "d")
+    heard = _Facts()
+    r = run_fresh(cfg, heard)
+    assert r["steps"] == 8
+    carried = [f["with_grad"] for name, _, f in heard.phases if name == "sizes that vary"]
+    assert carried == ["QwenImageTransformerBlock: encoder_hidden_states, hidden_states"]
+    assert [m for m in heard.lines if m.startswith("compiled in the background (")]  # the switch came
+    assert not [step for name, step, _ in heard.phases if name == "compile"], "a step waited for the compiler"
+
+
+@pytest.mark.slow
 def test_a_bucket_met_after_the_background_compile_runs_its_symbolic_graphs(tiny):
     """With the image token count marked, what the worker compiled for step 1's bucket serves a bucket first met
     after the compiled blocks came into use: no compile in the run's thread, the eager results."""
