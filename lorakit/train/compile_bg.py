@@ -258,7 +258,7 @@ class BackgroundCompile:
             left = [Ready(job[0], 0.0, self._dead) for job in self._drain()]
             with self._lock:
                 self._done += left
-        if load and self.handed_back and self.pending:  # the training graphs are in the cache: taken here, between steps
+        if load and self.handed_back and self.pending:  # the training graphs are in the cache: taken here, now
             here = [self._compile(job) if job[0][1] else Ready(job[0], 0.0, later=True) for job in self._drain()]
             with self._lock:
                 self._done += here

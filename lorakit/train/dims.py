@@ -89,7 +89,8 @@ def varying(tr, batches: list, carried: dict | None = None) -> dict[str, tuple[t
     return found(tr.transformer, [forward(b) for b in batches], tr.device, carried)
 
 
-def found(transformer, passes: list, device: str, carried: dict | None = None) -> dict[str, tuple[tuple[tuple, int], ...]]:
+def found(transformer, passes: list, device: str,
+          carried: dict | None = None) -> dict[str, tuple[tuple[tuple, int], ...]]:
     """Block kind -> the (path, dim) of its inputs whose sizes differ between these passes through the transformer
     (each run once without gradients, the blocks uncompiled; the random states and gradients as before), from the
     first call of each kind in each pass. Kinds where nothing differs are left out. Into `carried`: block kind -> the
@@ -105,8 +106,9 @@ def found(transformer, passes: list, device: str, carried: dict | None = None) -
     def hook(block, args, kwargs):
         inputs = named(block, args, kwargs)
         first.setdefault(type(block).__name__, _shapes(inputs))
-        got = {p for p, t in _tensors(inputs).items() if t.is_floating_point()
-               and t.untyped_storage().data_ptr() in before["out"] - before["in"]}
+        new = before["out"] - before["in"]  # made by the previous call, not handed through it
+        got = {p for p, t in _tensors(inputs).items()
+               if t.is_floating_point() and t.untyped_storage().data_ptr() in new}
         if got:
             took.setdefault(type(block).__name__, set()).update(got)
         before["in"] = _storages(inputs)

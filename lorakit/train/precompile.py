@@ -121,7 +121,8 @@ class Rehearsal:
 
         path = self.folder / "inputs.pt"
         torch.save(plain(rehearsal_inputs(tr, conds)), path)  # read back with weights_only=True
-        self._send({"inputs": str(path), "attention": tr.cfg.memory.attention, "dims": dims.to_json(varying or {}, carried)})
+        self._send({"inputs": str(path), "attention": tr.cfg.memory.attention,
+                    "dims": dims.to_json(varying or {}, carried)})
         self._send(None)
 
     def wait(self, timeout: float = WAIT_S, training: bool = False) -> dict:
@@ -174,8 +175,10 @@ class Rehearsal:
     def news(self) -> str | None:
         """Once the child's training graphs are in the cache, or it has ended: what it did, in one line, said once
         (None before, and after it was said)."""
+        if self.said:
+            return None
         r = self.state()
-        if self.said or r.get("ok") is None:
+        if r.get("ok") is None:
             return None
         self.said = True
         if r.get("ok"):
@@ -314,12 +317,14 @@ def main() -> int:
 
     def said(path: str, parts: dict, grid: int = 0) -> None:  # written whole, then renamed: never read half written
         got = {"ok": True, "seconds": round(time.perf_counter() - t1, 1),
-               "graphs": int(counters["stats"]["unique_graphs"]), "parts": parts} | ({"grid_prompts": grid} if grid else {})
+               "graphs": int(counters["stats"]["unique_graphs"]), "parts": parts}
+        got |= {"grid_prompts": grid} if grid else {}
         Path(path + ".part").write_text(json.dumps(got), encoding="utf-8")
         os.replace(path + ".part", path)
         print(json.dumps(got), flush=True)
 
-    said(spec["result"], rehearse(tr, inputs, trained=lambda parts: said(spec["training"], parts, len(inputs["conds"]))))
+    grid = len(inputs["conds"])
+    said(spec["result"], rehearse(tr, inputs, trained=lambda parts: said(spec["training"], parts, grid)))
     return 0
 
 

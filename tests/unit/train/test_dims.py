@@ -148,8 +148,19 @@ def test_checkpointed_blocks_compiling_in_the_background_run_the_workers_graphs_
     """Qwen-Image with every block recomputed in backward (its inputs reach the first block as views), the blocks
     compiled in the background on three aspect ratios and captions of four lengths: the worker's copies of the first
     block's inputs require grad as the run's do (`train.dims.with_grad`), so once the blocks switch no step waits for
-    the compiler (the copies without it: a graph of another grad requirement, and a compile at step 5 here)."""
+    the compiler (the copies without it: a graph of another grad requirement, and a compile at step 5 here). (Each
+    step boundary after the worker began waits for it to finish: the switch comes at step 3 whatever the load.)"""
     _runs_compiled(monkeypatch, tmp_path)
+    advance = BackgroundCompile.advance
+
+    def settled(self, load=False):
+        deadline = time.monotonic() + 300
+        while self._go.is_set() and self._thread.is_alive() and len(self._done) < self.pending:
+            assert time.monotonic() < deadline, "the worker did not finish"
+            time.sleep(0.05)
+        return advance(self, load)
+
+    monkeypatch.setattr(BackgroundCompile, "advance", settled)
     cfg = make_cfg(tmp_path, "qwen-image", tiny("qwen-image"), steps=8, lora={"dropout": 0.0},
                    sampling={"enabled": False}, output={"save_every": 0},
                    memory={"compile_background": True, "gradient_checkpointing": True})
@@ -160,7 +171,8 @@ def test_checkpointed_blocks_compiling_in_the_background_run_the_workers_graphs_
     assert r["steps"] == 8
     carried = [f["with_grad"] for name, _, f in heard.phases if name == "sizes that vary"]
     assert carried == ["QwenImageTransformerBlock: encoder_hidden_states, hidden_states"]
-    assert [m for m in heard.lines if m.startswith("compiled in the background (")]  # the switch came
+    switched = [m for m in heard.lines if m.startswith("compiled in the background (")]
+    assert switched and switched[0].endswith("the blocks run compiled from step 3")
     assert not [step for name, step, _ in heard.phases if name == "compile"], "a step waited for the compiler"
 
 
