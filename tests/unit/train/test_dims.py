@@ -69,6 +69,7 @@ def _lora_model(tiny, family: str):
     return tr.train(), adapter, x
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("family", "carried", "graphs"), [
     ("qwen-image", {"QwenImageTransformerBlock": (("encoder_hidden_states",), ("hidden_states",))}, (2, 1)),
     ("wan2.1-t2v", {"WanTransformerBlock": (("hidden_states",),)}, (2, 1)),  # the text is cross-attended: not carried
