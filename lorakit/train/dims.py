@@ -169,9 +169,12 @@ def named(block, args, kwargs) -> dict:
 
 def mark(block, args, kwargs, dims) -> None:
     """Mark these (path, dim) of a block call's inputs symbolic for torch.compile."""
+    _mark(named(block, args, kwargs), dims)
+
+
+def _mark(inputs: dict, dims) -> None:
     import torch
 
-    inputs = named(block, args, kwargs)
     for path, d in dims:
         t = _at(inputs, path)
         if isinstance(t, torch.Tensor) and d < t.dim() and t.shape[d] > 1:  # torch keeps sizes 0 and 1 fixed
@@ -187,14 +190,11 @@ def carry_marks(src, dst):
     return dst
 
 
-def with_grad(block, args, kwargs, paths) -> None:
+def with_grad(inputs: dict, paths) -> None:
     """In a training call with gradients: these inputs (leaves without gradients: the first block's, from frozen
     embedders) require them, as every later block's do."""
     import torch
 
-    if not (torch.is_grad_enabled() and block.training):
-        return
-    inputs = named(block, args, kwargs)
     for path in paths:
         t = _at(inputs, path)
         if isinstance(t, torch.Tensor) and t.is_floating_point() and t.is_leaf and not t.requires_grad:
@@ -209,9 +209,14 @@ class Marked:
         self.block, self.inner, self.dims, self.carried = block, inner, dims, carried
 
     def __call__(self, *args, **kwargs):
-        mark(self.block, args, kwargs, self.dims)
-        if self.carried:
-            with_grad(self.block, args, kwargs, self.carried)
+        import torch
+
+        grads = self.carried and torch.is_grad_enabled() and self.block.training
+        if self.dims or grads:
+            inputs = named(self.block, args, kwargs)  # once per call: on every block call of the run
+            _mark(inputs, self.dims)
+            if grads:
+                with_grad(inputs, self.carried)
         return self.inner(*args, **kwargs)
 
 
