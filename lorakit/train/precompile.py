@@ -130,18 +130,18 @@ class Rehearsal:
         the GIL released meanwhile; one still running after `timeout` seconds is ended. Returns {"ok", "seconds",
         "graphs", "parts"} or {"ok": False, "why"}."""
         end = time.monotonic() + timeout
-        while not (training and self.training()):
-            try:
-                self.proc.wait(max(0.0, min(0.2 if training else timeout, end - time.monotonic())))
-                break
-            except subprocess.TimeoutExpired:
-                if time.monotonic() < end:
-                    continue
+        while self.proc.poll() is None and not (training and self.training()):
+            left = end - time.monotonic()
+            if left <= 0:
                 self.proc.kill()
                 self.proc.wait()
                 with self._lock:
                     self._result = {"ok": False, "why": f"no result after {timeout:.0f} s, ended"}
                 break
+            try:
+                self.proc.wait(min(0.2, left) if training else left)
+            except subprocess.TimeoutExpired:
+                pass
         return self.state()
 
     def training(self) -> dict | None:
