@@ -27,7 +27,13 @@ gradients, where every later block gets them with: two graphs (forward and backw
 doubled the compile — Qwen-Image on an H200 (2026-11-30): the separate process compiled 2 graphs in 47.7 s, the run
 took 4 from the cache in 7.5 s. `install` has a block holding trained weights take those inputs as requiring
 gradients (a leaf's flag: the backward then also computes the gradient of that block's inputs, a few matrix
-products of one block, and stops there), so every block of the kind calls one graph."""
+products of one block, and stops there), so every block of the kind calls one graph.
+
+Where a kind's later calls take those inputs as views of one tensor (FLUX.1's single blocks: the text and image streams
+are two slices of the previous block's output) and its first call as separate tensors (the last double block's two
+outputs), the strides differ and the kind compiled two graphs for one code. `packs` records, per kind, the dimension
+along which the later calls' views lie side by side; `install` has a call whose inputs arrive apart join them along it
+first (one copy of the two streams) and pass the slices, so every call of the kind meets the same layout."""
 
 from __future__ import annotations
 
@@ -72,10 +78,11 @@ def differing(calls: list[dict]) -> tuple[tuple[tuple, int], ...]:
     return tuple(out)
 
 
-def varying(tr, batches: list, carried: dict | None = None) -> dict[str, tuple[tuple[tuple, int], ...]]:
+def varying(tr, batches: list, carried: dict | None = None,
+            packs: dict | None = None) -> dict[str, tuple[tuple[tuple, int], ...]]:
     """Block kind -> the (path, dim) of its inputs that differ over these batches of the run (`found`, one forward of
     each at sigma 0.5 with noise from its own generator; fewer than two batches: none), and into `carried` the
-    inputs each kind carries on from the block before."""
+    inputs each kind carries on from the block before (into `packs`: how its later calls take them, `found`)."""
     import torch
 
     if not batches:
@@ -86,15 +93,45 @@ def varying(tr, batches: list, carried: dict | None = None) -> dict[str, tuple[t
         n = batch.latents.shape[0]
         return lambda: tr.loss_on(batch, torch.full((n,), 0.5), torch.randn(batch.latents.shape, generator=gen))
 
-    return found(tr.transformer, [forward(b) for b in batches], tr.device, carried)
+    return found(tr.transformer, [forward(b) for b in batches], tr.device, carried, packs)
 
 
-def found(transformer, passes: list, device: str,
-          carried: dict | None = None) -> dict[str, tuple[tuple[tuple, int], ...]]:
+def _contiguous(shape) -> tuple:
+    strides, n = [], 1
+    for size in reversed(shape):
+        strides.append(n)
+        n *= size
+    return tuple(reversed(strides))
+
+
+def tiling(ts: list) -> int | None:
+    """The dimension along which these tensors (in this order) lie side by side in one storage, filling a contiguous
+    tensor from its start — as `torch.cat` along it and a split back would leave them — or None."""
+    t0 = ts[0]
+    if len(ts) < 2 or t0.storage_offset() or any(
+            t.dim() != t0.dim() or t.dtype != t0.dtype or t.stride() != t0.stride() or
+            t.untyped_storage().data_ptr() != t0.untyped_storage().data_ptr() for t in ts):
+        return None
+    for d in range(t0.dim()):
+        rest = [tuple(t.shape[:d]) + tuple(t.shape[d + 1:]) for t in ts]
+        whole = list(t0.shape)
+        whole[d] = sum(t.shape[d] for t in ts)
+        if any(r != rest[0] for r in rest) or tuple(t0.stride()) != _contiguous(whole):
+            continue
+        offsets = [sum(t.shape[d] for t in ts[:i]) * t0.stride(d) for i in range(len(ts))]
+        if [t.storage_offset() for t in ts] == offsets:
+            return d
+    return None
+
+
+def found(transformer, passes: list, device: str, carried: dict | None = None,
+          packs: dict | None = None) -> dict[str, tuple[tuple[tuple, int], ...]]:
     """Block kind -> the (path, dim) of its inputs whose sizes differ between these passes through the transformer
     (each run once without gradients, the blocks uncompiled; the random states and gradients as before), from the
     first call of each kind in each pass. Kinds where nothing differs are left out. Into `carried`: block kind -> the
-    paths of the inputs its calls took from the previous block call's outputs (and not from that call's inputs)."""
+    paths of the inputs its calls took from the previous block call's outputs (and not from that call's inputs). Into
+    `packs`: block kind -> (dim, names) where some of its calls took those inputs (named parameters) as slices of one
+    tensor along dim, in that order (`tiling`), and others as separate tensors."""
     import torch
 
     blocks = repeated_blocks(transformer)
@@ -102,15 +139,25 @@ def found(transformer, passes: list, device: str,
     first: dict[str, dict] = {}
     before = {"in": set(), "out": set()}  # the storages of the previous block call's inputs and outputs
     took: dict[str, set] = {}
+    tiled: dict[str, tuple] = {}
+    apart: set = set()
 
     def hook(block, args, kwargs):
         inputs = named(block, args, kwargs)
-        first.setdefault(type(block).__name__, _shapes(inputs))
+        kind = type(block).__name__
+        first.setdefault(kind, _shapes(inputs))
         new = before["out"] - before["in"]  # made by the previous call, not handed through it
-        got = {p for p, t in _tensors(inputs).items()
+        got = {p: t for p, t in _tensors(inputs).items()
                if t.is_floating_point() and t.untyped_storage().data_ptr() in new}
         if got:
-            took.setdefault(type(block).__name__, set()).update(got)
+            took.setdefault(kind, set()).update(got)
+        if len(got) > 1 and all(len(p) == 1 and isinstance(p[0], str) for p in got):
+            order = sorted(got, key=lambda p: (got[p].untyped_storage().data_ptr(), got[p].storage_offset()))
+            d = tiling([got[p] for p in order])
+            if d is not None:
+                tiled.setdefault(kind, (d, tuple(p[0] for p in order)))
+            elif len({t.untyped_storage().data_ptr() for t in got.values()}) == len(got):
+                apart.add(kind)
         before["in"] = _storages(inputs)
 
     def after(block, args, kwargs, output):
@@ -141,6 +188,8 @@ def found(transformer, passes: list, device: str,
             torch.cuda.set_rng_state(cuda_rng, torch.device(device))
     if carried is not None:
         carried.update({kind: tuple(sorted(paths, key=str)) for kind, paths in took.items()})
+    if packs is not None:
+        packs.update({kind: pack for kind, pack in tiled.items() if kind in apart})
     dims = {kind: differing(calls) for kind, calls in seen.items() if len(calls) == len(passes) > 1}
     return {kind: d for kind, d in dims.items() if d}
 
@@ -201,35 +250,61 @@ def with_grad(inputs: dict, paths) -> None:
             t.requires_grad_(True)
 
 
-class Marked:
-    """A block's `_compiled_call_impl`: marks the call's varying dims, has its carried inputs require gradients
-    (`with_grad`), then calls what it wraps (`inner`)."""
+def packed(block, args, kwargs, inputs: dict, pack) -> tuple[tuple, dict]:
+    """The call's args and kwargs with the inputs `pack` names (dim, names) joined along dim and passed as slices of
+    the joined tensor, as the kind's later calls get them; unchanged where they are slices of one tensor already (or
+    cannot be joined). `inputs` (`named`'s) is updated alike."""
+    import torch
 
-    def __init__(self, block, inner, dims, carried=()):
-        self.block, self.inner, self.dims, self.carried = block, inner, dims, carried
+    d, names = pack
+    ts = [inputs.get(n) for n in names]
+    if not all(isinstance(t, torch.Tensor) for t in ts) or len({(t.dtype, t.device) for t in ts}) > 1 or \
+            len({t.untyped_storage().data_ptr() for t in ts}) == 1:
+        return args, kwargs
+    views = torch.cat(ts, dim=d).split([t.shape[d] for t in ts], dim=d)
+    args, kwargs, params = list(args), dict(kwargs), _params(type(block))
+    for n, v in zip(names, views, strict=True):
+        inputs[n] = v
+        if n in kwargs or n not in params or params.index(n) >= len(args):
+            kwargs[n] = v
+        else:
+            args[params.index(n)] = v
+    return tuple(args), kwargs
+
+
+class Marked:
+    """A block's `_compiled_call_impl`: has its carried inputs require gradients (`with_grad`), passes those its
+    kind's later calls take as slices of one tensor so (`packed`), marks the call's varying dims, then calls what it
+    wraps (`inner`)."""
+
+    def __init__(self, block, inner, dims, carried=(), pack=None):
+        self.block, self.inner, self.dims, self.carried, self.pack = block, inner, dims, carried, pack
 
     def __call__(self, *args, **kwargs):
         import torch
 
         grads = self.carried and torch.is_grad_enabled() and self.block.training
-        if self.dims or grads:
+        if self.dims or grads or self.pack:
             inputs = named(self.block, args, kwargs)  # once per call: on every block call of the run
-            _mark(inputs, self.dims)
             if grads:
                 with_grad(inputs, self.carried)
+            if self.pack:
+                args, kwargs = packed(self.block, args, kwargs, inputs, self.pack)
+            _mark(inputs, self.dims)
         return self.inner(*args, **kwargs)
 
 
-def install(transformer, dims: dict, carried: dict | None = None) -> int:
-    """Wrap each compiled block whose kind has varying dims, or carried inputs and trained weights of its own;
-    returns how many blocks were wrapped."""
+def install(transformer, dims: dict, carried: dict | None = None, packs: dict | None = None) -> int:
+    """Wrap each compiled block whose kind has varying dims, a pack (`packed`), or carried inputs and trained weights
+    of its own; returns how many blocks were wrapped."""
     n = 0
     for b in repeated_blocks(transformer):
-        d = dims.get(type(b).__name__, ())
-        c = (carried or {}).get(type(b).__name__, ()) if any(p.requires_grad for p in b.parameters()) else ()
+        kind = type(b).__name__
+        d, p = dims.get(kind, ()), (packs or {}).get(kind)
+        c = (carried or {}).get(kind, ()) if any(q.requires_grad for q in b.parameters()) else ()
         impl = b._compiled_call_impl
-        if (d or c) and impl is not None and not isinstance(impl, Marked):
-            b._compiled_call_impl = Marked(b, impl, d, c)
+        if (d or c or p) and impl is not None and not isinstance(impl, Marked):
+            b._compiled_call_impl = Marked(b, impl, d, c, p)
             n += 1
     return n
 
@@ -257,13 +332,20 @@ def said_carried(carried: dict) -> str:
     return "; ".join(f"{kind}: " + ", ".join(_name(p) for p in ps) for kind, ps in carried.items())
 
 
-def to_json(dims: dict, carried: dict | None = None) -> dict:
+def said_packs(packs: dict) -> str:
+    """The packed inputs in words, for the log."""
+    return "; ".join(f"{kind}: " + " + ".join(names) + f" along dim {d}" for kind, (d, names) in packs.items())
+
+
+def to_json(dims: dict, carried: dict | None = None, packs: dict | None = None) -> dict:
     return {"dims": {kind: [[list(p), d] for p, d in ds] for kind, ds in dims.items()},
-            "carried": {kind: [list(p) for p in ps] for kind, ps in (carried or {}).items()}}
+            "carried": {kind: [list(p) for p in ps] for kind, ps in (carried or {}).items()},
+            "packs": {kind: [d, list(names)] for kind, (d, names) in (packs or {}).items()}}
 
 
-def from_json(data: dict) -> tuple[dict, dict]:
-    """`to_json`'s inverse: (dims, carried)."""
+def from_json(data: dict) -> tuple[dict, dict, dict]:
+    """`to_json`'s inverse: (dims, carried, packs)."""
     data = data or {}
     return ({kind: tuple((tuple(p), d) for p, d in ds) for kind, ds in data.get("dims", {}).items()},
-            {kind: tuple(tuple(p) for p in ps) for kind, ps in data.get("carried", {}).items()})
+            {kind: tuple(tuple(p) for p in ps) for kind, ps in data.get("carried", {}).items()},
+            {kind: (d, tuple(names)) for kind, (d, names) in data.get("packs", {}).items()})

@@ -113,16 +113,17 @@ class Rehearsal:
         except (OSError, ValueError):  # the child is gone: `wait` says why
             pass
 
-    def go(self, tr, conds, varying: dict | None = None, carried: dict | None = None) -> None:
+    def go(self, tr, conds, varying: dict | None = None, carried: dict | None = None,
+           packs: dict | None = None) -> None:
         """Hand the child the run's inputs (step 1's, the other shapes', the grid's prompts), the attention
-        backend in force, the sizes the run's blocks compile symbolic and the inputs they take with gradients
-        (`train.dims`): it compiles now."""
+        backend in force, the sizes the run's blocks compile symbolic, the inputs they take with gradients and
+        those they join (`train.dims`): it compiles now."""
         import torch
 
         path = self.folder / "inputs.pt"
         torch.save(plain(rehearsal_inputs(tr, conds)), path)  # read back with weights_only=True
         self._send({"inputs": str(path), "attention": tr.cfg.memory.attention,
-                    "dims": dims.to_json(varying or {}, carried)})
+                    "dims": dims.to_json(varying or {}, carried, packs)})
         self._send(None)
 
     def wait(self, timeout: float = WAIT_S, training: bool = False) -> dict:

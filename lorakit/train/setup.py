@@ -177,7 +177,7 @@ def setup(resolved: Resolved, resume: str | None, events: Events, force: bool = 
                 facts.update(ahead.stop())
         resolved.read_ahead = None
         del base
-        varying, carried = block_inputs(tr, events)
+        varying, carried, packs = block_inputs(tr, events)
         if measuring:  # the first run here: the family's attention was measured beside the cache and the load
             cfg = tr.cfg = choose_attention(resolved, measuring, out, events, note)
             key = warm.warm_key(cfg, device) if key else None  # the compile depends on the backend chosen now
@@ -200,7 +200,7 @@ def setup(resolved: Resolved, resume: str | None, events: Events, force: bool = 
             else:  # the step-0 grid renders right after step 1 from these weights: it does not hold up the first step
                 r.initial = checkpoint.snapshot(tr)
         if rehearsal and tr.background and tr.step < cfg.schedule.steps:
-            rehearsal.go(tr, conds if sampler else None, varying, carried)
+            rehearsal.go(tr, conds if sampler else None, varying, carried, packs)
             tr.background.ahead = rehearsal
             events.info("the blocks compile in a separate process (a first run with these settings here): the "
                         "first steps run them uncompiled meanwhile, then they switch between two steps")
@@ -213,21 +213,25 @@ def setup(resolved: Resolved, resume: str | None, events: Events, force: bool = 
         raise
 
 
-def block_inputs(tr, events: Events) -> tuple[dict, dict]:
+def block_inputs(tr, events: Events) -> tuple[dict, dict, dict]:
     """The blocks' input sizes that vary over the run's data (its bucket shapes, text lengths), symbolic in their
-    compiled graphs from the first compile, and the inputs each block carries on to the next, with gradients in the
-    first block too (`train.dims`): (varying, carried). Not under FSDP nor with CUDA graphs."""
+    compiled graphs from the first compile, the inputs each block carries on to the next, with gradients in the
+    first block too, and those a kind's first call gets apart where the later ones get slices of one tensor
+    (`train.dims`): (varying, carried, packs). Not under FSDP nor with CUDA graphs."""
     batches = warm.variants(tr) if tr.compiled and not tr.sharded and not tr.graphs and tr.data is not None else []
     if not batches:
-        return {}, {}
+        return {}, {}, {}
     carried: dict = {}
+    packs: dict = {}
     with events.phase("sizes that vary" if len(batches) > 1 else "the blocks' inputs") as facts:
-        found = dims.varying(tr, batches, carried)  # one shape: the graphs stay specialised to it
-        dims.install(tr.transformer, found, carried)
+        found = dims.varying(tr, batches, carried, packs)  # one shape: the graphs stay specialised to it
+        dims.install(tr.transformer, found, carried, packs)
         if len(batches) > 1:
             facts["symbolic"] = dims.said(found) or "none"
         facts["with_grad"] = dims.said_carried(carried) or "none"
-    return found, carried
+        if packs:
+            facts["packed"] = dims.said_packs(packs)
+    return found, carried, packs
 
 
 def choose_attention(resolved: Resolved, measuring: Measuring, out: Path, events: Events, note):

@@ -46,8 +46,8 @@ def warm_key(cfg, device: str) -> str:
     facts = {"torch": torch.__version__, "lorakit": lorakit.__version__, "card": card, "family": cfg.model.family,
              "config": config, "dtype": cfg.model.dtype, "method": cfg.method, "batch": cfg.schedule.batch_size,
              "lora": cfg.lora.model_dump(mode="json"), "memory": memory,
-             "graphs": "the data's varying sizes symbolic from the first compile, carried inputs with gradients "
-                       "(train.dims)"}
+             "graphs": "the data's varying sizes symbolic from the first compile, carried inputs with gradients, "
+                       "joined where later calls get them joined (train.dims)"}
     return hashlib.sha256(json.dumps(facts, sort_keys=True, default=str).encode()).hexdigest()[:24]
 
 

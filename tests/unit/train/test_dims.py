@@ -28,8 +28,10 @@ def test_only_the_dimensions_whose_sizes_differ_are_found():
     assert dims.differing([a, a]) == ()
     found = {"Block": ((("hidden_states",), 1), (("rope", 0), 0))}
     carried = {"Block": (("encoder_hidden_states",), ("hidden_states",))}
-    back = dims.from_json(json.loads(json.dumps(dims.to_json(found, carried))))  # to the compile process and back
-    assert back == (found, carried) and dims.from_json(None) == ({}, {})
+    packs = {"Single": (1, ("encoder_hidden_states", "hidden_states"))}
+    back = dims.from_json(json.loads(json.dumps(dims.to_json(found, carried, packs))))  # to the compile process
+    assert back == (found, carried, packs) and dims.from_json(None) == ({}, {}, {})
+    assert dims.said_packs(packs) == "Single: encoder_hidden_states + hidden_states along dim 1"
     assert dims.said_carried(carried) == "Block: encoder_hidden_states, hidden_states"
     assert dims.said(found) == "Block: hidden_states dim 1, rope[0] dim 0"
 
@@ -69,16 +71,46 @@ def _lora_model(tiny, family: str):
     return tr.train(), adapter, x
 
 
+def test_slices_of_one_tensor_are_found_and_separate_inputs_are_joined_into_the_same_layout():
+    """FLUX.1's single blocks: the first gets the text and image streams as two tensors, the later ones as two
+    slices of the previous block's output; joined, the first call's inputs have the later calls' sizes, strides and
+    offsets (what a compiled graph is specialised to), and the gradient reaches both."""
+    from diffusers.models.transformers.transformer_flux import FluxSingleTransformerBlock
+
+    out = torch.randn(1, 7, 4)
+    e, h = out[:, :3], out[:, 3:]
+    assert dims.tiling([e, h]) == 1 and dims.tiling([h, e]) is None and dims.tiling([e]) is None
+    assert dims.tiling([e.clone(), h.clone()]) is None and dims.tiling([out[:, :3], out[:, 4:]]) is None
+    block = FluxSingleTransformerBlock(dim=4, num_attention_heads=1, attention_head_dim=4)
+    e0, h0 = torch.randn(1, 3, 4, requires_grad=True), torch.randn(1, 4, 4, requires_grad=True)
+    for args, kwargs in (((h0, e0), {}), ((), {"hidden_states": h0, "encoder_hidden_states": e0})):
+        inputs = dims.named(block, args, kwargs)
+        a, k = dims.packed(block, args, kwargs, inputs, (1, ("encoder_hidden_states", "hidden_states")))
+        got = dims.named(block, a, k)
+        assert got == inputs and got["hidden_states"] is not h0
+        for name, want in (("encoder_hidden_states", e), ("hidden_states", h)):
+            t = got[name]
+            assert (t.shape, t.stride(), t.storage_offset()) == (want.shape, want.stride(), want.storage_offset())
+        assert torch.equal(got["encoder_hidden_states"], e0) and torch.equal(got["hidden_states"], h0)
+        assert dims.packed(block, a, k, got, (1, ("encoder_hidden_states", "hidden_states"))) == (a, k)  # joined
+    (got["hidden_states"].sum() + 2 * got["encoder_hidden_states"].sum()).backward()
+    assert torch.equal(h0.grad, torch.ones_like(h0)) and torch.equal(e0.grad, torch.full_like(e0, 2))
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize(("family", "carried", "graphs"), [
-    ("qwen-image", {"QwenImageTransformerBlock": (("encoder_hidden_states",), ("hidden_states",))}, (2, 1)),
-    ("wan2.1-t2v", {"WanTransformerBlock": (("hidden_states",),)}, (2, 1)),  # the text is cross-attended: not carried
+@pytest.mark.parametrize(("family", "carried", "packs", "graphs"), [
+    ("qwen-image", {"QwenImageTransformerBlock": (("encoder_hidden_states",), ("hidden_states",))}, {}, (2, 1)),
+    ("wan2.1-t2v", {"WanTransformerBlock": (("hidden_states",),)}, {}, (2, 1)),  # the text is cross-attended
+    ("flux", {"FluxSingleTransformerBlock": (("encoder_hidden_states",), ("hidden_states",))},
+     {"FluxSingleTransformerBlock": (1, ("encoder_hidden_states", "hidden_states"))}, (3, 2)),
 ])
 def test_the_first_block_takes_its_carried_inputs_with_gradients_so_every_block_of_a_kind_calls_one_graph(
-        tiny, family, carried, graphs):
+        tiny, family, carried, packs, graphs):
     """With LoRA the first block of a list gets the image and text streams from frozen embedders, without gradients,
     and every later block with them: two graphs for the same code. Marked as carried, they require gradients in the
-    first block too: one graph, the same output and LoRA gradients."""
+    first block too: one graph, the same output and LoRA gradients. FLUX.1's first single block gets them as two
+    tensors where the later ones get slices of one: joined first, one graph for the kind (the double block: the
+    other)."""
     def step(tr, adapter, x):
         v = adapter.predict(tr, x.latents.clone(), torch.tensor([0.6]), x.text)
         v.square().mean().backward()
@@ -94,11 +126,12 @@ def test_the_first_block_takes_its_carried_inputs_with_gradients_so_every_block_
         tr, adapter, x = _lora_model(tiny, family)
         for b in repeated_blocks(tr):
             b._compiled_call_impl = torch.compile(b._call_impl, backend="aot_eager")
-        found: dict = {}
+        found, joined = {}, {}
         run = functools.partial(adapter.predict, tr, x.latents.clone(), torch.tensor([0.6]), x.text)
-        assert dims.found(tr, [run], "cpu", found) == {} and found == carried  # one pass: no sizes vary
+        assert dims.found(tr, [run], "cpu", found, joined) == {} and found == carried  # one pass: no sizes vary
+        assert joined == packs
         if use:
-            assert dims.install(tr, {}, found) == len(repeated_blocks(tr))
+            assert dims.install(tr, {}, found, joined) == sum(type(b).__name__ in carried for b in repeated_blocks(tr))
         got = step(tr, adapter, x)
         made.append(counters["stats"]["unique_graphs"])
         torch.testing.assert_close(got[0], want[0], rtol=0, atol=0)

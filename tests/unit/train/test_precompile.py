@@ -11,7 +11,7 @@ import torch
 from lorakit.data.demo import make_demo_dataset
 from lorakit.io.modules import load_component, random_component
 from lorakit.plan.resolve import resolve
-from lorakit.train import precompile
+from lorakit.train import dims, precompile
 from lorakit.train.compile_bg import BackgroundCompile, describe
 from lorakit.train.loop import run
 from lorakit.train.swap import repeated_blocks
@@ -42,8 +42,9 @@ class _Recorder:
         self.cfg, self.inputs = cfg, None
         _Recorder.made.append(self)
 
-    def go(self, tr, conds, varying=None, carried=None):
+    def go(self, tr, conds, varying=None, carried=None, packs=None):
         self.inputs, self.varying, self.carried = precompile.rehearsal_inputs(tr, conds), varying, carried
+        self.packs = packs
 
     def wait(self, timeout=None):
         return {"ok": True, "seconds": 0.0, "graphs": 0}
@@ -94,8 +95,12 @@ def test_the_copy_meets_the_calls_the_run_hands_its_worker_in_the_same_order(tmp
     assert rec.inputs is not None
     assert set(rec.varying) == {"FluxTransformerBlock", "FluxSingleTransformerBlock"}  # symbolic as in the run
     assert rec.carried == {"FluxSingleTransformerBlock": (("encoder_hidden_states",), ("hidden_states",))}
+    assert rec.packs == {"FluxSingleTransformerBlock": (1, ("encoder_hidden_states", "hidden_states"))}
     cfg = rec.cfg.model_copy(update={"memory": rec.cfg.memory.model_copy(update={"compile": False})})
     copy = precompile.build_copy(cfg, "cpu")
+    for b in repeated_blocks(copy.transformer):  # as if compiled: the process's wrappers go around the blocks' calls
+        b._compiled_call_impl = b._call_impl
+    dims.install(copy.transformer, *dims.from_json(dims.to_json(rec.varying, rec.carried, rec.packs)))
     met = []
 
     def hook(block, args, kwargs):
