@@ -250,6 +250,17 @@ def with_grad(inputs: dict, paths) -> None:
             t.requires_grad_(True)
 
 
+def settled(t):
+    """`t` with the stride of each of its size-1 dimensions as a contiguous tensor of its sizes would have it (the
+    same elements: a size-1 dimension's stride addresses nothing). A slice's stride there is its whole tensor's size
+    times the rest, which changes with another bucket shape where the slice's own sizes do not (the text stream of
+    FLUX.1's single blocks): torch.compile keeps such a stride fixed until it has seen it change, a graph more."""
+    for i in range(t.dim()):
+        if t.shape[i] == 1 and t.stride(i) != (t.stride(i + 1) * t.shape[i + 1] if i + 1 < t.dim() else 1):
+            t = t.squeeze(i).unsqueeze(i)
+    return t
+
+
 def packed(block, args, kwargs, inputs: dict, pack) -> tuple[tuple, dict]:
     """The call's args and kwargs with the inputs `pack` names (dim, names) joined along dim and passed as slices of
     the joined tensor, as the kind's later calls get them; unchanged where they are slices of one tensor already (or
@@ -258,10 +269,13 @@ def packed(block, args, kwargs, inputs: dict, pack) -> tuple[tuple, dict]:
 
     d, names = pack
     ts = [inputs.get(n) for n in names]
-    if not all(isinstance(t, torch.Tensor) for t in ts) or len({(t.dtype, t.device) for t in ts}) > 1 or \
-            len({t.untyped_storage().data_ptr() for t in ts}) == 1:
+    if not all(isinstance(t, torch.Tensor) for t in ts) or len({(t.dtype, t.device) for t in ts}) > 1:
         return args, kwargs
-    views = torch.cat(ts, dim=d).split([t.shape[d] for t in ts], dim=d)
+    views = ts if len({t.untyped_storage().data_ptr() for t in ts}) == 1 else \
+        torch.cat(ts, dim=d).split([t.shape[d] for t in ts], dim=d)
+    views = [settled(v) for v in views]
+    if all(v is t for v, t in zip(views, ts, strict=True)):
+        return args, kwargs
     args, kwargs, params = list(args), dict(kwargs), _params(type(block))
     for n, v in zip(names, views, strict=True):
         inputs[n] = v

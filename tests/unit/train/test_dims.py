@@ -9,11 +9,13 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
+from lorakit.config import assemble
 from lorakit.data.demo import make_demo_dataset
 from lorakit.io.modules import load_component
 from lorakit.models.base import load_adapter
 from lorakit.train import dims
 from lorakit.train.compile_bg import BackgroundCompile
+from lorakit.train.lora import add_lora
 from lorakit.train.swap import repeated_blocks
 from tests.unit.train.test_compile_bg import _Heard, _model, _step, captions_of_lengths, run_fresh
 from tests.unit.train.test_loop import make_cfg
@@ -57,9 +59,6 @@ def test_a_call_by_position_and_by_keyword_has_the_same_paths():
 
 
 def _lora_model(tiny, family: str):
-    from lorakit.config import assemble
-    from lorakit.train.lora import add_lora
-
     folder = tiny(family)
     adapter = load_adapter(family, folder, dtype=torch.float32)
     cfg, _ = assemble(None, [f"model.family={family}"], "datacenter")
@@ -79,6 +78,9 @@ def test_slices_of_one_tensor_are_found_and_separate_inputs_are_joined_into_the_
 
     out = torch.randn(1, 7, 4)
     e, h = out[:, :3], out[:, 3:]
+    s = dims.settled(e)  # the batch dim's stride as the slice's own sizes give it: the same elements
+    assert e.stride() == (28, 4, 1) and s.stride() == (12, 4, 1) and s.data_ptr() == e.data_ptr() and torch.equal(s, e)
+    assert dims.settled(out) is out and dims.settled(torch.zeros(2, 3, 4)[:, :1]).stride() == (12, 4, 1)
     assert dims.tiling([e, h]) == 1 and dims.tiling([h, e]) is None and dims.tiling([e]) is None
     assert dims.tiling([e.clone(), h.clone()]) is None and dims.tiling([out[:, :3], out[:, 4:]]) is None
     block = FluxSingleTransformerBlock(dim=4, num_attention_heads=1, attention_head_dim=4)
@@ -88,13 +90,49 @@ def test_slices_of_one_tensor_are_found_and_separate_inputs_are_joined_into_the_
         a, k = dims.packed(block, args, kwargs, inputs, (1, ("encoder_hidden_states", "hidden_states")))
         got = dims.named(block, a, k)
         assert got == inputs and got["hidden_states"] is not h0
-        for name, want in (("encoder_hidden_states", e), ("hidden_states", h)):
+        for name, want in (("encoder_hidden_states", dims.settled(e)), ("hidden_states", dims.settled(h))):
             t = got[name]
             assert (t.shape, t.stride(), t.storage_offset()) == (want.shape, want.stride(), want.storage_offset())
         assert torch.equal(got["encoder_hidden_states"], e0) and torch.equal(got["hidden_states"], h0)
         assert dims.packed(block, a, k, got, (1, ("encoder_hidden_states", "hidden_states"))) == (a, k)  # joined
     (got["hidden_states"].sum() + 2 * got["encoder_hidden_states"].sum()).backward()
     assert torch.equal(h0.grad, torch.ones_like(h0)) and torch.equal(e0.grad, torch.full_like(e0, 2))
+
+
+@pytest.mark.slow
+def test_flux_single_blocks_call_one_graph_for_every_bucket_shape(tiny):
+    """FLUX.1 with three double and three single blocks, LoRA, two bucket shapes, compiled as the run compiles them
+    (`found` on both shapes, then `install`): one graph per block kind for both shapes. Without joining the first
+    single block's inputs it compiled a second single-block graph; joined but with the slices' batch stride as it
+    comes (the whole tensor's size, which the other shape changes), a second one at the other shape."""
+    from diffusers import FluxTransformer2DModel
+
+    folder = tiny("flux")
+    adapter = load_adapter("flux", folder, dtype=torch.float32)
+    config = dict(load_component(folder / "transformer").config)
+    torch.manual_seed(0)
+    tr = FluxTransformer2DModel(**{**{k: v for k, v in config.items() if not k.startswith("_")},
+                                   "num_layers": 3, "num_single_layers": 3})
+    cfg, _ = assemble(None, ["model.family=flux"], "datacenter")
+    add_lora(tr, adapter, cfg)
+    tr.train()
+    xs = [adapter.example_inputs(config, res, 8, torch.Generator().manual_seed(0)) for res in (64, 96)]
+    torch._dynamo.reset()
+    counters.clear()
+    try:
+        for b in repeated_blocks(tr):
+            b._compiled_call_impl = torch.compile(b._call_impl, backend="aot_eager")
+        carried, packs = {}, {}
+        runs = [functools.partial(adapter.predict, tr, x.latents.clone(), torch.tensor([0.6]), x.text) for x in xs]
+        dims.install(tr, dims.found(tr, runs, "cpu", carried, packs), carried, packs)
+        assert packs == {"FluxSingleTransformerBlock": (1, ("encoder_hidden_states", "hidden_states"))}
+        made = []
+        for x in xs:
+            adapter.predict(tr, x.latents.clone(), torch.tensor([0.6]), x.text).square().mean().backward()
+            made.append(counters["stats"]["unique_graphs"])
+    finally:
+        torch._dynamo.reset()
+    assert made == [2, 2]
 
 
 @pytest.mark.slow
