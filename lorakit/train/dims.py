@@ -257,7 +257,7 @@ def settled(t):
     same elements: a size-1 dimension's stride addresses nothing). A slice's stride there is its whole tensor's size
     times the rest, which changes with another bucket shape where the slice's own sizes do not (the text stream of
     FLUX.1's single blocks): torch.compile keeps such a stride fixed until it has seen it change, a graph more."""
-    for i in range(t.dim()):
+    for i in reversed(range(t.dim())):  # from the innermost: each such stride follows the one inside it
         if t.shape[i] == 1 and t.stride(i) != (t.stride(i + 1) * t.shape[i + 1] if i + 1 < t.dim() else 1):
             t = t.squeeze(i).unsqueeze(i)
     return t

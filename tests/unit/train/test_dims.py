@@ -81,6 +81,7 @@ def test_slices_of_one_tensor_are_found_and_separate_inputs_are_joined_into_the_
     s = dims.settled(e)  # the batch dim's stride as the slice's own sizes give it: the same elements
     assert e.stride() == (28, 4, 1) and s.stride() == (12, 4, 1) and s.data_ptr() == e.data_ptr() and torch.equal(s, e)
     assert dims.settled(out) is out and dims.settled(torch.zeros(2, 3, 4)[:, :1]).stride() == (12, 4, 1)
+    assert dims.settled(torch.zeros(100).as_strided((1, 1, 4), (50, 7, 1))).stride() == (4, 4, 1)
     assert dims.tiling([e, h]) == 1 and dims.tiling([h, e]) is None and dims.tiling([e]) is None
     assert dims.tiling([e.clone(), h.clone()]) is None and dims.tiling([out[:, :3], out[:, 4:]]) is None
     block = FluxSingleTransformerBlock(dim=4, num_attention_heads=1, attention_head_dim=4)
