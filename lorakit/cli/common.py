@@ -84,6 +84,8 @@ def print_resolved(r) -> None:
         console.print(f"[yellow]warning:[/] {w}")
     console.print(Syntax(dump_yaml(r.cfg), "yaml", theme="ansi_dark", background_color="default", word_wrap=True))
     console.print(f"[bold]runs on:[/] {r.device}" + (f" x {r.world} processes" if r.world > 1 else ""))
+    if r.step:
+        console.print(f"[bold]the step:[/] {r.step}", soft_wrap=True)
     if r.estimate:
         parts = ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in r.estimate["parts"].items())
         console.print(f"[bold]memory estimate:[/] {r.estimate['gib']} GiB ({parts}; {r.estimate['tokens']} tokens"

@@ -161,3 +161,38 @@ def attention_backend(cfg, device: str, note=None) -> str:
             raise NotAvailableError(why, "--set memory.attention=auto")
         return cfg.memory.attention
     return choice_from(self_test_family(cfg.model.family, device), cfg, device, note)  # measured once per machine
+
+
+def has_fp8_units(device: str) -> bool:
+    """Does this GPU have fp8 matrix units (compute capability 8.9+)? Whether its PyTorch runs the products is
+    tried where a run asks for them (`hardware.fp8`)."""
+    import torch
+
+    return device.startswith("cuda") and torch.cuda.is_available() and \
+        torch.cuda.get_device_capability(torch.device(device)) >= (8, 9)
+
+
+def step_line(cfg, device: str, asked_attention: str, graphs_possible: bool, fp8_possible: bool,
+              deferred: bool = False) -> str:
+    """What the training step runs with, in one line (the run says it as it starts, `--dry-run` too): compiled
+    blocks or not, the attention backend and where it came from, bf16 or fp8 products, CUDA graphs or not — and,
+    for the last two where the run left them off and this machine could take them, the setting that turns them on
+    (on the datacenter profile neither is the default: docs/benchmarks.md, "One training step"). Each decision that
+    could not give what the config asked says why in its own note."""
+    m = cfg.memory
+    if not device.startswith("cuda"):
+        return "uncompiled blocks, PyTorch's attention, products in the model's dtype (the CPU)"
+    parts = [("compiled blocks" + (", compiling beside the first steps" if m.compile_background else ""))
+             if m.compile else "uncompiled blocks"]
+    if deferred:
+        parts.append("attention: this machine's fastest, measured as the run starts")
+    elif m.attention == "auto":
+        parts.append("attention as PyTorch picks it per call")
+    else:
+        how = "this machine's fastest" if asked_attention == "auto" else "as set"
+        parts.append(f"attention {m.attention} ({how})")
+    parts.append("fp8 products" if m.compute == "fp8" else
+                 "bf16 products" + (" (fp8: --set memory.compute=fp8)" if fp8_possible else ""))
+    parts.append("CUDA graphs" if m.cuda_graphs else
+                 "no CUDA graphs" + (" (--set memory.cuda_graphs=true)" if graphs_possible else ""))
+    return "; ".join(parts)

@@ -24,8 +24,10 @@ from lorakit.plan.decide import (
     compile_decision,
     compute_decision,
     graphs_decision,
+    has_fp8_units,
     has_repeated_blocks,
     lacks_room,
+    step_line,
 )
 from lorakit.plan.memory import checkpointed, estimate, fit_to_gpu
 
@@ -44,12 +46,14 @@ class Resolved:
     memory_note: str | None = None  # what the memory plan did (checkpointing turned on or off, and why)
     notes: list[str] = field(default_factory=list)  # settings the run cannot follow as asked, and why (warnings)
     attention_deferred: bool = False  # the first run here: attention is measured while the run starts (train/setup)
+    step: str | None = None  # what the training step runs with, in one line (`plan.decide.step_line`)
+    step_inputs: dict | None = None  # what else the line needs: the attention asked for, what could be turned on
     read_ahead: Prefetch | None = None  # the transformer's files being read into the page cache (train/setup stops it)
 
     def to_dict(self) -> dict:
         return {"profile": self.profile, "config": self.cfg.to_dict(), "device": self.device, "world": self.world,
                 "memory_estimate": self.estimate, "memory_note": self.memory_note, "notes": list(self.notes),
-                "attention_deferred": self.attention_deferred}
+                "attention_deferred": self.attention_deferred, "step": self.step}
 
 
 def resolve(source: Path | dict | Config | None = None, overrides: list[str] | None = None,
@@ -144,4 +148,10 @@ def plan_run(r: Resolved, cap_gib: float | None = None, defer_attention: bool = 
                                                                   "compile_background": background,
                                                                   "attention": attention, "compute": compute})})
     r.estimate = est
+    could_graph = not m.cuda_graphs and graphs_decision(
+        cfg.model_copy(update={"memory": m.model_copy(update={"cuda_graphs": True})}), device, compiled, recomputed,
+        sharded)[0]
+    could_fp8 = compute == "bf16" and cfg.method == "lora" and has_fp8_units(device)
+    r.step_inputs = {"asked_attention": m.attention, "graphs_possible": could_graph, "fp8_possible": could_fp8}
+    r.step = step_line(r.cfg, device, deferred=r.attention_deferred, **r.step_inputs)
     return r

@@ -132,3 +132,29 @@ def test_compute_auto_multiplies_in_fp8_over_an_8_bit_base_where_the_gpu_can(mon
     assert ei.value.hint == "--set memory.compute=bf16"
     monkeypatch.setattr(fp8, "fp8_compute_problem", lambda _d: None)
     assert compute_decision(cfg, "cuda:0") == ("fp8", None) and compute_decision(cfg, "cpu") == ("fp8", None)
+
+
+def test_the_step_is_said_in_one_line_with_what_was_left_off_and_how_to_turn_it_on(monkeypatch):
+    """What the step runs with — compiled blocks, the attention backend and where it came from, bf16 or fp8
+    products, CUDA graphs — in one line, and for fp8 and CUDA graphs, where the run left them off and this machine
+    could take them, the setting that turns them on; `--dry-run` shows the same line."""
+    from lorakit.config import assemble
+    from lorakit.plan import resolve as resolve_mod
+    from lorakit.plan.decide import step_line
+
+    cfg, _ = assemble(None, ["model.family=flux", "memory.attention=flash", "memory.compile_background=true"],
+                      profile="datacenter")
+    line = step_line(cfg, "cuda:0", "auto", graphs_possible=True, fp8_possible=True)
+    assert line == ("compiled blocks, compiling beside the first steps; attention flash (this machine's fastest); "
+                    "bf16 products (fp8: --set memory.compute=fp8); no CUDA graphs (--set memory.cuda_graphs=true)")
+    assert "attention flash (as set)" in step_line(cfg, "cuda:0", "flash", False, False)
+    assert "measured as the run starts" in step_line(cfg, "cuda:0", "auto", False, False, deferred=True)
+    line = step_line(cfg, "cuda:0", "flash", graphs_possible=False, fp8_possible=False)
+    assert line.endswith("bf16 products; no CUDA graphs")
+    cfg, _ = assemble(None, ["model.family=flux", "memory.compute=fp8", "memory.cuda_graphs=true",
+                             "memory.compile_background=false"], profile="datacenter")
+    assert step_line(cfg, "cuda", "auto", True, True) == \
+        "compiled blocks; attention as PyTorch picks it per call; fp8 products; CUDA graphs"
+    assert "the CPU" in step_line(cfg, "cpu", "auto", True, True)
+    r = resolve_mod.resolve(None, ["model.family=flux"], "cpu", paths=())
+    assert r.step == step_line(r.cfg, "cpu", **r.step_inputs) and r.to_dict()["step"] == r.step
