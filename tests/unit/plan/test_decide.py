@@ -146,7 +146,8 @@ def test_the_step_is_said_in_one_line_with_what_was_left_off_and_how_to_turn_it_
                       profile="datacenter")
     line = step_line(cfg, "cuda:0", "auto", graphs_possible=True, fp8_possible=True)
     assert line == ("compiled blocks, compiling beside the first steps; attention flash (this machine's fastest); "
-                    "bf16 products (fp8: --set memory.compute=fp8); no CUDA graphs (--set memory.cuda_graphs=true)")
+                    "bf16 products (fp8: --set memory.compute=fp8); "
+                    "no CUDA graphs (--set memory.cuda_graphs=true: compiled at step 1, not beside it)")
     assert "attention flash (as set)" in step_line(cfg, "cuda:0", "flash", False, False)
     assert "measured as the run starts" in step_line(cfg, "cuda:0", "auto", False, False, deferred=True)
     line = step_line(cfg, "cuda:0", "flash", graphs_possible=False, fp8_possible=False)
