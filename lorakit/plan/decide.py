@@ -184,7 +184,7 @@ def step_line(cfg, device: str, asked_attention: str, graphs_possible: bool, fp8
         return "uncompiled blocks, PyTorch's attention, products in the model's dtype (the CPU)"
     parts = [("compiled blocks" + (", compiling beside the first steps" if m.compile_background else ""))
              if m.compile else "uncompiled blocks"]
-    if deferred:
+    if deferred and m.attention == "auto":  # not yet measured
         parts.append("attention: this machine's fastest, measured as the run starts")
     elif m.attention == "auto":
         parts.append("attention as PyTorch picks it per call")

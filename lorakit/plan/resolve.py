@@ -46,9 +46,15 @@ class Resolved:
     memory_note: str | None = None  # what the memory plan did (checkpointing turned on or off, and why)
     notes: list[str] = field(default_factory=list)  # settings the run cannot follow as asked, and why (warnings)
     attention_deferred: bool = False  # the first run here: attention is measured while the run starts (train/setup)
-    step: str | None = None  # what the training step runs with, in one line (`plan.decide.step_line`)
-    step_inputs: dict | None = None  # what else the line needs: the attention asked for, what could be turned on
+    step_inputs: dict | None = None  # for `step`: the attention asked for, what the machine could turn on
     read_ahead: Prefetch | None = None  # the transformer's files being read into the page cache (train/setup stops it)
+
+    @property
+    def step(self) -> str | None:
+        """What the training step runs with, in one line (`plan.decide.step_line`), the attention as in force now
+        (a measured one once the run has put it into `cfg`)."""
+        return step_line(self.cfg, self.device, deferred=self.attention_deferred, **self.step_inputs) \
+            if self.step_inputs else None
 
     def to_dict(self) -> dict:
         return {"profile": self.profile, "config": self.cfg.to_dict(), "device": self.device, "world": self.world,
@@ -153,5 +159,4 @@ def plan_run(r: Resolved, cap_gib: float | None = None, defer_attention: bool = 
         sharded)[0]
     could_fp8 = compute == "bf16" and cfg.method == "lora" and has_fp8_units(device)
     r.step_inputs = {"asked_attention": m.attention, "graphs_possible": could_graph, "fp8_possible": could_fp8}
-    r.step = step_line(r.cfg, device, deferred=r.attention_deferred, **r.step_inputs)
     return r

@@ -24,7 +24,7 @@ from lorakit.io.lock import FolderLock
 from lorakit.io.modules import load_facts
 from lorakit.models.base import load_adapter
 from lorakit.plan import disk
-from lorakit.plan.decide import choice_from, step_line
+from lorakit.plan.decide import choice_from
 from lorakit.plan.resolve import Resolved
 from lorakit.train import checkpoint, dims, first_grid, precompile, sampling, stop, warm
 from lorakit.train import resume as resume_mod
@@ -187,8 +187,8 @@ def setup(resolved: Resolved, resume: str | None, events: Events, force: bool = 
             s = cfg.schedule
             events.info(f"global batch {tr.global_batch} = {s.batch_size} per process x {d.world} process(es) x "
                         f"{s.grad_accum} accumulation")
-            if resolved.step_inputs and device.startswith("cuda"):  # with the attention measured at the start
-                events.info("the step: " + step_line(cfg, device, **resolved.step_inputs))
+            if resolved.step and device.startswith("cuda"):  # with the attention measured at the start
+                events.info(f"the step: {resolved.step}")
             if resumed:
                 events.info(f"resumed at step {tr.step} (written by {resumed['from_world']} process(es))"
                             + (f"; {resumed['note']}" if resumed["note"] else ""))

@@ -149,7 +149,9 @@ def test_the_step_is_said_in_one_line_with_what_was_left_off_and_how_to_turn_it_
                     "bf16 products (fp8: --set memory.compute=fp8); "
                     "no CUDA graphs (--set memory.cuda_graphs=true: compiled at step 1, not beside it)")
     assert "attention flash (as set)" in step_line(cfg, "cuda:0", "flash", False, False)
-    assert "measured as the run starts" in step_line(cfg, "cuda:0", "auto", False, False, deferred=True)
+    auto, _ = assemble(None, ["model.family=flux"], profile="datacenter")  # measured as the run starts, then put in
+    assert "measured as the run starts" in step_line(auto, "cuda:0", "auto", False, False, deferred=True)
+    assert "attention flash (this machine's fastest)" in step_line(cfg, "cuda:0", "auto", False, False, deferred=True)
     line = step_line(cfg, "cuda:0", "flash", graphs_possible=False, fp8_possible=False)
     assert line.endswith("bf16 products; no CUDA graphs")
     cfg, _ = assemble(None, ["model.family=flux", "memory.compute=fp8", "memory.cuda_graphs=true",
