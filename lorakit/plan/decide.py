@@ -133,12 +133,18 @@ def choice_from(report, cfg, device: str, note=None) -> str:
     return choice or "auto"
 
 
-def has_repeated_blocks(family: str) -> bool:
-    """Does the family's diffusers transformer class declare repeated blocks (what regional compile compiles)?"""
+def repeated_block_kinds(family: str) -> list[str]:
+    """The kinds of repeated block the family's diffusers transformer class declares (what regional compile
+    compiles, one graph each), in its order."""
     import diffusers
 
     cls = getattr(diffusers, family_adapter(family).info.transformer_class)
-    return bool(getattr(cls, "_repeated_blocks", None))
+    return list(getattr(cls, "_repeated_blocks", None) or ())
+
+
+def has_repeated_blocks(family: str) -> bool:
+    """Does the family's diffusers transformer class declare repeated blocks?"""
+    return bool(repeated_block_kinds(family))
 
 
 def attention_backend(cfg, device: str, note=None) -> str:

@@ -15,10 +15,12 @@ code there (`train.compile_bg`); the grid's calls take theirs at the next grid. 
 kept the steps uncompiled through the grid's compile and the process's exit: FLUX.1-dev 1024² on an H200
 (2026-11-30), the child's step 1 took 51.0 s, its grid 18.8 s, and the run switched 79.5 s after handing it over.
 
-The child starts before the model loads (its imports and its copy of the model overlap the load), is handed its
-inputs once the model is prepared and the attention backend chosen (`Rehearsal.go`), and ends with the run (also
-when the run's process is gone). One that fails leaves the compiling to the worker, as before; the run says why
-(the end of its log)."""
+Where the family has several kinds of block (FLUX's double and single blocks) and the card has room, a child per
+kind compiles at once, each its kind's graphs, the other kinds' blocks running uncompiled in it (`kinds_apart`).
+The child starts before the model loads (its imports, its copy of the model and Inductor's compile workers overlap
+the load), at a lower CPU priority than the run, is handed its inputs once the model is prepared and the attention
+backend chosen (`Rehearsal.go`), and ends with the run (also when the run's process is gone). One that fails leaves
+the compiling to the worker, as before; the run says why (the end of its log)."""
 
 from __future__ import annotations
 
@@ -40,13 +42,16 @@ from lorakit.hardware.sdpa import apply as apply_attention
 from lorakit.io.modules import random_component
 from lorakit.models.base import load_adapter, trained_dir
 from lorakit.models.batch import Batch
+from lorakit.plan.decide import repeated_block_kinds
 from lorakit.plan.memory import PLAN_MARGIN_GIB
 from lorakit.train import dims, sampling, warm
 from lorakit.train.inputs import draw
+from lorakit.train.swap import repeated_blocks
 
 BLOCKS = 2  # of each repeated list: the first block's inputs need no gradient, the next ones' do
 WAIT_S = 1800.0  # the longest the worker waits for the process (a hung compile must not keep a run uncompiled)
 ENV = "LORAKIT_PRECOMPILE"  # "0": the worker thread compiles alone; "1": the CPU too (where its blocks compile)
+NICE = 10  # the child and its compile workers yield the CPU to the run's thread where both want it
 
 
 def wanted(cfg, device: str, world: int) -> bool:
@@ -73,23 +78,36 @@ def child_gib(est: dict) -> float:
     return 1.0 + est["parts"]["base"] * kept / est["blocks"] + kept * est["block_gib"]
 
 
-def lacks_room(est: dict | None, budget: float) -> str | None:
-    """Why the card has no room for the process beside the run's uncompiled steps (None: it has)."""
+def lacks_room(est: dict | None, budget: float, processes: int = 1) -> str | None:
+    """Why the card has no room for the process(es) beside the run's uncompiled steps (None: it has)."""
     if not est:
         return None
-    need = est.get("uncompiled_gib", est["gib"]) + child_gib(est)
+    need = est.get("uncompiled_gib", est["gib"]) + processes * child_gib(est)
     if need > budget - PLAN_MARGIN_GIB:
         return f"no room beside the run for a separate compile process (about {need:.1f} GiB of {budget:.0f})"
     return None
 
 
-class Rehearsal:
-    """The child process (see the module): started now, handed its inputs by `go`, waited for by the worker."""
+def kinds_apart(cfg, device: str, est: dict | None, budget: float | None) -> list[str] | None:
+    """The kinds of block that compile in a process each, at once (None: one process compiles them all): on a GPU
+    with the cores for it, where the family has more than one kind and the card has room for a process per kind.
+    FLUX.1-dev 1024² on an H200 (2026-11-30, a first run): one process compiled the double and the single blocks
+    one after the other in 31.7 s, and the run's steps 2-25 ran uncompiled at 0.593 s against 0.428 meanwhile."""
+    if not device.startswith("cuda") or (os.cpu_count() or 1) < 8:
+        return None
+    kinds = repeated_block_kinds(cfg.model.family)
+    if len(kinds) < 2 or (budget is not None and lacks_room(est, budget, len(kinds))):
+        return None
+    return kinds
 
-    def __init__(self, cfg, device: str):
-        self.folder = Path(tempfile.mkdtemp(prefix="lorakit-compile-"))
+
+class _Process:
+    """One child process (see the module), compiling the graphs of `kinds` (None: of every kind of block)."""
+
+    def __init__(self, cfg, device: str, folder: Path, kinds: list[str] | None = None):
+        self.folder, self.kinds = folder, kinds
+        self.folder.mkdir(parents=True, exist_ok=True)
         self.log = self.folder / "compile.log"
-        self.said = False
         self._result: dict | None = None
         self._lock = threading.Lock()
         env = {k: v for k, v in os.environ.items() if k not in RANK_VARS}
@@ -99,11 +117,10 @@ class Rehearsal:
         with open(self.log, "wb") as log:
             self.proc = subprocess.Popen([sys.executable, "-m", "lorakit.train.precompile"], stdin=subprocess.PIPE,
                                          stdout=log, stderr=subprocess.STDOUT, text=True, env=env)
-        spec = {"config": cfg.model_dump(mode="json"), "device": device, "result": str(self.folder / "result.json"),
-                "training": str(self.folder / "training.json")}
-        self._send(spec)
+        self.send({"config": cfg.model_dump(mode="json"), "device": device, "kinds": kinds,
+                   "result": str(self.folder / "result.json"), "training": str(self.folder / "training.json")})
 
-    def _send(self, line: dict | None) -> None:
+    def send(self, line: dict | None) -> None:
         try:
             if line is not None:
                 self.proc.stdin.write(json.dumps(line) + "\n")
@@ -113,24 +130,9 @@ class Rehearsal:
         except (OSError, ValueError):  # the child is gone: `wait` says why
             pass
 
-    def go(self, tr, conds, varying: dict | None = None, carried: dict | None = None,
-           packs: dict | None = None) -> None:
-        """Hand the child the run's inputs (step 1's, the other shapes', the grid's prompts), the attention
-        backend in force, the sizes the run's blocks compile symbolic, the inputs they take with gradients and
-        those they join (`train.dims`): it compiles now."""
-        import torch
-
-        path = self.folder / "inputs.pt"
-        torch.save(plain(rehearsal_inputs(tr, conds)), path)  # read back with weights_only=True
-        self._send({"inputs": str(path), "attention": tr.cfg.memory.attention,
-                    "dims": dims.to_json(varying or {}, carried, packs)})
-        self._send(None)
-
-    def wait(self, timeout: float = WAIT_S, training: bool = False) -> dict:
-        """Block until the child ends — with `training`, until its training graphs are in the cache, or it ended —
-        the GIL released meanwhile; one still running after `timeout` seconds is ended. Returns {"ok", "seconds",
-        "graphs", "parts"} or {"ok": False, "why"}."""
-        end = time.monotonic() + timeout
+    def wait(self, end: float, timeout: float, training: bool = False) -> None:
+        """Block until the child ends (with `training`: or its training graphs are in the cache), the GIL released
+        meanwhile; one still running at `end` (`time.monotonic`, `timeout` seconds after the wait began) is ended."""
         while self.proc.poll() is None and not (training and self.training()):
             left = end - time.monotonic()
             if left <= 0:
@@ -143,7 +145,6 @@ class Rehearsal:
                 self.proc.wait(min(0.2, left) if training else left)
             except subprocess.TimeoutExpired:
                 pass
-        return self.state()
 
     def training(self) -> dict | None:
         """What the child said once its training graphs were in the cache (None: not yet, or never)."""
@@ -151,11 +152,6 @@ class Rehearsal:
             return json.loads((self.folder / "training.json").read_text(encoding="utf-8"))
         except (OSError, ValueError):
             return None
-
-    def state(self) -> dict:
-        """The training graphs' news where the child gave it (a failure in the grid's compile after it leaves those
-        calls to the run), else `result`."""
-        return self.training() or self.result()
 
     def result(self) -> dict:
         with self._lock:
@@ -165,37 +161,110 @@ class Rehearsal:
                 except (OSError, ValueError):
                     tail = self.log.read_text(encoding="utf-8", errors="replace").strip().splitlines()[-3:] \
                         if self.log.is_file() else []
-                    self._result = {"ok": False, "why": f"exited with code {self.proc.returncode}"
+                    self._result = {"ok": False, "why": (f"{' + '.join(self.kinds)}: " if self.kinds else "")
+                                    + f"exited with code {self.proc.returncode}"
                                     + (": " + " | ".join(ln.strip()[:200] for ln in tail) if tail else "")}
             return dict(self._result) if self._result is not None else {"ok": None}
 
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self.result()
+
+
+def merged(got: list[dict]) -> dict:
+    """The processes' news as one: a failure where one failed, nothing yet where one has not answered, else the
+    graphs of all, the seconds and each part's seconds of the slowest."""
+    failed = [g for g in got if g.get("ok") is False]
+    if failed or len(got) == 1:
+        return dict(failed[0] if failed else got[0])
+    if any(g.get("ok") is None for g in got):
+        return {"ok": None}
+    parts: dict = {}
+    for g in got:
+        for k, v in (g.get("parts") or {}).items():
+            parts[k] = max(parts.get(k, 0.0), v)
+    out = {"ok": True, "seconds": max(g["seconds"] for g in got), "graphs": sum(g.get("graphs", 0) for g in got),
+           "parts": parts, "processes": len(got)}
+    grid = max(g.get("grid_prompts", 0) for g in got)
+    return out | ({"grid_prompts": grid} if grid else {})
+
+
+class Rehearsal:
+    """The child processes (see the module): one per kind of block in `kinds` (each compiles its kind's graphs,
+    the others' blocks run uncompiled there; all at once), else one for all; started now, handed their inputs by
+    `go`, waited for by the worker."""
+
+    def __init__(self, cfg, device: str, kinds: list[str] | None = None):
+        self.folder = Path(tempfile.mkdtemp(prefix="lorakit-compile-"))
+        self.said = False
+        self.parts = [_Process(cfg, device, self.folder / str(n), [k]) for n, k in enumerate(kinds)] \
+            if kinds and len(kinds) > 1 else [_Process(cfg, device, self.folder)]
+
+    def go(self, tr, conds, varying: dict | None = None, carried: dict | None = None,
+           packs: dict | None = None) -> None:
+        """Hand the children the run's inputs (step 1's, the other shapes', the grid's prompts), the attention
+        backend in force, the sizes the run's blocks compile symbolic, the inputs they take with gradients and
+        those they join (`train.dims`): they compile now."""
+        import torch
+
+        path = self.folder / "inputs.pt"
+        torch.save(plain(rehearsal_inputs(tr, conds)), path)  # read back with weights_only=True
+        for p in self.parts:
+            p.send({"inputs": str(path), "attention": tr.cfg.memory.attention,
+                    "dims": dims.to_json(varying or {}, carried, packs)})
+            p.send(None)
+
+    def wait(self, timeout: float = WAIT_S, training: bool = False) -> dict:
+        """Block until the children end — with `training`, until their training graphs are in the cache, or they
+        ended — the GIL released meanwhile; those still running after `timeout` seconds are ended. Returns {"ok",
+        "seconds", "graphs", "parts"} or {"ok": False, "why"}."""
+        end = time.monotonic() + timeout
+        for p in self.parts:
+            p.wait(end, timeout, training)
+        return self.state()
+
+    def training(self) -> dict | None:
+        """What the children said once their training graphs were all in the cache (None: not yet, or never)."""
+        got = [p.training() for p in self.parts]
+        return merged(got) if all(got) else None
+
+    def state(self) -> dict:
+        """The training graphs' news where each child gave it (a failure in the grid's compile after it leaves
+        those calls to the run), else the results."""
+        return merged([p.training() or p.result() for p in self.parts])
+
+    def result(self) -> dict:
+        return merged([p.result() for p in self.parts])
+
     @property
     def done(self) -> bool:
-        return self.proc.poll() is not None
+        return all(p.proc.poll() is not None for p in self.parts)
 
     def news(self) -> str | None:
-        """Once the child's training graphs are in the cache, or it has ended: what it did, in one line, said once
-        (None before, and after it was said)."""
+        """Once the children's training graphs are in the cache, or one has ended without them: what they did, in
+        one line, said once (None before, and after it was said)."""
         if self.said:
             return None
         r = self.state()
         if r.get("ok") is None:
             return None
         self.said = True
+        n = len(self.parts)
+        where = "a separate process" if n == 1 else f"{n} separate processes (a kind of block each, at once)"
         if r.get("ok"):
             parts = ", ".join(f"{k} {v:.1f} s" for k, v in (r.get("parts") or {}).items())
             grid = "; the grid's follow there" if r.get("grid_prompts") else ""
-            return (f"the blocks' {r.get('graphs', '?')} graphs compiled in a separate process in {r['seconds']:.1f} s "
+            return (f"the blocks' {r.get('graphs', '?')} graphs compiled in {where} in {r['seconds']:.1f} s "
                     f"{f'({parts}) ' if parts else ''}(into this machine's compile cache); the run takes them from "
                     f"there between two steps{grid}")
         return f"the separate compile process failed ({r.get('why')}); the worker compiles the blocks itself"
 
     def close(self) -> None:
-        """End the child if it still runs and remove its folder. Called again, it returns at once."""
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
-        self.result()
+        """End the children still running and remove their folder. Called again, it returns at once."""
+        for p in self.parts:
+            p.close()
         shutil.rmtree(self.folder, ignore_errors=True)
 
 
@@ -288,15 +357,32 @@ def _orphaned(parent: int) -> None:
             os._exit(3)
 
 
+def only(transformer, kinds: list[str] | None) -> None:
+    """The blocks of other kinds than `kinds` run uncompiled here (another process compiles theirs)."""
+    for b in repeated_blocks(transformer) if kinds else ():
+        if type(b).__name__ not in kinds:
+            b._compiled_call_impl = None
+
+
+def warm_compile_workers() -> None:
+    """Start Inductor's compile worker processes now, while the child waits for its inputs (they start at the
+    first compile otherwise)."""
+    try:
+        from torch._inductor.async_compile import maybe_warm_pool
+    except ImportError:  # another torch: they start at the first compile
+        return
+    maybe_warm_pool()
+
+
 def main() -> int:
     line = sys.stdin.readline()
     if not line.strip():
         return 0
     spec = json.loads(line)
     threading.Thread(target=_orphaned, args=(os.getppid(),), daemon=True).start()
+    os.nice(NICE)  # the run's steps first where both want the CPU; inherited by Inductor's compile workers
     import torch
     from torch._dynamo.utils import counters
-
 
     cfg = Config.model_validate(spec["config"])
     device = spec["device"]
@@ -304,6 +390,9 @@ def main() -> int:
         torch.cuda.set_device(torch.device(device))
     t0 = time.perf_counter()
     tr = build_copy(cfg, device)
+    only(tr.transformer, spec.get("kinds"))
+    if device.startswith("cuda") and cfg.memory.compile:
+        warm_compile_workers()
     print(f"built in {time.perf_counter() - t0:.1f} s; waiting for the run's inputs", flush=True)
     line = sys.stdin.readline()
     if not line.strip():  # the run did not need it
@@ -312,8 +401,8 @@ def main() -> int:
     apply_attention(None if go["attention"] == "auto" else go["attention"], fallback=True)
     inputs = rebuilt(torch.load(go["inputs"], weights_only=True))
     dims.install(tr.transformer, *dims.from_json(go.get("dims")))  # the run's graphs: symbolic, grads as the run's
-    print(f"rehearsing {1 + len(inputs['warm'])} training shape(s) and {len(inputs['conds'])} grid prompt(s)",
-          flush=True)
+    print(f"rehearsing {1 + len(inputs['warm'])} training shape(s) and {len(inputs['conds'])} grid prompt(s)"
+          + (f" for {', '.join(spec['kinds'])}" if spec.get("kinds") else ""), flush=True)
     t1 = time.perf_counter()
 
     def said(path: str, parts: dict, grid: int = 0) -> None:  # written whole, then renamed: never read half written

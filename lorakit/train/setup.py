@@ -150,11 +150,13 @@ def setup(resolved: Resolved, resume: str | None, events: Events, force: bool = 
                 tmp.write_text(dump_yaml(cfg))
     rehearsal = None
     if precompile.wanted(cfg, device, d.world):  # a first run: the blocks compile in a process of their own
-        why = precompile.lacks_room(resolved.estimate, budget_gib(device)) if device.startswith("cuda") else None
+        budget = budget_gib(device) if device.startswith("cuda") else None
+        why = precompile.lacks_room(resolved.estimate, budget) if budget else None
         if why:
             events.info(f"the blocks compile in the background in this process: {why}")
         else:
-            rehearsal = precompile.Rehearsal(cfg, device)
+            rehearsal = precompile.Rehearsal(cfg, device, precompile.kinds_apart(cfg, device, resolved.estimate,
+                                                                                   budget))
     try:  # the compile process ends with a run that fails to start
         ahead = resolved.read_ahead  # the transformer's files, read into the page cache since the config was checked
         with events.phase("load model") as facts:
@@ -204,8 +206,10 @@ def setup(resolved: Resolved, resume: str | None, events: Events, force: bool = 
         if rehearsal and tr.background and tr.step < cfg.schedule.steps:
             rehearsal.go(tr, conds if sampler else None, varying, carried, packs)
             tr.background.ahead = rehearsal
-            events.info("the blocks compile in a separate process (a first run with these settings here): the "
-                        "first steps run them uncompiled meanwhile, then they switch between two steps")
+            n = len(rehearsal.parts)
+            where = "a separate process" if n == 1 else f"{n} separate processes, a kind of block each, at once"
+            events.info(f"the blocks compile in {where} (a first run with these settings here): the first steps "
+                        "run them uncompiled meanwhile, then they switch between two steps")
         elif rehearsal:
             rehearsal.close()
         return r

@@ -371,8 +371,8 @@ if os.environ.get("RANK") is not None:  # the ranks (their separate compile proc
     resolve_mod.compile_decision = lambda *a: (True, None)  # the CPU compiles nothing otherwise
     made = pre.Rehearsal.__init__
 
-    def eager(self, cfg, device):  # the real process, rehearsing without compiling (as in test_precompile)
-        made(self, cfg.model_copy(update={"memory": cfg.memory.model_copy(update={"compile": False})}), device)
+    def eager(self, cfg, device, kinds=None):  # the real process, rehearsing without compiling (as in test_precompile)
+        made(self, cfg.model_copy(update={"memory": cfg.memory.model_copy(update={"compile": False})}), device, kinds)
 
     pre.Rehearsal.__init__ = eager
     # rank 0 has its graphs in the cache when first asked after its worker began, rank 1 when asked the third time

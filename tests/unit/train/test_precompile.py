@@ -38,8 +38,8 @@ class _Recorder:
 
     made: list = []
 
-    def __init__(self, cfg, device):
-        self.cfg, self.inputs = cfg, None
+    def __init__(self, cfg, device, kinds=None):
+        self.cfg, self.inputs, self.parts = cfg, None, [kinds]
         _Recorder.made.append(self)
 
     def go(self, tr, conds, varying=None, carried=None, packs=None):
@@ -97,30 +97,38 @@ def test_the_copy_meets_the_calls_the_run_hands_its_worker_in_the_same_order(tmp
     assert rec.carried == {"FluxSingleTransformerBlock": (("encoder_hidden_states",), ("hidden_states",))}
     assert rec.packs == {"FluxSingleTransformerBlock": (1, ("encoder_hidden_states", "hidden_states"))}
     cfg = rec.cfg.model_copy(update={"memory": rec.cfg.memory.model_copy(update={"compile": False})})
-    copy = precompile.build_copy(cfg, "cpu")
-    for b in repeated_blocks(copy.transformer):  # as if compiled: the process's wrappers go around the blocks' calls
-        b._compiled_call_impl = b._call_impl
-    dims.install(copy.transformer, *dims.from_json(dims.to_json(rec.varying, rec.carried, rec.packs)))
-    met = []
-
-    def hook(block, args, kwargs):
-        what = describe(block, args, kwargs)
-        if what not in met:
-            met.append(what)
-
-    for b in repeated_blocks(copy.transformer):
-        b.register_forward_pre_hook(hook, with_kwargs=True)
-    took = precompile.rehearse(copy, rec.inputs)
-    assert list(took) == ["step 1", "other shapes", "grid"] and all(v >= 0 for v in took.values())
     assert any(not what[2] for what in handed)  # the grid's calls (no grad) were handed over too
-    assert met == handed[:len(met)] and len(met) == len(handed)
+    # one process for every kind of block, then a process per kind (the others' blocks uncompiled in it): each
+    # meets its kind's calls as the run made them, in the run's order
+    for kinds in (None, ["FluxTransformerBlock"], ["FluxSingleTransformerBlock"]):
+        copy = precompile.build_copy(cfg, "cpu")
+        for b in repeated_blocks(copy.transformer):  # as if compiled: the process's wrappers go around the calls
+            b._compiled_call_impl = b._call_impl
+        precompile.only(copy.transformer, kinds)
+        dims.install(copy.transformer, *dims.from_json(dims.to_json(rec.varying, rec.carried, rec.packs)))
+        met = []
+        for b in repeated_blocks(copy.transformer):
+            if b._compiled_call_impl is not None:
+                b.register_forward_pre_hook(functools.partial(_met, met), with_kwargs=True)
+        took = precompile.rehearse(copy, rec.inputs)
+        assert list(took) == ["step 1", "other shapes", "grid"] and all(v >= 0 for v in took.values())
+        want = [what for what in handed if kinds is None or what[0] in kinds]
+        assert met == want and len({what[0] for what in met}) == (2 if kinds is None else 1), kinds
+
+
+def _met(met: list, block, args, kwargs) -> None:
+    what = describe(block, args, kwargs)
+    if what not in met:
+        met.append(what)
 
 
 class _Eager(precompile.Rehearsal):
-    """The real process, rehearsing without compiling (Inductor on 2 CPU cores takes minutes for the tiny model)."""
+    """The real processes, one per kind of block (as on a GPU with the room for them), rehearsing without compiling
+    (Inductor on 2 CPU cores takes minutes for the tiny model)."""
 
-    def __init__(self, cfg, device):
-        super().__init__(cfg.model_copy(update={"memory": cfg.memory.model_copy(update={"compile": False})}), device)
+    def __init__(self, cfg, device, kinds=None):
+        super().__init__(cfg.model_copy(update={"memory": cfg.memory.model_copy(update={"compile": False})}), device,
+                         precompile.repeated_block_kinds(cfg.model.family))
 
 
 @pytest.mark.slow
@@ -166,9 +174,11 @@ def test_the_run_takes_the_processs_graphs_between_two_steps_in_its_own_thread_a
         torch._dynamo.reset()
     (bg,) = made
     assert bg.ahead is not None and bg.ahead.result()["ok"] is True and "grid" in bg.ahead.result()["parts"]
-    assert not bg.ahead.folder.exists() and bg.ahead.proc.poll() is not None  # ended and cleaned up with the run
-    said = [m for m in heard.lines if "compiled in a separate process" in m]
-    assert len(said) == 1 and said[0].startswith("the blocks' 0 graphs compiled in a separate process in")
+    assert len(bg.ahead.parts) == 2 and bg.ahead.result()["processes"] == 2
+    assert not bg.ahead.folder.exists() and bg.ahead.done  # ended and cleaned up with the run
+    said = [m for m in heard.lines if "compiled in 2 separate processes" in m]
+    assert len(said) == 1 and said[0].startswith(
+        "the blocks' 0 graphs compiled in 2 separate processes (a kind of block each, at once) in")
     assert "(step 1 " in said[0] and ", other shapes " in said[0] and ", grid " not in said[0]  # said before the grid
     assert said[0].endswith("the run takes them from there between two steps; the grid's follow there")
     rows = [json.loads(x) for x in open(r["metrics"])]
@@ -213,13 +223,55 @@ def test_the_process_runs_only_where_the_card_has_room_for_it_beside_the_uncompi
     why = precompile.lacks_room(est, 56.0)
     assert why.startswith("no room beside the run for a separate compile process (about")
     assert precompile.lacks_room(None, 56.0) is None  # no estimate (the CPU): nothing to refuse on
+    one_not_two = est["uncompiled_gib"] + 1.5 * precompile.child_gib(est) + precompile.PLAN_MARGIN_GIB
+    assert precompile.lacks_room(est, one_not_two) is None and precompile.lacks_room(est, one_not_two, processes=2)
+
+
+def test_a_family_with_two_kinds_of_block_compiles_them_in_a_process_each_where_the_card_has_room(monkeypatch):
+    from lorakit.config import assemble
+    from lorakit.plan.memory import estimate
+
+    monkeypatch.setattr(precompile.os, "cpu_count", lambda: 16)
+    flux, _ = assemble(None, ["model.family=flux", "data.resolution=1024"], "datacenter")
+    est = estimate(flux, 1)
+    both = ["FluxTransformerBlock", "FluxSingleTransformerBlock"]
+    assert precompile.kinds_apart(flux, "cuda:0", est, 139.0) == both
+    assert precompile.kinds_apart(flux, "cuda:0", est, est["uncompiled_gib"] + 1.5 * precompile.child_gib(est)
+                                  + precompile.PLAN_MARGIN_GIB) is None  # room for one process, not two
+    assert precompile.kinds_apart(flux, "cpu", None, None) is None
+    qwen, _ = assemble(None, ["model.family=qwen-image", "data.resolution=1024"], "datacenter")
+    assert precompile.kinds_apart(qwen, "cuda:0", estimate(qwen, 1), 139.0) is None  # one kind: one process
+    monkeypatch.setattr(precompile.os, "cpu_count", lambda: 4)
+    assert precompile.kinds_apart(flux, "cuda:0", est, 139.0) is None  # too few cores to compile two at once
+
+
+def test_the_processes_news_is_one_failure_where_one_failed_else_the_slowest_and_all_graphs():
+    a = {"ok": True, "seconds": 12.0, "graphs": 2, "parts": {"step 1": 11.0, "other shapes": 1.0}, "grid_prompts": 4}
+    b = {"ok": True, "seconds": 19.5, "graphs": 3, "parts": {"step 1": 19.0, "other shapes": 0.5}, "grid_prompts": 4}
+    assert precompile.merged([a]) == a
+    assert precompile.merged([a, b]) == {"ok": True, "seconds": 19.5, "graphs": 5, "processes": 2, "grid_prompts": 4,
+                                         "parts": {"step 1": 19.0, "other shapes": 1.0}}
+    assert precompile.merged([a, {"ok": None}]) == {"ok": None}  # one is still compiling
+    bad = {"ok": False, "why": "FluxSingleTransformerBlock: exited with code 1"}
+    assert precompile.merged([{"ok": None}, bad]) == bad  # a failure is news at once: the worker compiles
+
+
+def test_a_process_compiling_one_kind_runs_the_others_blocks_uncompiled(tiny):
+    copy = random_component(tiny("flux") / "transformer", "cpu", torch.bfloat16, blocks=2)
+    for b in repeated_blocks(copy):
+        b._compiled_call_impl = b._call_impl
+    precompile.only(copy, ["FluxSingleTransformerBlock"])
+    left = {type(b).__name__: b._compiled_call_impl is not None for b in repeated_blocks(copy)}
+    assert left == {"FluxTransformerBlock": False, "FluxSingleTransformerBlock": True}
+    precompile.only(copy, None)  # one process for all: nothing changes
+    assert sum(b._compiled_call_impl is not None for b in repeated_blocks(copy)) == 2
 
 
 def test_a_process_that_gives_no_result_in_time_is_ended_and_said(tmp_path, tiny):
     p = precompile.Rehearsal(make_cfg(tmp_path, "flux", tiny("flux")), "cpu")  # never handed its inputs: it waits
     try:
         got = p.wait(1.5)
-        assert got == {"ok": False, "why": "no result after 2 s, ended"} and p.proc.poll() is not None
+        assert got == {"ok": False, "why": "no result after 2 s, ended"} and p.done
         assert p.news() == "the separate compile process failed (no result after 2 s, ended); the worker compiles " \
                            "the blocks itself"
     finally:
