@@ -187,6 +187,8 @@ def merged(got: list[dict]) -> dict:
             parts[k] = max(parts.get(k, 0.0), v)
     out = {"ok": True, "seconds": max(g["seconds"] for g in got), "graphs": sum(g.get("graphs", 0) for g in got),
            "parts": parts, "processes": len(got)}
+    slow = max(got, key=lambda g: g.get("late", 0.0))  # the process that began last
+    out |= {k: slow[k] for k in ("late", "start") if k in slow}
     grid = max(g.get("grid_prompts", 0) for g in got)
     return out | ({"grid_prompts": grid} if grid else {})
 
@@ -213,7 +215,7 @@ class Rehearsal:
         torch.save(plain(rehearsal_inputs(tr, conds)), path)  # read back with weights_only=True
         for p in self.parts:
             p.send({"inputs": str(path), "attention": tr.cfg.memory.attention,
-                    "dims": dims.to_json(varying or {}, carried, packs)})
+                    "dims": dims.to_json(varying or {}, carried, packs), "sent": time.time()})
             p.send(None)
 
     def wait(self, timeout: float = WAIT_S, training: bool = False) -> dict:
@@ -256,9 +258,14 @@ class Rehearsal:
         if r.get("ok"):
             parts = ", ".join(f"{k} {v:.1f} s" for k, v in (r.get("parts") or {}).items())
             grid = "; the grid's follow there" if r.get("grid_prompts") else ""
+            late = ""
+            if r.get("late", 0) >= 1:  # its imports and its copy were not done when the run handed over
+                st = r.get("start") or {}
+                start = f" (its imports {st['imports']:.1f} s, its copy {st['copy']:.1f} s)" if st else ""
+                late = f", begun {r['late']:.1f} s after the run handed over its inputs{start}"
             return (f"the blocks' {r.get('graphs', '?')} graphs compiled in {where} in {r['seconds']:.1f} s "
-                    f"{f'({parts}) ' if parts else ''}(into this machine's compile cache); the run takes them from "
-                    f"there between two steps{grid}")
+                    f"{f'({parts}{late}) ' if parts else ''}(into this machine's compile cache); the run takes them "
+                    f"from there between two steps{grid}")
         return f"the separate compile process failed ({r.get('why')}); the worker compiles the blocks itself"
 
     def close(self) -> None:
@@ -378,9 +385,8 @@ def main() -> int:
     line = sys.stdin.readline()
     if not line.strip():
         return 0
-    spec = json.loads(line)
+    spec, began = json.loads(line), time.perf_counter()
     threading.Thread(target=_orphaned, args=(os.getppid(),), daemon=True).start()
-    os.nice(NICE)  # the run's steps first where both want the CPU; inherited by Inductor's compile workers
     import torch
     from torch._dynamo.utils import counters
 
@@ -391,9 +397,11 @@ def main() -> int:
     t0 = time.perf_counter()
     tr = build_copy(cfg, device)
     only(tr.transformer, spec.get("kinds"))
+    os.nice(NICE)  # from now on the run's steps first where both want the CPU (inherited by the compile workers)
     if device.startswith("cuda") and cfg.memory.compile:
         warm_compile_workers()
-    print(f"built in {time.perf_counter() - t0:.1f} s; waiting for the run's inputs", flush=True)
+    start = {"imports": round(t0 - began, 1), "copy": round(time.perf_counter() - t0, 1)}  # said where it was late
+    print(f"built in {start['copy']:.1f} s; waiting for the run's inputs", flush=True)
     line = sys.stdin.readline()
     if not line.strip():  # the run did not need it
         return 0
@@ -403,10 +411,10 @@ def main() -> int:
     dims.install(tr.transformer, *dims.from_json(go.get("dims")))  # the run's graphs: symbolic, grads as the run's
     print(f"rehearsing {1 + len(inputs['warm'])} training shape(s) and {len(inputs['conds'])} grid prompt(s)"
           + (f" for {', '.join(spec['kinds'])}" if spec.get("kinds") else ""), flush=True)
-    t1 = time.perf_counter()
+    t1, late = time.perf_counter(), round(max(0.0, time.time() - go.get("sent", time.time())), 1)
 
     def said(path: str, parts: dict, grid: int = 0) -> None:  # written whole, then renamed: never read half written
-        got = {"ok": True, "seconds": round(time.perf_counter() - t1, 1),
+        got = {"ok": True, "seconds": round(time.perf_counter() - t1, 1), "late": late, "start": start,
                "graphs": int(counters["stats"]["unique_graphs"]), "parts": parts}
         got |= {"grid_prompts": grid} if grid else {}
         Path(path + ".part").write_text(json.dumps(got), encoding="utf-8")

@@ -245,12 +245,33 @@ def test_a_family_with_two_kinds_of_block_compiles_them_in_a_process_each_where_
     assert precompile.kinds_apart(flux, "cuda:0", est, 139.0) is None  # too few cores to compile two at once
 
 
+class _Told:
+    """A process that has said `got`."""
+
+    def __init__(self, got: dict):
+        self.got = got
+
+    def training(self) -> dict:
+        return self.got
+
+    result = training
+
+
 def test_the_processes_news_is_one_failure_where_one_failed_else_the_slowest_and_all_graphs():
     a = {"ok": True, "seconds": 12.0, "graphs": 2, "parts": {"step 1": 11.0, "other shapes": 1.0}, "grid_prompts": 4}
     b = {"ok": True, "seconds": 19.5, "graphs": 3, "parts": {"step 1": 19.0, "other shapes": 0.5}, "grid_prompts": 4}
     assert precompile.merged([a]) == a
-    assert precompile.merged([a, b]) == {"ok": True, "seconds": 19.5, "graphs": 5, "processes": 2, "grid_prompts": 4,
-                                         "parts": {"step 1": 19.0, "other shapes": 1.0}}
+    late = {"late": 3.5, "start": {"imports": 12.0, "copy": 4.0}}
+    assert precompile.merged([a | {"late": 0.0}, b | late]) == {
+        "ok": True, "seconds": 19.5, "graphs": 5, "processes": 2, "grid_prompts": 4,
+        "parts": {"step 1": 19.0, "other shapes": 1.0}} | late
+    both = object.__new__(precompile.Rehearsal)
+    both.said, both.parts = False, [_Told(a | {"late": 0.0}), _Told(b | late)]
+    assert both.news() == (
+        "the blocks' 5 graphs compiled in 2 separate processes (a kind of block each, at once) in 19.5 s (step 1 "
+        "19.0 s, other shapes 1.0 s, begun 3.5 s after the run handed over its inputs (its imports 12.0 s, its copy "
+        "4.0 s)) (into this machine's compile cache); the run takes them from there between two steps; the grid's "
+        "follow there")
     assert precompile.merged([a, {"ok": None}]) == {"ok": None}  # one is still compiling
     bad = {"ok": False, "why": "FluxSingleTransformerBlock: exited with code 1"}
     assert precompile.merged([{"ok": None}, bad]) == bad  # a failure is news at once: the worker compiles
