@@ -104,7 +104,7 @@ def kinds_apart(cfg, device: str, est: dict | None, budget: float | None) -> lis
 class _Process:
     """One child process (see the module), compiling the graphs of `kinds` (None: of every kind of block)."""
 
-    def __init__(self, cfg, device: str, folder: Path, kinds: list[str] | None = None):
+    def __init__(self, folder: Path, kinds: list[str] | None = None):
         self.folder, self.kinds = folder, kinds
         self.folder.mkdir(parents=True, exist_ok=True)
         self.log = self.folder / "compile.log"
@@ -117,7 +117,10 @@ class _Process:
         with open(self.log, "wb") as log:
             self.proc = subprocess.Popen([sys.executable, "-m", "lorakit.train.precompile"], stdin=subprocess.PIPE,
                                          stdout=log, stderr=subprocess.STDOUT, text=True, env=env)
-        self.send({"config": cfg.model_dump(mode="json"), "device": device, "kinds": kinds,
+
+    def build(self, cfg, device: str) -> None:
+        """Have the child build its copy of the run's transformer (it has its imports done by then, or does them)."""
+        self.send({"config": cfg.model_dump(mode="json"), "device": device, "kinds": self.kinds,
                    "result": str(self.folder / "result.json"), "training": str(self.folder / "training.json")})
 
     def send(self, line: dict | None) -> None:
@@ -195,14 +198,24 @@ def merged(got: list[dict]) -> dict:
 
 class Rehearsal:
     """The child processes (see the module): one per kind of block in `kinds` (each compiles its kind's graphs,
-    the others' blocks run uncompiled there; all at once), else one for all; started now, handed their inputs by
-    `go`, waited for by the worker."""
+    the others' blocks run uncompiled there; all at once), else one for all; started now (their imports), told to
+    build their copies (now, or by `build` once the run's text encoders have left the card), handed their inputs
+    by `go`, waited for by the worker."""
 
-    def __init__(self, cfg, device: str, kinds: list[str] | None = None):
+    def __init__(self, cfg, device: str, kinds: list[str] | None = None, build: bool = True):
         self.folder = Path(tempfile.mkdtemp(prefix="lorakit-compile-"))
-        self.said = False
-        self.parts = [_Process(cfg, device, self.folder / str(n), [k]) for n, k in enumerate(kinds)] \
-            if kinds and len(kinds) > 1 else [_Process(cfg, device, self.folder)]
+        self.said, self.built = False, False
+        self.parts = [_Process(self.folder / str(n), [k]) for n, k in enumerate(kinds)] \
+            if kinds and len(kinds) > 1 else [_Process(self.folder)]
+        if build:
+            self.build(cfg, device)
+
+    def build(self, cfg, device: str) -> None:
+        """Have the children build their copies of the run's transformer, with `cfg` as it stands now (once)."""
+        if not self.built:
+            self.built = True
+            for p in self.parts:
+                p.build(cfg, device)
 
     def go(self, tr, conds, varying: dict | None = None, carried: dict | None = None,
            packs: dict | None = None) -> None:
@@ -382,14 +395,18 @@ def warm_compile_workers() -> None:
 
 
 def main() -> int:
-    line = sys.stdin.readline()
-    if not line.strip():
-        return 0
-    spec, began = json.loads(line), time.perf_counter()
     threading.Thread(target=_orphaned, args=(os.getppid(),), daemon=True).start()
+    began = time.perf_counter()
     import torch
     from torch._dynamo.utils import counters
 
+    from lorakit.train import trainer  # noqa: F401 - what the copy needs, imported while the run caches its data
+
+    imported = time.perf_counter()
+    line = sys.stdin.readline()
+    if not line.strip():
+        return 0
+    spec = json.loads(line)
     cfg = Config.model_validate(spec["config"])
     device = spec["device"]
     if device.startswith("cuda") and torch.device(device).index is not None:  # "cuda": the current one
@@ -400,7 +417,7 @@ def main() -> int:
     os.nice(NICE)  # from now on the run's steps first where both want the CPU (inherited by the compile workers)
     if device.startswith("cuda") and cfg.memory.compile:
         warm_compile_workers()
-    start = {"imports": round(t0 - began, 1), "copy": round(time.perf_counter() - t0, 1)}  # said where it was late
+    start = {"imports": round(imported - began, 1), "copy": round(time.perf_counter() - t0, 1)}  # said if late
     print(f"built in {start['copy']:.1f} s; waiting for the run's inputs", flush=True)
     line = sys.stdin.readline()
     if not line.strip():  # the run did not need it

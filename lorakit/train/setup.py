@@ -119,45 +119,49 @@ def setup(resolved: Resolved, resume: str | None, events: Events, force: bool = 
             note(f"removed {len(gone)} temporary file(s) an interrupted run left, e.g. {gone[0].name}")
         with atomic_path(out / "config.resolved.yaml") as tmp:
             tmp.write_text(dump_yaml(cfg))
-    torch.manual_seed(cfg.seed)
-    adapter = load_adapter(cfg.model.family, cfg.model.path, device=device, dtype=dtype, backend=cfg.memory.loader)
-    cache = build(cfg, device, adapter=adapter, dist=d, events=events)  # the ranks encode a share of the items each
-    mark("cached")
-    store = Store(cache_dir_for(cfg))
-    data = CachedData(store, store.read_manifest(), cfg.schedule.batch_size * d.world, cfg.seed, cfg.data.repeats,
-                      hold_out=cfg.validation.items, in_memory=cfg.memory.cache_in_memory,
-                      datasets=cfg.data.all_datasets(), prior_ratio=cfg.data.prior_ratio)
-    conds = None
-    if cfg.sampling.enabled:
-        with events.phase("sample prompts"):  # encoded now, once
-            conds = sampling.conditions(cfg, adapter, data)
-    if conds and cfg.memory.free_encoders_after_cache:
-        adapter.unload(list(adapter.text_parts))
-    if not measuring:
-        attention = cfg.memory.attention if device.startswith("cuda") and cfg.memory.attention != "auto" else None
-        apply_attention(attention, fallback=True)  # in force for the whole run: forward, backward, recompute
-        if d.main:
-            doctor_summary(out, cfg.profile, attention)
-    key = warm.warm_key(cfg, device) if cfg.memory.compile else None
-    sizes = set(warm.shapes(data, adapter)) if key else set()
-    if key and cfg.memory.compile_background and warm.known(key, sizes):  # compiled here before: from the cache
-        cfg = resolved.cfg = cfg.model_copy(update={"memory": cfg.memory.model_copy(
-            update={"compile_background": False})})
-        events.info(f"the blocks compile at step 1 and before step 2 from this machine's compile cache (a run with "
-                    f"these settings compiled its {len(sizes)} bucket shape(s) here before), not in the background")
-        if d.main:
-            with atomic_path(out / "config.resolved.yaml") as tmp:
-                tmp.write_text(dump_yaml(cfg))
-    rehearsal = None
-    if precompile.wanted(cfg, device, d.world):  # a first run: the blocks compile in a process of their own
-        budget = budget_gib(device) if device.startswith("cuda") else None
-        why = precompile.lacks_room(resolved.estimate, budget) if budget else None
-        if why:
-            events.info(f"the blocks compile in the background in this process: {why}")
-        else:
-            rehearsal = precompile.Rehearsal(cfg, device, precompile.kinds_apart(cfg, device, resolved.estimate,
-                                                                                   budget))
+    # a first run with these settings here: the compile process(es) start now, their imports beside the caching
+    early = precompile.wanted(cfg, device, d.world) and not warm.recorded(warm.warm_key(cfg, device))
+    rehearsal = compile_process(cfg, device, d.world, resolved.estimate, events, build=False) if early else None
     try:  # the compile process ends with a run that fails to start
+        torch.manual_seed(cfg.seed)
+        adapter = load_adapter(cfg.model.family, cfg.model.path, device=device, dtype=dtype,
+                               backend=cfg.memory.loader)
+        cache = build(cfg, device, adapter=adapter, dist=d, events=events)  # the ranks encode a share of the items
+        mark("cached")
+        store = Store(cache_dir_for(cfg))
+        data = CachedData(store, store.read_manifest(), cfg.schedule.batch_size * d.world, cfg.seed,
+                          cfg.data.repeats, hold_out=cfg.validation.items, in_memory=cfg.memory.cache_in_memory,
+                          datasets=cfg.data.all_datasets(), prior_ratio=cfg.data.prior_ratio)
+        conds = None
+        if cfg.sampling.enabled:
+            with events.phase("sample prompts"):  # encoded now, once
+                conds = sampling.conditions(cfg, adapter, data)
+        if conds and cfg.memory.free_encoders_after_cache:
+            adapter.unload(list(adapter.text_parts))
+        if not measuring:
+            attention = cfg.memory.attention if device.startswith("cuda") and cfg.memory.attention != "auto" \
+                else None
+            apply_attention(attention, fallback=True)  # in force for the whole run: forward, backward, recompute
+            if d.main:
+                doctor_summary(out, cfg.profile, attention)
+        key = warm.warm_key(cfg, device) if cfg.memory.compile else None
+        sizes = set(warm.shapes(data, adapter)) if key else set()
+        if key and cfg.memory.compile_background and warm.known(key, sizes):  # compiled here before: from the cache
+            cfg = resolved.cfg = cfg.model_copy(update={"memory": cfg.memory.model_copy(
+                update={"compile_background": False})})
+            events.info(f"the blocks compile at step 1 and before step 2 from this machine's compile cache (a run "
+                        f"with these settings compiled its {len(sizes)} bucket shape(s) here before), not in the "
+                        "background")
+            if d.main:
+                with atomic_path(out / "config.resolved.yaml") as tmp:
+                    tmp.write_text(dump_yaml(cfg))
+        if rehearsal and not cfg.memory.compile_background:  # compiled here before after all
+            rehearsal.close()
+            rehearsal = None
+        elif rehearsal:  # the caching is done: the copies are built now
+            rehearsal.build(cfg, device)
+        elif not early:
+            rehearsal = compile_process(cfg, device, d.world, resolved.estimate, events)
         ahead = resolved.read_ahead  # the transformer's files, read into the page cache since the config was checked
         with events.phase("load model") as facts:
             t0 = time.perf_counter()
@@ -217,6 +221,19 @@ def setup(resolved: Resolved, resume: str | None, events: Events, force: bool = 
         if rehearsal:
             rehearsal.close()
         raise
+
+
+def compile_process(cfg, device: str, world: int, est: dict | None, events: Events, build: bool = True):
+    """A first run's compile process(es) (`train.precompile`), where the run wants them and the card has room; else
+    None."""
+    if not precompile.wanted(cfg, device, world):
+        return None
+    budget = budget_gib(device) if device.startswith("cuda") else None
+    why = precompile.lacks_room(est, budget) if budget else None
+    if why:
+        events.info(f"the blocks compile in the background in this process: {why}")
+        return None
+    return precompile.Rehearsal(cfg, device, precompile.kinds_apart(cfg, device, est, budget), build=build)
 
 
 def block_inputs(tr, events: Events) -> tuple[dict, dict, dict]:

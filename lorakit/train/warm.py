@@ -55,6 +55,11 @@ def _file(key: str) -> Path:
     return Path(compile_cache_dir()) / FOLDER / f"{key}.json"
 
 
+def recorded(key: str) -> bool:
+    """Did a run with this key compile any shape on this machine?"""
+    return _file(key).is_file()
+
+
 def known(key: str, sizes: set[str]) -> bool:
     """Did a run with this key compile every one of these shapes on this machine (its graphs in the cache)?"""
     try:

@@ -369,12 +369,12 @@ if os.environ.get("RANK") is not None:  # the ranks (their separate compile proc
     from lorakit.train.compile_bg import BackgroundCompile
 
     resolve_mod.compile_decision = lambda *a: (True, None)  # the CPU compiles nothing otherwise
-    made = pre.Rehearsal.__init__
+    made = pre.Rehearsal.build
 
-    def eager(self, cfg, device, kinds=None):  # the real process, rehearsing without compiling (as in test_precompile)
-        made(self, cfg.model_copy(update={"memory": cfg.memory.model_copy(update={"compile": False})}), device, kinds)
+    def eager(self, cfg, device):  # the real process, rehearsing without compiling (as in test_precompile)
+        made(self, cfg.model_copy(update={"memory": cfg.memory.model_copy(update={"compile": False})}), device)
 
-    pre.Rehearsal.__init__ = eager
+    pre.Rehearsal.build = eager
     # rank 0 has its graphs in the cache when first asked after its worker began, rank 1 when asked the third time
     # (a step later): whatever the machine's load, the two are ready at different steps
     later = 1 if os.environ["RANK"] == "0" else 3

@@ -38,9 +38,12 @@ class _Recorder:
 
     made: list = []
 
-    def __init__(self, cfg, device, kinds=None):
+    def __init__(self, cfg, device, kinds=None, build=True):
         self.cfg, self.inputs, self.parts = cfg, None, [kinds]
         _Recorder.made.append(self)
+
+    def build(self, cfg, device):
+        self.cfg = cfg
 
     def go(self, tr, conds, varying=None, carried=None, packs=None):
         self.inputs, self.varying, self.carried = precompile.rehearsal_inputs(tr, conds), varying, carried
@@ -126,9 +129,15 @@ class _Eager(precompile.Rehearsal):
     """The real processes, one per kind of block (as on a GPU with the room for them), rehearsing without compiling
     (Inductor on 2 CPU cores takes minutes for the tiny model)."""
 
-    def __init__(self, cfg, device, kinds=None):
-        super().__init__(cfg.model_copy(update={"memory": cfg.memory.model_copy(update={"compile": False})}), device,
-                         precompile.repeated_block_kinds(cfg.model.family))
+    order: list = []  # when the processes were started and told to build their copies, among the run's phases
+
+    def __init__(self, cfg, device, kinds=None, build=True):
+        _Eager.order.append("processes started")
+        super().__init__(cfg, device, precompile.repeated_block_kinds(cfg.model.family), build)
+
+    def build(self, cfg, device):
+        _Eager.order.append("copies built")
+        super().build(cfg.model_copy(update={"memory": cfg.memory.model_copy(update={"compile": False})}), device)
 
 
 @pytest.mark.slow
@@ -168,6 +177,7 @@ def test_the_run_takes_the_processs_graphs_between_two_steps_in_its_own_thread_a
                    sampling={"steps": 2})
     heard = _Heard()
     heard.phase_start = lambda name: heard.lines.append(f"phase: {name}")  # where each phase begins among the lines
+    _Eager.order = order = heard.lines
     try:
         r = run(resolve(cfg), events=heard)
     finally:
@@ -175,6 +185,9 @@ def test_the_run_takes_the_processs_graphs_between_two_steps_in_its_own_thread_a
     (bg,) = made
     assert bg.ahead is not None and bg.ahead.result()["ok"] is True and "grid" in bg.ahead.result()["parts"]
     assert len(bg.ahead.parts) == 2 and bg.ahead.result()["processes"] == 2
+    # started (their imports) before the caching, their copies built after it, beside the model's load
+    assert order.index("processes started") < order.index("phase: cache") < order.index("copies built") < \
+        order.index("phase: load model")
     assert not bg.ahead.folder.exists() and bg.ahead.done  # ended and cleaned up with the run
     said = [m for m in heard.lines if "compiled in 2 separate processes" in m]
     assert len(said) == 1 and said[0].startswith(
