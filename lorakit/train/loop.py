@@ -54,7 +54,6 @@ def run(resolved: Resolved, resume: str | None = None, stop_at: int | None = Non
 
 def steps(r: Run, end: int) -> None:
     """Optimizer steps until `end`, a stop request (signal), or early stopping."""
-
     tr, cfg, d = r.trainer, r.resolved.cfg, r.dist
     cuda = tr.device.startswith("cuda")
     first = tr.step + 1
@@ -171,7 +170,9 @@ def warm_other_shapes(r: Run) -> float:
     tr = r.trainer
     t0 = time.perf_counter()
     todo = warm.to_warm(tr, {tr.last_size})
-    if todo and tr.background:
+    if todo and tr.background and tr.background.ahead:  # its rehearsal has them: met compiled (symbolic), not here
+        r.events.info(f"{len(todo)} more shape(s) compiled by the separate process: {', '.join(dict(todo))}")
+    elif todo and tr.background:
         done = warm.warm_shapes(tr, todo)
         r.events.info(f"{len(done)} more shape(s) handed to the background compile before the run meets them: "
                       f"{', '.join(done)}")
@@ -201,7 +202,6 @@ def own_graphs(bg) -> int:
 
 def finish(r: Run) -> dict:
     """The final samples, checkpoint and exported result; the run's summary."""
-
     tr, cfg, d, out = r.trainer, r.resolved.cfg, r.dist, r.trainer.out
     if tr.background and tr.background.running:  # its compile in progress ends first: the saves then run alone
         with r.events.phase("background compile (the one in progress finishes)"):

@@ -62,10 +62,11 @@ class _Recorder:
 
 
 @pytest.mark.slow
-def test_the_copy_meets_the_calls_the_run_hands_its_worker_in_the_same_order(tmp_path, tiny, monkeypatch):
+def test_the_copy_meets_the_calls_the_run_hands_its_worker_first_first(tmp_path, tiny, monkeypatch):
     """The graphs the process compiles are found by the run's worker only if it compiles them for the same calls
-    (shapes, strides, grad and autocast modes, train or eval) in the same order (torch makes sizes symbolic at the
-    second shape it meets): the run's own loop — step 1, the other bucket shapes, the step-0 grid — against the
+    (shapes, strides, grad and autocast modes, train or eval), the first one first (its graph is the one made with
+    the run's varying sizes symbolic, `train.dims`): the run's own loop — step 1, the step-0 grid, the other bucket
+    shape when its data comes (the run leaves it to the process: no eager pass of it after step 1) — against the
     copy's rehearsal of the inputs the run handed over."""
     import lorakit.plan.resolve as resolve_mod
 
@@ -116,7 +117,10 @@ def test_the_copy_meets_the_calls_the_run_hands_its_worker_in_the_same_order(tmp
         took = precompile.rehearse(copy, rec.inputs)
         assert list(took) == ["step 1", "other shapes", "grid"] and all(v >= 0 for v in took.values())
         want = [what for what in handed if kinds is None or what[0] in kinds]
-        assert met == want and len({what[0] for what in met}) == (2 if kinds is None else 1), kinds
+        # the run's first call first; every call the run made, met by the copy (which meets the other bucket
+        # shape right after step 1's, where the run, leaving that shape to it, meets it when its data does)
+        assert met[0] == want[0] and set(want) <= set(met), kinds
+        assert len({what[0] for what in met}) == (2 if kinds is None else 1), kinds
 
 
 def _met(met: list, block, args, kwargs) -> None:
