@@ -400,7 +400,7 @@ def main() -> int:
     import torch
     from torch._dynamo.utils import counters
 
-    from lorakit.train import trainer  # noqa: F401 - what the copy needs, imported while the run caches its data
+    import lorakit.train.trainer  # noqa: F401 - what the copy needs, imported while the run caches its data
 
     imported = time.perf_counter()
     line = sys.stdin.readline()
