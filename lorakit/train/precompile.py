@@ -17,10 +17,11 @@ kept the steps uncompiled through the grid's compile and the process's exit: FLU
 
 Where the family has several kinds of block (FLUX's double and single blocks) and the card has room, a child per
 kind compiles at once, each its kind's graphs, the other kinds' blocks running uncompiled in it (`kinds_apart`).
-The child starts before the model loads (its imports, its copy of the model and Inductor's compile workers overlap
-the load), at a lower CPU priority than the run, is handed its inputs once the model is prepared and the attention
-backend chosen (`Rehearsal.go`), and ends with the run (also when the run's process is gone). One that fails leaves
-the compiling to the worker, as before; the run says why (the end of its log)."""
+On a first run with these settings the child starts before the caching (its imports overlap it) and builds its
+copy once the caching is done (the copy and Inductor's compile workers overlap the model's load), then runs at a
+lower CPU priority than the run; it is handed its inputs once the model is prepared and the attention backend chosen
+(`Rehearsal.go`), and ends with the run (also when the run's process is gone). One that fails leaves the compiling
+to the worker, as before; the run says why (the end of its log)."""
 
 from __future__ import annotations
 
@@ -92,7 +93,8 @@ def kinds_apart(cfg, device: str, est: dict | None, budget: float | None) -> lis
     """The kinds of block that compile in a process each, at once (None: one process compiles them all): on a GPU
     with the cores for it, where the family has more than one kind and the card has room for a process per kind.
     FLUX.1-dev 1024² on an H200 (2026-11-30, a first run): one process compiled the double and the single blocks
-    one after the other in 31.7 s, and the run's steps 2-25 ran uncompiled at 0.593 s against 0.428 meanwhile."""
+    one after the other in 31.7 s, and the run's steps 2-25 ran uncompiled at 0.593 s against 0.428 meanwhile; a
+    process per kind, 21.4-24.7 s, the run compiled from step 4-7 (2x H200 host, `tools/race.py lorakit`)."""
     if not device.startswith("cuda") or (os.cpu_count() or 1) < 8:
         return None
     kinds = repeated_block_kinds(cfg.model.family)
@@ -199,8 +201,8 @@ def merged(got: list[dict]) -> dict:
 class Rehearsal:
     """The child processes (see the module): one per kind of block in `kinds` (each compiles its kind's graphs,
     the others' blocks run uncompiled there; all at once), else one for all; started now (their imports), told to
-    build their copies (now, or by `build` once the run's text encoders have left the card), handed their inputs
-    by `go`, waited for by the worker."""
+    build their copies (now, or by `build` once the run's caching is done), handed their inputs by `go`, waited for
+    by the worker."""
 
     def __init__(self, cfg, device: str, kinds: list[str] | None = None, build: bool = True):
         self.folder = Path(tempfile.mkdtemp(prefix="lorakit-compile-"))
