@@ -89,13 +89,13 @@ def lacks_room(est: dict | None, budget: float, processes: int = 1) -> str | Non
     return None
 
 
-def kinds_apart(cfg, device: str, est: dict | None, budget: float | None) -> list[str] | None:
+def kinds_apart(cfg, device: str, est: dict | None, budget: float | None, world: int = 1) -> list[str] | None:
     """The kinds of block that compile in a process each, at once (None: one process compiles them all): on a GPU
-    with the cores for it, where the family has more than one kind and the card has room for a process per kind.
+    with 8 cores for each of the `world` ranks, where the family has more than one kind and the card room for each.
     FLUX.1-dev 1024² on an H200 (2026-11-30, a first run): one process compiled the double and the single blocks
     one after the other in 31.7 s, and the run's steps 2-25 ran uncompiled at 0.593 s against 0.428 meanwhile; a
     process per kind, 21.4-24.7 s, the run compiled from step 4-7 (2x H200 host, `tools/race.py lorakit`)."""
-    if not device.startswith("cuda") or (os.cpu_count() or 1) < 8:
+    if not device.startswith("cuda") or (os.cpu_count() or 1) // max(world, 1) < 8:
         return None
     kinds = repeated_block_kinds(cfg.model.family)
     if len(kinds) < 2 or (budget is not None and lacks_room(est, budget, len(kinds))):

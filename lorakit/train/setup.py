@@ -233,7 +233,7 @@ def compile_process(cfg, device: str, world: int, est: dict | None, events: Even
     if why:
         events.info(f"the blocks compile in the background in this process: {why}")
         return None
-    return precompile.Rehearsal(cfg, device, precompile.kinds_apart(cfg, device, est, budget), build=build)
+    return precompile.Rehearsal(cfg, device, precompile.kinds_apart(cfg, device, est, budget, world), build=build)
 
 
 def block_inputs(tr, events: Events) -> tuple[dict, dict, dict]:

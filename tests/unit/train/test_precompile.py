@@ -258,6 +258,8 @@ def test_a_family_with_two_kinds_of_block_compiles_them_in_a_process_each_where_
     assert precompile.kinds_apart(flux, "cpu", None, None) is None
     qwen, _ = assemble(None, ["model.family=qwen-image", "data.resolution=1024"], "datacenter")
     assert precompile.kinds_apart(qwen, "cuda:0", estimate(qwen, 1), 139.0) is None  # one kind: one process
+    assert precompile.kinds_apart(flux, "cuda:1", est, 139.0, world=2) == both  # 8 cores a rank
+    assert precompile.kinds_apart(flux, "cuda:1", est, 139.0, world=4) is None  # 4 a rank: one process each
     monkeypatch.setattr(precompile.os, "cpu_count", lambda: 4)
     assert precompile.kinds_apart(flux, "cuda:0", est, 139.0) is None  # too few cores to compile two at once
 
