@@ -242,11 +242,6 @@ class Rehearsal:
             p.wait(end, timeout, training)
         return self.state()
 
-    def training(self) -> dict | None:
-        """What the children said once their training graphs were all in the cache (None: not yet, or never)."""
-        got = [p.training() for p in self.parts]
-        return merged(got) if all(got) else None
-
     def state(self) -> dict:
         """The training graphs' news where each child gave it (a failure in the grid's compile after it leaves
         those calls to the run), else the results."""
@@ -254,6 +249,11 @@ class Rehearsal:
 
     def result(self) -> dict:
         return merged([p.result() for p in self.parts])
+
+    @property
+    def where(self) -> str:
+        n = len(self.parts)
+        return "a separate process" if n == 1 else f"{n} separate processes (a kind of block each, at once)"
 
     @property
     def done(self) -> bool:
@@ -268,8 +268,6 @@ class Rehearsal:
         if r.get("ok") is None:
             return None
         self.said = True
-        n = len(self.parts)
-        where = "a separate process" if n == 1 else f"{n} separate processes (a kind of block each, at once)"
         if r.get("ok"):
             parts = ", ".join(f"{k} {v:.1f} s" for k, v in (r.get("parts") or {}).items())
             grid = "; the grid's follow there" if r.get("grid_prompts") else ""
@@ -278,7 +276,7 @@ class Rehearsal:
                 st = r.get("start") or {}
                 start = f" (its imports {st['imports']:.1f} s, its copy {st['copy']:.1f} s)" if st else ""
                 late = f", begun {r['late']:.1f} s after the run handed over its inputs{start}"
-            return (f"the blocks' {r.get('graphs', '?')} graphs compiled in {where} in {r['seconds']:.1f} s "
+            return (f"the blocks' {r.get('graphs', '?')} graphs compiled in {self.where} in {r['seconds']:.1f} s "
                     f"{f'({parts}{late}) ' if parts else ''}(into this machine's compile cache); the run takes them "
                     f"from there between two steps{grid}")
         return f"the separate compile process failed ({r.get('why')}); the worker compiles the blocks itself"

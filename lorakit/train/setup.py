@@ -210,10 +210,8 @@ def setup(resolved: Resolved, resume: str | None, events: Events, force: bool = 
         if rehearsal and tr.background and tr.step < cfg.schedule.steps:
             rehearsal.go(tr, conds if sampler else None, varying, carried, packs)
             tr.background.ahead = rehearsal
-            n = len(rehearsal.parts)
-            where = "a separate process" if n == 1 else f"{n} separate processes, a kind of block each, at once"
-            events.info(f"the blocks compile in {where} (a first run with these settings here): the first steps "
-                        "run them uncompiled meanwhile, then they switch between two steps")
+            events.info(f"the blocks compile in {rehearsal.where} (a first run with these settings here): the "
+                        "first steps run them uncompiled meanwhile, then they switch between two steps")
         elif rehearsal:
             rehearsal.close()
         return r

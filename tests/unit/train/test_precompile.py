@@ -39,7 +39,7 @@ class _Recorder:
     made: list = []
 
     def __init__(self, cfg, device, kinds=None, build=True):
-        self.cfg, self.inputs, self.parts = cfg, None, [kinds]
+        self.cfg, self.inputs, self.parts, self.where = cfg, None, [kinds], "a separate process"
         _Recorder.made.append(self)
 
     def build(self, cfg, device):
