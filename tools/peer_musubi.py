@@ -1,7 +1,10 @@
 """lorakit beside musubi-tuner (kohya-ss) training a Qwen-Image LoRA: same GPU, same command, same random-weight
-checkpoint, same cached tensors (issue 19, target 6; results in docs/benchmarks.md "Peer trainer").
+checkpoint, same cached tensors (issue 19, target 6; results in docs/benchmarks.md "musubi-tuner, Qwen-Image LoRA").
 
-    python tools/peer_musubi.py --musubi SRC --models M --work W --setting unconstrained|24gb [--steps 30]
+    python tools/peer_musubi.py compare --musubi SRC --models M --work W --setting unconstrained|24gb [--steps 300]
+        [--only lorakit musubi-24gb] [--limit SECONDS]
+
+A side still running at --limit is stopped; its steps so far are kept (musubi's are written as they come).
 
 Before it: `python tools/e2e.py synth data cache --family qwen-image --profile datacenter --models M --work W`
 (the full-size diffusers folder and lorakit's cache of the 20 synthetic 1024² items). musubi-tuner is not part of
@@ -72,6 +75,7 @@ def launch(a) -> None:
     import torch
 
     rec = {"steps": [], "module": a.module}
+    ticks = open(a.stats + ".steps", "a", buffering=1)  # each step's time as it comes: a side stopped at the limit keeps them
     if a.cap and torch.cuda.is_available():  # held as lorakit holds its own runs: the CUDA context inside the cap
         apply_cap("cuda", a.cap)
         rec["cap_gib"] = a.cap
@@ -84,6 +88,7 @@ def launch(a) -> None:
             out = update(self, n)
             if getattr(self, "desc", "") == "steps":
                 rec["steps"].append(time.time())
+                ticks.write(f"{rec['steps'][-1]}\n")
             return out
         std.tqdm.update = timed
     except ImportError:
@@ -102,25 +107,26 @@ def launch(a) -> None:
 # ---- the driver ----
 
 @functools.cache
-def _nvml_gpu0():
-    """NVML started once per process, and GPU 0's handle."""
+def _nvml_card():
+    """NVML started once per process, and the measured card's handle."""
     import pynvml
 
     pynvml.nvmlInit()
-    return pynvml.nvmlDeviceGetHandleByIndex(0)
+    return pynvml.nvmlDeviceGetHandleByIndex(race.gpu_index())
 
 
 def gpu_used_mib() -> int:
-    """GPU 0's used memory in MiB, through NVML in this process (nvidia-ml-py; a spawned nvidia-smi every 0.2 s
-    took the host from the trainer being measured), else nvidia-smi; 0 where neither can say."""
+    """The measured card's used memory in MiB, through NVML in this process (nvidia-ml-py; a spawned nvidia-smi
+    every 0.2 s took the host from the trainer being measured), else nvidia-smi; 0 where neither can say."""
     try:
         import pynvml
 
-        return int(pynvml.nvmlDeviceGetMemoryInfo(_nvml_gpu0()).used // 2**20)
+        return int(pynvml.nvmlDeviceGetMemoryInfo(_nvml_card()).used // 2**20)
     except Exception:  # noqa: BLE001 - no NVML here: ask nvidia-smi
         pass
     try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits", "-i", "0"],
+        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits", "-i",
+                              str(race.gpu_index())],
                              capture_output=True, text=True, timeout=5).stdout
         return int(out.split()[0])
     except (OSError, ValueError, IndexError, subprocess.TimeoutExpired):
@@ -141,7 +147,9 @@ def median_step(times: list[float], skip: int = 20) -> dict:
 
 def measured(label: str, module_args: list[str], out: Path, cap: float | None, env: dict, limit: float) -> dict:
     stats = out / f"{label}.stats.json"
+    ticks = Path(str(stats) + ".steps")
     stats.unlink(missing_ok=True)
+    ticks.unlink(missing_ok=True)
     cmd = [sys.executable, __file__, "launch", "--stats", str(stats), *(["--cap", str(cap)] if cap else []),
            *module_args]
     t0 = time.time()
@@ -157,6 +165,8 @@ def measured(label: str, module_args: list[str], out: Path, cap: float | None, e
         s = json.loads(stats.read_text())
         rec.update({k: v for k, v in s.items() if k != "steps"})
         rec["step_times"] = s["steps"]
+    elif ticks.is_file():  # stopped at the limit (no exit of its own): the steps it made
+        rec["step_times"] = [float(x) for x in ticks.read_text().split()]
     rec["log_tail"] = (out / f"{label}.log").read_text(errors="replace")[-2500:]
     try:
         rec["json"] = json.loads((out / f"{label}.out").read_text())
@@ -235,17 +245,17 @@ def compare(a) -> None:
     mu_cache = work / "peer-musubi-cache"
     deadline = time.time() + a.limit
     report = {"setting": a.setting, "steps": a.steps, "resolution": a.res, "records": []}
-    if not (mu_cache / "done.json").is_file():
-        report["export"] = export(lk_cache, mu_cache, Path(a.musubi))
+    runs, (profile, cap) = SETTINGS[a.setting]
+    order = list(runs) + [("lorakit", None)]
+    if a.only:  # these, in this order
+        order = [r for label in a.only for r in order if r[0] == label]
+    if any(label != "lorakit" for label, _ in order) and not (mu_cache / "done.json").is_file():
+        report["export"] = export(lk_cache, mu_cache, Path(a.musubi))  # musubi's cache: only where musubi runs
         (mu_cache / "done.json").write_text(json.dumps(report["export"]))
     toml = dataset_toml(a.data, mu_cache, a.res, out / "dataset.toml")
     shards = sorted((Path(a.models) / "qwen-image" / "transformer").glob("*.safetensors"))
     vae = sorted((Path(a.models) / "qwen-image" / "vae").glob("*.safetensors"))[0]
-    runs, (profile, cap) = SETTINGS[a.setting]
     env_mu = {"PYTHONPATH": os.pathsep.join([a.musubi, os.environ.get("PYTHONPATH", "")])}
-    order = list(runs) + [("lorakit", None)]
-    if a.only:  # these, in this order
-        order = [r for label in a.only for r in order if r[0] == label]
     for label, opts in order:
         left = deadline - time.time()
         if left < 60:

@@ -2,6 +2,7 @@
 as it can without a GPU or a peer trainer (tools/README.md)."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -45,6 +46,19 @@ def test_peer_musubi_times_steps_and_writes_a_lorakit_config_the_cli_accepts(tmp
     checked = validate(cfg)  # lorakit's own schema takes it as written
     assert checked.lora.rank == 16 and len(checked.lora.targets) == len(pm.MUSUBI_MODULES) == 14
     assert set(pm.SETTINGS) == {"unconstrained", "24gb"}
+
+
+@pytest.mark.slow
+def test_peer_musubi_keeps_the_steps_of_a_side_that_never_reached_its_own_exit(tmp_path):
+    """A side stopped at the plan's limit runs no exit handler: its steps, written as they came, are still read."""
+    import peer_musubi as pm
+
+    (tmp_path / "fake_trainer.py").write_text(
+        "import os, time\nfrom tqdm import tqdm\nbar = tqdm(range(5), desc='steps')\n"
+        "for _ in range(3):\n    time.sleep(0.05)\n    bar.update(1)\nos._exit(9)  # as a kill would: no atexit\n")
+    rec = pm.measured("fake", ["fake_trainer"], tmp_path, None, {"PYTHONPATH": os.pathsep.join([str(tmp_path), str(TOOLS.parent)])}, 120)
+    assert rec["rc"] == 9 and "torch_peak_allocated_gib" not in rec  # no stats file: the exit handler never ran
+    assert len(rec["step_times"]) == 3 and rec["step_times"] == sorted(rec["step_times"])
 
 
 def test_race_times_steps_by_the_wall_clock_stalls_included(tmp_path):
