@@ -49,8 +49,15 @@ def target_modules(transformer, adapter, targets, io: bool = False) -> list[str]
     return found + [n for n in extra if n not in found]
 
 
-def add_lora(transformer, adapter, cfg) -> dict:
-    """Attach a LoRA adapter; returns its peft config as a dict (for the file's metadata)."""
+def add_lora(transformer, adapter, cfg, device: str | None = None) -> dict:
+    """Attach a LoRA adapter; returns its peft config as a dict (for the file's metadata).
+
+    `device`: where every base layer already is (the GPU unless blocks swap): the adapter's weights are made and
+    initialised there. peft otherwise makes each on the CPU and copies it to its layer's device, two blocking copies
+    a layer: with 840 Qwen-Image layers 2.4 s on an idle card, 22.8 s on one that the first run's attention
+    self-test shares (one card of a 2x H200 host, 2026-11-30, `tools/peer_musubi.py compare --setting
+    unconstrained`)."""
+    import torch
     from peft import LoHaConfig, LoKrConfig, LoraConfig
 
     c = cfg.lora
@@ -65,7 +72,8 @@ def add_lora(transformer, adapter, cfg) -> dict:
         lcfg = LoraConfig(r=c.rank, lora_alpha=alpha, lora_dropout=c.dropout,
                           init_lora_weights="gaussian" if c.init == "gaussian" else True,
                           target_modules=modules, use_dora=c.is_dora)
-    transformer.add_adapter(lcfg)
+    with torch.device(device or "cpu"):
+        transformer.add_adapter(lcfg)
     return lcfg.to_dict()
 
 

@@ -93,7 +93,7 @@ def prepare(cfg, adapter, transformer, device: str, dtype, dist) -> Prepared:
         peft_config = None
         transformer.requires_grad_(True)
     else:
-        peft_config = add_lora(transformer, adapter, cfg)
+        peft_config = add_lora(transformer, adapter, cfg, device=None if swapper else device)
         clock.lap("LoRA")
     recomputed = 0
     if cfg.memory.gradient_checkpointing or swapper:  # swapping needs the recompute

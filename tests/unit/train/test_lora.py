@@ -6,7 +6,7 @@ import torch
 from lorakit.errors import ConfigError
 from lorakit.io.modules import load_component
 from lorakit.models.base import family_adapter
-from lorakit.train.lora import load_lora_into, lora_state_dict, save_lora, target_modules
+from lorakit.train.lora import add_lora, load_lora_into, lora_state_dict, save_lora, target_modules
 
 
 @pytest.fixture
@@ -42,6 +42,16 @@ def test_a_preset_the_model_lacks_is_an_error_not_an_empty_lora(tiny):
     with pytest.raises(ConfigError, match="does not have"):
         target_modules(k5, family_adapter("flux"), "attention")
     assert target_modules(k5, family_adapter("kandinsky5-t2i"), "attention")
+
+
+def test_the_adapter_is_made_on_the_device_it_is_given_not_copied_there_layer_by_layer(flux, tmp_path):
+    from tests.unit.train.test_loop import make_cfg
+
+    cfg = make_cfg(tmp_path, "flux", tmp_path / "unused")
+    add_lora(flux, family_adapter("flux"), cfg, device="meta")  # base on the CPU: peft leaves a meta adapter where
+    lora = {n: p.device.type for n, p in flux.named_parameters() if "lora_" in n}  # it was made (CPU-made: copied)
+    assert lora and set(lora.values()) == {"meta"}
+    assert {p.device.type for n, p in flux.named_parameters() if "lora_" not in n} == {"cpu"}
 
 
 def test_saved_lora_loads_back_bit_for_bit(flux, tmp_path):
