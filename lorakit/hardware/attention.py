@@ -31,6 +31,7 @@ from lorakit.hardware import (  # no torch at import: doctor's cached answer sta
     attention_model,
     fa4,
 )
+from lorakit.hardware import probe as probe_mod
 from lorakit.hardware.attention_cases import (
     AttentionReport,
     CaseResult,
@@ -64,12 +65,34 @@ def _key(device: str, cases, models, facts=None) -> dict:
     return fp
 
 
+EARLY: dict = {}  # family -> the children `start_early` started for its coming self-test
+
+
 def self_test_family(family: str, device: str = "cuda") -> AttentionReport:
     """What a training run needs: doctor's measurement of every family where this machine has one, else the cases
     of this family alone (its bare shapes and its architecture's in-model case: a fraction of the whole test),
-    measured once per machine and cached as well."""
+    measured once per machine and cached as well (with the children `start_early` started, where it did)."""
     everything, own = _family_measurements(family, device)
-    return _cached(_key(device, *everything)) or self_test(device, cases=own[0], models=own[1])
+    children = EARLY.pop(family, None)
+    report = _cached(_key(device, *everything))
+    if report is not None:
+        close_children(children)
+        return report
+    return self_test(device, cases=own[0], models=own[1], children=children)
+
+
+def start_early(family: str, device: str) -> bool:
+    """Start the child processes of this family's self-test now, where it will be measured (a CUDA device, no
+    measurement cached here): their imports (torch, diffusers: 9-11 s on one H200, 2026-11-30) then run beside the
+    run's own checks instead of after them. Asked before the machine is probed: on a machine whose probe is not
+    cached yet (a first run) nothing is cached, else the cached answer says. The children end by themselves when
+    this process does not use them (`_child_main`)."""
+    if not device.startswith("cuda") or family in EARLY or probe_mod.machine_key() is None:
+        return False
+    if probe_mod.facts_cached() and cached_family_report(family, device) is not None:
+        return False
+    EARLY[family] = prestart(models=(model_case(family),))
+    return True
 
 
 class Measuring:

@@ -12,6 +12,7 @@ from pathlib import Path
 from lorakit.config import Config, assemble, check_paths
 from lorakit.errors import ConfigError, LorakitError
 from lorakit.events import Events
+from lorakit.hardware.attention import start_early
 from lorakit.hardware.gpu import device_for
 from lorakit.io import resolve_files
 from lorakit.io.prefetch import Prefetch
@@ -83,9 +84,10 @@ def resolve(source: Path | dict | Config | None = None, overrides: list[str] | N
         facts: the hardware probe's facts for `auto` (probed when needed).
         events: where a long step of finding the model (a single file's one-time conversion) reports.
         defer_attention: a training run that may measure its attention backends while it starts (the first run
-            of the family on this machine, where the card has room): `train.setup` begins it once the run is not
-            refused, beside the encoders, the caching and the model's load, waits for it after the load and
-            finishes the choice. A dry run measures here, before it returns.
+            of the family on this machine, where the card has room; the measurement's child processes start here,
+            once the config is read, importing beside the checks: `attention.start_early`): `train.setup` begins it
+            once the run is not refused, beside the encoders, the caching and the model's load, waits for it after
+            the load and finishes the choice. A dry run measures here, before it returns.
         read_ahead: a training run: its transformer's files are read into the page cache from here on, beside the
             checks, the attention self-test and the encoding (`lorakit.io.prefetch`; one process per machine).
         settled: called with the config once its model folder and settings are known, before the plan imports a
@@ -98,6 +100,9 @@ def resolve(source: Path | dict | Config | None = None, overrides: list[str] | N
         cfg, prov = source, {"profile": source.profile, "reason": "a validated config", "warnings": []}
     else:
         cfg, prov = assemble(source, overrides, profile, facts)
+    if (defer_attention and train and cfg.profile != "cpu" and cfg.memory.attention == "auto"
+            and (world or int(os.environ.get("WORLD_SIZE", "1") or 1)) == 1):
+        start_early(cfg.model.family, "cuda")  # a first run's self-test: its children import beside these checks
     found = []
     if "model" in paths and cfg.model.path:  # a repo id, a single file: the folder the run loads
         folder, found = model_folder(cfg.model.path, cfg.model.base, cfg.model.family, events)

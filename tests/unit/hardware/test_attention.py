@@ -339,3 +339,30 @@ def test_a_vae_head_the_chosen_kernel_cannot_take_runs_under_a_runs_switches():
         assert F.scaled_dot_product_attention(q, q, q).isfinite().all()
     finally:
         sdpa.restore(prev)
+
+
+def test_children_started_early_are_the_ones_the_measurement_takes(monkeypatch):
+    """`start_early` (a first run, before its config checks) starts the self-test's children only where the run will
+    measure: a CUDA device, an NVIDIA driver, nothing measured here yet; `self_test_family` then takes them, or
+    stops them where a measurement was cached meanwhile."""
+    made, taken, closed = [], [], []
+    monkeypatch.setattr(att, "EARLY", {})
+    monkeypatch.setattr(att, "prestart", lambda models: made.append(models) or {"models": {m: [] for m in models}})
+    monkeypatch.setattr(att.probe_mod, "machine_key", lambda: None)
+    assert not att.start_early("flux", "cuda") and not made  # no NVIDIA driver here
+    monkeypatch.setattr(att.probe_mod, "machine_key", lambda: {"key": 1})
+    monkeypatch.setattr(att.probe_mod, "facts_cached", lambda: False)  # a first run on this machine
+    assert not att.start_early("flux", "cpu")
+    assert att.start_early("flux", "cuda") and not att.start_early("flux", "cuda")  # once
+    assert made == [(acases.model_case("flux"),)]
+    monkeypatch.setattr(att, "self_test", lambda device, cases, models, children=None: taken.append(children) or 1)
+    monkeypatch.setattr(att, "_cached", lambda fp: None)
+    assert att.self_test_family("flux", "cpu") == 1 and taken == [{"models": {"model flux": []}}]
+    assert not att.EARLY  # taken once
+    monkeypatch.setattr(att.probe_mod, "facts_cached", lambda: True)
+    monkeypatch.setattr(att, "cached_family_report", lambda family, device: "measured")
+    assert not att.start_early("flux", "cuda")  # measured here before
+    att.EARLY["flux"] = {"bare": None}
+    monkeypatch.setattr(att, "_cached", lambda fp: "measured")
+    monkeypatch.setattr(att, "close_children", closed.append)
+    assert att.self_test_family("flux", "cpu") == "measured" and closed == [{"bare": None}]

@@ -58,3 +58,24 @@ def test_a_gpu_profile_plans_memory_at_the_dry_run(tmp_path, tiny):
     assert out["memory_estimate"]["gib"] > 0 and out["device"] == "cpu"
     assert out["config"]["memory"]["compile"] is False  # the CPU compiles nothing
     assert isinstance(out["config"]["memory"]["checkpoint_blocks"], int)  # planned, not "auto"
+
+
+def test_a_first_runs_attention_children_start_before_its_checks_and_only_where_it_measures(tmp_path, tiny,
+                                                                                            monkeypatch):
+    """A training run that may measure its attention backends (a GPU profile, memory.attention auto, one process)
+    starts the self-test's children as soon as its config is read, before the path checks and the plan (their
+    imports beside them); a CPU run, a named backend, ranks of several processes and a dry run start none."""
+    started, order = [], []
+    monkeypatch.setattr(resolve_mod, "start_early", lambda fam, dev: started.append((fam, dev)) or order.append(0))
+    real = resolve_mod.check_paths
+    monkeypatch.setattr(resolve_mod, "check_paths", lambda *a, **k: (order.append(1), real(*a, **k))[1])
+    monkeypatch.setattr(resolve_mod, "plan_run", lambda r, *a: r)
+    path = _config(tmp_path, tiny)
+    resolve_mod.resolve(path, [], "rtx4090", defer_attention=True)
+    assert started == [("flux", "cuda")] and order == [0, 1]
+    for profile, sets, kw in (("cpu", [], {"defer_attention": True}), ("rtx4090", [], {}),
+                              ("rtx4090", ["memory.attention=flash"], {"defer_attention": True}),
+                              ("rtx4090", [], {"defer_attention": True, "world": 2})):
+        started.clear()
+        resolve_mod.resolve(path, sets, profile, **kw)
+        assert not started, (profile, sets, kw)
