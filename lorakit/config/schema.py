@@ -227,8 +227,7 @@ class SamplingConfig(_Section):
                                               "for the prompts, in order (a path, or a list of paths for several "
                                               "controls); prompts without one take item k's")
     steps: int = Field(20, ge=1, description="inference steps per sample")
-    first: bool = Field(True, description="render the grid of the untrained LoRA (step 0: right after step 1, or "
-                                          "once the blocks run compiled where they compile beside the first steps) to "
+    first: bool = Field(True, description="render the grid of the untrained LoRA (step 0, right after step 1) to "
                                           "compare the later grids with (taken from lorakit's cache where an earlier "
                                           "run on this machine rendered it from the same model files, prompts, "
                                           "seeds and settings); false skips it (the run says what it costs before "

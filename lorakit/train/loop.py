@@ -18,7 +18,7 @@ from lorakit.train.allocwatch import AllocWatch, PeakWatch
 from lorakit.train.compile_bg import news
 from lorakit.train.gcpause import Collector
 from lorakit.train.report import loss_curve, peak_rss_gib
-from lorakit.train.setup import Run, first_grid_left, first_grid_now, hold_output, render_samples, setup
+from lorakit.train.setup import Run, hold_output, render_samples, setup
 
 
 def run(resolved: Resolved, resume: str | None = None, stop_at: int | None = None,
@@ -120,8 +120,12 @@ def steps(r: Run, end: int) -> None:
                 grid_s += warm_other_shapes(r)
                 if cuda:
                     rec["compile_gpu_gib"] = peak.take()
-            if r.initial is not None and (not bg or bg_settled):  # the step-0 grid once the blocks run compiled
-                grid_s += first_grid_now(r)  # (not beside their compile), before this step's record; timed apart
+            if r.initial is not None:  # the step-0 grid, from the weights before step 1 (logged before step 1's record:
+                t1 = time.perf_counter()  # W&B takes steps in order); a phase of its own, timed and said apart
+                with checkpoint.weights_in(tr, r.initial):
+                    render_samples(r, 0)
+                r.initial = None
+                grid_s += time.perf_counter() - t1
                 if cuda:
                     rec["grid_gpu_gib"] = peak.take()
             if settle:  # what exists now stays for the run, the other shapes' graphs and the grid's too: out of the
@@ -204,8 +208,8 @@ def finish(r: Run) -> dict:
             tr.background.close()
     early = bool(tr.best and tr.best.stop)  # validation.patience: no new best in that many checks
     interrupted = tr.step < cfg.schedule.steps and not early  # a signal after the last step still gets the LoRA
-    if r.initial is not None:  # stopped before any step (the grid all the same) or while the blocks compiled
-        first_grid_left(r, interrupted)
+    if r.initial is not None:  # stopped before any step: the step-0 grid all the same
+        render_samples(r, 0)
     if r.sampler and not interrupted and not (cfg.sampling.every and tr.step % cfg.sampling.every == 0):
         render_samples(r, tr.step)
     with r.events.phase(f"{'checkpoint' if interrupted else 'final checkpoint'} (step {tr.step})") as facts:

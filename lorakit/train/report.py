@@ -105,7 +105,6 @@ class MetricsLog:
         self.tb = None
         self.wandb = None
         self._hook = None
-        self._step = 0  # the last step written (W&B drops what is logged at an earlier step)
         if not main:
             return
         self.wandb = wandb_run  # started at the beginning of the run (`start_wandb`)
@@ -148,7 +147,6 @@ class MetricsLog:
                 f.write(json.dumps(rec) + "\n")
         except OSError as e:
             raise environment_fault(e, self.path) or e from None
-        self._step = max(self._step, rec["step"])
         if self.tb is not None:
             try:
                 for k, v in rec.items():
@@ -164,15 +162,12 @@ class MetricsLog:
                 self._wandb_failed(e)
 
     def image(self, name: str, path: Path | None, step: int) -> None:
-        """A sample grid to W&B (metrics.jsonl and TensorBoard take scalars only); one of an earlier step than the
-        last written (the step-0 grid rendered once the blocks run compiled) goes under its own name."""
+        """A sample grid to W&B (metrics.jsonl and TensorBoard take scalars only)."""
         if self.wandb is not None and path is not None:
             try:
                 import wandb
 
-                late = step < self._step
-                self.wandb.log({f"{name} (step {step})" if late else name: wandb.Image(str(path))},
-                               step=max(step, self._step))
+                self.wandb.log({name: wandb.Image(str(path))}, step=step)
             except Exception as e:  # noqa: BLE001
                 self._wandb_failed(e)
 

@@ -205,11 +205,8 @@ def setup(resolved: Resolved, resume: str | None, events: Events, force: bool = 
         if sampler and tr.step == 0 and cfg.sampling.first:
             if tr.full:  # every weight trains: the grid before step 1 (FSDP: every rank takes part)
                 render_samples(r, 0)
-            else:  # the step-0 grid renders after step 1 from these weights; where the blocks compile beside the
-                r.initial = checkpoint.snapshot(tr)  # first steps, once they run compiled (Qwen-Image's, one H200,
-                if tr.background:  # 2026-11-30: 50.0 s uncompiled beside the compile, 28.3 s compiled)
-                    events.info("samples (step 0): the untrained LoRA's grid renders once the blocks run compiled, "
-                                "a few steps in (not beside their compile)")
+            else:  # the step-0 grid renders right after step 1 from these weights: it does not hold up the first step
+                r.initial = checkpoint.snapshot(tr)
         if rehearsal and tr.background and tr.step < cfg.schedule.steps:
             rehearsal.go(tr, conds if sampler else None, varying, carried, packs)
             tr.background.ahead = rehearsal
@@ -273,26 +270,6 @@ def choose_attention(resolved: Resolved, measuring: Measuring, out: Path, events
             tmp.write_text(dump_yaml(resolved.cfg))
         doctor_summary(out, resolved.cfg.profile, None if choice == "auto" else choice)
     return resolved.cfg
-
-
-def first_grid_now(r: Run) -> float:
-    """The step-0 grid from the weights kept before step 1 (`Run.initial`), whatever the step now; its seconds."""
-    t0 = time.perf_counter()
-    with checkpoint.weights_in(r.trainer, r.initial):
-        render_samples(r, 0)
-    r.initial = None
-    return time.perf_counter() - t0
-
-
-def first_grid_left(r: Run, interrupted: bool) -> None:
-    """The step-0 grid at the run's end, where the steps never came to it: rendered where no step ran (or the run
-    ended as planned); an interrupted run does not wait for it, and says so."""
-    if interrupted and r.trainer.step:
-        r.note("samples (step 0): not rendered (the run was stopped before its blocks ran compiled, when the grid "
-               "of the untrained LoRA renders)")
-        r.initial = None
-    else:
-        first_grid_now(r)
 
 
 def render_samples(r: Run, step: int, name: str | None = None):
