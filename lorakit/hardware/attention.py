@@ -95,6 +95,12 @@ def start_early(family: str, device: str) -> bool:
     return True
 
 
+def drop_early(family: str) -> None:
+    """Stop the children `start_early` started for a family whose run will not measure after all (each holds torch
+    and diffusers in host memory)."""
+    close_children(EARLY.pop(family, None))
+
+
 class Measuring:
     """A training run's first self-test of its family here (`self_test_family`: child processes, cached per
     machine), run in a thread as the run starts: beside the encoders, the caching and the model's load. `result`

@@ -12,7 +12,7 @@ from pathlib import Path
 from lorakit.config import Config, assemble, check_paths
 from lorakit.errors import ConfigError, LorakitError
 from lorakit.events import Events
-from lorakit.hardware.attention import start_early
+from lorakit.hardware.attention import drop_early, start_early
 from lorakit.hardware.gpu import device_for
 from lorakit.io import resolve_files
 from lorakit.io.prefetch import Prefetch
@@ -115,7 +115,12 @@ def resolve(source: Path | dict | Config | None = None, overrides: list[str] | N
         out.read_ahead = transformer_read_ahead(trained_dir(cfg))
     if settled:
         settled(cfg)
-    return plan_run(out, cap_gib, defer_attention) if train else out
+    if not train:
+        return out
+    out = plan_run(out, cap_gib, defer_attention)
+    if not out.attention_deferred:  # measured already, or never here (a named backend, the CPU after all)
+        drop_early(out.cfg.model.family)
+    return out
 
 
 def transformer_read_ahead(folder: Path) -> Prefetch | None:

@@ -366,3 +366,7 @@ def test_children_started_early_are_the_ones_the_measurement_takes(monkeypatch):
     monkeypatch.setattr(att, "_cached", lambda fp: "measured")
     monkeypatch.setattr(att, "close_children", closed.append)
     assert att.self_test_family("flux", "cpu") == "measured" and closed == [{"bare": None}]
+    att.EARLY["flux"] = {"bare": 1}
+    att.drop_early("flux")
+    att.drop_early("flux")  # none left: nothing to stop
+    assert closed[1:] == [{"bare": 1}, None] and not att.EARLY

@@ -65,14 +65,20 @@ def test_a_first_runs_attention_children_start_before_its_checks_and_only_where_
     """A training run that may measure its attention backends (a GPU profile, memory.attention auto, one process)
     starts the self-test's children as soon as its config is read, before the path checks and the plan (their
     imports beside them); a CPU run, a named backend, ranks of several processes and a dry run start none."""
-    started, order = [], []
+    started, order, dropped = [], [], []
     monkeypatch.setattr(resolve_mod, "start_early", lambda fam, dev: started.append((fam, dev)) or order.append(0))
+    monkeypatch.setattr(resolve_mod, "drop_early", dropped.append)
     real = resolve_mod.check_paths
     monkeypatch.setattr(resolve_mod, "check_paths", lambda *a, **k: (order.append(1), real(*a, **k))[1])
-    monkeypatch.setattr(resolve_mod, "plan_run", lambda r, *a: r)
+    deferred = []
+    monkeypatch.setattr(resolve_mod, "plan_run", lambda r, *a: setattr(r, "attention_deferred", bool(deferred)) or r)
     path = _config(tmp_path, tiny)
+    deferred.append(True)  # measured while the run starts: the children wait for it
     resolve_mod.resolve(path, [], "rtx4090", defer_attention=True)
-    assert started == [("flux", "cuda")] and order == [0, 1]
+    assert started == [("flux", "cuda")] and order == [0, 1] and not dropped
+    deferred.clear()  # the plan measured (no room) or will not: any left are stopped
+    resolve_mod.resolve(path, [], "rtx4090", defer_attention=True)
+    assert dropped == ["flux"]
     for profile, sets, kw in (("cpu", [], {"defer_attention": True}), ("rtx4090", [], {}),
                               ("rtx4090", ["memory.attention=flash"], {"defer_attention": True}),
                               ("rtx4090", [], {"defer_attention": True, "world": 2})):
