@@ -75,7 +75,8 @@ def launch(a) -> None:
     import torch
 
     rec = {"steps": [], "module": a.module}
-    ticks = open(a.stats + ".steps", "a", buffering=1)  # each step's time as it comes: a side stopped at the limit keeps them
+    # each step's time as it comes, line by line: a side stopped at the limit (no exit handler) keeps them
+    ticks = open(a.stats + ".steps", "a", buffering=1)
     if a.cap and torch.cuda.is_available():  # held as lorakit holds its own runs: the CUDA context inside the cap
         apply_cap("cuda", a.cap)
         rec["cap_gib"] = a.cap

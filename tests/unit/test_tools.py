@@ -56,7 +56,8 @@ def test_peer_musubi_keeps_the_steps_of_a_side_that_never_reached_its_own_exit(t
     (tmp_path / "fake_trainer.py").write_text(
         "import os, time\nfrom tqdm import tqdm\nbar = tqdm(range(5), desc='steps')\n"
         "for _ in range(3):\n    time.sleep(0.05)\n    bar.update(1)\nos._exit(9)  # as a kill would: no atexit\n")
-    rec = pm.measured("fake", ["fake_trainer"], tmp_path, None, {"PYTHONPATH": os.pathsep.join([str(tmp_path), str(TOOLS.parent)])}, 120)
+    env = {"PYTHONPATH": os.pathsep.join([str(tmp_path), str(TOOLS.parent)])}
+    rec = pm.measured("fake", ["fake_trainer"], tmp_path, None, env, 120)
     assert rec["rc"] == 9 and "torch_peak_allocated_gib" not in rec  # no stats file: the exit handler never ran
     assert len(rec["step_times"]) == 3 and rec["step_times"] == sorted(rec["step_times"])
 
