@@ -54,7 +54,7 @@ from lorakit.paths import cache_root
 
 WATCHDOG_S = 20.0  # one case (after the child's imports) may take this long before it counts as hung
 STARTUP_S = 180.0  # a child's imports (torch, diffusers) on a cold machine
-VERSION = 6  # bump when what a cached report means changes
+VERSION = 7  # bump when what a cached report means changes (7: cuDNN inside FLUX, gradients compared)
 CHILD = [sys.executable, "-m", "lorakit.hardware.attention"]  # the command of a child (+ "bare" | "models")
 
 

@@ -6,7 +6,8 @@ transformer with gradient checkpointing it corrupts memory (the next cuBLAS call
 self-test also runs backends through each architecture's real diffusers transformer class — full width
 and heads, one block of each kind (the family adapter's `attention_model_config`), random bf16 weights
 built on the GPU, frozen like a LoRA base, with gradient checkpointing — at 1024², called exactly as
-training calls it (`adapter.predict`), with a padded text mask where the family passes one.
+training calls it (`adapter.predict`), with a padded text mask where the family passes one, and its input
+gradient is compared with PyTorch's math kernel's.
 """
 
 from __future__ import annotations
@@ -44,9 +45,15 @@ def _build(case: str, device: str, dtype):
     return adapter, keep_fp32(model).eval().requires_grad_(False), (x, text, controls)
 
 
+GRAD_TOLERANCE = 0.05  # relative difference of the input gradient from the reference kernel's (bf16: <= 0.01)
+
+
 def run_model_case(case: str, backend: str | None, device: str = "cuda", repeats: int = 2):
     """Forward+backward of one architecture's real transformer blocks (checkpointed) with one SDPA backend in
-    force (None: PyTorch's own pick).
+    force (None: PyTorch's own pick), then once with the reference kernel (flash attention; memory-efficient
+    attention where the family masks its text): a backend passes when its gradients are finite and within
+    GRAD_TOLERANCE of the reference's (a kernel can be wrong without a NaN). A reference that cannot run here
+    judges nothing.
 
     Returns:
         a `CaseResult` (ok, median ms, or the error).
@@ -60,21 +67,46 @@ def run_model_case(case: str, backend: str | None, device: str = "cuda", repeats
         adapter, model, (x, text, controls) = _build(case, device, torch.bfloat16)
         model.enable_gradient_checkpointing()
         sigma = torch.tensor([0.5], device=device)
+
+        def input_grad():
+            out = adapter.predict(model, x, sigma, text, guidance=3.5, controls=controls)
+            out.float().square().mean().backward()
+            grad, x.grad = x.grad.float(), None
+            return grad
+
         times = []
         for i in range(repeats + 1):
             torch.cuda.synchronize(device)
             t0 = time.perf_counter()
-            out = adapter.predict(model, x, sigma, text, guidance=3.5, controls=controls)
-            out.float().square().mean().backward()
+            grad = input_grad()
             torch.cuda.synchronize(device)
             if i:
                 times.append((time.perf_counter() - t0) * 1e3)
-            if not torch.isfinite(x.grad).all():
+            if not torch.isfinite(grad).all():
                 return CaseResult(name, case, False, error="non-finite gradients")
-            x.grad = None
+        reference = "efficient" if any(c.masked for c in adapter.attention_cases) else "flash"
+        diff = _away(grad, input_grad, reference)
+        if diff is not None and not diff <= GRAD_TOLERANCE:
+            return CaseResult(name, case, False, error=f"gradients {diff:.1%} away from {reference} attention's "
+                                                      f"(bf16 kernels agree within {GRAD_TOLERANCE:.0%})")
         times.sort()
         return CaseResult(name, case, True, ms=round(times[len(times) // 2], 3))
     except Exception as e:  # noqa: BLE001 - a failing kernel is a result
         return CaseResult(name, case, False, error=error_line(e))
     finally:
         restore(prev)
+
+
+def _away(grad, input_grad, reference: str) -> float | None:
+    """The relative difference of `grad` from the input gradient with the `reference` kernel in force; None
+    where the reference cannot give one here."""
+    import torch
+
+    try:
+        apply(reference)
+        ref = input_grad()
+    except Exception:  # noqa: BLE001 - the reference judges only where it runs
+        return None
+    if not torch.isfinite(ref).all():
+        return None
+    return ((grad - ref).norm() / ref.norm().clamp_min(1e-12)).item()

@@ -4,6 +4,15 @@ A `with sdpa_kernel(...)` scope around the forward alone does not cover the reco
 which runs in backward outside the scope (and then picks another kernel whose saved tensors differ). So lorakit
 puts its choice in force with PyTorch's *global* SDPA switches (`apply`), which hold in forward, backward and
 recompute alike.
+
+While cuDNN attention may run, SDPA's output hands its backward a gradient laid out as the output is
+(`grad_like_output`). PyTorch (2.11, cuDNN 9.19) keeps each cuDNN backward graph under the query's, key's and
+value's sizes and strides only, yet builds it for the first call's grad_output strides; a later call with the same
+q/k/v and a grad_output of other strides runs that graph on memory it does not describe. FLUX.1's single blocks
+concatenate the attention output with the MLP's (their grad_output is a slice of a wider tensor) while its
+double blocks hand a dense one: the backward gave non-finite gradients or an illegal memory access on H100 and
+H200 with every block eager, checkpointed or compiled, and its gradients equal flash attention's (0.3-0.5%,
+bf16) once every grad_output is laid out like the output (one H200, 2026-11-30: `cudnn probe`, history).
 """
 
 from __future__ import annotations
@@ -38,7 +47,8 @@ def apply(backend: str | None, fallback: bool = False) -> dict:
 
     b = torch.backends.cuda
     prev = {"flash": b.flash_sdp_enabled(), "efficient": b.mem_efficient_sdp_enabled(),
-            "cudnn": b.cudnn_sdp_enabled(), "math": b.math_sdp_enabled(), "fa4": fa4.active()}
+            "cudnn": b.cudnn_sdp_enabled(), "math": b.math_sdp_enabled(), "fa4": fa4.active(),
+            "grad_like_output": TORCH_SDPA[0] is not None}
     if backend is None:
         return prev
     names = backend.split("+")  # "flash+efficient": flash where it can (no mask), efficient where not
@@ -50,6 +60,7 @@ def apply(backend: str | None, fallback: bool = False) -> dict:
     b.enable_mem_efficient_sdp("efficient" in names)
     b.enable_cudnn_sdp("cudnn" in names)
     b.enable_math_sdp("math" in names or fallback)
+    grad_like_output("cudnn" in names)
     return prev
 
 
@@ -63,3 +74,58 @@ def restore(prev: dict) -> None:
     b.enable_cudnn_sdp(prev["cudnn"])
     b.enable_math_sdp(prev["math"])
     fa4.activate() if prev.get("fa4") else fa4.deactivate()
+    grad_like_output(prev.get("grad_like_output", False))
+
+
+TORCH_SDPA: list = [None]  # PyTorch's own scaled_dot_product_attention while `grad_like_output` is on
+_LAYOUT_GRAD: list = [None]  # the autograd Function of `_sdpa` (made on the first `grad_like_output(True)`)
+
+
+def grad_like_output(on: bool) -> None:
+    """Route `torch.nn.functional.scaled_dot_product_attention` (what diffusers' attention calls, looked up at each
+    call, compiled blocks included) through `_sdpa` (on), or give PyTorch's own back (off)."""
+    import torch.nn.functional as F
+
+    if on and TORCH_SDPA[0] is None:
+        _LAYOUT_GRAD[0] = _LAYOUT_GRAD[0] or _layout_grad_function()
+        TORCH_SDPA[0] = F.scaled_dot_product_attention
+        F.scaled_dot_product_attention = _sdpa
+    elif not on and TORCH_SDPA[0] is not None:
+        F.scaled_dot_product_attention, TORCH_SDPA[0] = TORCH_SDPA[0], None
+
+
+def _sdpa(query, key, value, *args, **kwargs):
+    """PyTorch's SDPA, whose output's gradient reaches the kernel's backward laid out as the output is."""
+    out = TORCH_SDPA[0](query, key, value, *args, **kwargs)
+    return _LAYOUT_GRAD[0].apply(out) if out.requires_grad and out.dim() == 4 else out
+
+
+def outer_to_inner(t) -> list[int]:
+    """The dimensions of `t` from the largest stride to the smallest, ties in order (as PyTorch lays out a
+    grad_output to match an output); plain comparisons, which torch.compile traces."""
+    order: list[int] = []
+    for d in range(t.dim()):
+        i = len(order)
+        while i > 0 and t.stride(order[i - 1]) < t.stride(d):
+            i -= 1
+        order.insert(i, d)
+    return order
+
+
+def _layout_grad_function():
+    """An identity whose backward copies the gradient into the layout of the forward's tensor (no copy where it
+    has that layout already)."""
+    import torch
+
+    class LayoutGrad(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            ctx.order = outer_to_inner(x)
+            return x.view_as(x)
+
+        @staticmethod
+        def backward(ctx, grad):
+            order = ctx.order
+            return grad.permute(order).contiguous().permute([order.index(d) for d in range(len(order))])
+
+    return LayoutGrad

@@ -80,9 +80,6 @@ class FluxAdapter(ShiftScaleLatents, Adapter):
     # OneTrainer, bare for DiffSynth), placed into the BFL weights by row offsets (flux_to_diffusers)
     comfy_diffusers_prefixes = ("transformer.", "lycoris_", "lora_transformer_", "")
     native_fused_ratios = {"linear1": 7, "img_mlp.0": 4, "txt_mlp.0": 4}  # q, k, v + a 4x MLP; a 4x MLP
-    known_bad_attention = (
-        ("cudnn", "919", "9.0", "cuDNN 9.19 attention backward on sm_90: non-finite gradients / illegal memory "
-                                "access inside the FLUX transformer in some runs (seen on an H100, 2026-11-22)"),)
 
     def encode_prompts(self, texts, controls=None):
         import torch

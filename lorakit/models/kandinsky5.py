@@ -46,10 +46,6 @@ class Kandinsky5Adapter(Adapter):
     text_parts = ("text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2")
     max_sequence_length = 512
     comfy_diffusers_prefixes = ("", "transformer.")  # ComfyUI's Kandinsky5 branch
-    # no mask; cuDNN inside FLUX failed on this stack, and Kandinsky 5 (same head size, no mask) is kept off it
-    known_bad_attention = (
-        ("cudnn", "919", "9.0", "cuDNN 9.19 attention backward on sm_90 failed inside FLUX (same unmasked "
-                                "head_dim-128 shapes) in some runs (seen on an H100, 2026-11-22)"),)
 
     @property
     def layout(self):

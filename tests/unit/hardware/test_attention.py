@@ -264,7 +264,12 @@ _KERNEL_OP = {"flash": "_scaled_dot_product_flash_attention", "efficient": "_sca
               "cudnn": "_scaled_dot_product_cudnn_attention"}
 
 
-def test_known_bad_stack_excludes_backend_even_when_it_passed():
+def test_known_bad_stack_excludes_backend_even_when_it_passed(monkeypatch):
+    from lorakit.models.base import family_adapter
+
+    # a family's rule (FLUX.1 had one for cuDNN 9.19 on sm_90 until its gradients were laid out: test_sdpa.py)
+    monkeypatch.setattr(type(family_adapter("flux")), "known_bad_attention",
+                        (("cudnn", "919", "9.0", "seen failing inside this transformer"),))
     R = acases.CaseResult
     cases = acases.family_cases("flux")
     rep = acases.AttentionReport(fingerprint={"cudnn": 91900, "capability": "9.0"},
