@@ -7,7 +7,7 @@ self-test also runs backends through each architecture's real diffusers transfor
 and heads, one block of each kind (the family adapter's `attention_model_config`), random bf16 weights
 built on the GPU, frozen like a LoRA base, with gradient checkpointing — at 1024², called exactly as
 training calls it (`adapter.predict`), with a padded text mask where the family passes one, and its input
-gradient is compared with PyTorch's math kernel's.
+gradient is compared with a reference kernel's (flash attention; memory-efficient where the family masks text).
 """
 
 from __future__ import annotations

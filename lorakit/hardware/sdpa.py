@@ -12,7 +12,8 @@ q/k/v and a grad_output of other strides runs that graph on memory it does not d
 concatenate the attention output with the MLP's (their grad_output is a slice of a wider tensor) while its
 double blocks hand a dense one: the backward gave non-finite gradients or an illegal memory access on H100 and
 H200 with every block eager, checkpointed or compiled, and its gradients equal flash attention's (0.3-0.5%,
-bf16) once every grad_output is laid out like the output (one H200, 2026-11-30: `cudnn probe`, history).
+bf16) once every grad_output is laid out like the output (one H200, 2026-11-30: benchmarks-history.md, "cuDNN
+attention inside FLUX"; tests/unit/hardware/test_sdpa.py).
 """
 
 from __future__ import annotations
