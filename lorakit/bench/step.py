@@ -23,9 +23,11 @@ import sys
 import threading
 
 from lorakit.bench.ways import PLAIN_CHECKPOINTING_ABOVE, model_flops, run_way
+from lorakit.config import assemble
 from lorakit.errors import InputError
 from lorakit.hardware.attention_cases import family_masked
 from lorakit.models.base import family_adapter
+from lorakit.plan.decide import attention_backend
 
 
 def _child(spec: dict, timeout: float) -> dict:
@@ -102,7 +104,7 @@ def bench(family: str, res: int, profile: str | None, steps: int = 10, warmup: i
                          "leave --frames out (1)" if adapter.layout != "video" else "e.g. --frames 17")
     masked = family_masked(family)
     if attention is None and cuda:
-        attention = "flash+efficient" if masked else "flash"
+        attention = train_attention(family, res, profile, device) or ("flash+efficient" if masked else "flash")
     full = any(s.replace(" ", "") == "method=full" for s in sets or ())  # weight gradients: 3x the forward
     flops = model_flops(family, size, res, frames, full=full) if cuda else None
     base = dict(family=family, size=size, res=res, frames=frames, device=device, seed=0, rank=16, steps=steps,
@@ -153,3 +155,12 @@ if __name__ == "__main__":  # child process: one way
         _out = {"way": _spec["way"], "error": f"refused: {_e.message}" + (f" ({_e.hint})" if _e.hint else "")}
     if int(os.environ.get("RANK", "0") or 0) == 0:  # one row per way, from rank 0
         print(json.dumps(_out), flush=True)
+
+
+def train_attention(family: str, res: int, profile: str | None, device: str) -> str | None:
+    """The kernel `lorakit train` puts in force here for this family and resolution (the attention self-test's
+    choice, measured once per machine); None where it leaves the pick to PyTorch."""
+    cfg, _ = assemble(None, [f"model.family={family}", f"data.resolution={res}"], profile=profile or "datacenter")
+    choice = attention_backend(cfg, device)
+    return None if choice == "auto" else choice
+

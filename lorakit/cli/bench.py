@@ -185,7 +185,8 @@ def step(family: str = typer.Option(family_names()[0], "--family", help="model f
          sets: list[str] = typer.Option([], "--set", help="override lorakit's settings, e.g. memory.compile=false"),
          ways: str = typer.Option("plain,lorakit", "--ways", help="which ways to run, comma-separated"),
          attention: str | None = typer.Option(None, "--attention", help="lorakit's SDPA backend "
-                                              "(default: flash for FLUX, efficient for Qwen-Image)"),
+                                              "(default: the one `lorakit train` takes here: the attention "
+                                              "self-test's choice)"),
          tiny: bool = typer.Option(False, "--tiny", help="the tiny test architecture (runs on a CPU)"),
          device: str | None = typer.Option(None, "--device", help="cuda:N or cpu (default: cuda:0 if present)"),
          trace: Path | None = typer.Option(None, "--trace", help="also profile 2 steps per way; summaries here"),

@@ -156,3 +156,17 @@ def test_a_child_out_of_memory_keeps_torchs_message_and_where(monkeypatch):
     assert r["where"].startswith('File "/x/lorakit/train/loop.py", line 112')
     monkeypatch.setattr(subprocess, "Popen", child_saying("ValueError: no\n"))
     assert st._child({"way": "plain"}, 30) == {"way": "plain", "error": "ValueError: no"}
+
+
+def test_the_lorakit_way_takes_the_attention_lorakit_train_takes_here(monkeypatch):
+    from lorakit.bench import step as step_mod
+
+    asked = []
+
+    def backend(cfg, device):  # plan.decide.attention_backend: the self-test's choice for this family and size
+        asked.append((cfg.model.family, cfg.data.resolution, cfg.profile, device))
+        return {"flux": "cudnn", "qwen-image": "auto"}[cfg.model.family]
+    monkeypatch.setattr(step_mod, "attention_backend", backend)
+    assert step_mod.train_attention("flux", 768, None, "cuda:0") == "cudnn"
+    assert step_mod.train_attention("qwen-image", 1024, "rtx4090", "cuda:1") is None  # PyTorch picks: the bench's own
+    assert asked == [("flux", 768, "datacenter", "cuda:0"), ("qwen-image", 1024, "rtx4090", "cuda:1")]
