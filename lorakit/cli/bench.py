@@ -228,13 +228,13 @@ def _render_step(result: dict) -> None:
     cap = f", cap {result['memory_cap_gib']} GiB" if result["memory_cap_gib"] else ""
     t = Table(title=f"bench step: {result['family']} {result['res']}² ({result['size']}), profile "
                     f"{result['profile']}{cap}, {env['device']}, median of {result['steps']}", title_justify="left")
-    for col in ("way", "GPUs", "s/step", "items/s", "vs plain", "vs 1 GPU", "peak GiB", "MFU", "checkpointing",
-                "note"):
+    for col in ("way", "GPUs", "s/step", "items/s", "vs plain", "vs 1 GPU", "peak GiB", "MFU", "attention",
+                "checkpointing", "note"):
         t.add_column(col, justify="left" if col in ("way", "note") else "right")
     for r in result["rows"]:
         n = str(r.get("gpus", 1))
         if "error" in r:
-            t.add_row(r["way"], n, "-", "-", "-", "-", "-", "-", "-",
+            t.add_row(r["way"], n, "-", "-", "-", "-", "-", "-", "-", "-",
                       " ".join(x for x in (r["error"], r.get("detail"), r.get("where") and f"at {r['where']}") if x))
             continue
         ck = r.get("checkpoint")
@@ -244,5 +244,5 @@ def _render_step(result: dict) -> None:
                   f"{r['speedup_vs_plain']:.2f}x" if "speedup_vs_plain" in r else "-",
                   f"{r['throughput_vs_1gpu']:.2f}x" if "throughput_vs_1gpu" in r else "-",
                   f"{r['peak_gib']:.1f}" if "peak_gib" in r else "-", f"{r['mfu']:.0%}" if "mfu" in r else "-",
-                  "on" if r.get("checkpointing") else "off", note)
+                  r.get("attention") or "PyTorch's pick", "on" if r.get("checkpointing") else "off", note)
     console.print(t)

@@ -170,3 +170,19 @@ def test_the_lorakit_way_takes_the_attention_lorakit_train_takes_here(monkeypatc
     assert step_mod.train_attention("flux", 768, None, "cuda:0") == "cudnn"
     assert step_mod.train_attention("qwen-image", 1024, "rtx4090", "cuda:1") is None  # PyTorch picks: the bench's own
     assert asked == [("flux", 768, "datacenter", "cuda:0"), ("qwen-image", 1024, "rtx4090", "cuda:1")]
+
+
+def test_the_step_table_names_each_ways_attention_kernel():
+    from lorakit.cli import bench as bench_cli
+    from lorakit.cli.common import console
+
+    row = dict(way="lorakit", gpus=1, s_per_step=0.345, items_per_s=2.9, peak_gib=41.4, mfu=0.436, checkpointing=False)
+    result = dict(family="flux", res=1024, size="full", profile="datacenter", memory_cap_gib=None, steps=10,
+                  environment={"device": "NVIDIA H200"},
+                  rows=[dict(row, way="plain", attention="flash"), dict(row, attention="cudnn"),
+                        dict(row, way="lorakit", attention=None)])
+    with console.capture() as cap:
+        bench_cli._render_step(result)
+    lines = [ln for ln in cap.get().splitlines() if ln.startswith("│")]
+    assert "attention" in cap.get() and len(lines) == 3
+    assert "flash" in lines[0] and "cudnn" in lines[1] and "PyTorch's pick" in lines[2]
