@@ -144,6 +144,14 @@ def bench(family: str, res: int, profile: str | None, steps: int = 10, warmup: i
             "memory_cap_gib": memory_cap, "steps": steps, "warmup": warmup, "model_flops_per_step": flops, "environment": env, "rows": rows}
 
 
+def train_attention(family: str, res: int, profile: str | None, device: str) -> str | None:
+    """The kernel `lorakit train` puts in force here for this family and resolution (the attention self-test's
+    choice, measured once per machine); None where it leaves the pick to PyTorch."""
+    cfg, _ = assemble(None, [f"model.family={family}", f"data.resolution={res}"], profile=profile or "datacenter")
+    choice = attention_backend(cfg, device)
+    return None if choice == "auto" else choice
+
+
 if __name__ == "__main__":  # child process: one way
     from lorakit.quiet import quiet_libraries
 
@@ -155,12 +163,3 @@ if __name__ == "__main__":  # child process: one way
         _out = {"way": _spec["way"], "error": f"refused: {_e.message}" + (f" ({_e.hint})" if _e.hint else "")}
     if int(os.environ.get("RANK", "0") or 0) == 0:  # one row per way, from rank 0
         print(json.dumps(_out), flush=True)
-
-
-def train_attention(family: str, res: int, profile: str | None, device: str) -> str | None:
-    """The kernel `lorakit train` puts in force here for this family and resolution (the attention self-test's
-    choice, measured once per machine); None where it leaves the pick to PyTorch."""
-    cfg, _ = assemble(None, [f"model.family={family}", f"data.resolution={res}"], profile=profile or "datacenter")
-    choice = attention_backend(cfg, device)
-    return None if choice == "auto" else choice
-
