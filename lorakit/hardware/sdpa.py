@@ -34,7 +34,8 @@ def sdp_backend(name: str):
 
 
 def apply(backend: str | None, fallback: bool = False) -> dict:
-    """Put one SDPA backend in force globally (forward, backward and recompute alike).
+    """Put one SDPA backend in force globally (forward, backward and recompute alike); "auto": every one of
+    PyTorch's, which then picks per call; None: nothing changes.
 
     `fallback`: keep the math backend on as the last resort for attention calls the chosen kernel cannot
     take at all. The self-test showed the chosen kernel takes every call of the family's transformer, so
@@ -52,7 +53,8 @@ def apply(backend: str | None, fallback: bool = False) -> dict:
             "grad_like_output": TORCH_SDPA[0] is not None}
     if backend is None:
         return prev
-    names = backend.split("+")  # "flash+efficient": flash where it can (no mask), efficient where not
+    # "auto": PyTorch picks per call among its own kernels (a run whose self-test passed none)
+    names = list(BACKENDS) if backend == "auto" else backend.split("+")  # "flash+efficient": flash unmasked
     for n in names:
         if n not in ALL_BACKENDS:
             raise UnknownNameError("attention backend", n, list(ALL_BACKENDS))

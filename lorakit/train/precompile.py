@@ -423,7 +423,7 @@ def main() -> int:
     if not line.strip():  # the run did not need it
         return 0
     go = json.loads(line)
-    apply_attention(None if go["attention"] == "auto" else go["attention"], fallback=True)
+    apply_attention(go["attention"] if device.startswith("cuda") else None, fallback=True)  # as the run's setup
     inputs = rebuilt(torch.load(go["inputs"], weights_only=True))
     dims.install(tr.transformer, *dims.from_json(go.get("dims")))  # the run's graphs: symbolic, grads as the run's
     print(f"rehearsing {1 + len(inputs['warm'])} training shape(s) and {len(inputs['conds'])} grid prompt(s)"

@@ -141,7 +141,8 @@ def setup(resolved: Resolved, resume: str | None, events: Events, force: bool = 
         if not measuring:
             attention = cfg.memory.attention if device.startswith("cuda") and cfg.memory.attention != "auto" \
                 else None
-            apply_attention(attention, fallback=True)  # in force for the whole run: forward, backward, recompute
+            # in force for the whole run: forward, backward, recompute ("auto" on a GPU: PyTorch picks per call)
+            apply_attention(cfg.memory.attention if device.startswith("cuda") else None, fallback=True)
             if d.main:
                 doctor_summary(out, cfg.profile, attention)
         key = warm.warm_key(cfg, device) if cfg.memory.compile else None
@@ -264,7 +265,7 @@ def choose_attention(resolved: Resolved, measuring: Measuring, out: Path, events
     m = resolved.cfg.memory
     resolved.cfg = resolved.cfg.model_copy(update={"memory": m.model_copy(update={"attention": choice})})
     resolved.attention_deferred = False
-    apply_attention(None if choice == "auto" else choice, fallback=True)
+    apply_attention(choice, fallback=True)
     if int(os.environ.get("RANK", "0") or 0) == 0:
         with atomic_path(out / "config.resolved.yaml") as tmp:
             tmp.write_text(dump_yaml(resolved.cfg))

@@ -105,3 +105,15 @@ def test_outer_to_inner_orders_dimensions_by_stride_ties_in_order():
     x = torch.empty(2, 5, 3, 4).permute(0, 2, 1, 3)  # BSHD memory seen as BHSD
     assert sdpa.outer_to_inner(x) == [0, 2, 1, 3]
     assert sdpa.outer_to_inner(torch.empty(1, 1, 3, 4)) == [0, 1, 2, 3]
+
+
+def test_auto_leaves_the_pick_to_pytorch_among_all_its_kernels_with_the_gradient_laid_out():
+    """A run whose self-test passed no kernel: PyTorch may then pick cuDNN (its own first choice on an H100)."""
+    sdpa.apply("flash")
+    prev = sdpa.apply("auto")
+    b = torch.backends.cuda
+    assert (b.flash_sdp_enabled(), b.mem_efficient_sdp_enabled(), b.cudnn_sdp_enabled(),
+            b.math_sdp_enabled()) == (True, True, True, True)
+    assert F.scaled_dot_product_attention is sdpa._sdpa
+    sdpa.restore(prev)
+    assert (b.flash_sdp_enabled(), b.cudnn_sdp_enabled()) == (True, False) and sdpa.TORCH_SDPA[0] is None
