@@ -139,12 +139,11 @@ def setup(resolved: Resolved, resume: str | None, events: Events, force: bool = 
         if conds and cfg.memory.free_encoders_after_cache:
             adapter.unload(list(adapter.text_parts))
         if not measuring:
-            attention = cfg.memory.attention if device.startswith("cuda") and cfg.memory.attention != "auto" \
-                else None
+            attention = cfg.memory.attention if device.startswith("cuda") else None
             # in force for the whole run: forward, backward, recompute ("auto" on a GPU: PyTorch picks per call)
-            apply_attention(cfg.memory.attention if device.startswith("cuda") else None, fallback=True)
+            apply_attention(attention, fallback=True)
             if d.main:
-                doctor_summary(out, cfg.profile, attention)
+                doctor_summary(out, cfg.profile, None if attention == "auto" else attention)
         key = warm.warm_key(cfg, device) if cfg.memory.compile else None
         sizes = set(warm.shapes(data, adapter)) if key else set()
         if key and cfg.memory.compile_background and warm.known(key, sizes):  # compiled here before: from the cache
