@@ -122,10 +122,8 @@ def _detached(v, bases: dict | None = None):
                 bases[id(base)] = _copy(base)
             return _view_like(bases[id(base)], v)
         return _copy(v)
-    if isinstance(v, tuple):
-        return tuple(_detached(x, bases) for x in v)
-    if isinstance(v, list):
-        return [_detached(x, bases) for x in v]
+    if isinstance(v, (tuple, list)):
+        return (tuple if isinstance(v, tuple) else list)(_detached(x, bases) for x in v)
     if isinstance(v, dict):
         return {k: _detached(x, bases) for k, x in v.items()}
     return v
@@ -421,11 +419,13 @@ def _flat(m) -> list:
 
 def cache_news() -> str:
     """How many of the process's Inductor graphs came from the compile cache (", 8 of 8 graphs from the compile
-    cache"; empty where Inductor made none)."""
+    cache"), how many were traced again first (left out of AOTAutograd's: `gpu.compile_cache`); "" if none."""
     from torch._dynamo.utils import counters
 
-    hit, miss = counters["inductor"]["fxgraph_cache_hit"], counters["inductor"]["fxgraph_cache_miss"]
-    return f", {hit} of {hit + miss} graphs from the compile cache" if hit + miss else ""
+    hit, miss, again = (counters[k][n] for k, n in (("inductor", "fxgraph_cache_hit"), ("inductor", "fxgraph_cache_miss"),
+                                                   ("aot_autograd", "autograd_cache_bypass")))
+    return (f", {hit} of {hit + miss} graphs from the compile cache" + (f", {again} traced again first (not in "
+            "AOTAutograd's cache)" if again else "")) if hit + miss else ""
 
 
 def news(bg: BackgroundCompile, ready: list, step: int, info, note) -> list:

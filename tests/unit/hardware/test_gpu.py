@@ -76,3 +76,40 @@ def test_an_emulated_card_holds_this_processs_cuda_context_inside_its_cap(monkey
     assert got["f"] * total == pytest.approx(23.5 * 2**30)
     monkeypatch.delenv("LORAKIT_MEMORY_CAP_GIB")  # `bench step --memory-cap`, the peer races: the cap given
     assert apply_cap("cuda", 32) == 32 and got["f"] * total == pytest.approx(31.5 * 2**30)
+
+
+def test_the_compile_cache_keeps_graphs_with_lorakits_autograd_functions(tmp_path, monkeypatch):
+    """The graph of a block calling the attention's gradient-layout Function is one PyTorch's AOTAutograd cache
+    leaves out by default (each run then traced its forward and backward again); once `compile_cache` has run,
+    the same graph passes the cache's own check, here and in the compile processes the environment reaches."""
+    import torch
+    import torch._functorch.config as functorch_config
+    from torch._functorch._aot_autograd.autograd_cache import BypassAOTAutogradCache, check_cacheable
+
+    from lorakit.hardware import sdpa
+    from lorakit.hardware.gpu import CUSTOM_AUTOGRAD_ENV, compile_cache
+
+    monkeypatch.setattr(functorch_config, "autograd_cache_allow_custom_autograd_functions", False)
+    monkeypatch.delenv(CUSTOM_AUTOGRAD_ENV, raising=False)
+    monkeypatch.setenv("LORAKIT_CACHE", str(tmp_path / "lk"))
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    layout = sdpa._layout_grad_function()
+    graphs = []
+
+    def keep(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    def block(x, w):
+        return layout.apply(x @ w).relu()
+
+    torch._dynamo.reset()
+    x, w = torch.randn(4, 8, requires_grad=True), torch.randn(8, 8, requires_grad=True)
+    torch.compile(block, backend=keep, fullgraph=True)(x, w).sum().backward()
+    assert len(graphs) == 1
+    with pytest.raises(BypassAOTAutogradCache, match="autograd_function_apply"):
+        check_cacheable(graphs[0])
+    compile_cache()
+    check_cacheable(graphs[0])
+    assert os.environ[CUSTOM_AUTOGRAD_ENV] == "1"
+    torch._dynamo.reset()
