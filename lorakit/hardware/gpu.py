@@ -132,10 +132,9 @@ def cache_custom_autograd() -> None:
     gradient layout (`hardware.sdpa`), fp8 compute and 8-bit bases (`train.quant`). PyTorch's AOTAutograd cache
     leaves out any graph with a custom autograd Function unless told (its key hashes the traced forward and
     backward, which decide what the graph does); left out, every run traces each graph's forward and backward
-    again and only Inductor's part comes from the cache (FLUX.1-dev 1024², cuDNN attention, one H200,
-    2026-11-30: 4 graphs taken from the cache in 11.2 s between steps 2 and 3, against 3.5-3.9 s before the
-    Function). For this process and, through the environment, the compile processes it starts
-    (`train.precompile`)."""
+    again and only Inductor's part comes from the cache (FLUX.1-dev 1024², cuDNN attention, a first run's 4 graphs
+    taken from the cache between two steps, one H200, 2026-11-30: 11.2 s; kept whole, 4.6 s). For this process and,
+    through the environment, the compile processes it starts (`train.precompile`)."""
     os.environ[CUSTOM_AUTOGRAD_ENV] = "1"
     try:
         import torch._functorch.config as functorch_config
