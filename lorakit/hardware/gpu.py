@@ -135,13 +135,13 @@ def cache_custom_autograd() -> None:
     again and only Inductor's part comes from the cache (FLUX.1-dev 1024², cuDNN attention, a first run's 4 graphs
     taken from the cache between two steps, one H200, 2026-11-30: 11.2 s; kept whole, 4.6 s). For this process and,
     through the environment, the compile processes it starts (`train.precompile`)."""
-    os.environ[CUSTOM_AUTOGRAD_ENV] = "1"
-    try:
+    try:  # torch's settings hold for the thread that makes them (compile_bg's worker runs in a copy of its context)
         import torch._functorch.config as functorch_config
     except ImportError:
         return
     if hasattr(functorch_config, "autograd_cache_allow_custom_autograd_functions"):
         functorch_config.autograd_cache_allow_custom_autograd_functions = True
+    os.environ[CUSTOM_AUTOGRAD_ENV] = "1"  # read as torch is imported: a child process's setting, in every thread
 
 
 def _inductor_default() -> str | None:

@@ -36,6 +36,7 @@ A description the worker fails to compile (out of memory, say) compiles in the r
 
 from __future__ import annotations
 
+import contextvars
 import copy
 import functools
 import queue
@@ -159,10 +160,8 @@ def _tensors(v) -> list:
 
     if isinstance(v, torch.Tensor):
         return [v]
-    if isinstance(v, (tuple, list)):
-        return [t for x in v for t in _tensors(x)]
-    if isinstance(v, dict):
-        return [t for x in v.values() for t in _tensors(x)]
+    if isinstance(v, (tuple, list, dict)):
+        return [t for x in (v.values() if isinstance(v, dict) else v) for t in _tensors(x)]
     return []
 
 
@@ -171,9 +170,7 @@ def shadow(block):
     trainable parameter a new parameter over the same storage (its own version counter)."""
     import torch
 
-    memo = {}
-    for t in block.buffers():
-        memo[id(t)] = t
+    memo = {id(t): t for t in block.buffers()}
     for p in block.parameters():
         memo[id(p)] = torch.nn.Parameter(p.data, requires_grad=True) if p.requires_grad else p
     s = copy.deepcopy(block, memo)
@@ -225,7 +222,9 @@ class BackgroundCompile:
                 self._copies[kind] = (s, torch.compile(s._call_impl, **options))
             b._compiled_call_impl = _Route(self, b, torch.compile(b._call_impl, **options))
         self._blocks = blocks
-        self._thread = threading.Thread(target=self._work, name="lorakit-compile", daemon=True)
+        # in the settings the run's thread made (torch's are per thread: the recompile limit, the compile cache's)
+        self._thread = threading.Thread(target=contextvars.copy_context().run, args=(self._work,),
+                                        name="lorakit-compile", daemon=True)
         self._thread.start()
 
     def call(self, block, compiled, args, kwargs):

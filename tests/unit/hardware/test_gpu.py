@@ -24,7 +24,21 @@ def test_the_cpu_profile_computes_on_the_cpu_whatever_the_machine():
     assert device_for("cpu") == "cpu"
 
 
-def test_compiled_blocks_are_kept_in_lorakits_cache_unless_the_user_chose_a_folder(tmp_path, monkeypatch):
+@pytest.fixture
+def compile_settings(monkeypatch):
+    """`compile_cache` changes torch's settings and the environment: both as they were after the test."""
+    import torch._functorch.config as functorch_config
+
+    from lorakit.hardware.gpu import CUSTOM_AUTOGRAD_ENV
+
+    monkeypatch.setenv(CUSTOM_AUTOGRAD_ENV, "0")
+    monkeypatch.delenv(CUSTOM_AUTOGRAD_ENV)  # unset now; as it was after the test
+    with functorch_config.patch(autograd_cache_allow_custom_autograd_functions=False):  # torch's own undo
+        yield functorch_config
+
+
+def test_compiled_blocks_are_kept_in_lorakits_cache_unless_the_user_chose_a_folder(tmp_path, monkeypatch,
+                                                                                  compile_settings):
     from lorakit.hardware.gpu import compile_cache
 
     monkeypatch.setenv("LORAKIT_CACHE", str(tmp_path / "lk"))
@@ -34,7 +48,7 @@ def test_compiled_blocks_are_kept_in_lorakits_cache_unless_the_user_chose_a_fold
     assert compile_cache() == str(tmp_path / "mine")
 
 
-def test_inductors_own_default_is_not_taken_for_the_users_folder(tmp_path, monkeypatch):
+def test_inductors_own_default_is_not_taken_for_the_users_folder(tmp_path, monkeypatch, compile_settings):
     """Inductor writes its fallback folder into TORCHINDUCTOR_CACHE_DIR the first time anything asks it for its
     folder (`cache_dir()`); a run that asked before `compile_cache` still keeps its graphs in lorakit's cache."""
     from torch._inductor.runtime.cache_dir_utils import cache_dir
@@ -78,21 +92,21 @@ def test_an_emulated_card_holds_this_processs_cuda_context_inside_its_cap(monkey
     assert apply_cap("cuda", 32) == 32 and got["f"] * total == pytest.approx(31.5 * 2**30)
 
 
-def test_the_compile_cache_keeps_graphs_with_lorakits_autograd_functions(tmp_path, monkeypatch):
+def test_the_compile_cache_keeps_graphs_with_lorakits_autograd_functions(tmp_path, monkeypatch, compile_settings):
     """The graph of a block calling the attention's gradient-layout Function is one PyTorch's AOTAutograd cache
     leaves out by default (each run then traced its forward and backward again); once `compile_cache` has run,
-    the same graph passes the cache's own check, here and in the compile processes the environment reaches."""
+    the same graph passes the cache's own check, in this thread, in a compile worker's thread (a copy of this
+    one's context: torch's settings are per thread) and, through the environment, in the compile processes."""
+    import contextvars
+    import threading
+
     import torch
-    import torch._functorch.config as functorch_config
     from torch._functorch._aot_autograd.autograd_cache import BypassAOTAutogradCache, check_cacheable
 
     from lorakit.hardware import sdpa
     from lorakit.hardware.gpu import CUSTOM_AUTOGRAD_ENV, compile_cache
 
-    monkeypatch.setattr(functorch_config, "autograd_cache_allow_custom_autograd_functions", False)
-    monkeypatch.delenv(CUSTOM_AUTOGRAD_ENV, raising=False)
-    monkeypatch.setenv("LORAKIT_CACHE", str(tmp_path / "lk"))
-    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "compile"))
     layout = sdpa._layout_grad_function()
     graphs = []
 
@@ -112,4 +126,14 @@ def test_the_compile_cache_keeps_graphs_with_lorakits_autograd_functions(tmp_pat
     compile_cache()
     check_cacheable(graphs[0])
     assert os.environ[CUSTOM_AUTOGRAD_ENV] == "1"
+    seen = {}
+
+    def worker(to):
+        seen[to] = compile_settings.autograd_cache_allow_custom_autograd_functions
+
+    for run, to in ((lambda *a: worker(*a), "new thread"), (contextvars.copy_context().run, "copied context")):
+        t = threading.Thread(target=run, args=(worker, to) if to == "copied context" else (to,))
+        t.start()
+        t.join()
+    assert seen == {"new thread": False, "copied context": True}  # how compile_bg starts its worker: the latter
     torch._dynamo.reset()

@@ -508,3 +508,20 @@ def test_a_rank_whose_worker_compiled_alone_does_not_hold_up_the_others_load():
     assert bg.lets_others_load  # its graphs wait in the cache
     bg.handed_back, bg.sealed = False, True
     assert bg.lets_others_load  # its worker compiled them itself
+
+
+def test_the_worker_compiles_under_the_torch_settings_the_runs_thread_made(monkeypatch):
+    """torch keeps a setting made in code (the recompile limit `prepare.allow_block_graphs` raises, the compile
+    cache's allowance `gpu.compile_cache` makes) for the thread that made it; the worker starts in a copy of that
+    thread's context, so it compiles under them (a plain thread saw torch's default limit of 8)."""
+    seen = {}
+
+    def record(self):
+        seen["limit"] = torch._dynamo.config.recompile_limit
+
+    monkeypatch.setattr(BackgroundCompile, "_work", record)
+    blocks = [torch.nn.Linear(4, 4)]
+    with torch._dynamo.config.patch(recompile_limit=77):
+        bg = BackgroundCompile(blocks, {"backend": "aot_eager"}, "cpu")
+    bg._thread.join(timeout=30)
+    assert seen == {"limit": 77}
