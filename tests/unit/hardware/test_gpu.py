@@ -131,8 +131,9 @@ def test_the_compile_cache_keeps_graphs_with_lorakits_autograd_functions(tmp_pat
     def worker(to):
         seen[to] = compile_settings.autograd_cache_allow_custom_autograd_functions
 
-    for run, to in ((lambda *a: worker(*a), "new thread"), (contextvars.copy_context().run, "copied context")):
-        t = threading.Thread(target=run, args=(worker, to) if to == "copied context" else (to,))
+    plain = threading.Thread(target=worker, args=("new thread",))
+    copied = threading.Thread(target=contextvars.copy_context().run, args=(worker, "copied context"))
+    for t in (plain, copied):
         t.start()
         t.join()
     assert seen == {"new thread": False, "copied context": True}  # how compile_bg starts its worker: the latter
