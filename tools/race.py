@@ -1,7 +1,8 @@
 """A training run timed as the wall clock shows it — the lorakit side of a race against a peer trainer, and the
 measure any peer's command gets (`measure`): command -> first step, command -> step N, command -> the final LoRA
 file (the whole job), the steady s/step (median and p90 of the wall time between consecutive steps, stalls
-included, after the first two), the GPU's peak memory (NVML, polled) and the process tree's peak private host memory.
+included, after the first two), the GPU's peak memory (NVML, polled) and the process tree's peak private host memory;
+for lorakit also the opening target (step 100 within the first step + 100 x 1.15 x the steady step + the step-0 grid).
 
     python tools/race.py synth --family flux --models M                 # the full-size random-weight folder (GPU)
     python tools/race.py data --out D [--count 16] [--res 1024]         # drawn images in three aspect ratios
@@ -152,17 +153,30 @@ def steady(times: list[float], skip: int = 2) -> dict:
             "intervals": len(gaps)}
 
 
-def timeline(started: float, times: list[float], lora: Path | None) -> dict:
+def timeline(started: float, times: list[float], lora: Path | None, grid_s: float | None = None) -> dict:
     """A run's figures from the command's start, its step times and its LoRA file: first step, step 100, the LoRA
     written (the whole job), the steady step (`steady`), the opening's target (command -> step 100 within the
-    first step + 100 x 1.15 x the steady step) and the LoRA modules the file holds."""
+    first step + 100 x 1.15 x the steady step + `grid_s`, the step-0 grid's own seconds where the run says them:
+    then `opening_s`, step 100 past the target, negative under it) and the LoRA modules the file holds."""
     rec = {"steps": len(times), "first_step_s": round(times[0] - started, 1) if times else None,
            "step_100_s": round(times[99] - started, 1) if len(times) >= 100 else None,
            "lora_s": round(lora.stat().st_mtime - started, 1) if lora is not None and lora.is_file() else None,
            "lora_modules": lora_modules(lora), **steady(times)}
     if rec["first_step_s"] is not None and rec["step_100_s"] is not None and rec["median_s"]:
-        rec["step_100_allowed_s"] = round(rec["first_step_s"] + 100 * 1.15 * rec["median_s"], 1)
+        allowed = rec["first_step_s"] + 100 * 1.15 * rec["median_s"] + (grid_s or 0.0)
+        rec["step_100_allowed_s"] = round(allowed, 1)
+        if grid_s is not None:
+            rec.update(step_0_grid_s=round(grid_s, 1), opening_s=round(times[99] - started - allowed, 1))
     return rec
+
+
+def step_0_grid(run: Path, before: float | None) -> float:
+    """The seconds of a lorakit run's step-0 grid (its "samples (step 0)" phase in phases.jsonl) where it ended
+    before `before` (step 100's time); 0 where it did not run, or ran later."""
+    path = run / "phases.jsonl"
+    rows = [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.is_file() else []
+    return sum(r.get("seconds", 0.0) for r in rows if r.get("event") == "end" and r.get("name") == "samples (step 0)"
+               and (before is None or r["time"] <= before))
 
 
 def lora_modules(path: Path | None) -> int | None:
@@ -197,7 +211,8 @@ def lorakit_run(a, work: Path, k: int) -> dict:
     times = [r["time"] for r in rows if "loss" in r]
     rec.update(side="lorakit", run=k, profile=a.profile, cap_gib=a.cap,
                step_s_median=round(statistics.median(r["step_s"] for r in rows if "step_s" in r), 4) if rows else None,
-               **timeline(rec["started"], times, out / "lora.safetensors"))
+               **timeline(rec["started"], times, out / "lora.safetensors",
+                          step_0_grid(out, times[99] if len(times) >= 100 else None)))
     return rec
 
 
@@ -315,11 +330,18 @@ def row(r: dict) -> str:
     return (f"| {r['side']} run {r['run']} | {r['profile']}{cap} | "
             f"{f(r['first_step_s'])} | {f(r.get('step_100_s'))} | {f(r['lora_s'])} | {f(r['whole_s'])} | "
             f"{f(r['median_s'], '{:.3f}')} / {f(r['p90_s'], '{:.3f}')} ({f(r.get('p90_over_median'), '{:.2f}')}) | "
-            f"{f(r['gpu_peak_gib'])} | {f(r['private_peak_gib'])} | {r['rc']} |")
+            f"{f(r['gpu_peak_gib'])} | {f(r['private_peak_gib'])} | {opening(r)} | {r['rc']} |")
+
+
+def opening(r: dict) -> str:
+    """The opening target in words: "3.0 s over", "met (2.1 s under)", "-" where not measured."""
+    o = r.get("opening_s")
+    return "-" if o is None else f"{o:.1f} s over" if o > 0 else f"met ({-o:.1f} s under)"
 
 
 HEAD = ("| side | profile | first step s | step 100 s | LoRA file s | whole s | s/step median / p90 (p90/median) | "
-        "GPU peak GiB | private host peak GiB | exit |\n|---|---|---:|---:|---:|---:|---|---:|---:|---:|")
+        "GPU peak GiB | private host peak GiB | opening target | exit |\n"
+        "|---|---|---:|---:|---:|---:|---|---:|---:|---|---:|")
 
 
 def main() -> None:

@@ -78,6 +78,29 @@ def test_race_times_steps_by_the_wall_clock_stalls_included(tmp_path):
                      "step_100_s": 70.0, "lora_s": 160.0, "whole_s": 162.0, "median_s": 0.5, "p90_s": 0.52,
                      "p90_over_median": 1.04, "gpu_peak_gib": 20.1, "private_peak_gib": 3.2, "rc": 0})
     assert line.startswith("| lorakit run 1 | rtx4090 (24 GiB) | 20.0 | 70.0 | 160.0 |") and "(1.04)" in line
+    assert line.endswith("| - | 0 |") and line.count("|") == race.HEAD.splitlines()[0].count("|")
+
+
+def test_the_opening_target_sets_the_step_0_grid_aside(tmp_path):
+    """Step 100 within the first step + 100 x 1.15 x the steady step, the step-0 grid's own seconds aside (read from
+    the run's phases.jsonl; a grid after step 100 is not set aside)."""
+    import race
+
+    run = tmp_path / "run"
+    run.mkdir()
+    phases = [{"time": 31.0, "event": "start", "name": "samples (step 0)"},
+              {"time": 49.0, "event": "end", "name": "samples (step 0)", "seconds": 18.0},
+              {"time": 500.0, "event": "end", "name": "samples (step 300)", "seconds": 17.0}]
+    (run / "phases.jsonl").write_text("".join(json.dumps(p) + "\n" for p in phases))
+    times = [30.0, 49.5] + [49.5 + 0.4 * i for i in range(1, 99)]  # step 1 at 30 s, the grid, then 0.4 s steps
+    grid = race.step_0_grid(run, times[99])
+    rec = race.timeline(0.0, times, None, grid)
+    assert grid == 18.0 and rec["median_s"] == 0.4 and rec["step_100_allowed_s"] == round(30 + 46 + 18, 1)
+    assert rec["opening_s"] == round(times[99] - 94.0, 1) and race.opening(rec) == "met (5.3 s under)"
+    assert race.step_0_grid(run, 40.0) == 0.0 and race.step_0_grid(tmp_path, None) == 0.0  # later; no grid here
+    slow = race.timeline(0.0, times[:50] + [t + 10.0 for t in times[50:]], None, grid)  # a 10 s stall at step 51
+    assert slow["opening_s"] == 4.7 and race.opening(slow) == "4.7 s over"
+    assert "opening_s" not in race.timeline(0.0, times, None)  # a peer's run: its grid is not known
 
 
 @pytest.mark.slow
