@@ -421,10 +421,10 @@ def cache_news() -> str:
     cache"), how many were traced again first (left out of AOTAutograd's: `gpu.compile_cache`); "" if none."""
     from torch._dynamo.utils import counters
 
-    hit, miss, again = (counters[k][n] for k, n in (("inductor", "fxgraph_cache_hit"), ("inductor", "fxgraph_cache_miss"),
-                                                   ("aot_autograd", "autograd_cache_bypass")))
-    return (f", {hit} of {hit + miss} graphs from the compile cache" + (f", {again} traced again first (not in "
-            "AOTAutograd's cache)" if again else "")) if hit + miss else ""
+    hit, miss = counters["inductor"]["fxgraph_cache_hit"], counters["inductor"]["fxgraph_cache_miss"]
+    again = counters["aot_autograd"]["autograd_cache_bypass"]
+    said = f", {again} traced again first (not in AOTAutograd's cache)" if again else ""
+    return f", {hit} of {hit + miss} graphs from the compile cache{said}" if hit + miss else ""
 
 
 def news(bg: BackgroundCompile, ready: list, step: int, info, note) -> list:
