@@ -172,10 +172,12 @@ def timeline(started: float, times: list[float], lora: Path | None, grid_s: floa
 
 def step_0_grid(run: Path, before: float | None) -> float:
     """The seconds of a lorakit run's step-0 grid (its "samples (step 0)" phase in phases.jsonl) where it ended
-    before `before` (step 100's time); 0 where it did not run, or ran later."""
-    path = run / "phases.jsonl"
-    rows = [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.is_file() else []
-    return sum(r.get("seconds", 0.0) for r in rows if r.get("event") == "end" and r.get("name") == "samples (step 0)"
+    before `before` (step 100's time); 0 where it did not run, or ran later. Read as the dashboard reads it (a
+    missing file, a half-written last line: nothing)."""
+    from lorakit.ui.runs import read_lines
+
+    return sum(r.get("seconds", 0.0) for r in read_lines(run, "phases.jsonl")
+               if r.get("event") == "end" and r.get("name") == "samples (step 0)"
                and (before is None or r["time"] <= before))
 
 
