@@ -6,6 +6,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -46,20 +47,25 @@ TOKEN = "a-browser-test-token-000"  # what `lorakit ui` prints in its link; the 
 
 
 @pytest.fixture
-def browser(server):
+def browser(server, tmp_path):
     from selenium import webdriver
     from selenium.webdriver.chrome.service import Service
 
     opts = webdriver.ChromeOptions()
     opts.binary_location = CHROMIUM
-    for a in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu", "--window-size=1200,1400"):
+    for a in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu", "--window-size=1200,1400",
+              f"--user-data-dir={tmp_path / 'chromium'}"):
         opts.add_argument(a)
-    d = webdriver.Chrome(service=Service(DRIVER), options=opts)
+    # Chromium makes its singleton socket's folder in TMPDIR and leaves it: one short folder per test, removed after
+    # (a socket's path must stay under 108 bytes: tmp_path is too deep)
+    tmp = tempfile.mkdtemp(prefix="lk-chromium-")
+    d = webdriver.Chrome(service=Service(DRIVER, env={**os.environ, "TMPDIR": tmp}), options=opts)
     d.set_page_load_timeout(30)
     d.get(server[1] + "/?token=" + TOKEN)  # the printed link: a cookie, and the token taken off the address
     assert d.current_url == server[1] + "/"
     yield d
     d.quit()
+    shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _shot(browser, name):
