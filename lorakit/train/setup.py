@@ -53,6 +53,7 @@ class Run:
     initial: object | None = None  # the trained weights before step 1, for the step-0 sample grid after it
     said: set = field(default_factory=set)  # warnings said once per run
     said_grid_s: float | None = None  # how long the last sample grid took
+    said_grid_how: str | None = None  # its blocks "uncompiled" or "compiling" during it (None: compiled already)
     warm_key: str | None = None  # what the compiled graphs depend on (`train.warm`); None: blocks not compiled
     sizes: set = field(default_factory=set)  # the bucket shapes the run trains on
     peak: object | None = None  # train.allocwatch.PeakWatch: the GPU memory peaks, from the first step on
@@ -272,6 +273,19 @@ def choose_attention(resolved: Resolved, measuring: Measuring, out: Path, events
     return resolved.cfg
 
 
+# what made the last grid slower than the next one will be (Qwen-Image 1024², one H200, 2026-11-30: the step-0 grid
+# 39.0 s with its blocks uncompiled beside the compile process, the last one 27.3 s compiled)
+GRID_HOW = {"uncompiled": ", whose blocks ran uncompiled", "compiling": ", which also compiled its blocks' graphs"}
+
+
+def dynamo_graphs() -> int:
+    """Graphs torch.compile has made in this process so far (a grid that made some compiled, or took from the
+    compile cache, its calls' graphs)."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
 def render_samples(r: Run, step: int, name: str | None = None):
     """A sample grid, said before it starts (what it renders, and how long the last one took) and timed. The
     step-0 grid of one process is taken from an earlier run's where its inputs are the same (`train.first_grid`)."""
@@ -286,14 +300,17 @@ def render_samples(r: Run, step: int, name: str | None = None):
                                                 f"and settings: {kept}")
     else:
         r.events.info(f"samples (step {step}): {n} image(s) x {s.steps} steps"
-                      + (f", about {took:.0f} s as the last grid" if took else "")
+                      + (f", about {took:.0f} s as the last grid{GRID_HOW.get(r.said_grid_how, '')}" if took else "")
                       + (" — the untrained LoRA, to compare with (sampling.first: false skips it)" if step == 0
                          else ""))
-        t0 = time.perf_counter()
+        bg = getattr(r.trainer, "background", None)
+        eager, graphs, t0 = bg.eager_calls if bg else 0, dynamo_graphs(), time.perf_counter()
         with r.events.phase(f"samples (step {step})") as facts:
             path = r.sampler(step, write=r.dist.main, name=name)
             facts["grid"] = str(path) if path else None
         r.said_grid_s = time.perf_counter() - t0
+        r.said_grid_how = "uncompiled" if bg and bg.eager_calls > eager else \
+            "compiling" if dynamo_graphs() > graphs else None
         if grid_key and path:
             first_grid.keep(grid_key, path)
     r.log.image("samples", path, step)

@@ -270,6 +270,28 @@ def test_a_run_steps_while_its_blocks_compile_and_then_runs_them_compiled(tmp_pa
 
 
 @pytest.mark.slow
+def test_the_last_grids_estimate_says_its_blocks_ran_uncompiled(tmp_path, tiny, monkeypatch):
+    """The step-0 grid renders right after step 1, while the blocks still compile in the background: its time
+    overstates a grid with compiled blocks (Qwen-Image 1024², one H200, 2026-11-30: 39.0 s, the last grid 27.3 s),
+    so the next grid's line says so beside the estimate."""
+    import lorakit.plan.resolve as resolve_mod
+
+    monkeypatch.setattr(resolve_mod, "compile_decision", lambda *a: (True, None))
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="aot_eager"))
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "compile-cache"))  # a first run on this machine
+    cfg = make_cfg(tmp_path, "flux", tiny("flux"), steps=6, lora={"dropout": 0.0}, output={"save_every": 0},
+                   sampling={"prompts": ["a red circle"], "steps": 2, "size": 32})
+    heard = _Heard()
+    r = run_fresh(cfg, heard)
+    assert r["steps"] == 6
+    said = [m for m in heard.lines if m.startswith("samples (step ")]
+    assert said[0] == ("samples (step 0): 1 image(s) x 2 steps — the untrained LoRA, to compare with "
+                       "(sampling.first: false skips it)")
+    assert said[-1].startswith("samples (step 6): 1 image(s) x 2 steps, about ")
+    assert said[-1].endswith(" s as the last grid, whose blocks ran uncompiled")
+
+
+@pytest.mark.slow
 def test_a_second_run_with_the_same_settings_compiles_from_the_cache_and_is_steady_from_step_2(tmp_path, tiny,
                                                                                                monkeypatch):
     """Once a run has compiled every bucket shape, this machine's compile cache holds them (`train.warm`): a second
