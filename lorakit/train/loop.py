@@ -18,7 +18,7 @@ from lorakit.train.allocwatch import AllocWatch, PeakWatch
 from lorakit.train.compile_bg import news
 from lorakit.train.gcpause import Collector
 from lorakit.train.report import loss_curve, peak_rss_gib
-from lorakit.train.setup import Run, hold_output, render_samples, setup
+from lorakit.train.setup import Run, compiled_graphs, hold_output, render_samples, setup
 
 
 def run(resolved: Resolved, resume: str | None = None, stop_at: int | None = None,
@@ -186,13 +186,6 @@ def warm_other_shapes(r: Run) -> float:
     if r.warm_key and not tr.background:
         warm.remember(r.warm_key, r.sizes)
     return time.perf_counter() - t0
-
-
-def compiled_graphs() -> int:
-    """Graphs torch.compile has made in this process so far (a new one: a step that waited for the compiler)."""
-    from torch._dynamo.utils import counters
-
-    return int(counters["stats"]["unique_graphs"])
 
 
 def own_graphs(bg) -> int:

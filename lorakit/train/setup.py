@@ -278,9 +278,9 @@ def choose_attention(resolved: Resolved, measuring: Measuring, out: Path, events
 GRID_HOW = {"uncompiled": ", whose blocks ran uncompiled", "compiling": ", which also compiled its blocks' graphs"}
 
 
-def dynamo_graphs() -> int:
-    """Graphs torch.compile has made in this process so far (a grid that made some compiled, or took from the
-    compile cache, its calls' graphs)."""
+def compiled_graphs() -> int:
+    """Graphs torch.compile has made in this process so far (a new one: a step or a grid that waited for the
+    compiler, or took its graphs from the compile cache)."""
     from torch._dynamo.utils import counters
 
     return int(counters["stats"]["unique_graphs"])
@@ -303,14 +303,14 @@ def render_samples(r: Run, step: int, name: str | None = None):
                       + (f", about {took:.0f} s as the last grid{GRID_HOW.get(r.said_grid_how, '')}" if took else "")
                       + (" — the untrained LoRA, to compare with (sampling.first: false skips it)" if step == 0
                          else ""))
-        bg = getattr(r.trainer, "background", None)
-        eager, graphs, t0 = bg.eager_calls if bg else 0, dynamo_graphs(), time.perf_counter()
+        bg = r.trainer.background
+        eager, graphs, t0 = bg.eager_calls if bg else 0, compiled_graphs(), time.perf_counter()
         with r.events.phase(f"samples (step {step})") as facts:
             path = r.sampler(step, write=r.dist.main, name=name)
             facts["grid"] = str(path) if path else None
         r.said_grid_s = time.perf_counter() - t0
         r.said_grid_how = "uncompiled" if bg and bg.eager_calls > eager else \
-            "compiling" if dynamo_graphs() > graphs else None
+            "compiling" if compiled_graphs() > graphs else None
         if grid_key and path:
             first_grid.keep(grid_key, path)
     r.log.image("samples", path, step)
