@@ -88,6 +88,70 @@ def gpu_name() -> str | None:
         return None
 
 
+class Clocks:
+    """The run's GPU's SM clock, power draw and clock-limit reasons, sampled every `every` seconds in a thread while a
+    command runs (NVML; nothing without it): whether the slow steps are the card's slower clock (`clock_check`)."""
+
+    def __init__(self, every: float = 0.1):
+        import threading
+
+        self.rows: list[tuple[float, int, float, int]] = []  # (time, SM MHz, watts, reasons bitmask)
+        self._stop = threading.Event()
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            self._nvml, self._h = pynvml, pynvml.nvmlDeviceGetHandleByIndex(gpu_index())
+        except Exception:  # noqa: BLE001 - no NVML here (the CPU)
+            self._nvml = None
+        self._thread = threading.Thread(target=self._run, args=(every,), daemon=True)
+        if self._nvml:
+            self._thread.start()
+
+    def _run(self, every: float) -> None:
+        n, h = self._nvml, self._h
+        reasons = getattr(n, "nvmlDeviceGetCurrentClocksEventReasons", None) or n.nvmlDeviceGetCurrentClocksThrottleReasons
+        while not self._stop.wait(every):
+            try:
+                self.rows.append((time.time(), int(n.nvmlDeviceGetClockInfo(h, n.NVML_CLOCK_SM)),
+                                  n.nvmlDeviceGetPowerUsage(h) / 1000.0, int(reasons(h))))
+            except Exception:  # noqa: BLE001 - a query this driver refuses: no samples
+                return
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
+
+
+POWER_CAP = 0x4 | 0x80  # NVML clock-event reasons: the software power cap, the hardware power brake
+
+
+def clock_check(times: list[float], rows: list, skip: int = 2) -> dict:
+    """The GPU's SM clock, power and power-capped share of samples during the slowest tenth of the step intervals
+    (`steady`'s) against the rest: where the slow steps ran at a lower clock, the card set their pace."""
+    gaps = [(a, b) for a, b in zip(times[skip - 1:], times[skip:], strict=False)] if len(times) > skip else []
+    if not gaps or not rows:
+        return {}
+    slow = set(sorted(gaps, key=lambda g: g[1] - g[0])[-max(1, len(gaps) // 10):])
+    parts: dict = {"slow": [], "rest": []}
+    k = 0
+    for a, b in gaps:
+        while k < len(rows) and rows[k][0] < a:
+            k += 1
+        j = k
+        while j < len(rows) and rows[j][0] <= b:
+            parts["slow" if (a, b) in slow else "rest"].append(rows[j])
+            j += 1
+    out = {}
+    for name, got in parts.items():
+        if got:
+            out[f"sm_mhz_{name}"] = round(statistics.mean(r[1] for r in got))
+            out[f"power_w_{name}"] = round(statistics.mean(r[2] for r in got))
+            out[f"power_capped_{name}"] = round(sum(1 for r in got if r[3] & POWER_CAP) / len(got), 3)
+    return out
+
+
 def _tree(pid: int) -> list[int]:
     """The process and its descendants (compile workers, launched ranks)."""
     out, todo = [], [pid]
@@ -118,6 +182,7 @@ def measure(cmd: list[str], log: Path, env: dict | None = None, timeout: float =
     killed = False
     termed: list[float] = []
     previous = signal.signal(signal.SIGTERM, lambda *_: termed.append(time.time()))
+    clocks = Clocks()
     try:
         with open(log, "w") as out:
             p = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
@@ -135,7 +200,9 @@ def measure(cmd: list[str], log: Path, env: dict | None = None, timeout: float =
                 time.sleep(0.5)
     finally:
         signal.signal(signal.SIGTERM, previous)
-    return {"cmd": " ".join(cmd), "rc": p.returncode, "started": started, "whole_s": round(time.time() - started, 1),
+        clocks.stop()
+    return {"cmd": " ".join(cmd), "rc": p.returncode, "clocks": clocks.rows, "started": started,
+            "whole_s": round(time.time() - started, 1),
             "gpu_peak_gib": round(peak_gpu, 2), "private_peak_gib": round(peak_private, 2), "gpu": gpu_name(),
             "stopped_at_limit_s": timeout if killed and not termed else None,
             "stopped_by_signal_s": round(termed[0] - started, 1) if termed else None}
@@ -214,7 +281,8 @@ def lorakit_run(a, work: Path, k: int) -> dict:
     rec.update(side="lorakit", run=k, profile=a.profile, cap_gib=a.cap,
                step_s_median=round(statistics.median(r["step_s"] for r in rows if "step_s" in r), 4) if rows else None,
                **timeline(rec["started"], times, out / "lora.safetensors",
-                          step_0_grid(out, times[99] if len(times) >= 100 else None)))
+                          step_0_grid(out, times[99] if len(times) >= 100 else None)),
+               **clock_check(times, rec.pop("clocks")))
     return rec
 
 
@@ -279,7 +347,7 @@ def peer_record(a, cmd: list[str], env: dict, log: Path, stats: Path, lora: Path
     rec = measure(cmd, log, env, timeout=a.limit)
     times = json.loads(stats.read_text())["steps"] if stats.is_file() else []
     rec.update(side=side, run=1, profile=a.setting, cap_gib=a.cap, changed=changed,
-               **timeline(rec["started"], times, lora))
+               **timeline(rec["started"], times, lora), **clock_check(times, rec.pop("clocks")))
     rec["log_tail"] = log.read_text(errors="replace")[-3000:]
     return rec
 

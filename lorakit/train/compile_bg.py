@@ -36,6 +36,7 @@ A description the worker fails to compile (out of memory, say) compiles in the r
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import copy
 import functools
@@ -214,6 +215,9 @@ class BackgroundCompile:
         self.pending = 0  # descriptions given to the worker and not yet finished
         self.ahead = None  # train.precompile.Rehearsal: the process compiling into the cache, waited for first
         self.handed_back = False  # set by the worker once `ahead` compiled everything: the run's thread loads them
+        self._rendering = threading.Event()  # the run's thread renders a grid (`rendering`): the worker may take them
+        self._taking = threading.Lock()  # held by the worker for each call it takes while a grid renders
+        self.taken_beside_grid = 0  # training calls the worker took from the cache while a grid rendered
         self._copies: dict = {}  # block kind -> (copy, its compiled call)
         for b in blocks:
             kind = type(b).__name__
@@ -274,15 +278,44 @@ class BackgroundCompile:
 
     @property
     def loads_now(self) -> bool:
-        """Will the next `advance` take the graphs from the cache in the run's thread (a phase of its own)?"""
-        return self.handed_back and bool(self.pending) and not self.sealed
+        """Will the next `advance` take the graphs from the cache in the run's thread (a phase of its own)? Not where
+        the worker took them all while a grid rendered (`rendering`)."""
+        return self.handed_back and bool(self.pending) and not self.sealed and not self._jobs.empty()
+
+    @contextlib.contextmanager
+    def rendering(self):
+        """The run's thread renders a grid (uncompiled block calls, GPU-bound): where the separate process has the
+        training graphs in the cache meanwhile, the worker takes them there, in its thread, instead of the run's thread
+        after the grid, between two steps (Qwen-Image 1024², one H200, 2026-11-30: 3.8 s after the 39.0 s step-0 grid,
+        its graph compiled 20.8 s into it). A grid's calls wait for the GPU far longer than they hold the interpreter.
+        Each call the worker begins is finished before the grid's end returns (the run's thread then never runs the
+        compiled code beside the worker's tracing); the rest, and the grid's own calls, are left to `advance`. Only
+        where a separate process compiles (`ahead`): a worker compiling beside a grid would hold the interpreter."""
+        if self.sealed or not self.pending or self.ahead is None or self._dead:
+            yield
+            return
+        self._rendering.set()
+        self._go.set()  # step 1 has run: the worker begins (it waits for the process first)
+        try:
+            yield
+        finally:
+            self._rendering.clear()
+            with self._taking:  # the call in progress, finished
+                pass
+            if self.handed_back:  # the grid's own calls (eval) take theirs at the next grid; the training calls
+                left = self._drain()  # not taken yet are the run's thread's (`advance`)
+                with self._lock:
+                    self._done += [Ready(job[0], 0.0, later=True) for job in left if not job[0][1]]
+                for job in (job for job in left if job[0][1]):
+                    self._jobs.put(job)
 
     @property
     def lets_others_load(self) -> bool:
         """Data parallel ranks take their graphs from the cache at the same step (`train.loop`): can the others
         take theirs now without waiting for this rank in the next all-reduce? Where its own graphs wait in the cache
-        too, or it has nothing left to take (its worker compiled them: its separate process failed)."""
-        return self.sealed or self.loads_now
+        too (or were taken while a grid rendered), or it has nothing left to take (its worker compiled them: its
+        separate process failed)."""
+        return self.sealed or (self.handed_back and bool(self.pending))
 
     @property
     def failed(self) -> bool:
@@ -345,6 +378,7 @@ class BackgroundCompile:
         if self.ahead:  # its graphs are compiled in a separate process first
             if self.ahead.wait(training=True).get("ok"):  # the run's thread takes them from the cache (`advance`)
                 self.handed_back = True
+                self._take_while_rendering()
                 return
         while True:
             job = self._jobs.get()
@@ -353,6 +387,23 @@ class BackgroundCompile:
             ready = self._compile(job)
             with self._lock:
                 self._done.append(ready)
+
+    def _take_while_rendering(self) -> None:
+        """The training calls taken from the cache here, one at a time, while the run's thread renders a grid."""
+        while True:
+            with self._taking:
+                if not self._rendering.is_set():
+                    return
+                try:
+                    job = self._jobs.get_nowait()
+                except queue.Empty:
+                    return
+                if job is None:  # `close`
+                    return
+                ready = self._compile(job) if job[0][1] else Ready(job[0], 0.0, later=True)
+                with self._lock:
+                    self._done.append(ready)
+                    self.taken_beside_grid += 0 if ready.later else 1
 
     def _compile(self, job) -> Ready:
         """One description compiled (or taken from the cache): the copy's compiled call, forward and, where grad is
@@ -396,54 +447,3 @@ class _Route:
 
     def __call__(self, *args, **kwargs):
         return self.owner.call(self.block, self.compiled, args, kwargs)
-
-
-def summary(what: tuple) -> str:
-    """A description in words: the block kind, its largest input's shape (the image tokens: what tells buckets
-    apart), grad mode."""
-    import math
-
-    shapes = [m[1] for m in _flat(what[3]) + _flat(what[4]) if isinstance(m, tuple) and m and m[0] == "T"]
-    big = "x".join(str(n) for n in max(shapes, key=math.prod)) if shapes else "-"
-    return f"{what[0]} {big}" + ("" if what[2] else " (no grad)")
-
-
-def _flat(m) -> list:
-    if isinstance(m, tuple) and m and m[0] == "T":
-        return [m]
-    if isinstance(m, tuple):
-        return [x for v in m for x in _flat(v)]
-    return []
-
-
-def cache_news() -> str:
-    """How many of the process's Inductor graphs came from the compile cache (", 8 of 8 graphs from the compile
-    cache"), how many were traced again first (left out of AOTAutograd's: `gpu.compile_cache`); "" if none."""
-    from torch._dynamo.utils import counters
-
-    hit, miss = counters["inductor"]["fxgraph_cache_hit"], counters["inductor"]["fxgraph_cache_miss"]
-    again = counters["aot_autograd"]["autograd_cache_bypass"]
-    said = f", {again} traced again first (not in AOTAutograd's cache)" if again else ""
-    return f", {hit} of {hit + miss} graphs from the compile cache{said}" if hit + miss else ""
-
-
-def news(bg: BackgroundCompile, ready: list, step: int, info, note) -> list:
-    """What the background compile finished, said (`info`) once nothing is left to it (every block call met so far
-    runs compiled from `step` on); a failed one at once (`note`: the run compiles it itself at its next call).
-    Returns what is still to be said."""
-    said = bg.ahead.news() if bg.ahead else None  # the separate compile process ended (train.precompile)
-    if said:
-        (info if bg.ahead.state().get("ok") else note)(said)  # ok once its training graphs are in the cache
-    for x in ready:
-        if x.failed:
-            note(f"the background compile of {summary(x.what)} failed ({x.failed}); the run compiles it at its "
-                 "next call")
-    done = [x for x in ready if not x.failed]
-    if bg.pending or not done:
-        return done
-    how = "taken from the compile cache between two steps" if bg.handed_back else "compiled in the background"
-    later = sum(x.later for x in done)
-    info(f"{how} ({sum(x.seconds for x in done):.1f} s{cache_news()}): "
-         f"{', '.join(summary(x.what) for x in done if not x.later)}; the blocks run compiled from step {step}"
-         + (f"; the grid's {later} call(s) take theirs from the cache at the next grid" if later else ""))
-    return []

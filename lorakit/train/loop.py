@@ -15,7 +15,7 @@ from lorakit.events import PHASES, Events, Recorded
 from lorakit.plan.resolve import Resolved
 from lorakit.train import checkpoint, shards, stop, warm
 from lorakit.train.allocwatch import AllocWatch, PeakWatch
-from lorakit.train.compile_bg import news
+from lorakit.train.compile_news import news
 from lorakit.train.gcpause import Collector
 from lorakit.train.report import loss_curve, peak_rss_gib
 from lorakit.train.setup import Run, compiled_graphs, hold_output, render_samples, setup

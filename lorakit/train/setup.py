@@ -305,7 +305,8 @@ def render_samples(r: Run, step: int, name: str | None = None):
                          else ""))
         bg = r.trainer.background
         eager, graphs, t0 = bg.eager_calls if bg else 0, compiled_graphs(), time.perf_counter()
-        with r.events.phase(f"samples (step {step})") as facts:
+        beside = bg.rendering() if bg and r.dist.world == 1 else contextlib.nullcontext()  # graphs taken meanwhile
+        with r.events.phase(f"samples (step {step})") as facts, beside:
             path = r.sampler(step, write=r.dist.main, name=name)
             facts["grid"] = str(path) if path else None
         r.said_grid_s = time.perf_counter() - t0

@@ -103,6 +103,20 @@ def test_the_opening_target_sets_the_step_0_grid_aside(tmp_path):
     assert "opening_s" not in race.timeline(0.0, times, None)  # a peer's run: its grid is not known
 
 
+def test_the_clock_check_compares_the_slowest_tenth_of_the_steps_with_the_rest():
+    """The GPU's samples (time, SM MHz, watts, clock-event reasons) during the slowest tenth of the step intervals
+    against the others: a card that slowed its clock under its power cap shows it there."""
+    import race
+
+    times = [float(i) for i in range(22)]  # 20 intervals after the first two steps, 1 s each ...
+    times = times[:12] + [t + 0.5 for t in times[12:14]] + [t + 1.0 for t in times[14:]]  # ... two of them 1.5 s
+    rows = [(t / 10, 1980, 690.0, 0) for t in range(0, 230)]
+    rows = [(t, 1600, 700.0, 0x4) if 11.0 < t < 13.5 else r for r, t in ((r, r[0]) for r in rows)]
+    got = race.clock_check(times, rows)
+    assert got["sm_mhz_slow"] < got["sm_mhz_rest"] and got["power_capped_slow"] > got["power_capped_rest"]
+    assert race.clock_check(times, []) == {} and race.clock_check(times[:2], rows) == {}
+
+
 @pytest.mark.slow
 def _gone(pid: int, seconds: float = 5.0) -> bool:
     """Has process `pid` ended within `seconds`?"""

@@ -16,7 +16,8 @@ from lorakit.events import Events
 from lorakit.io.modules import load_component
 from lorakit.models.base import load_adapter
 from lorakit.plan.resolve import resolve
-from lorakit.train.compile_bg import BackgroundCompile, describe, summary
+from lorakit.train.compile_bg import BackgroundCompile, describe
+from lorakit.train.compile_news import summary
 from lorakit.train.loop import run
 from lorakit.train.lora import add_lora
 from lorakit.train.prepare import checkpoint_blocks
@@ -165,10 +166,87 @@ def test_after_the_compile_process_the_run_takes_the_graphs_itself_or_where_it_f
     assert bg.ahead.closed
 
 
+class _Later(_Ahead):
+    """A separate process whose training graphs are in the cache once `done` is set."""
+
+    def __init__(self):
+        super().__init__(True)
+        self.done = threading.Event()
+
+    def wait(self, timeout=None, training=False):
+        self.done.wait(60)
+        return super().wait(timeout, training)
+
+    def news(self):
+        return None
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("during", [True, False], ids=["process-done-during-the-grid", "process-done-after-it"])
+def test_the_worker_takes_the_graphs_while_a_grid_renders_and_leaves_the_rest_to_the_run(tiny, during):
+    """The step-0 grid renders right after step 1 with its block calls uncompiled and GPU-bound (Qwen-Image 1024²,
+    one H200, 2026-11-30: 39.0 s, the process's training graph in the cache 20.8 s into it, then taken in 3.8 s by
+    the run's thread before step 3): where the process is done while the grid renders, the worker takes the training
+    graphs then, in its thread, and the next `advance` puts them into use with no phase of its own; the grid's own
+    calls are left to their next grid. Where it is done only after the grid, the run's thread takes them as before."""
+    torch._dynamo.reset()
+    counters.clear()
+    folder = tiny("flux")
+    adapter = load_adapter("flux", folder, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(0)
+    small = adapter.example_inputs(dict(load_component(folder / "transformer").config), 64, 8, gen)
+    tr = _model(folder, adapter)
+    bg = BackgroundCompile(repeated_blocks(tr), {"backend": "aot_eager"}, "cpu")
+    bg.ahead = _Later()
+    where = []
+    compile_one = bg._compile
+    bg._compile = lambda job: (where.append(threading.current_thread() is threading.main_thread()), compile_one(job))[1]
+    try:
+        _step(tr, adapter, small)  # step 1, eager
+        training = bg.pending
+        with bg.rendering():  # the step-0 grid
+            tr.eval()
+            with torch.no_grad():
+                adapter.predict(tr, small.latents.clone(), torch.tensor([0.6]), small.text)
+            tr.train()
+            if during:
+                bg.ahead.done.set()
+                deadline = time.monotonic() + 120
+                while len(where) < training and time.monotonic() < deadline:
+                    time.sleep(0.05)  # the grid goes on meanwhile
+        assert bg.pending > training  # the grid's calls were described too
+        if during:
+            assert where == [False] * training and bg.taken_beside_grid == training  # all in the worker's thread
+            assert not bg.loads_now  # nothing left for a phase between steps
+            given = bg.pending
+            ready = bg.advance()
+            assert bg.sealed and len(ready) == given and sum(r.later for r in ready) == given - training
+            heard = []
+            from lorakit.train.compile_news import news
+
+            news(bg, ready, 2, heard.append, heard.append)
+            assert heard[-1].startswith("taken from the compile cache while the grid rendered (")
+        else:
+            assert where == [] and not bg.handed_back  # the process was not done: nothing taken beside the grid
+            bg.ahead.done.set()
+            deadline = time.monotonic() + 60
+            while not bg.loads_now and time.monotonic() < deadline:
+                time.sleep(0.05)
+            ready = bg.advance(load=True)
+            assert where == [True] * training and bg.taken_beside_grid == 0  # in the run's thread, between steps
+        assert bg.sealed and bg.own_graphs() == 0 and all(r.failed is None for r in ready)
+        _step(tr, adapter, small)
+        assert bg.eager_calls == 0 and bg.own_graphs() == 0  # compiled now, nothing compiled in the step
+    finally:
+        bg.ahead.done.set()
+        bg.close()
+        torch._dynamo.reset()
+
+
 def test_the_processs_training_graphs_are_news_while_it_still_compiles_the_grids_not_a_warning():
     from types import SimpleNamespace
 
-    from lorakit.train.compile_bg import news
+    from lorakit.train.compile_news import news
 
     class Compiling:  # its training graphs in the cache, the grid's still compiling (the process runs on)
         def news(self):

@@ -1,6 +1,7 @@
 """The blocks' graphs compiled ahead in a process of their own (train/precompile.py): the copy it rehearses on, the
 calls it makes (those the run hands its worker, in the same order), and the process as the run drives it."""
 
+import contextlib
 import functools
 import json
 import re
@@ -145,15 +146,18 @@ class _Eager(precompile.Rehearsal):
 
 
 @pytest.mark.slow
-def test_the_run_takes_the_processs_graphs_between_two_steps_in_its_own_thread_and_says_both(tmp_path, tiny,
-                                                                                              monkeypatch):
+@pytest.mark.parametrize("taken", ["between-two-steps", "while-the-grid-rendered"])
+def test_the_run_takes_the_processs_graphs_between_two_steps_or_during_the_grid_and_says_both(tmp_path, tiny,
+                                                                                               monkeypatch, taken):
     """The real process beside a run of the loop: handed its inputs once the model is prepared, waited for by the
     worker, said when its training graphs are in the cache, ended and cleaned up with the run. Then the worker hands
-    the calls back: the run's thread takes the training calls' graphs from the cache between two steps, as a phase
-    of its own (beside the uncompiled steps the worker starved them: 67 s for 6 steps on an H200); the step-0 grid's
-    calls are left to the next grid (the process compiles them after the training ones, and goes on doing so after
-    the run switched). (The steps here wait for the process to end before the worker hands back, so the switch to
-    compiled blocks comes at a known step whatever the machine's load.)"""
+    the calls back: where the process was done only after the step-0 grid, the run's thread takes the training
+    calls' graphs from the cache between two steps, as a phase of its own (beside the uncompiled steps the worker
+    starved them: 67 s for 6 steps on an H200); where it was done while the grid rendered, the worker took them then
+    and step 2 runs compiled. The step-0 grid's calls are left to the next grid (the process compiles them after the
+    training ones, and goes on doing so after the run switched). (The steps, or the grid, wait for the process to end
+    before the worker hands back, so the switch to compiled blocks comes at a known step whatever the machine's
+    load.)"""
     import lorakit.plan.resolve as resolve_mod
 
     monkeypatch.setattr(resolve_mod, "compile_decision", lambda *a: (True, None))
@@ -176,6 +180,18 @@ def test_the_run_takes_the_processs_graphs_between_two_steps_in_its_own_thread_a
 
     monkeypatch.setattr(BackgroundCompile, "__init__", keep)
     monkeypatch.setattr(BackgroundCompile, "loads_now", property(settled))
+    rendering = BackgroundCompile.rendering
+
+    @contextlib.contextmanager
+    def done_during_the_grid(self):
+        with rendering(self):
+            if self.ahead is not None and not self.sealed:  # the process ends while the grid renders
+                self.ahead.wait(120)
+                self._thread.join(120)  # the worker took the training graphs, then stopped
+            yield
+
+    monkeypatch.setattr(BackgroundCompile, "rendering", done_during_the_grid if taken == "while-the-grid-rendered"
+                        else lambda self: contextlib.nullcontext())  # done only after the grid
     torch._dynamo.reset()
     cfg = make_cfg(tmp_path, "flux", tiny("flux"), steps=6, lora={"dropout": 0.0}, output={"save_every": 0},
                    sampling={"steps": 2})
@@ -199,16 +215,24 @@ def test_the_run_takes_the_processs_graphs_between_two_steps_in_its_own_thread_a
     assert "(step 1 " in said[0] and ", other shapes " in said[0] and ", grid " not in said[0]  # said before the grid
     assert said[0].endswith("the run takes them from there between two steps; the grid's follow there")
     rows = [json.loads(x) for x in open(r["metrics"])]
-    assert [x["step"] for x in rows if not x.get("eager_blocks")] == [3, 4, 5, 6]  # compiled from step 3 on
-    used = [m for m in heard.lines if m.startswith("taken from the compile cache between two steps (")]
-    assert used and "(no grad)" not in used[0]  # the training calls only: the grid's at the next grid
-    assert re.search(r"the blocks run compiled from step 3; the grid's \d+ call\(s\) take theirs from the cache at "
-                     r"the next grid$", used[0])
-    phase = heard.lines.index("phase: the compiled blocks from the compile cache")
-    assert heard.lines.index(said[0]) < phase < heard.lines.index(used[0])  # the process's end said before the load
     assert bg.handed_back and not bg.running and bg.sealed
-    assert [p for p in heard.phases if p[0] == "the compiled blocks from the compile cache"] == [
-        ("the compiled blocks from the compile cache", None)]
+    loads = [p for p in heard.phases if p[0] == "the compiled blocks from the compile cache"]
+    if taken == "while-the-grid-rendered":
+        assert [x["step"] for x in rows if not x.get("eager_blocks")] == [2, 3, 4, 5, 6]  # compiled from step 2 on
+        used = [m for m in heard.lines if m.startswith("taken from the compile cache while the grid rendered (")]
+        assert used and not loads and bg.taken_beside_grid > 0  # no phase between steps: nothing was left to take
+        step = 2
+    else:
+        assert [x["step"] for x in rows if not x.get("eager_blocks")] == [3, 4, 5, 6]  # compiled from step 3 on
+        used = [m for m in heard.lines if m.startswith("taken from the compile cache between two steps (")]
+        phase = heard.lines.index("phase: the compiled blocks from the compile cache")
+        assert heard.lines.index(said[0]) < phase < heard.lines.index(used[0])  # the process's end said first
+        assert loads == [("the compiled blocks from the compile cache", None)] and bg.taken_beside_grid == 0
+        step = 3
+    assert used and "(no grad)" not in used[0]  # the training calls only: the grid's at the next grid
+    assert heard.lines.index(said[0]) < heard.lines.index(used[0])
+    assert re.search(rf"the blocks run compiled from step {step}; the grid's \d+ call\(s\) take theirs from the "
+                     r"cache at the next grid$", used[0])
 
 
 @pytest.mark.slow
