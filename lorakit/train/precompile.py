@@ -278,7 +278,7 @@ class Rehearsal:
                 late = f", begun {r['late']:.1f} s after the run handed over its inputs{start}"
             return (f"the blocks' {r.get('graphs', '?')} graphs compiled in {self.where} in {r['seconds']:.1f} s "
                     f"{f'({parts}{late}) ' if parts else ''}(into this machine's compile cache); the run takes them "
-                    f"from there between two steps{grid}")
+                    f"from there (while a grid renders, else between two steps){grid}")
         return f"the separate compile process failed ({r.get('why')}); the worker compiles the blocks itself"
 
     def close(self) -> None:

@@ -213,7 +213,8 @@ def test_the_run_takes_the_processs_graphs_between_two_steps_or_during_the_grid_
     assert len(said) == 1 and said[0].startswith(
         "the blocks' 0 graphs compiled in 2 separate processes (a kind of block each, at once) in")
     assert "(step 1 " in said[0] and ", other shapes " in said[0] and ", grid " not in said[0]  # said before the grid
-    assert said[0].endswith("the run takes them from there between two steps; the grid's follow there")
+    assert said[0].endswith("the run takes them from there (while a grid renders, else between two steps); the "
+                            "grid's follow there")
     rows = [json.loads(x) for x in open(r["metrics"])]
     assert bg.handed_back and not bg.running and bg.sealed
     loads = [p for p in heard.phases if p[0] == "the compiled blocks from the compile cache"]
@@ -313,8 +314,8 @@ def test_the_processes_news_is_one_failure_where_one_failed_else_the_slowest_and
     assert both.news() == (
         "the blocks' 5 graphs compiled in 2 separate processes (a kind of block each, at once) in 19.5 s (step 1 "
         "19.0 s, other shapes 1.0 s, begun 3.5 s after the run handed over its inputs (its imports 12.0 s, its copy "
-        "4.0 s)) (into this machine's compile cache); the run takes them from there between two steps; the grid's "
-        "follow there")
+        "4.0 s)) (into this machine's compile cache); the run takes them from there (while a grid renders, else "
+        "between two steps); the grid's follow there")
     assert precompile.merged([a, {"ok": None}]) == {"ok": None}  # one is still compiling
     bad = {"ok": False, "why": "FluxSingleTransformerBlock: exited with code 1"}
     assert precompile.merged([{"ok": None}, bad]) == bad  # a failure is news at once: the worker compiles
