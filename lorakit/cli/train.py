@@ -88,11 +88,21 @@ def _run_one(config: Path, sets, profile, resume, events, force: bool):
     # (train/setup; once, cached): the log says so
     with events.phase("check config and machine") as facts:
         resolved = resolve_config(config, sets, profile, events=events, defer_attention=True, read_ahead=True,
-                                  settled=leave_out_unused)
+                                  settled=_settled)
         facts.update(profile=resolved.cfg.profile, attention="measured while the run starts"
                      if resolved.attention_deferred else resolved.cfg.memory.attention)
     quiet_libraries()  # the rest of it, with the libraries this run imports
     return resolved, run(resolved, resume=resume, events=events, force=force)
+
+
+def _settled(cfg) -> None:
+    """Once the config is read: what the run does not use left out of the process, then a first run's compile
+    processes started (their imports beside the checks: `train.precompile.start_early`)."""
+    from lorakit.hardware.gpu import device_for
+    from lorakit.train import precompile
+
+    leave_out_unused(cfg)
+    precompile.start_early(cfg, device_for(cfg.profile), int(os.environ.get("WORLD_SIZE", "1") or 1))
 
 
 def _finish(rank: int, resolved, result: dict, events, as_json: bool) -> None:

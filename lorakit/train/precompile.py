@@ -25,6 +25,7 @@ to the worker, as before; the run says why (the end of its log)."""
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import shutil
@@ -37,17 +38,13 @@ import time
 from dataclasses import fields
 from pathlib import Path
 
-from lorakit.config.schema import Config
-from lorakit.dtypes import torch_dtype
-from lorakit.hardware.sdpa import apply as apply_attention
-from lorakit.io.modules import random_component
-from lorakit.models.base import load_adapter, trained_dir
+from lorakit.hardware import probe as probe_mod
+from lorakit.hardware.attention import cached_family_report
 from lorakit.models.batch import Batch
 from lorakit.plan.decide import repeated_block_kinds
 from lorakit.plan.memory import PLAN_MARGIN_GIB
 from lorakit.train import dims, sampling, warm
 from lorakit.train.inputs import draw
-from lorakit.train.swap import repeated_blocks
 
 BLOCKS = 2  # of each repeated list: the first block's inputs need no gradient, the next ones' do
 WAIT_S = 1800.0  # the longest the worker waits for the process (a hung compile must not keep a run uncompiled)
@@ -103,6 +100,42 @@ def kinds_apart(cfg, device: str, est: dict | None, budget: float | None, world:
     return kinds
 
 
+EARLY: dict = {}  # "folder", "parts": the processes `start_early` started, not yet a Rehearsal's
+
+
+def start_early(cfg, device: str, world: int = 1) -> int:
+    """Start a first run's compile processes once its config is read (`lorakit train`, before the plan imports a
+    model library), so that their imports (torch, diffusers: 9.2 s on one H200, 2026-11-30, begun with the run's
+    setup) run beside the run's checks, and their copies are built as the caching begins (`Rehearsal` takes them):
+    FLUX.1-dev 1024² there, started with the setup, they began compiling 6.0 s after the run handed over its inputs
+    and had the graphs in the cache 2.3 s after the step-0 grid, too late to be taken during it. Started where the
+    run may want them — `wanted` with memory.compile_background auto or true, a plan that keeps the base in bf16 —
+    on the family's first run on this machine (its attention not measured here yet; another first run with these
+    settings starts them with its setup, as before), one per kind of block where the machine has 8 cores for each
+    (`kinds_apart`); those the run does not take end with `drop_early`, or with this process. Returns how many."""
+    m = cfg.memory
+    maybe = cfg.model_copy(update={"memory": m.model_copy(update={"compile_background": True})})
+    if EARLY or m.compile_background is False or m.base_quant != "none" or not wanted(maybe, device, world):
+        return 0
+    if probe_mod.facts_cached() and cached_family_report(cfg.model.family, device) is not None:
+        return 0  # the family has run here before
+    EARLY["folder"] = Path(tempfile.mkdtemp(prefix="lorakit-compile-"))
+    EARLY["parts"] = [_Process(EARLY["folder"] / "0")]  # at once; the kinds need the model library imported
+    atexit.register(drop_early)
+    for n in range(1, len(kinds_apart(cfg, device, None, None, world) or [None])):
+        EARLY["parts"].append(_Process(EARLY["folder"] / str(n)))
+    return len(EARLY["parts"])
+
+
+def drop_early() -> None:
+    """End the processes `start_early` started that no run took, and remove their folder."""
+    for p in EARLY.pop("parts", []):
+        p.close()
+    folder = EARLY.pop("folder", None)
+    if folder is not None:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
 class _Process:
     """One child process (see the module), compiling the graphs of `kinds` (None: of every kind of block)."""
 
@@ -117,7 +150,7 @@ class _Process:
         if root not in site.getsitepackages() + [site.getusersitepackages()]:  # a source checkout: found from there
             env["PYTHONPATH"] = os.pathsep.join(x for x in (root, os.environ.get("PYTHONPATH")) if x)
         with open(self.log, "wb") as log:
-            self.proc = subprocess.Popen([sys.executable, "-m", "lorakit.train.precompile"], stdin=subprocess.PIPE,
+            self.proc = subprocess.Popen([sys.executable, "-m", "lorakit.train.rehearse"], stdin=subprocess.PIPE,
                                          stdout=log, stderr=subprocess.STDOUT, text=True, env=env)
 
     def build(self, cfg, device: str) -> None:
@@ -205,10 +238,15 @@ class Rehearsal:
     by the worker."""
 
     def __init__(self, cfg, device: str, kinds: list[str] | None = None, build: bool = True):
-        self.folder = Path(tempfile.mkdtemp(prefix="lorakit-compile-"))
         self.said, self.built = False, False
-        self.parts = [_Process(self.folder / str(n), [k]) for n, k in enumerate(kinds)] \
-            if kinds and len(kinds) > 1 else [_Process(self.folder)]
+        apart = kinds if kinds and len(kinds) > 1 else [None]
+        early = EARLY.pop("parts", [])  # started by `start_early`: theirs first, the rest now
+        self.folder = EARLY.pop("folder", None) or Path(tempfile.mkdtemp(prefix="lorakit-compile-"))
+        for p in early[len(apart):]:
+            p.close()
+        self.parts = early[:len(apart)] + [_Process(self.folder / str(n)) for n in range(len(early), len(apart))]
+        for p, k in zip(self.parts, apart, strict=True):
+            p.kinds = [k] if k else None
         if build:
             self.build(cfg, device)
 
@@ -309,139 +347,3 @@ def plain(x):
     if isinstance(x, (list, tuple)):
         return [plain(v) for v in x]
     return x
-
-
-def rebuilt(x):
-    """`plain`'s inverse (a Condition's shape a tuple again; other tuples come back as lists, which the rehearsal
-    only unpacks)."""
-    if isinstance(x, dict) and x.get("class") in ("Batch", "Condition"):
-        cls = Batch if x["class"] == "Batch" else sampling.Condition
-        got = {k: rebuilt(v) for k, v in x.items() if k != "class"}
-        return cls(**(got | ({"shape": tuple(got["shape"])} if "shape" in got else {})))
-    if isinstance(x, dict):
-        return {k: rebuilt(v) for k, v in x.items()}
-    if isinstance(x, list):
-        return [rebuilt(v) for v in x]
-    return x
-
-
-def rehearse(tr, inputs: dict, trained=None) -> dict:
-    """The run's block calls, in its order: step 1 (forward and backward), the other shapes, then (`trained` called
-    with the seconds so far) a sampling step of each grid prompt (eval mode, no gradients). Returns the seconds each
-    of the three took."""
-    took, t0 = {}, time.perf_counter()
-
-    def lap(name: str) -> None:
-        nonlocal t0
-        if tr.device.startswith("cuda"):
-            import torch
-
-            torch.cuda.synchronize()
-        took[name], t0 = round(time.perf_counter() - t0, 1), time.perf_counter()
-
-    batch, sigmas, noise = inputs["first"]
-    tr.loss_on(batch, sigmas, noise).backward()
-    tr.opt.zero_grad(set_to_none=True)
-    lap("step 1")
-    warm.warm_shapes(tr, inputs["warm"])
-    lap("other shapes")
-    if trained:
-        trained(dict(took))
-    tr.transformer.eval()
-    try:
-        for k, c in enumerate(inputs["conds"]):
-            sampling.denoise(tr, c, k, steps=1)
-    finally:
-        tr.transformer.train()
-    lap("grid")
-    return took
-
-
-def build_copy(cfg, device: str):
-    """The run's trainer over a copy of its transformer: `BLOCKS` blocks of each repeated list, random weights,
-    prepared by the same code (storage, LoRA, dtypes, compiled blocks, compiled as the calls come)."""
-    from lorakit.train.trainer import Trainer
-
-    cfg = cfg.model_copy(update={"memory": cfg.memory.model_copy(update={"compile_background": False})})
-    dtype = torch_dtype(cfg.model.dtype)
-    transformer = random_component(trained_dir(cfg), device, dtype, blocks=BLOCKS, seed=cfg.seed)
-    adapter = load_adapter(cfg.model.family, cfg.model.path, device=device, dtype=dtype, backend=cfg.memory.loader)
-    return Trainer(cfg, adapter, transformer, None, None, device, dtype)
-
-
-def _orphaned(parent: int) -> None:
-    """End this process when the run's is gone (killed: nothing else would end it)."""
-    while True:
-        time.sleep(2)
-        if os.getppid() != parent:
-            os._exit(3)
-
-
-def only(transformer, kinds: list[str] | None) -> None:
-    """The blocks of other kinds than `kinds` run uncompiled here (another process compiles theirs)."""
-    for b in repeated_blocks(transformer) if kinds else ():
-        if type(b).__name__ not in kinds:
-            b._compiled_call_impl = None
-
-
-def warm_compile_workers() -> None:
-    """Start Inductor's compile worker processes now, while the child waits for its inputs (they start at the
-    first compile otherwise)."""
-    try:
-        from torch._inductor.async_compile import maybe_warm_pool
-    except ImportError:  # another torch: they start at the first compile
-        return
-    maybe_warm_pool()
-
-
-def main() -> int:
-    threading.Thread(target=_orphaned, args=(os.getppid(),), daemon=True).start()
-    began = time.perf_counter()
-    import torch
-    from torch._dynamo.utils import counters
-
-    import lorakit.train.trainer  # noqa: F401 - what the copy needs, imported while the run caches its data
-
-    imported = time.perf_counter()
-    line = sys.stdin.readline()
-    if not line.strip():
-        return 0
-    spec = json.loads(line)
-    cfg = Config.model_validate(spec["config"])
-    device = spec["device"]
-    if device.startswith("cuda") and torch.device(device).index is not None:  # "cuda": the current one
-        torch.cuda.set_device(torch.device(device))
-    t0 = time.perf_counter()
-    tr = build_copy(cfg, device)
-    only(tr.transformer, spec.get("kinds"))
-    os.nice(NICE)  # from now on the run's steps first where both want the CPU (inherited by the compile workers)
-    if device.startswith("cuda") and cfg.memory.compile:
-        warm_compile_workers()
-    start = {"imports": round(imported - began, 1), "copy": round(time.perf_counter() - t0, 1)}  # said if late
-    print(f"built in {start['copy']:.1f} s; waiting for the run's inputs", flush=True)
-    line = sys.stdin.readline()
-    if not line.strip():  # the run did not need it
-        return 0
-    go = json.loads(line)
-    apply_attention(go["attention"] if device.startswith("cuda") else None, fallback=True)  # as the run's setup
-    inputs = rebuilt(torch.load(go["inputs"], weights_only=True))
-    dims.install(tr.transformer, *dims.from_json(go.get("dims")))  # the run's graphs: symbolic, grads as the run's
-    print(f"rehearsing {1 + len(inputs['warm'])} training shape(s) and {len(inputs['conds'])} grid prompt(s)"
-          + (f" for {', '.join(spec['kinds'])}" if spec.get("kinds") else ""), flush=True)
-    t1, late = time.perf_counter(), round(max(0.0, time.time() - go.get("sent", time.time())), 1)
-
-    def said(path: str, parts: dict, grid: int = 0) -> None:  # written whole, then renamed: never read half written
-        got = {"ok": True, "seconds": round(time.perf_counter() - t1, 1), "late": late, "start": start,
-               "graphs": int(counters["stats"]["unique_graphs"]), "parts": parts}
-        got |= {"grid_prompts": grid} if grid else {}
-        Path(path + ".part").write_text(json.dumps(got), encoding="utf-8")
-        os.replace(path + ".part", path)
-        print(json.dumps(got), flush=True)
-
-    grid = len(inputs["conds"])
-    said(spec["result"], rehearse(tr, inputs, trained=lambda parts: said(spec["training"], parts, grid)))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

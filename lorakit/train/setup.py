@@ -122,7 +122,10 @@ def setup(resolved: Resolved, resume: str | None, events: Events, force: bool = 
             tmp.write_text(dump_yaml(cfg))
     # a first run with these settings here: the compile process(es) start now, their imports beside the caching
     early = precompile.wanted(cfg, device, d.world) and not warm.recorded(warm.warm_key(cfg, device))
-    rehearsal = compile_process(cfg, device, d.world, resolved.estimate, events, build=False) if early else None
+    rehearsal = compile_process(cfg, device, d.world, resolved.estimate, events, build=bool(precompile.EARLY)) \
+        if early else None  # started with the config's check (`precompile.start_early`): their copies built now
+    if rehearsal is None:
+        precompile.drop_early()
     try:  # the compile process ends with a run that fails to start
         torch.manual_seed(cfg.seed)
         adapter = load_adapter(cfg.model.family, cfg.model.path, device=device, dtype=dtype,

@@ -12,7 +12,7 @@ import torch
 from lorakit.data.demo import make_demo_dataset
 from lorakit.io.modules import load_component, random_component
 from lorakit.plan.resolve import resolve
-from lorakit.train import dims, precompile
+from lorakit.train import dims, precompile, rehearse
 from lorakit.train.compile_bg import BackgroundCompile, describe
 from lorakit.train.loop import run
 from lorakit.train.swap import repeated_blocks
@@ -106,16 +106,16 @@ def test_the_copy_meets_the_calls_the_run_hands_its_worker_first_first(tmp_path,
     # one process for every kind of block, then a process per kind (the others' blocks uncompiled in it): each
     # meets its kind's calls as the run made them, in the run's order
     for kinds in (None, ["FluxTransformerBlock"], ["FluxSingleTransformerBlock"]):
-        copy = precompile.build_copy(cfg, "cpu")
+        copy = rehearse.build_copy(cfg, "cpu")
         for b in repeated_blocks(copy.transformer):  # as if compiled: the process's wrappers go around the calls
             b._compiled_call_impl = b._call_impl
-        precompile.only(copy.transformer, kinds)
+        rehearse.only(copy.transformer, kinds)
         dims.install(copy.transformer, *dims.from_json(dims.to_json(rec.varying, rec.carried, rec.packs)))
         met = []
         for b in repeated_blocks(copy.transformer):
             if b._compiled_call_impl is not None:
                 b.register_forward_pre_hook(functools.partial(_met, met), with_kwargs=True)
-        took = precompile.rehearse(copy, rec.inputs)
+        took = rehearse.rehearse(copy, rec.inputs)
         assert list(took) == ["step 1", "other shapes", "grid"] and all(v >= 0 for v in took.values())
         want = [what for what in handed if kinds is None or what[0] in kinds]
         # the run's first call first; every call the run made, met by the copy (which meets the other bucket
@@ -237,6 +237,37 @@ def test_the_run_takes_the_processs_graphs_between_two_steps_or_during_the_grid_
 
 
 @pytest.mark.slow
+def test_a_first_runs_processes_start_with_its_config_check_and_its_setup_takes_or_ends_them(tmp_path, tiny,
+                                                                                            monkeypatch):
+    """`lorakit train` starts a first run's compile processes once its config is read (their imports beside the
+    checks), and the run's `Rehearsal` takes them (their folder too) or the setup ends them. Not where the run will
+    not want them: a plan with an 8-bit base, compile_background false, or a family already run here."""
+    import lorakit.train.precompile as pre
+
+    monkeypatch.setenv(pre.ENV, "1")  # the CPU's processes as a GPU's
+    cfg = make_cfg(tmp_path, "flux", tiny("flux"), memory={"compile": True})
+    try:
+        assert pre.start_early(cfg, "cpu") == 1 and pre.start_early(cfg, "cpu") == 0  # once
+        (early,), folder = pre.EARLY["parts"], pre.EARLY["folder"]
+        taken = pre.Rehearsal(cfg, "cpu", build=False)
+        assert taken.parts == [early] and taken.folder == folder and not pre.EARLY and early.proc.poll() is None
+        taken.close()
+        assert not folder.exists() and early.proc.poll() is not None
+        assert pre.start_early(cfg, "cpu") == 1
+        (left,), folder = pre.EARLY["parts"], pre.EARLY["folder"]
+        pre.drop_early()  # the run did not want them
+        assert not pre.EARLY and not folder.exists() and left.proc.poll() is not None
+        for memory in ({"compile_background": False}, {"base_quant": "int8"}):
+            other = cfg.model_copy(update={"memory": cfg.memory.model_copy(update=memory)})
+            assert pre.start_early(other, "cpu") == 0
+        monkeypatch.setattr(pre, "cached_family_report", lambda *a: object())
+        monkeypatch.setattr(pre.probe_mod, "facts_cached", lambda: True)
+        assert pre.start_early(cfg, "cpu") == 0  # measured here before: its setup starts them where it wants them
+    finally:
+        pre.drop_early()
+
+
+@pytest.mark.slow
 def test_a_process_that_fails_says_why_in_the_runs_words_and_ends(tmp_path, tiny):
     cfg = make_cfg(tmp_path, "flux", tiny("flux"))
     broken = cfg.model_copy(update={"model": cfg.model.model_copy(update={"path": str(tmp_path / "gone")})})
@@ -325,10 +356,10 @@ def test_a_process_compiling_one_kind_runs_the_others_blocks_uncompiled(tiny):
     copy = random_component(tiny("flux") / "transformer", "cpu", torch.bfloat16, blocks=2)
     for b in repeated_blocks(copy):
         b._compiled_call_impl = b._call_impl
-    precompile.only(copy, ["FluxSingleTransformerBlock"])
+    rehearse.only(copy, ["FluxSingleTransformerBlock"])
     left = {type(b).__name__: b._compiled_call_impl is not None for b in repeated_blocks(copy)}
     assert left == {"FluxTransformerBlock": False, "FluxSingleTransformerBlock": True}
-    precompile.only(copy, None)  # one process for all: nothing changes
+    rehearse.only(copy, None)  # one process for all: nothing changes
     assert sum(b._compiled_call_impl is not None for b in repeated_blocks(copy)) == 2
 
 
@@ -351,7 +382,7 @@ def test_the_inputs_reach_the_process_through_a_file_read_without_unpickling_obj
     c = Condition("a red square", {"prompt_embeds": torch.zeros(1, 5, 3)}, (4, 8, 8))
     inputs = {"first": (b, torch.tensor([0.5]), torch.zeros(1, 4, 8, 8)), "warm": [("64x64", b)], "conds": [c]}
     torch.save(precompile.plain(inputs), tmp_path / "inputs.pt")
-    got = precompile.rebuilt(torch.load(tmp_path / "inputs.pt", weights_only=True))
+    got = rehearse.rebuilt(torch.load(tmp_path / "inputs.pt", weights_only=True))
     batch, sigmas, noise = got["first"]
     assert isinstance(batch, Batch) and batch.keys == ["a"] and torch.equal(batch.latents, b.latents)
     assert batch.mask is None and torch.equal(batch.weights, b.weights) and torch.equal(sigmas, torch.tensor([0.5]))
