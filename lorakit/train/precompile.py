@@ -40,6 +40,7 @@ from pathlib import Path
 
 from lorakit.hardware import probe as probe_mod
 from lorakit.hardware.attention import cached_family_report
+from lorakit.hardware.gpu import compile_cache, expandable_segments
 from lorakit.models.batch import Batch
 from lorakit.plan.decide import repeated_block_kinds
 from lorakit.plan.memory import PLAN_MARGIN_GIB
@@ -119,6 +120,10 @@ def start_early(cfg, device: str, world: int = 1) -> int:
         return 0
     if probe_mod.facts_cached() and cached_family_report(cfg.model.family, device) is not None:
         return 0  # the family has run here before
+    if device.startswith("cuda"):  # what the run's setup puts in the environment, which the processes inherit: the
+        compile_cache()  # compile cache (else they fill Inductor's default and the run finds nothing: FLUX.1-dev,
+        if m.expandable_segments:  # one H200, 2026-11-30, "0 of 4 graphs from the compile cache"), the allocator's
+            expandable_segments()  # settings
     EARLY["folder"] = Path(tempfile.mkdtemp(prefix="lorakit-compile-"))
     EARLY["parts"] = [_Process(EARLY["folder"] / "0")]  # at once; the kinds need the model library imported
     atexit.register(drop_early)

@@ -4,12 +4,15 @@ calls it makes (those the run hands its worker, in the same order), and the proc
 import contextlib
 import functools
 import json
+import os
 import re
+from pathlib import Path
 
 import pytest
 import torch
 
 from lorakit.data.demo import make_demo_dataset
+from lorakit.hardware.gpu import CUSTOM_AUTOGRAD_ENV, compile_cache_dir
 from lorakit.io.modules import load_component, random_component
 from lorakit.plan.resolve import resolve
 from lorakit.train import dims, precompile, rehearse
@@ -260,6 +263,19 @@ def test_a_first_runs_processes_start_with_its_config_check_and_its_setup_takes_
         for memory in ({"compile_background": False}, {"base_quant": "int8"}):
             other = cfg.model_copy(update={"memory": cfg.memory.model_copy(update=memory)})
             assert pre.start_early(other, "cpu") == 0
+        # on a GPU they get the environment the run's setup makes (its compile cache, where the run then finds
+        # their graphs): started before the setup, they inherit it from here
+        import torch._functorch.config as functorch_config
+
+        monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)  # all three restored after the test
+        monkeypatch.setenv(CUSTOM_AUTOGRAD_ENV, "0")
+        monkeypatch.setattr(functorch_config, "autograd_cache_allow_custom_autograd_functions", False)
+        assert pre.start_early(cfg, "cuda") == 1  # a CPU machine here: the process only imports, then is ended
+        (gpu,) = pre.EARLY["parts"]
+        env = dict(x.split("=", 1) for x in Path(f"/proc/{gpu.proc.pid}/environ").read_text().split("\0") if "=" in x)
+        assert env["TORCHINDUCTOR_CACHE_DIR"] == compile_cache_dir() and env[CUSTOM_AUTOGRAD_ENV] == "1"
+        assert compile_cache_dir().startswith(os.environ["LORAKIT_CACHE"])  # lorakit's cache, not Inductor's default
+        pre.drop_early()
         monkeypatch.setattr(pre, "cached_family_report", lambda *a: object())
         monkeypatch.setattr(pre.probe_mod, "facts_cached", lambda: True)
         assert pre.start_early(cfg, "cpu") == 0  # measured here before: its setup starts them where it wants them
