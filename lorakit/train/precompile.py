@@ -317,7 +317,9 @@ class Rehearsal:
             late = ""
             if r.get("late", 0) >= 1:  # its imports and its copy were not done when the run handed over
                 st = r.get("start") or {}
-                start = f" (its imports {st['imports']:.1f} s, its copy {st['copy']:.1f} s)" if st else ""
+                start = f" (its imports {st['imports']:.1f} s, its copy {st['copy']:.1f} s" + (
+                    f", started {st['before']:.1f} s before the hand-over, built {abs(st['built']):.1f} s "
+                    f"{'before' if st['built'] >= 0 else 'after'} it)" if "before" in st else ")") if st else ""
                 late = f", begun {r['late']:.1f} s after the run handed over its inputs{start}"
             return (f"the blocks' {r.get('graphs', '?')} graphs compiled in {self.where} in {r['seconds']:.1f} s "
                     f"{f'({parts}{late}) ' if parts else ''}(into this machine's compile cache); the run takes them "

@@ -109,7 +109,7 @@ def warm_compile_workers() -> None:
 
 def main() -> int:
     threading.Thread(target=_orphaned, args=(os.getppid(),), daemon=True).start()
-    began = time.perf_counter()
+    began, born = time.perf_counter(), time.time()
     import torch
     from torch._dynamo.utils import counters
 
@@ -131,6 +131,7 @@ def main() -> int:
     if device.startswith("cuda") and cfg.memory.compile:
         warm_compile_workers()
     start = {"imports": round(imported - began, 1), "copy": round(time.perf_counter() - t0, 1)}  # said if late
+    built = time.time()
     print(f"built in {start['copy']:.1f} s; waiting for the run's inputs", flush=True)
     line = sys.stdin.readline()
     if not line.strip():  # the run did not need it
@@ -142,6 +143,8 @@ def main() -> int:
     print(f"rehearsing {1 + len(inputs['warm'])} training shape(s) and {len(inputs['conds'])} grid prompt(s)"
           + (f" for {', '.join(spec['kinds'])}" if spec.get("kinds") else ""), flush=True)
     t1, late = time.perf_counter(), round(max(0.0, time.time() - go.get("sent", time.time())), 1)
+    sent = go.get("sent", built)  # how long before the run handed over it was started, and built (< 0: after)
+    start.update(before=round(sent - born, 1), built=round(sent - built, 1))
 
     def said(path: str, parts: dict, grid: int = 0) -> None:  # written whole, then renamed: never read half written
         got = {"ok": True, "seconds": round(time.perf_counter() - t1, 1), "late": late, "start": start,

@@ -363,6 +363,10 @@ def test_the_processes_news_is_one_failure_where_one_failed_else_the_slowest_and
         "19.0 s, other shapes 1.0 s, begun 3.5 s after the run handed over its inputs (its imports 12.0 s, its copy "
         "4.0 s)) (into this machine's compile cache); the run takes them from there (while a grid renders, else "
         "between two steps); the grid's follow there")
+    early = {"late": 3.5, "start": {"imports": 12.0, "copy": 4.0, "before": 14.5, "built": 1.5}}  # ready in time, begun
+    both.said, both.parts = False, [_Told(a | {"late": 0.0}), _Told(b | early)]  # late all the same (a starved CPU)
+    assert "(its imports 12.0 s, its copy 4.0 s, started 14.5 s before the hand-over, built 1.5 s before it))" in \
+        both.news()
     assert precompile.merged([a, {"ok": None}]) == {"ok": None}  # one is still compiling
     bad = {"ok": False, "why": "FluxSingleTransformerBlock: exited with code 1"}
     assert precompile.merged([{"ok": None}, bad]) == bad  # a failure is news at once: the worker compiles
