@@ -115,14 +115,9 @@ class _Ahead:
         self.closed = True
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("ok", [True, False])
-def test_after_the_compile_process_the_run_takes_the_graphs_itself_or_where_it_failed_the_worker_compiles(tiny, ok):
-    """Once the separate process has compiled the training calls, the worker compiles nothing: it hands the calls
-    back and the run's thread takes them (from the cache), all at once, when the loop asks (`advance(load=True)`) —
-    beside the uncompiled steps the worker starved them (FLUX.1-dev, H200, 2026-11-28: 67 s for 6 steps). A grid's
-    calls (eval, no grad) are left to their next call, and the process goes on (it compiles them after the training
-    ones) until the run ends. Where the process failed, the worker compiles them itself, as before."""
+def _beside_a_process(tiny, ahead):
+    """The tiny FLUX transformer with its background compile, `ahead` standing for the separate process, and where
+    each call was compiled or taken (True: the run's thread)."""
     torch._dynamo.reset()
     counters.clear()
     folder = tiny("flux")
@@ -131,10 +126,22 @@ def test_after_the_compile_process_the_run_takes_the_graphs_itself_or_where_it_f
     small = adapter.example_inputs(dict(load_component(folder / "transformer").config), 64, 8, gen)
     tr = _model(folder, adapter)
     bg = BackgroundCompile(repeated_blocks(tr), {"backend": "aot_eager"}, "cpu")
-    bg.ahead = _Ahead(ok)
+    bg.ahead = ahead
     where = []
     compile_one = bg._compile
     bg._compile = lambda job: (where.append(threading.current_thread() is threading.main_thread()), compile_one(job))[1]
+    return adapter, small, tr, bg, where
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ok", [True, False])
+def test_after_the_compile_process_the_run_takes_the_graphs_itself_or_where_it_failed_the_worker_compiles(tiny, ok):
+    """Once the separate process has compiled the training calls, the worker compiles nothing: it hands the calls
+    back and the run's thread takes them (from the cache), all at once, when the loop asks (`advance(load=True)`) —
+    beside the uncompiled steps the worker starved them (FLUX.1-dev, H200, 2026-11-28: 67 s for 6 steps). A grid's
+    calls (eval, no grad) are left to their next call, and the process goes on (it compiles them after the training
+    ones) until the run ends. Where the process failed, the worker compiles them itself, as before."""
+    adapter, small, tr, bg, where = _beside_a_process(tiny, _Ahead(ok))
     try:
         _step(tr, adapter, small)  # step 1, eager
         tr.eval()
@@ -189,18 +196,7 @@ def test_the_worker_takes_the_graphs_while_a_grid_renders_and_leaves_the_rest_to
     the run's thread before step 3): where the process is done while the grid renders, the worker takes the training
     graphs then, in its thread, and the next `advance` puts them into use with no phase of its own; the grid's own
     calls are left to their next grid. Where it is done only after the grid, the run's thread takes them as before."""
-    torch._dynamo.reset()
-    counters.clear()
-    folder = tiny("flux")
-    adapter = load_adapter("flux", folder, dtype=torch.float32)
-    gen = torch.Generator().manual_seed(0)
-    small = adapter.example_inputs(dict(load_component(folder / "transformer").config), 64, 8, gen)
-    tr = _model(folder, adapter)
-    bg = BackgroundCompile(repeated_blocks(tr), {"backend": "aot_eager"}, "cpu")
-    bg.ahead = _Later()
-    where = []
-    compile_one = bg._compile
-    bg._compile = lambda job: (where.append(threading.current_thread() is threading.main_thread()), compile_one(job))[1]
+    adapter, small, tr, bg, where = _beside_a_process(tiny, _Later())
     try:
         _step(tr, adapter, small)  # step 1, eager
         training = bg.pending
