@@ -130,7 +130,7 @@ POWER_CAP = 0x4 | 0x80  # NVML clock-event reasons: the software power cap, the 
 def clock_check(times: list[float], rows: list, skip: int = 2) -> dict:
     """The GPU's SM clock, power and power-capped share of samples during the slowest tenth of the step intervals
     (`steady`'s) against the rest: where the slow steps ran at a lower clock, the card set their pace."""
-    gaps = [(a, b) for a, b in zip(times[skip - 1:], times[skip:], strict=False)] if len(times) > skip else []
+    gaps = intervals(times, skip)
     if not gaps or not rows:
         return {}
     slow = set(sorted(gaps, key=lambda g: g[1] - g[0])[-max(1, len(gaps) // 10):])
@@ -208,10 +208,15 @@ def measure(cmd: list[str], log: Path, env: dict | None = None, timeout: float =
             "stopped_by_signal_s": round(termed[0] - started, 1) if termed else None}
 
 
+def intervals(times: list[float], skip: int = 2) -> list[tuple[float, float]]:
+    """(start, end) of each interval between consecutive steps after the first `skip` steps."""
+    return list(zip(times[skip - 1:], times[skip:], strict=False)) if len(times) > skip else []
+
+
 def steady(times: list[float], skip: int = 2) -> dict:
     """Median and p90 of the wall time between consecutive steps after the first `skip` steps (every interval: the
     stalls between steps are the run's, not left out)."""
-    gaps = sorted(b - a for a, b in zip(times[skip - 1:], times[skip:], strict=False)) if len(times) > skip else []
+    gaps = sorted(b - a for a, b in intervals(times, skip))
     if not gaps:
         return {"median_s": None, "p90_s": None, "intervals": 0}
     med = statistics.median(gaps)

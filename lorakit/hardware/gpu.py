@@ -103,6 +103,18 @@ def expandable_segments() -> None:
         pass
 
 
+def run_environment(memory, device: str) -> None:
+    """What a training run puts in its process's environment before anything allocates or compiles, which the
+    processes it starts inherit: the allocator's expandable segments (memory.expandable_segments) and the compile
+    cache (memory.compile). On the CPU, nothing."""
+    if not device.startswith("cuda"):
+        return
+    if memory.expandable_segments:
+        expandable_segments()
+    if memory.compile:
+        compile_cache()  # compiled blocks reused by the next run
+
+
 def compile_cache_dir() -> str:
     """Where torch.compile's artefacts are kept: an explicit TORCHINDUCTOR_CACHE_DIR, else lorakit's cache
     (Inductor's own default in that variable is not the user's: see `compile_cache`)."""

@@ -42,7 +42,7 @@ from pathlib import Path
 
 from lorakit.hardware import probe as probe_mod
 from lorakit.hardware.attention import cached_family_report
-from lorakit.hardware.gpu import compile_cache, expandable_segments
+from lorakit.hardware.gpu import run_environment
 from lorakit.models.batch import Batch
 from lorakit.plan.decide import repeated_block_kinds
 from lorakit.plan.memory import PLAN_MARGIN_GIB
@@ -122,10 +122,9 @@ def start_early(cfg, device: str, world: int = 1) -> int:
         return 0
     if probe_mod.facts_cached() and cached_family_report(cfg.model.family, device) is not None:
         return 0  # the family has run here before
-    if device.startswith("cuda"):  # what the run's setup puts in the environment, which the processes inherit: the
-        compile_cache()  # compile cache (else they fill Inductor's default and the run finds nothing: FLUX.1-dev,
-        if m.expandable_segments:  # one H200, 2026-11-30, "0 of 4 graphs from the compile cache"), the allocator's
-            expandable_segments()  # settings
+    # the environment the run's setup makes, which the processes inherit (without its compile cache they filled
+    # Inductor's default and the run found nothing: FLUX.1-dev, one H200, 2026-11-30, "0 of 4 graphs from the cache")
+    run_environment(m, device)
     EARLY["folder"] = Path(tempfile.mkdtemp(prefix="lorakit-compile-"))
     EARLY["parts"] = [_Process(EARLY["folder"] / "0")]  # at once; the kinds need the model library imported
     atexit.register(drop_early)
@@ -254,7 +253,7 @@ class Rehearsal:
         self.parts = early[:len(apart)] + [_Process(self.folder / str(n)) for n in range(len(early), len(apart))]
         for p, k in zip(self.parts, apart, strict=True):
             p.kinds = [k] if k else None
-        if build:
+        if build or early:  # started early: their imports are done, their copies built now, beside the caching
             self.build(cfg, device)
 
     def build(self, cfg, device: str) -> None:

@@ -17,7 +17,7 @@ from lorakit.dtypes import torch_dtype
 from lorakit.errors import ConfigError
 from lorakit.events import Events
 from lorakit.hardware.attention import Measuring
-from lorakit.hardware.gpu import apply_cap, budget_gib, compile_cache, expandable_segments
+from lorakit.hardware.gpu import apply_cap, budget_gib, run_environment
 from lorakit.hardware.sdpa import apply as apply_attention
 from lorakit.io import atomic_path, clean_orphans
 from lorakit.io.lock import FolderLock
@@ -83,10 +83,7 @@ def setup(resolved: Resolved, resume: str | None, events: Events, force: bool = 
                           hint="run `lorakit train`, or one expert per run here: model.expert high or low")
     device = resolved.device
     apply_cap(device)  # LORAKIT_MEMORY_CAP_GIB: a smaller card, emulated
-    if device.startswith("cuda") and cfg.memory.expandable_segments:
-        expandable_segments()
-    if device.startswith("cuda") and cfg.memory.compile:
-        compile_cache()  # compiled blocks reused by the next run
+    run_environment(cfg.memory, device)  # the allocator's settings, the compile cache
     d = dist_mod.init(device)
     device = d.device(device)
     dtype = torch_dtype(cfg.model.dtype)
@@ -122,9 +119,8 @@ def setup(resolved: Resolved, resume: str | None, events: Events, force: bool = 
             tmp.write_text(dump_yaml(cfg))
     # a first run with these settings here: the compile process(es) start now, their imports beside the caching
     early = precompile.wanted(cfg, device, d.world) and not warm.recorded(warm.warm_key(cfg, device))
-    rehearsal = compile_process(cfg, device, d.world, resolved.estimate, events, build=bool(precompile.EARLY)) \
-        if early else None  # started with the config's check (`precompile.start_early`): their copies built now
-    if rehearsal is None:
+    rehearsal = compile_process(cfg, device, d.world, resolved.estimate, events, build=False) if early else None
+    if rehearsal is None:  # those started with the config's check (`precompile.start_early`) are not wanted
         precompile.drop_early()
     try:  # the compile process ends with a run that fails to start
         torch.manual_seed(cfg.seed)

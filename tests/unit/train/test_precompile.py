@@ -267,7 +267,8 @@ def test_a_first_runs_processes_start_with_its_config_check_and_its_setup_takes_
         # their graphs): started before the setup, they inherit it from here
         import torch._functorch.config as functorch_config
 
-        monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)  # all three restored after the test
+        monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)  # all four restored after the test
+        monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
         monkeypatch.setenv(CUSTOM_AUTOGRAD_ENV, "0")
         monkeypatch.setattr(functorch_config, "autograd_cache_allow_custom_autograd_functions", False)
         assert pre.start_early(cfg, "cuda") == 1  # a CPU machine here: the process only imports, then is ended
