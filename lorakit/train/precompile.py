@@ -126,10 +126,11 @@ def start_early(cfg, device: str, world: int = 1) -> int:
     # Inductor's default and the run found nothing: FLUX.1-dev, one H200, 2026-11-30, "0 of 4 graphs from the cache")
     run_environment(m, device)
     EARLY["folder"] = Path(tempfile.mkdtemp(prefix="lorakit-compile-"))
-    EARLY["parts"] = [_Process(EARLY["folder"] / "0")]  # at once; the kinds need the model library imported
+    gpu = device.startswith("cuda")
+    EARLY["parts"] = [_Process(EARLY["folder"] / "0", warm=gpu)]  # at once; the kinds need the model library
     atexit.register(drop_early)
     for n in range(1, len(kinds_apart(cfg, device, None, None, world) or [None])):
-        EARLY["parts"].append(_Process(EARLY["folder"] / str(n)))
+        EARLY["parts"].append(_Process(EARLY["folder"] / str(n), warm=gpu))
     return len(EARLY["parts"])
 
 
@@ -145,7 +146,9 @@ def drop_early() -> None:
 class _Process:
     """One child process (see the module), compiling the graphs of `kinds` (None: of every kind of block)."""
 
-    def __init__(self, folder: Path, kinds: list[str] | None = None):
+    def __init__(self, folder: Path, kinds: list[str] | None = None, warm: bool = False):
+        """`warm`: the child compiles on a GPU (`rehearse.WARM`: its compile workers start once its imports are
+        done)."""
         self.folder, self.kinds = folder, kinds
         self.folder.mkdir(parents=True, exist_ok=True)
         self.log = self.folder / "compile.log"
@@ -155,9 +158,10 @@ class _Process:
         root = str(Path(__file__).resolve().parents[2])  # the folder holding this lorakit
         if root not in site.getsitepackages() + [site.getusersitepackages()]:  # a source checkout: found from there
             env["PYTHONPATH"] = os.pathsep.join(x for x in (root, os.environ.get("PYTHONPATH")) if x)
+        cmd = [sys.executable, "-m", "lorakit.train.rehearse", *(["--warm"] if warm else [])]
         with open(self.log, "wb") as log:
-            self.proc = subprocess.Popen([sys.executable, "-m", "lorakit.train.rehearse"], stdin=subprocess.PIPE,
-                                         stdout=log, stderr=subprocess.STDOUT, text=True, env=env)
+            self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT, text=True,
+                                         env=env)
 
     def build(self, cfg, device: str) -> None:
         """Have the child build its copy of the run's transformer (it has its imports done by then, or does them)."""
@@ -250,7 +254,8 @@ class Rehearsal:
         self.folder = EARLY.pop("folder", None) or Path(tempfile.mkdtemp(prefix="lorakit-compile-"))
         for p in early[len(apart):]:
             p.close()
-        self.parts = early[:len(apart)] + [_Process(self.folder / str(n)) for n in range(len(early), len(apart))]
+        self.parts = early[:len(apart)] + [_Process(self.folder / str(n), warm=device.startswith("cuda") and
+                                                    cfg.memory.compile) for n in range(len(early), len(apart))]
         for p, k in zip(self.parts, apart, strict=True):
             p.kinds = [k] if k else None
         if build or early:  # started early: their imports are done, their copies built now, beside the caching
@@ -320,7 +325,9 @@ class Rehearsal:
                 st = r.get("start") or {}
                 start = f" (its imports {st['imports']:.1f} s, its copy {st['copy']:.1f} s" + (
                     f", started {st['before']:.1f} s before the hand-over, built {abs(st['built']):.1f} s "
-                    f"{'before' if st['built'] >= 0 else 'after'} it)" if "before" in st else ")") if st else ""
+                    f"{'before' if st['built'] >= 0 else 'after'} it" + (
+                        f", its inputs read {st['read']:.1f} s after it" if "read" in st else "") + ")"
+                    if "before" in st else ")") if st else ""
                 late = f", begun {r['late']:.1f} s after the run handed over its inputs{start}"
             return (f"the blocks' {r.get('graphs', '?')} graphs compiled in {self.where} in {r['seconds']:.1f} s "
                     f"{f'({parts}{late}) ' if parts else ''}(into this machine's compile cache); the run takes them "

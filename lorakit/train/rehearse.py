@@ -98,13 +98,17 @@ def only(transformer, kinds: list[str] | None) -> None:
 
 
 def warm_compile_workers() -> None:
-    """Start Inductor's compile worker processes now, while the child waits for its inputs (they start at the
-    first compile otherwise)."""
+    """Start Inductor's compile worker processes now (they start at the first compile otherwise): on a GPU, once
+    the child's imports are done (`WARM`), so that their own imports run beside the run's checks and caching, not
+    beside the child's copy or after the run's hand-over."""
     try:
         from torch._inductor.async_compile import maybe_warm_pool
     except ImportError:  # another torch: they start at the first compile
         return
     maybe_warm_pool()
+
+
+WARM = "--warm"  # argument: the child compiles on a GPU; its priority lowered and compile workers started at once
 
 
 def main() -> int:
@@ -116,6 +120,10 @@ def main() -> int:
     import lorakit.train.trainer  # noqa: F401 - what the copy needs, imported while the run caches its data
 
     imported = time.perf_counter()
+    warmed = WARM in sys.argv[1:]
+    if warmed:  # the run's threads first where both want the CPU, from now on (inherited by the compile workers)
+        os.nice(NICE)
+        warm_compile_workers()
     line = sys.stdin.readline()
     if not line.strip():
         return 0
@@ -127,15 +135,17 @@ def main() -> int:
     t0 = time.perf_counter()
     tr = build_copy(cfg, device)
     only(tr.transformer, spec.get("kinds"))
-    os.nice(NICE)  # from now on the run's steps first where both want the CPU (inherited by the compile workers)
-    if device.startswith("cuda") and cfg.memory.compile:
-        warm_compile_workers()
+    if not warmed:
+        os.nice(NICE)  # from now on the run's steps first where both want the CPU (inherited by the compile workers)
+        if device.startswith("cuda") and cfg.memory.compile:
+            warm_compile_workers()
     start = {"imports": round(imported - began, 1), "copy": round(time.perf_counter() - t0, 1)}  # said if late
     built = time.time()
     print(f"built in {start['copy']:.1f} s; waiting for the run's inputs", flush=True)
     line = sys.stdin.readline()
     if not line.strip():  # the run did not need it
         return 0
+    read = time.time()
     go = json.loads(line)
     apply_attention(go["attention"] if device.startswith("cuda") else None, fallback=True)  # as the run's setup
     inputs = rebuilt(torch.load(go["inputs"], weights_only=True))
@@ -144,7 +154,7 @@ def main() -> int:
           + (f" for {', '.join(spec['kinds'])}" if spec.get("kinds") else ""), flush=True)
     t1, late = time.perf_counter(), round(max(0.0, time.time() - go.get("sent", time.time())), 1)
     sent = go.get("sent", built)  # how long before the run handed over it was started, and built (< 0: after)
-    start.update(before=round(sent - born, 1), built=round(sent - built, 1))
+    start.update(before=round(sent - born, 1), built=round(sent - built, 1), read=round(read - sent, 1))
 
     def said(path: str, parts: dict, grid: int = 0) -> None:  # written whole, then renamed: never read half written
         got = {"ok": True, "seconds": round(time.perf_counter() - t1, 1), "late": late, "start": start,

@@ -254,6 +254,8 @@ def test_a_first_runs_processes_start_with_its_config_check_and_its_setup_takes_
         (early,), folder = pre.EARLY["parts"], pre.EARLY["folder"]
         taken = pre.Rehearsal(cfg, "cpu", build=False)
         assert taken.parts == [early] and taken.folder == folder and not pre.EARLY and early.proc.poll() is None
+        assert Path(f"/proc/{early.proc.pid}/cmdline").read_text().split("\0")[1:4] == [
+            "-m", "lorakit.train.rehearse", ""]  # compiling on the CPU: its compile workers start when it compiles
         taken.close()
         assert not folder.exists() and early.proc.poll() is not None
         assert pre.start_early(cfg, "cpu") == 1
@@ -275,6 +277,7 @@ def test_a_first_runs_processes_start_with_its_config_check_and_its_setup_takes_
         (gpu,) = pre.EARLY["parts"]
         env = dict(x.split("=", 1) for x in Path(f"/proc/{gpu.proc.pid}/environ").read_text().split("\0") if "=" in x)
         assert env["TORCHINDUCTOR_CACHE_DIR"] == compile_cache_dir() and env[CUSTOM_AUTOGRAD_ENV] == "1"
+        assert Path(f"/proc/{gpu.proc.pid}/cmdline").read_text().split("\0")[3] == rehearse.WARM  # workers at once
         assert compile_cache_dir().startswith(os.environ["LORAKIT_CACHE"])  # lorakit's cache, not Inductor's default
         pre.drop_early()
         monkeypatch.setattr(pre, "cached_family_report", lambda *a: object())
@@ -368,6 +371,9 @@ def test_the_processes_news_is_one_failure_where_one_failed_else_the_slowest_and
     both.said, both.parts = False, [_Told(a | {"late": 0.0}), _Told(b | early)]  # late all the same (a starved CPU)
     assert "(its imports 12.0 s, its copy 4.0 s, started 14.5 s before the hand-over, built 1.5 s before it))" in \
         both.news()
+    early["start"]["read"] = 2.0  # where the 3.5 s went: 2.0 before it read its inputs, 1.5 loading them
+    both.said, both.parts = False, [_Told(a | {"late": 0.0}), _Told(b | early)]
+    assert "built 1.5 s before it, its inputs read 2.0 s after it))" in both.news()
     assert precompile.merged([a, {"ok": None}]) == {"ok": None}  # one is still compiling
     bad = {"ok": False, "why": "FluxSingleTransformerBlock: exited with code 1"}
     assert precompile.merged([{"ok": None}, bad]) == bad  # a failure is news at once: the worker compiles
