@@ -64,6 +64,8 @@ def doctor(
             out.check(c)
 
         ok = doc.base_checks(facts, add)
+        if ok and from_file is None:  # this Python's own (a report read back has no such fact)
+            doc.bytecode_check(add)
         if ok and not quick:
             libs, attention = _measure(facts, retest, out, timings, early)
         else:

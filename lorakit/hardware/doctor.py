@@ -75,6 +75,17 @@ def base_checks(facts: Facts, add) -> bool:
     return True
 
 
+def bytecode_check(add) -> None:
+    """This Python: the big libraries' bytecode cached, or compiled from source in every process
+    (`hardware.bytecode`)."""
+    from lorakit.hardware import bytecode
+
+    p = bytecode.problem()
+    add(Check("bytecode", OK, f"cached ({', '.join(bytecode.PACKAGES)})") if p is None else
+        Check("bytecode", WARN, f"{', '.join(p['names'])} compiled from source in every process (no cached bytecode; "
+              f"{p['why']}): seconds at each start of lorakit and of its helper processes", p["fix"]))
+
+
 def profile_check(choice, add) -> None:
     add(Check("profile", WARN if choice.warnings else OK, f"{choice.profile.name}: {choice.reason}",
               "; ".join(choice.warnings)))

@@ -12,6 +12,7 @@ from pathlib import Path
 from lorakit.config import Config, assemble, check_paths
 from lorakit.errors import ConfigError, LorakitError
 from lorakit.events import Events
+from lorakit.hardware import bytecode
 from lorakit.hardware.attention import drop_early, start_early
 from lorakit.hardware.gpu import device_for
 from lorakit.io import resolve_files
@@ -111,6 +112,9 @@ def resolve(source: Path | dict | Config | None = None, overrides: list[str] | N
     world = world or int(os.environ.get("WORLD_SIZE", "1") or 1)
     device = device_for(cfg.profile)
     out = Resolved(cfg, prov, device, world, notes=found)
+    slow_imports = bytecode.note() if train else None  # every process of the run compiles the libraries again
+    if slow_imports:
+        out.notes.append(slow_imports)
     if read_ahead and cfg.model.path and int(os.environ.get("LOCAL_RANK", "0") or 0) == 0:
         out.read_ahead = transformer_read_ahead(trained_dir(cfg))
     if settled:
