@@ -85,6 +85,14 @@ FAMILIES: dict[str, FamilyInfo] = {
 }
 
 
+# how many kinds of repeated block each transformer class declares (diffusers' `_repeated_blocks`: one compiled graph
+# each), known without importing diffusers: a first run's compile processes, one per kind, start before it is imported
+# (`train.precompile.start_early`); `test_the_block_kind_counts_are_diffusers_own` holds them equal
+BLOCK_KINDS = {"FluxTransformer2DModel": 2, "Flux2Transformer2DModel": 2, "Kandinsky5Transformer3DModel": 2,
+               "QwenImageTransformer2DModel": 1, "QwenImage21Transformer2DModel": 1, "WanTransformer3DModel": 1,
+               "ZImageTransformer2DModel": 1}
+
+
 def family_names() -> list[str]:
     """All valid family names, in display order."""
     return list(FAMILIES)

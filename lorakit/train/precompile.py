@@ -44,6 +44,7 @@ from lorakit.hardware import probe as probe_mod
 from lorakit.hardware.attention import cached_family_report
 from lorakit.hardware.gpu import run_environment
 from lorakit.models.batch import Batch
+from lorakit.models.registry import BLOCK_KINDS, family_info
 from lorakit.plan.decide import repeated_block_kinds
 from lorakit.plan.memory import PLAN_MARGIN_GIB
 from lorakit.train import dims, sampling, warm
@@ -89,13 +90,18 @@ def lacks_room(est: dict | None, budget: float, processes: int = 1) -> str | Non
     return None
 
 
+def cores_for_kinds(device: str, world: int = 1) -> bool:
+    """A GPU run whose machine has 8 cores for each of its `world` ranks: where a process per kind of block pays."""
+    return device.startswith("cuda") and (os.cpu_count() or 1) // max(world, 1) >= 8
+
+
 def kinds_apart(cfg, device: str, est: dict | None, budget: float | None, world: int = 1) -> list[str] | None:
     """The kinds of block that compile in a process each, at once (None: one process compiles them all): on a GPU
     with 8 cores for each of the `world` ranks, where the family has more than one kind and the card room for each.
     FLUX.1-dev 1024² on an H200 (2026-11-30, a first run): one process compiled the double and the single blocks
     one after the other in 31.7 s, and the run's steps 2-25 ran uncompiled at 0.593 s against 0.428 meanwhile; a
     process per kind, 21.4-24.7 s, the run compiled from step 4-7 (2x H200 host, `tools/race.py lorakit`)."""
-    if not device.startswith("cuda") or (os.cpu_count() or 1) // max(world, 1) < 8:
+    if not cores_for_kinds(device, world):
         return None
     kinds = repeated_block_kinds(cfg.model.family)
     if len(kinds) < 2 or (budget is not None and lacks_room(est, budget, len(kinds))):
@@ -115,7 +121,9 @@ def start_early(cfg, device: str, world: int = 1) -> int:
     run may want them — `wanted` with memory.compile_background auto or true, a plan that keeps the base in bf16 —
     on the family's first run on this machine (its attention not measured here yet; another first run with these
     settings starts them with its setup, as before), one per kind of block where the machine has 8 cores for each
-    (`kinds_apart`); those the run does not take end with `drop_early`, or with this process. Returns how many."""
+    (`kinds_apart`), all at once (their count from the registry's `BLOCK_KINDS`: found from diffusers, the second
+    one waited for its import, 7.6 s of the check under cProfile on one H200, 2026-12-01); those the run does not
+    take end with `drop_early`, or with this process. Returns how many."""
     m = cfg.memory
     maybe = cfg.model_copy(update={"memory": m.model_copy(update={"compile_background": True})})
     if EARLY or m.compile_background is False or m.base_quant != "none" or not wanted(maybe, device, world):
@@ -126,11 +134,12 @@ def start_early(cfg, device: str, world: int = 1) -> int:
     # Inductor's default and the run found nothing: FLUX.1-dev, one H200, 2026-11-30, "0 of 4 graphs from the cache")
     run_environment(m, device)
     EARLY["folder"] = Path(tempfile.mkdtemp(prefix="lorakit-compile-"))
+    kinds = BLOCK_KINDS.get(family_info(cfg.model.family).transformer_class) or \
+        len(repeated_block_kinds(cfg.model.family))  # a class the registry does not know: from diffusers
     gpu = device.startswith("cuda")
-    EARLY["parts"] = [_Process(EARLY["folder"] / "0", warm=gpu)]  # at once; the kinds need the model library
+    EARLY["parts"] = [_Process(EARLY["folder"] / str(n), warm=gpu)
+                      for n in range(kinds if kinds > 1 and cores_for_kinds(device, world) else 1)]
     atexit.register(drop_early)
-    for n in range(1, len(kinds_apart(cfg, device, None, None, world) or [None])):
-        EARLY["parts"].append(_Process(EARLY["folder"] / str(n), warm=gpu))
     return len(EARLY["parts"])
 
 

@@ -31,3 +31,13 @@ def test_typo_suggests_closest():
     with pytest.raises(UnknownNameError) as ei:
         family_info("qwen-imag")
     assert "did you mean 'qwen-image'?" in ei.value.hint
+
+
+def test_the_block_kind_counts_are_diffusers_own():
+    """`BLOCK_KINDS` (known before diffusers is imported) says what each family's transformer class declares."""
+    from lorakit.models.registry import BLOCK_KINDS, FAMILIES
+    from lorakit.plan.decide import repeated_block_kinds
+
+    for name, info in FAMILIES.items():
+        assert BLOCK_KINDS[info.transformer_class] == len(repeated_block_kinds(name)), name
+    assert set(BLOCK_KINDS) == {f.transformer_class for f in FAMILIES.values()}  # none left over

@@ -280,6 +280,10 @@ def test_a_first_runs_processes_start_with_its_config_check_and_its_setup_takes_
         assert Path(f"/proc/{gpu.proc.pid}/cmdline").read_text().split("\0")[3] == rehearse.WARM  # workers at once
         assert compile_cache_dir().startswith(os.environ["LORAKIT_CACHE"])  # lorakit's cache, not Inductor's default
         pre.drop_early()
+        monkeypatch.setattr(pre.os, "cpu_count", lambda: 16)  # 8 cores for each kind of FLUX's blocks
+        monkeypatch.setattr(pre, "repeated_block_kinds", lambda family: pytest.fail("diffusers imported to count"))
+        assert pre.start_early(cfg, "cuda") == 2 and len({p.proc.pid for p in pre.EARLY["parts"]}) == 2  # at once
+        pre.drop_early()
         monkeypatch.setattr(pre, "cached_family_report", lambda *a: object())
         monkeypatch.setattr(pre.probe_mod, "facts_cached", lambda: True)
         assert pre.start_early(cfg, "cpu") == 0  # measured here before: its setup starts them where it wants them
