@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from lorakit.hardware import fa4
+from lorakit.hardware import bytecode, fa4
 from lorakit.hardware.attention_cases import family_cases, known_bad
 from lorakit.hardware.probe import Facts, code_support
 
@@ -78,8 +78,6 @@ def base_checks(facts: Facts, add) -> bool:
 def bytecode_check(add) -> None:
     """This Python: the big libraries' bytecode cached, or compiled from source in every process
     (`hardware.bytecode`)."""
-    from lorakit.hardware import bytecode
-
     p = bytecode.problem()
     add(Check("bytecode", OK, f"cached ({', '.join(bytecode.PACKAGES)})") if p is None else
         Check("bytecode", WARN, f"{', '.join(p['names'])} compiled from source in every process (no cached bytecode; "
