@@ -29,6 +29,12 @@ def _writable(path: Path) -> bool:
     return False
 
 
+def _folder(spec) -> Path:
+    """The folder a package or module is installed in (site-packages, typically)."""
+    origin = Path(spec.origin)
+    return origin.parents[1] if spec.submodule_search_locations is not None else origin.parent
+
+
 def uncached(packages=None, dont_write: bool | None = None) -> list[str]:
     """The installed `packages` that this Python compiles from source in every process: no bytecode for this Python
     beside their `__init__.py` (or under `sys.pycache_prefix`), and none will be written (`dont_write`, default
@@ -56,7 +62,7 @@ def problem(packages=None, dont_write: bool | None = None) -> dict | None:
     dont_write = sys.dont_write_bytecode if dont_write is None else dont_write
     why = ("PYTHONDONTWRITEBYTECODE is set" if dont_write and os.environ.get("PYTHONDONTWRITEBYTECODE")
            else "this Python does not write bytecode (-B)" if dont_write else "their folders are not writable")
-    folders = sorted({str(Path(importlib.util.find_spec(n).origin).parents[1]) for n in names})
+    folders = sorted({str(_folder(importlib.util.find_spec(n))) for n in names})
     return {"names": names, "why": why,
             "fix": f"once, as the folders' owner: python -m compileall -q -j 0 {' '.join(folders)} (or install with "
                    "pip, or with uv's --compile-bytecode)"}

@@ -30,6 +30,8 @@ def test_a_package_without_bytecode_in_a_python_that_writes_none_is_named_with_t
     said = bytecode.note(("slowpkg",), dont_write=True)
     assert said.startswith("Python compiles slowpkg from source in every process here") and \
         "PYTHONDONTWRITEBYTECODE is set" in said and f"python -m compileall -q -j 0 {root} " in said
+    (root / "slowmod.py").write_text("Y = 2\n")  # a module of one file: its folder is named, not the one above
+    assert f"compileall -q -j 0 {root} " in bytecode.note(("slowmod",), dont_write=True)
     assert bytecode.uncached(("slowpkg",), dont_write=False) == []  # this Python writes it at the first import
     compileall.compile_dir(str(root / "slowpkg"), quiet=1)  # what the note says to run
     assert bytecode.uncached(("slowpkg",), dont_write=True) == [] and bytecode.note(("slowpkg",), True) is None
