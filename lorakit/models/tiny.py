@@ -35,7 +35,7 @@ from lorakit.models.tiny_vae import (  # noqa: F401 (the adapters build their ti
     wan_vae,
 )
 
-SPEC_VERSION = "3"  # bump when a builder changes, so cached folders are rebuilt
+SPEC_VERSION = "4"  # bump when a builder changes, so cached folders are rebuilt (4: the T5 vocabulary in one order)
 
 # Words the demo captions use, plus the pipelines' prompt templates: the tokenizers are trained
 # on this, so demo prompts tokenize into short, meaningful pieces.
@@ -103,6 +103,13 @@ def t5_tokenizer():
     trainer = trainers.UnigramTrainer(vocab_size=300, special_tokens=["<pad>", "</s>", "<unk>"],
                                       unk_token="<unk>", show_progress=False)
     tok.train_from_iterator(_corpus(), trainer=trainer)
+    # the trainer orders pieces of equal score differently in each process, and numbers the characters it adds last
+    # in that order (-8.863988, -8.864088, ... given to "x", "q", "v" in one build, "v", "x", "q" in the next), so the
+    # ids, the embeddings they pick and every loss differed between two builds: `make demo` gave loss 1.3874 -> 1.1146
+    # or 1.3875 -> 1.1110 (2026-12-01, this machine). One vocabulary: scores to 3 digits, pieces of one score by name.
+    vocab = json.loads(tok.to_str())["model"]["vocab"]
+    pieces = sorted(((p, round(v, 3)) for p, v in vocab[3:]), key=lambda pv: (-pv[1], pv[0]))
+    tok.model = models.Unigram([tuple(pv) for pv in vocab[:3]] + pieces, unk_id=2, byte_fallback=False)
     from tokenizers.processors import TemplateProcessing
 
     tok.post_processor = TemplateProcessing(single="$A </s>", pair="$A </s> $B </s>",
