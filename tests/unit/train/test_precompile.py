@@ -239,6 +239,19 @@ def test_the_run_takes_the_processs_graphs_between_two_steps_or_during_the_grid_
                      r"cache at the next grid$", used[0])
 
 
+def _proc(pid: int, what: str) -> list[str]:
+    """A started process's command line or environment, as it was exec'd. Popen returns once the exec has begun, and
+    the kernel fills these in a moment later (read at once, the environment came back empty in one CI run)."""
+    import time
+
+    for _ in range(100):
+        got = Path(f"/proc/{pid}/{what}").read_text().split("\0")
+        if got != [""]:
+            return got
+        time.sleep(0.05)
+    raise AssertionError(f"/proc/{pid}/{what} stayed empty")
+
+
 @pytest.mark.slow
 def test_a_first_runs_processes_start_with_its_config_check_and_its_setup_takes_or_ends_them(tmp_path, tiny,
                                                                                             monkeypatch):
@@ -254,7 +267,7 @@ def test_a_first_runs_processes_start_with_its_config_check_and_its_setup_takes_
         (early,), folder = pre.EARLY["parts"], pre.EARLY["folder"]
         taken = pre.Rehearsal(cfg, "cpu", build=False)
         assert taken.parts == [early] and taken.folder == folder and not pre.EARLY and early.proc.poll() is None
-        assert Path(f"/proc/{early.proc.pid}/cmdline").read_text().split("\0")[1:4] == [
+        assert _proc(early.proc.pid, "cmdline")[1:4] == [
             "-m", "lorakit.train.rehearse", ""]  # compiling on the CPU: its compile workers start when it compiles
         taken.close()
         assert not folder.exists() and early.proc.poll() is not None
@@ -275,9 +288,9 @@ def test_a_first_runs_processes_start_with_its_config_check_and_its_setup_takes_
         monkeypatch.setattr(functorch_config, "autograd_cache_allow_custom_autograd_functions", False)
         assert pre.start_early(cfg, "cuda") == 1  # a CPU machine here: the process only imports, then is ended
         (gpu,) = pre.EARLY["parts"]
-        env = dict(x.split("=", 1) for x in Path(f"/proc/{gpu.proc.pid}/environ").read_text().split("\0") if "=" in x)
+        env = dict(x.split("=", 1) for x in _proc(gpu.proc.pid, "environ") if "=" in x)
         assert env["TORCHINDUCTOR_CACHE_DIR"] == compile_cache_dir() and env[CUSTOM_AUTOGRAD_ENV] == "1"
-        assert Path(f"/proc/{gpu.proc.pid}/cmdline").read_text().split("\0")[3] == rehearse.WARM  # workers at once
+        assert _proc(gpu.proc.pid, "cmdline")[3] == rehearse.WARM  # its compile workers start once its imports are done
         assert compile_cache_dir().startswith(os.environ["LORAKIT_CACHE"])  # lorakit's cache, not Inductor's default
         pre.drop_early()
         monkeypatch.setattr(pre.os, "cpu_count", lambda: 16)  # 8 cores for each kind of FLUX's blocks
