@@ -64,28 +64,35 @@ def gpu_index() -> int:
     return int(first) if first.isdigit() else 0
 
 
-def _gpu_used_mib() -> int:
-    """The run's GPU's used memory (NVML; 0 without one)."""
+def nvml():
+    """(pynvml, the run's GPU's handle), or None without NVML (the CPU)."""
     try:
         import pynvml
 
         pynvml.nvmlInit()
-        return int(pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(gpu_index())).used // 2**20)
+        return pynvml, pynvml.nvmlDeviceGetHandleByIndex(gpu_index())
     except Exception:  # noqa: BLE001 - no NVML here (the CPU)
+        return None
+
+
+def _gpu_used_mib() -> int:
+    """The run's GPU's used memory (NVML; 0 without one)."""
+    got = nvml()
+    try:
+        return int(got[0].nvmlDeviceGetMemoryInfo(got[1]).used // 2**20) if got else 0
+    except Exception:  # noqa: BLE001 - a query this driver refuses
         return 0
 
 
 def gpu_name() -> str | None:
     """The run's GPU's name (NVML; None without one): each record says the card it ran on (a later call may land on
     another kind of card)."""
+    got = nvml()
     try:
-        import pynvml
-
-        pynvml.nvmlInit()
-        name = pynvml.nvmlDeviceGetName(pynvml.nvmlDeviceGetHandleByIndex(gpu_index()))
-        return name.decode() if isinstance(name, bytes) else str(name)
-    except Exception:  # noqa: BLE001 - no NVML here (the CPU)
+        name = got[0].nvmlDeviceGetName(got[1]) if got else None
+    except Exception:  # noqa: BLE001 - a query this driver refuses
         return None
+    return name.decode() if isinstance(name, bytes) else name and str(name)
 
 
 class Clocks:
@@ -97,19 +104,13 @@ class Clocks:
 
         self.rows: list[tuple[float, int, float, int]] = []  # (time, SM MHz, watts, reasons bitmask)
         self._stop = threading.Event()
-        try:
-            import pynvml
-
-            pynvml.nvmlInit()
-            self._nvml, self._h = pynvml, pynvml.nvmlDeviceGetHandleByIndex(gpu_index())
-        except Exception:  # noqa: BLE001 - no NVML here (the CPU)
-            self._nvml = None
+        self._nvml = nvml()
         self._thread = threading.Thread(target=self._run, args=(every,), daemon=True)
         if self._nvml:
             self._thread.start()
 
     def _run(self, every: float) -> None:
-        n, h = self._nvml, self._h
+        n, h = self._nvml
         reasons = getattr(n, "nvmlDeviceGetCurrentClocksEventReasons", None) or n.nvmlDeviceGetCurrentClocksThrottleReasons
         while not self._stop.wait(every):
             try:

@@ -265,8 +265,8 @@ class Rehearsal:
         self.folder = EARLY.pop("folder", None) or Path(tempfile.mkdtemp(prefix="lorakit-compile-"))
         for p in early[len(apart):]:
             p.close()
-        self.parts = early[:len(apart)] + [_Process(self.folder / str(n), warm=device.startswith("cuda") and
-                                                    cfg.memory.compile) for n in range(len(early), len(apart))]
+        self.parts = early[:len(apart)] + [_Process(self.folder / str(n), warm=device.startswith("cuda"))
+                                           for n in range(len(early), len(apart))]
         for p, k in zip(self.parts, apart, strict=True):
             p.kinds = [k] if k else None
         if build or early:  # started early: their imports are done, their copies built now, beside the caching

@@ -135,10 +135,8 @@ def main() -> int:
     t0 = time.perf_counter()
     tr = build_copy(cfg, device)
     only(tr.transformer, spec.get("kinds"))
-    if not warmed:
-        os.nice(NICE)  # from now on the run's steps first where both want the CPU (inherited by the compile workers)
-        if device.startswith("cuda") and cfg.memory.compile:
-            warm_compile_workers()
+    if not warmed:  # compiling on the CPU: the run's steps first from now on (its compile workers start when it compiles)
+        os.nice(NICE)
     start = {"imports": round(imported - began, 1), "copy": round(time.perf_counter() - t0, 1)}  # said if late
     built = time.time()
     print(f"built in {start['copy']:.1f} s; waiting for the run's inputs", flush=True)
