@@ -254,7 +254,7 @@ def _proc(pid: int, what: str) -> list[str]:
 
 @pytest.mark.slow
 def test_a_first_runs_processes_start_with_its_config_check_and_its_setup_takes_or_ends_them(tmp_path, tiny,
-                                                                                            monkeypatch):
+                                                                                            monkeypatch, request):
     """`lorakit train` starts a first run's compile processes once its config is read (their imports beside the
     checks), and the run's `Rehearsal` takes them (their folder too) or the setup ends them. Not where the run will
     not want them: a plan with an 8-bit base, compile_background false, or a family already run here."""
@@ -285,7 +285,11 @@ def test_a_first_runs_processes_start_with_its_config_check_and_its_setup_takes_
         monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)  # all four restored after the test
         monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
         monkeypatch.setenv(CUSTOM_AUTOGRAD_ENV, "0")
-        monkeypatch.setattr(functorch_config, "autograd_cache_allow_custom_autograd_functions", False)
+        # torch's own undo: pytest's found no attribute to put back (torch's config module answers through its
+        # __getattr__) and deleted it, which hid the setting from every later test in the process
+        patched = functorch_config.patch(autograd_cache_allow_custom_autograd_functions=False)
+        patched.__enter__()
+        request.addfinalizer(lambda: patched.__exit__(None, None, None))
         assert pre.start_early(cfg, "cuda") == 1  # a CPU machine here: the process only imports, then is ended
         (gpu,) = pre.EARLY["parts"]
         env = dict(x.split("=", 1) for x in _proc(gpu.proc.pid, "environ") if "=" in x)
