@@ -257,7 +257,7 @@ def _from_sets(e: ConfigError, overrides: list[str], source: str | None) -> Conf
 
 
 def assemble(config_path: Path | dict | None = None, overrides: list[str] | None = None,
-             profile: str | None = None, probe_facts: Any = None) -> tuple[Config, dict]:
+             profile: str | None = None, probe_facts: Any = None, before_probe: Any = None) -> tuple[Config, dict]:
     """The run's config from its layers: defaults < profile < YAML < --set (every problem at once).
 
     Args:
@@ -265,6 +265,8 @@ def assemble(config_path: Path | dict | None = None, overrides: list[str] | None
         overrides: `key.path=value` strings.
         profile: a profile name or "auto"; beats `profile:` in the YAML.
         probe_facts: hardware facts for `auto` (probed when None).
+        before_probe: called with the user's layers (YAML < --set, checked) and the profile name asked for, before
+            the machine is probed (which imports torch): what a run starts as soon as its config is read.
 
     Returns:
         (config, provenance) where provenance says which profile was used and why.
@@ -283,6 +285,8 @@ def assemble(config_path: Path | dict | None = None, overrides: list[str] | None
         validate({k: v for k, v in layered.items() if k != "profile"}, source=source, extra_problems=problems)
     except ConfigError as e:
         raise _from_sets(e, overrides or [], source) from None
+    if before_probe:
+        before_probe(layered, name)
     choice = prof.choose(name, probe_facts)
     merged = deep_merge(choice.profile.defaults, layered)
     merged["profile"] = choice.profile.name

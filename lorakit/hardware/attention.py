@@ -101,6 +101,12 @@ def drop_early(family: str) -> None:
     close_children(EARLY.pop(family, None))
 
 
+def drop_all_early() -> None:
+    """`drop_early` for every family (a run refused after `start_early`)."""
+    for family in list(EARLY):
+        drop_early(family)
+
+
 class Measuring:
     """A training run's first self-test of its family here (`self_test_family`: child processes, cached per
     machine), run in a thread as the run starts: beside the encoders, the caching and the model's load. `result`

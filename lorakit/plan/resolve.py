@@ -13,7 +13,7 @@ from lorakit.config import Config, assemble, check_paths
 from lorakit.errors import ConfigError, LorakitError
 from lorakit.events import Events
 from lorakit.hardware import bytecode
-from lorakit.hardware.attention import drop_early, start_early
+from lorakit.hardware.attention import drop_all_early, drop_early, start_early
 from lorakit.hardware.gpu import device_for
 from lorakit.io import resolve_files
 from lorakit.io.prefetch import Prefetch
@@ -97,34 +97,52 @@ def resolve(source: Path | dict | Config | None = None, overrides: list[str] | N
     Raises:
         ConfigError: every config and path problem at once; InputError: a run that cannot fit (with what would).
     """
-    if isinstance(source, Config):
-        cfg, prov = source, {"profile": source.profile, "reason": "a validated config", "warnings": []}
-    else:
-        cfg, prov = assemble(source, overrides, profile, facts)
-    if (defer_attention and train and cfg.profile != "cpu" and cfg.memory.attention == "auto"
-            and (world or int(os.environ.get("WORLD_SIZE", "1") or 1)) == 1):
-        start_early(cfg.model.family, "cuda")  # a first run's self-test: its children import beside these checks
-    found = []
-    if "model" in paths and cfg.model.path:  # a repo id, a single file: the folder the run loads
-        folder, found = model_folder(cfg.model.path, cfg.model.base, cfg.model.family, events)
-        cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"path": folder, "base": None})})
-    check_paths(cfg, model="model" in paths, data="data" in paths)
-    world = world or int(os.environ.get("WORLD_SIZE", "1") or 1)
-    device = device_for(cfg.profile)
-    out = Resolved(cfg, prov, device, world, notes=found)
-    slow_imports = bytecode.note() if train else None  # every process of the run compiles the libraries again
-    if slow_imports:
-        out.notes.append(slow_imports)
-    if read_ahead and cfg.model.path and int(os.environ.get("LOCAL_RANK", "0") or 0) == 0:
-        out.read_ahead = transformer_read_ahead(trained_dir(cfg))
-    if settled:
-        settled(cfg)
-    if not train:
+    measures = defer_attention and train and (world or int(os.environ.get("WORLD_SIZE", "1") or 1)) == 1
+    try:  # a run refused here leaves no self-test children behind (a long-lived caller: tests, the UI)
+        if isinstance(source, Config):
+            cfg, prov = source, {"profile": source.profile, "reason": "a validated config", "warnings": []}
+        else:
+            cfg, prov = assemble(source, overrides, profile, facts, before_probe=early_self_test if measures else None)
+        if measures and cfg.profile != "cpu" and cfg.memory.attention == "auto":
+            start_early(cfg.model.family, "cuda")  # a first run's self-test: its children import beside these checks
+        found = []
+        if "model" in paths and cfg.model.path:  # a repo id, a single file: the folder the run loads
+            folder, found = model_folder(cfg.model.path, cfg.model.base, cfg.model.family, events)
+            cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"path": folder, "base": None})})
+        check_paths(cfg, model="model" in paths, data="data" in paths)
+        world = world or int(os.environ.get("WORLD_SIZE", "1") or 1)
+        device = device_for(cfg.profile)
+        out = Resolved(cfg, prov, device, world, notes=found)
+        slow_imports = bytecode.note() if train else None  # every process of the run compiles the libraries again
+        if slow_imports:
+            out.notes.append(slow_imports)
+        if read_ahead and cfg.model.path and int(os.environ.get("LOCAL_RANK", "0") or 0) == 0:
+            out.read_ahead = transformer_read_ahead(trained_dir(cfg))
+        if settled:
+            settled(cfg)
+        if not train:
+            return out
+        out = plan_run(out, cap_gib, defer_attention)
+        if not out.attention_deferred:  # measured already, or never here (a named backend, the CPU after all)
+            drop_early(out.cfg.model.family)
         return out
-    out = plan_run(out, cap_gib, defer_attention)
-    if not out.attention_deferred:  # measured already, or never here (a named backend, the CPU after all)
-        drop_early(out.cfg.model.family)
-    return out
+    except BaseException:
+        drop_all_early()
+        raise
+
+
+def early_self_test(layered: dict, profile: str) -> None:
+    """A first run's attention self-test children started from the user's config, before the machine's probe
+    imports torch (`config.assemble`): their own imports of torch and diffusers then overlap the probe's, where a
+    small card's run waits for the measurement inside its checks. Qwen-Image, rtx4090 profile under a 24 GiB cap
+    (one H200, 2026-12-01, a first run): its checks took 27.6 s with the children started after the probe, against
+    10.2-12.7 s for runs that measure beside the caching. Where the profile turns out to be the CPU's, or the plan
+    measures nothing, `resolve` stops them again."""
+    model, memory = layered.get("model"), layered.get("memory")
+    family = model.get("family") if isinstance(model, dict) else None
+    attention = memory.get("attention", "auto") if isinstance(memory, dict) else "auto"
+    if isinstance(family, str) and profile != "cpu" and attention == "auto":
+        start_early(family, "cuda")
 
 
 def transformer_read_ahead(folder: Path) -> Prefetch | None:

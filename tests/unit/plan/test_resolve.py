@@ -63,22 +63,44 @@ def test_a_gpu_profile_plans_memory_at_the_dry_run(tmp_path, tiny):
 def test_a_first_runs_attention_children_start_before_its_checks_and_only_where_it_measures(tmp_path, tiny,
                                                                                             monkeypatch):
     """A training run that may measure its attention backends (a GPU profile, memory.attention auto, one process)
-    starts the self-test's children as soon as its config is read, before the path checks and the plan (their
-    imports beside them); a CPU run, a named backend, ranks of several processes and a dry run start none."""
-    started, order, dropped = [], [], []
-    monkeypatch.setattr(resolve_mod, "start_early", lambda fam, dev: started.append((fam, dev)) or order.append(0))
+    starts the self-test's children as soon as its config is read, before the machine's probe (which imports torch),
+    the path checks and the plan (their imports beside them); a CPU run, a named backend, ranks of several processes
+    and a dry run start none; a run refused after they started stops them."""
+    from lorakit.config import loading
+
+    started, order, dropped, all_dropped = [], [], [], []
+
+    def start(fam, dev):  # as `attention.start_early`: once per family
+        if (fam, dev) not in started:
+            started.append((fam, dev))
+            order.append("children")
+
+    monkeypatch.setattr(resolve_mod, "start_early", start)
     monkeypatch.setattr(resolve_mod, "drop_early", dropped.append)
+    monkeypatch.setattr(resolve_mod, "drop_all_early", lambda: all_dropped.append(1))
     real = resolve_mod.check_paths
-    monkeypatch.setattr(resolve_mod, "check_paths", lambda *a, **k: (order.append(1), real(*a, **k))[1])
+    monkeypatch.setattr(resolve_mod, "check_paths", lambda *a, **k: (order.append("paths"), real(*a, **k))[1])
+    choose = loading.prof.choose
+    monkeypatch.setattr(loading.prof, "choose", lambda *a: (order.append("probe"), choose(*a))[1])
     deferred = []
     monkeypatch.setattr(resolve_mod, "plan_run", lambda r, *a: setattr(r, "attention_deferred", bool(deferred)) or r)
     path = _config(tmp_path, tiny)
     deferred.append(True)  # measured while the run starts: the children wait for it
     resolve_mod.resolve(path, [], "rtx4090", defer_attention=True)
-    assert started == [("flux", "cuda")] and order == [0, 1] and not dropped
+    assert started == [("flux", "cuda")] and order == ["children", "probe", "paths"] and not dropped
     deferred.clear()  # the plan measured (no room) or will not: any left are stopped
     resolve_mod.resolve(path, [], "rtx4090", defer_attention=True)
-    assert dropped == ["flux"]
+    assert dropped == ["flux"] and not all_dropped
+    started.clear()
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(path.read_text().replace(str(tiny("flux")), str(tmp_path / "gone")))
+    try:  # refused at its path check, after the children started
+        resolve_mod.resolve(bad, [], "rtx4090", defer_attention=True)
+    except Exception as e:  # noqa: BLE001 - the refusal itself is another test's
+        assert "gone" in str(e)
+    else:
+        raise AssertionError("a missing model folder was not refused")
+    assert started == [("flux", "cuda")] and all_dropped == [1]
     for profile, sets, kw in (("cpu", [], {"defer_attention": True}), ("rtx4090", [], {}),
                               ("rtx4090", ["memory.attention=flash"], {"defer_attention": True}),
                               ("rtx4090", [], {"defer_attention": True, "world": 2})):
