@@ -136,6 +136,18 @@ def compile_cache() -> str:
     return folder
 
 
+def compile_workers() -> None:
+    """Start Inductor's compile worker processes now; torch starts them at its first compile otherwise, and its
+    first kernels then wait for their imports (torch's, in a process of their own). A compile process does it once
+    its own imports are done (`train.rehearse`); a run whose step 1 compiles in its own process, before its caching
+    (`train.setup`): the workers' imports then run beside the caching and the model's load."""
+    try:
+        from torch._inductor.async_compile import maybe_warm_pool
+    except ImportError:  # another torch: they start at the first compile
+        return
+    maybe_warm_pool()
+
+
 CUSTOM_AUTOGRAD_ENV = "TORCHINDUCTOR_AUTOGRAD_CACHE_ALLOW_CUSTOM_AUTOGRAD"
 
 

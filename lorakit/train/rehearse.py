@@ -15,6 +15,7 @@ from pathlib import Path
 
 from lorakit.config.schema import Config
 from lorakit.dtypes import torch_dtype
+from lorakit.hardware.gpu import compile_workers
 from lorakit.hardware.sdpa import apply as apply_attention
 from lorakit.io.modules import random_component
 from lorakit.models.base import load_adapter, trained_dir
@@ -97,17 +98,6 @@ def only(transformer, kinds: list[str] | None) -> None:
             b._compiled_call_impl = None
 
 
-def warm_compile_workers() -> None:
-    """Start Inductor's compile worker processes now (they start at the first compile otherwise): on a GPU, once
-    the child's imports are done (`WARM`), so that their own imports run beside the run's checks and caching, not
-    beside the child's copy or after the run's hand-over."""
-    try:
-        from torch._inductor.async_compile import maybe_warm_pool
-    except ImportError:  # another torch: they start at the first compile
-        return
-    maybe_warm_pool()
-
-
 WARM = "--warm"  # argument: the child compiles on a GPU; its priority lowered and compile workers started at once
 
 
@@ -123,7 +113,7 @@ def main() -> int:
     warmed = WARM in sys.argv[1:]
     if warmed:  # the run's threads first where both want the CPU, from now on (inherited by the compile workers)
         os.nice(NICE)
-        warm_compile_workers()
+        compile_workers()
     line = sys.stdin.readline()
     if not line.strip():
         return 0
