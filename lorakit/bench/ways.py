@@ -25,6 +25,7 @@ from lorakit.plan.memory import estimate
 from lorakit.plan.resolve import resolve
 from lorakit.train import checkpoint, shards
 from lorakit.train import flow_matching as fm
+from lorakit.train.gcpause import Collector
 
 REFERENCE_TARGETS = ["to_q", "to_k", "to_v", "to_out.0"]  # the diffusers training examples' default
 TEXT_LEN = 512
@@ -217,15 +218,21 @@ def run_way(spec: dict) -> dict:
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
-    times, losses = [], []
-    for i in range(spec["warmup"] + spec["steps"]):
-        t = time.perf_counter()
-        loss = step()
-        if cuda:
-            torch.cuda.synchronize()
-        if i >= spec["warmup"]:
-            times.append(time.perf_counter() - t)
-        losses.append(float(loss))
+    times, losses, gc_s = [], [], 0.0
+    with Collector() as collector:  # full collections timed in the timed steps
+        for i in range(spec["warmup"] + spec["steps"]):
+            if i == spec["warmup"] and spec["way"] == "lorakit":
+                collector.settle()  # what the run keeps, frozen after the warm-up, as `lorakit train` does after
+                # step 1 (`train.loop`); the plain way's loop collects as Python does
+            t = time.perf_counter()
+            loss = step()
+            if cuda:
+                torch.cuda.synchronize()
+            pause = collector.take()
+            if i >= spec["warmup"]:
+                times.append(time.perf_counter() - t)
+                gc_s += pause
+            losses.append(float(loss))
     med = statistics.median(times)
     if not int(os.environ.get("RANK", "0") or 0):  # as it is measured (a run cut short still shows it)
         print(f"bench step: {spec['way']} {med:.3f} s/step", file=sys.stderr, flush=True)
@@ -245,7 +252,7 @@ def run_way(spec: dict) -> dict:
     gpus = spec.get("gpus", 1)
     out = {"way": spec["way"], "gpus": gpus, "s_per_step": round(med, 4), "items_per_s": round(gpus / med, 4),
            "min_s": round(min(times), 4), "max_s": round(max(times), 4), "steps_timed": len(times),
-           "times_s": [round(x, 4) for x in times],
+           "times_s": [round(x, 4) for x in times], "gc_s": round(gc_s, 3),
            "losses": [round(x, 5) for x in losses], **info}
     if cuda:
         out["peak_gib"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 2)

@@ -186,3 +186,32 @@ def test_the_step_table_names_each_ways_attention_kernel():
     lines = [ln for ln in cap.get().splitlines() if ln.startswith("│")]
     assert "attention" in cap.get() and len(lines) == 3
     assert "flash" in lines[0] and "cudnn" in lines[1] and "PyTorch's pick" in lines[2]
+
+
+def test_the_lorakit_way_keeps_what_it_built_out_of_the_collector_as_lorakit_train_does(monkeypatch):
+    """`lorakit train` freezes what the run keeps after its first step (`train.gcpause`), so later full collections
+    do not walk the model and its compiled graphs (each a pause of tenths of a second with the GPU idle). `bench
+    step`'s lorakit way did not: 7 of 80 timed Qwen-Image rtx4090 steps took 0.94-1.19 s against a 0.607 median,
+    one every 11-12 steps (one H200, 2026-12-01), the pattern the run's own collections made before it froze them.
+    Now it does the same after its warm-up; the plain way collects as Python does. Both say how long full
+    collections took in the timed steps (`gc_s`)."""
+    import gc
+
+    from lorakit.bench import ways
+
+    frozen = []
+
+    def step():
+        frozen.append(gc.get_freeze_count())
+        gc.collect()  # a full collection inside every step
+        return 1.0
+
+    monkeypatch.setattr(ways, "prepare", lambda spec: (step, {}))
+    out = {}
+    for way in ("plain", "lorakit"):
+        frozen.clear()
+        out[way] = ways.run_way({"way": way, "device": "cpu", "warmup": 2, "steps": 3})
+        assert frozen[:2] == [0, 0]  # the warm-up runs as built
+        assert all(n > 0 for n in frozen[2:]) if way == "lorakit" else not any(frozen)
+        assert out[way]["steps_timed"] == 3 and gc.get_freeze_count() == 0  # unfrozen after it
+    assert out["plain"]["gc_s"] > 0 and out["lorakit"]["gc_s"] < out["plain"]["gc_s"] / 5
