@@ -135,9 +135,11 @@ def early_self_test(layered: dict, profile: str) -> None:
     """A first run's attention self-test children started from the user's config, before the machine's probe
     imports torch (`config.assemble`): their own imports of torch and diffusers then overlap the probe's, where a
     small card's run waits for the measurement inside its checks. Qwen-Image, rtx4090 profile under a 24 GiB cap
-    (one H200, 2026-12-01, a first run): its checks took 27.6 s with the children started after the probe, against
-    10.2-12.7 s for runs that measure beside the caching. Where the profile turns out to be the CPU's, or the plan
-    measures nothing, `resolve` stops them again."""
+    (a first run, one H200 each, 2026-12-01, `tools/race.py lorakit`): the checks took 27.6 s with the children
+    started after the probe, 25.4 and 28.0 s started before it (two hosts whose steady steps differed by a third);
+    `top` there: the children begin 4 s into the run instead of after the probe, and the run's thread then waits
+    for their cases (about 3 s of bare shapes, then 9 s of the model case). Where the profile turns out to be the
+    CPU's, or the plan measures nothing, `resolve` stops them again."""
     model, memory = layered.get("model"), layered.get("memory")
     family = model.get("family") if isinstance(model, dict) else None
     attention = memory.get("attention", "auto") if isinstance(memory, dict) else "auto"
