@@ -89,10 +89,22 @@ def _run_one(config: Path, sets, profile, resume, events, force: bool):
     with events.phase("check config and machine") as facts:
         resolved = resolve_config(config, sets, profile, events=events, defer_attention=True, read_ahead=True,
                                   settled=_settled)
-        facts.update(profile=resolved.cfg.profile, attention="measured while the run starts"
-                     if resolved.attention_deferred else resolved.cfg.memory.attention)
+        facts.update(check_facts(resolved))
     quiet_libraries()  # the rest of it, with the libraries this run imports
     return resolved, run(resolved, resume=resume, events=events, force=force)
+
+
+def check_facts(resolved) -> dict:
+    """What the checks' line says: the profile and the attention backend — to be measured while the run starts,
+    or chosen, and how long of the checks its measurement took where it ran inside them (the first run of the
+    family on this machine, on a card without room for it beside the loading)."""
+    attention, measured = resolved.cfg.memory.attention, resolved.attention_measured_s
+    if resolved.attention_deferred:
+        attention = "measured while the run starts"
+    elif measured:
+        attention += (f", measured in {measured:.1f} s of this check: the first run of {resolved.cfg.model.family} "
+                      "here, kept for the next")
+    return {"profile": resolved.cfg.profile, "attention": attention}
 
 
 def _settled(cfg) -> None:

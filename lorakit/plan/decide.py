@@ -147,7 +147,7 @@ def has_repeated_blocks(family: str) -> bool:
     return bool(repeated_block_kinds(family))
 
 
-def attention_backend(cfg, device: str, note=None) -> str:
+def attention_backend(cfg, device: str, note=None, measured=None) -> str:
     """The SDPA backend a training run puts in force: memory.attention as given, else this machine's self-test
     choice for the family at the run's resolution (measured once per machine and cached). "auto" on the CPU, or
     where no backend passed (PyTorch then picks per call).
@@ -155,6 +155,9 @@ def attention_backend(cfg, device: str, note=None) -> str:
     A cached choice of FlashAttention 4 that cannot run now (the package broken or gone since it was measured)
     gives way to the next fastest measured backend, said through `note`; an explicit memory.attention with fa4
     that cannot run here is refused.
+
+    `measured`: called with the seconds a measurement took where it ran now (the first run here), not where a
+    cached one answered.
 
     Raises:
         NotAvailableError: memory.attention names fa4 and it cannot run here.
@@ -166,7 +169,10 @@ def attention_backend(cfg, device: str, note=None) -> str:
         if why:
             raise NotAvailableError(why, "--set memory.attention=auto")
         return cfg.memory.attention
-    return choice_from(self_test_family(cfg.model.family, device), cfg, device, note)  # measured once per machine
+    report = self_test_family(cfg.model.family, device)  # measured once per machine
+    if measured and not report.cached and report.seconds is not None:
+        measured(report.seconds)
+    return choice_from(report, cfg, device, note)
 
 
 def has_fp8_units(device: str) -> bool:

@@ -48,6 +48,7 @@ class Resolved:
     memory_note: str | None = None  # what the memory plan did (checkpointing turned on or off, and why)
     notes: list[str] = field(default_factory=list)  # settings the run cannot follow as asked, and why (warnings)
     attention_deferred: bool = False  # the first run here: attention is measured while the run starts (train/setup)
+    attention_measured_s: float | None = None  # the first run here, measured inside the checks: how long it took
     step_inputs: dict | None = None  # for `step`: the attention asked for, what the machine could turn on
     read_ahead: Prefetch | None = None  # the transformer's files being read into the page cache (train/setup stops it)
 
@@ -183,7 +184,8 @@ def plan_run(r: Resolved, cap_gib: float | None = None, defer_attention: bool = 
     notes += [n for n in (why, graphs_why, bg_why, compute_why) if n]
     room = lacks_room(cfg, est, est and est.get("budget_gib")) is None
     r.attention_deferred = defer_attention and attention_can_wait(cfg, device, r.world, room)
-    attention = "auto" if r.attention_deferred else attention_backend(cfg, device, notes.append)
+    attention = "auto" if r.attention_deferred else attention_backend(
+        cfg, device, notes.append, measured=lambda s: setattr(r, "attention_measured_s", s))
     r.cfg = cfg.model_copy(update={"memory": m.model_copy(update={"compile": compiled, "cuda_graphs": graphs,
                                                                   "compile_background": background,
                                                                   "attention": attention, "compute": compute})})

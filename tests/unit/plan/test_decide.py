@@ -75,6 +75,25 @@ def test_a_cached_fa4_choice_that_cannot_run_now_gives_way_to_the_next_fastest_w
     assert decide.attention_backend(cfg, "cuda", notes.append) == "flash"  # an explicit setting is taken as it is
 
 
+def test_a_measurement_inside_the_checks_says_how_long_it_took_and_a_cached_one_does_not(monkeypatch):
+    """A small card's first run measures its attention inside its checks (no room beside the loading): the checks'
+    line says how long of them it took, once per machine; a report from the cache says nothing of it."""
+    from lorakit.config import assemble
+    from lorakit.hardware.attention_cases import AttentionReport, CaseResult
+    from lorakit.plan import decide
+    from lorakit.plan.resolve import Resolved, plan_run
+
+    rows = [CaseResult("flash", c, True, 1.0) for c in ("512px", "1024px", "512px single", "1024px single")]
+    fresh = AttentionReport(fingerprint={}, results=rows, seconds=12.3)
+    monkeypatch.setattr(decide, "self_test_family", lambda family, device: fresh)
+    cfg, _ = assemble(None, ["model.family=flux"], profile="datacenter")
+    r = plan_run(Resolved(cfg, {}, "cuda"), cap_gib=80.0)  # not deferred: measured in the plan
+    assert r.cfg.memory.attention == "flash" and r.attention_measured_s == 12.3
+    cached = AttentionReport.from_dict(fresh.to_dict())
+    monkeypatch.setattr(decide, "self_test_family", lambda family, device: cached)
+    assert plan_run(Resolved(cfg, {}, "cuda"), cap_gib=80.0).attention_measured_s is None
+
+
 def test_the_background_compile_is_on_only_where_the_card_has_room_to_spare():
     """auto: on where the memory plan saved nothing and the estimate plus the worker's pass leaves the margin;
     off where the plan saves memory (uncompiled blocks hold more), with CUDA graphs, with LoRA dropout; an explicit
