@@ -4,7 +4,7 @@ import os
 
 import pytest
 
-from lorakit.hardware.gpu import apply_cap, budget_gib, device_for, env_cap_gib
+from lorakit.hardware.gpu import apply_cap, budget_gib, compile_workers, device_for, env_cap_gib
 
 
 def test_memory_cap_from_the_environment(monkeypatch):
@@ -138,3 +138,17 @@ def test_the_compile_cache_keeps_graphs_with_lorakits_autograd_functions(tmp_pat
         t.join()
     assert seen == {"new thread": False, "copied context": True}  # how compile_bg starts its worker: the latter
     torch._dynamo.reset()
+
+
+def test_the_compile_workers_are_inductors_own_pool_started_now(monkeypatch):
+    """`compile_workers` starts torch's own worker pool (the compile process after its imports, a run whose step 1
+    compiles in its own process before its caching: tests/unit/train/test_setup.py)."""
+    import sys
+    import types
+
+    warmed = []
+    fake = types.ModuleType("torch._inductor.async_compile")
+    fake.maybe_warm_pool = lambda: warmed.append(1)
+    monkeypatch.setitem(sys.modules, "torch._inductor.async_compile", fake)
+    compile_workers()
+    assert warmed == [1]

@@ -1,10 +1,6 @@
 """What `train.setup` starts before the caching for a run whose step 1 compiles in its own process."""
 
-import sys
-import types
-
 from lorakit.config import assemble
-from lorakit.hardware import gpu
 from lorakit.train import setup as setup_mod
 
 
@@ -24,11 +20,3 @@ def test_a_run_whose_step_one_compiles_here_starts_its_compile_workers_before_th
     assert not setup_mod.compiles_at_step_one(_cfg(compile=True, compile_background=False), "cpu")
     assert not setup_mod.compiles_at_step_one(_cfg(compile=False), "cuda")
 
-
-def test_the_compile_workers_are_inductors_own_pool_started_now(monkeypatch):
-    warmed = []
-    fake = types.ModuleType("torch._inductor.async_compile")
-    fake.maybe_warm_pool = lambda: warmed.append(1)
-    monkeypatch.setitem(sys.modules, "torch._inductor.async_compile", fake)
-    gpu.compile_workers()
-    assert warmed == [1]
