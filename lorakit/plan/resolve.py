@@ -98,20 +98,20 @@ def resolve(source: Path | dict | Config | None = None, overrides: list[str] | N
     Raises:
         ConfigError: every config and path problem at once; InputError: a run that cannot fit (with what would).
     """
-    measures = defer_attention and train and (world or int(os.environ.get("WORLD_SIZE", "1") or 1)) == 1
+    world = world or int(os.environ.get("WORLD_SIZE", "1") or 1)
+    measures = defer_attention and train and world == 1
     try:  # a run refused here leaves no self-test children behind (a long-lived caller: tests, the UI)
         if isinstance(source, Config):
             cfg, prov = source, {"profile": source.profile, "reason": "a validated config", "warnings": []}
-        else:
+            if measures and cfg.profile != "cpu" and cfg.memory.attention == "auto":
+                start_early(cfg.model.family, "cuda")  # a first run's self-test: its children import beside the checks
+        else:  # the children start from the user's layers, before the probe (`early_self_test`)
             cfg, prov = assemble(source, overrides, profile, facts, before_probe=early_self_test if measures else None)
-        if measures and cfg.profile != "cpu" and cfg.memory.attention == "auto":
-            start_early(cfg.model.family, "cuda")  # a first run's self-test: its children import beside these checks
         found = []
         if "model" in paths and cfg.model.path:  # a repo id, a single file: the folder the run loads
             folder, found = model_folder(cfg.model.path, cfg.model.base, cfg.model.family, events)
             cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"path": folder, "base": None})})
         check_paths(cfg, model="model" in paths, data="data" in paths)
-        world = world or int(os.environ.get("WORLD_SIZE", "1") or 1)
         device = device_for(cfg.profile)
         out = Resolved(cfg, prov, device, world, notes=found)
         slow_imports = bytecode.note() if train else None  # every process of the run compiles the libraries again

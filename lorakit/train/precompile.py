@@ -56,6 +56,7 @@ BLOCKS = 2  # of each repeated list: the first block's inputs need no gradient, 
 WAIT_S = 1800.0  # the longest the worker waits for the process (a hung compile must not keep a run uncompiled)
 ENV = "LORAKIT_PRECOMPILE"  # "0": the worker thread compiles alone; "1": the CPU too (where its blocks compile)
 NICE = 10  # the child and its compile workers yield the CPU to the run's thread where both want it
+WARM = "--warm"  # the child's argument on a GPU: its priority lowered and its compile workers started at once
 
 
 def wanted(cfg, device: str, world: int) -> bool:
@@ -158,7 +159,7 @@ class _Process:
     """One child process (see the module), compiling the graphs of `kinds` (None: of every kind of block)."""
 
     def __init__(self, folder: Path, kinds: list[str] | None = None, warm: bool = False):
-        """`warm`: the child compiles on a GPU (`rehearse.WARM`: its compile workers start once its imports are
+        """`warm`: the child compiles on a GPU (`WARM`: its compile workers start once its imports are
         done)."""
         self.folder, self.kinds = folder, kinds
         self.folder.mkdir(parents=True, exist_ok=True)
@@ -169,7 +170,7 @@ class _Process:
         root = str(Path(__file__).resolve().parents[2])  # the folder holding this lorakit
         if root not in site.getsitepackages() + [site.getusersitepackages()]:  # a source checkout: found from there
             env["PYTHONPATH"] = os.pathsep.join(x for x in (root, os.environ.get("PYTHONPATH")) if x)
-        cmd = [sys.executable, "-m", "lorakit.train.rehearse", *(["--warm"] if warm else [])]
+        cmd = [sys.executable, "-m", "lorakit.train.rehearse", *([WARM] if warm else [])]
         with open(self.log, "wb") as log:
             self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT, text=True,
                                          env=env)

@@ -21,7 +21,7 @@ from lorakit.io.modules import random_component
 from lorakit.models.base import load_adapter, trained_dir
 from lorakit.models.batch import Batch
 from lorakit.train import dims, sampling, warm
-from lorakit.train.precompile import BLOCKS, NICE
+from lorakit.train.precompile import BLOCKS, NICE, WARM
 from lorakit.train.swap import repeated_blocks
 
 
@@ -96,9 +96,6 @@ def only(transformer, kinds: list[str] | None) -> None:
     for b in repeated_blocks(transformer) if kinds else ():
         if type(b).__name__ not in kinds:
             b._compiled_call_impl = None
-
-
-WARM = "--warm"  # argument: the child compiles on a GPU; its priority lowered and compile workers started at once
 
 
 def main() -> int:
