@@ -1,4 +1,4 @@
-"""Can this GPU multiply in fp8 the way `memory.compute: fp8` does (`train.quant._Fp8Matmul`)? Asked before a
+"""Can this GPU multiply in fp8 the way `memory.compute: fp8` does (`train.quant.fp8_linear`)? Asked before a
 model loads: to refuse `fp8` with the reason, and to settle `auto` (fp8 where it runs, else bf16)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import torch
 def fp8_compute_problem(device: str) -> str | None:
     """Why this device cannot multiply in fp8 (None: it can). CPUs run `torch._scaled_mm` as a reference (slow).
 
-    A GPU with fp8 units is also asked to run the two products `_Fp8Matmul` runs, on 16x32 operands: some
+    A GPU with fp8 units is also asked to run the two products `fp8_linear` runs, on 16x32 operands: some
     PyTorch builds have no per-row-scaled fp8 product for some GPUs (cuBLAS answered NOT_SUPPORTED for
     Blackwell's sm_120 in PyTorch 2.10, pytorch/pytorch#192707) — said here, before the model loads, rather
     than as a CUDA error in the first step."""
@@ -35,7 +35,7 @@ def fp8_compute_problem(device: str) -> str | None:
 
 
 def products_of_ones(device) -> list[float]:
-    """The forward and input-gradient products of `_Fp8Matmul`, in its argument forms, on all-ones operands
+    """The forward and input-gradient products of `fp8_linear`, in its argument forms, on all-ones operands
     (x 16x32 in e4m3 with a scale per row, W 16x32 in e4m3 with a scale per row; the gradient 16x16 in e5m2,
     the transposed weight): the entries they give (32 and 16 when right)."""
     w8 = torch.ones(16, 32, device=device).to(torch.float8_e4m3fn)

@@ -74,6 +74,27 @@ def graphs_decision(cfg, device: str, compiled: bool, recomputed: int, sharded: 
     return True, None
 
 
+def compiled_recompute_decision(cfg, device: str, compiled: bool, recomputed: int, background: bool,
+                                sharded: bool = False) -> tuple[bool, str | None]:
+    """Whether each recomputed block runs as one compiled function with its checkpoint (the recompute inside the
+    block's compiled backward graph: one backward per block from autograd's thread, not the compiled forward again
+    and then the backward), and, where memory.compiled_recompute asks for it and it cannot apply, why."""
+    m = cfg.memory
+    if not m.compiled_recompute:
+        return False, None
+    if not compiled:  # compile_decision said why (the CPU never compiles: no news)
+        return False, (None if m.compile or not device.startswith("cuda") else
+                       "memory.compiled_recompute compiles the recompute with the blocks: it needs memory.compile: true")
+    why = ("swapped blocks recompute around their weights' copies (memory.blocks_to_swap)" if m.blocks_to_swap
+           else "under FSDP (method: full on several GPUs)" if sharded
+           else "with the background compile (memory.compile_background), whose worker compiles the blocks' own "
+                "calls" if background
+           else "no block recomputes (the memory plan keeps every block's activations)" if not recomputed
+           else None)
+    return (False, f"memory.compiled_recompute: the recompute runs outside the compiled code: {why}") if why \
+        else (True, None)
+
+
 def background_decision(cfg, compiled: bool, graphs: bool, est: dict | None, budget_gib: float | None,
                         sharded: bool = False) -> tuple[bool, str | None]:
     """memory.compile_background as the run follows it (true or false), and, where it asked for true and cannot,
@@ -196,6 +217,10 @@ def step_line(cfg, device: str, asked_attention: str, graphs_possible: bool, fp8
         return "uncompiled blocks, PyTorch's attention, products in the model's dtype (the CPU)"
     parts = [("compiled blocks" + (", compiling beside the first steps" if m.compile_background else ""))
              if m.compile else "uncompiled blocks"]
+    if m.compiled_recompute:
+        parts[0] += ", their recompute compiled into the backward"
+    elif m.compile and m.gradient_checkpointing and not m.blocks_to_swap and not m.compile_background:
+        parts[0] += " (recompute compiled with them: --set memory.compiled_recompute=true)"
     if deferred and m.attention == "auto":  # not yet measured
         parts.append("attention: this machine's fastest, measured as the run starts")
     elif m.attention == "auto":

@@ -24,6 +24,7 @@ from lorakit.plan.decide import (
     attention_can_wait,
     background_decision,
     compile_decision,
+    compiled_recompute_decision,
     compute_decision,
     graphs_decision,
     has_fp8_units,
@@ -180,14 +181,16 @@ def plan_run(r: Resolved, cap_gib: float | None = None, defer_attention: bool = 
     recomputed = blocks if m.blocks_to_swap else checkpointed(cfg, blocks)
     graphs, graphs_why = graphs_decision(cfg, device, compiled, recomputed, sharded)
     background, bg_why = background_decision(cfg, compiled, graphs, est, est and est.get("budget_gib"), sharded)
+    in_graph, in_graph_why = compiled_recompute_decision(cfg, device, compiled, recomputed, background, sharded)
     compute, compute_why = compute_decision(cfg, device)
-    notes += [n for n in (why, graphs_why, bg_why, compute_why) if n]
+    notes += [n for n in (why, graphs_why, bg_why, in_graph_why, compute_why) if n]
     room = lacks_room(cfg, est, est and est.get("budget_gib")) is None
     r.attention_deferred = defer_attention and attention_can_wait(cfg, device, r.world, room)
     attention = "auto" if r.attention_deferred else attention_backend(
         cfg, device, notes.append, measured=lambda s: setattr(r, "attention_measured_s", s))
     r.cfg = cfg.model_copy(update={"memory": m.model_copy(update={"compile": compiled, "cuda_graphs": graphs,
                                                                   "compile_background": background,
+                                                                  "compiled_recompute": in_graph,
                                                                   "attention": attention, "compute": compute})})
     r.estimate = est
     could_graph = not m.cuda_graphs and graphs_decision(

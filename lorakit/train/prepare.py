@@ -95,14 +95,18 @@ def prepare(cfg, adapter, transformer, device: str, dtype, dist) -> Prepared:
     else:
         peft_config = add_lora(transformer, adapter, cfg, device=None if swapper else device)
         clock.lap("LoRA")
+    compiled, graphs = cfg.memory.compile, cfg.memory.compile and cfg.memory.cuda_graphs  # resolved (lorakit.plan)
+    options = {"dynamic": compile_dynamic(cfg.memory.compile_shapes)} | ({"mode": "reduce-overhead"} if graphs else {})
+    in_graph = (compiled and cfg.memory.compiled_recompute and not sharded and not swapper  # resolved: these are
+                and cfg.memory.compile_background is not True)  # refused there, with the reason, when planned
     recomputed = 0
     if cfg.memory.gradient_checkpointing or swapper:  # swapping needs the recompute
         n = cfg.memory.checkpoint_blocks
-        recomputed = checkpoint_blocks(transformer, None if swapper or isinstance(n, str) else n)  # unplanned: all
+        recomputed = checkpoint_blocks(transformer, None if swapper or isinstance(n, str) else n,  # unplanned: all
+                                       compiled=options if in_graph else None)
     if sharded:  # FSDP: each block's weights, grads and optimizer states split over the ranks
         kept = cfg.memory.gathered_blocks
         fully_shard(transformer, device, 0 if kept == "auto" else kept)
-    compiled, graphs = cfg.memory.compile, cfg.memory.compile and cfg.memory.cuda_graphs  # resolved (lorakit.plan)
     if graphs and recomputed:
         raise ValueError(f"memory.cuda_graphs with {recomputed} blocks recomputing: the config was not resolved")
     transformer.train()
@@ -116,8 +120,6 @@ def prepare(cfg, adapter, transformer, device: str, dtype, dist) -> Prepared:
     if compiled:  # regional: each repeated block once (seconds, not minutes), shapes per bucket
         adapter.before_compile(transformer)
         allow_block_graphs()
-        options = {"dynamic": compile_dynamic(cfg.memory.compile_shapes)} | (
-            {"mode": "reduce-overhead"} if graphs else {})
         if sharded:
             compile_sharded(transformer, options)
         elif cfg.memory.compile_background is True and thread_own_fx_patches():  # compiled by a worker while the
@@ -196,17 +198,33 @@ def compile_sharded(transformer, options: dict) -> int:
     return len(blocks)
 
 
-def checkpoint_blocks(transformer, n: int | None) -> int:
+def _checkpointed(block, *args):
+    """A block's forward with its recompute: what `checkpoint_blocks` compiles (memory.compiled_recompute)."""
+    import torch.utils.checkpoint
+
+    return torch.utils.checkpoint.checkpoint(block.forward, *args, use_reentrant=False)
+
+
+def checkpoint_blocks(transformer, n: int | None, compiled: dict | None = None) -> int:
     """Gradient checkpointing on the first `n` repeated blocks in execution order (None: every block). Diffusers
     routes each block through the model's checkpointing function; this one recomputes only the chosen blocks
-    and runs the others as they are. Returns how many blocks recompute."""
+    and runs the others as they are. Returns how many blocks recompute.
+
+    `compiled` (torch.compile's options; memory.compiled_recompute): each chosen block's forward and its
+    checkpoint compile as one function, so the compiler puts the recompute inside the block's backward graph,
+    where the recompute otherwise runs the block's compiled forward again from autograd's thread before its
+    compiled backward. One function for every block (torch keeps its graphs per kind of block, as for the
+    blocks' own compile); the blocks' own compiled forward still serves the passes without gradients."""
     import torch
 
     blocks = repeated_blocks(transformer)
     chosen = {id(b) for b in (blocks if n is None else blocks[:n])}
+    together = torch.compile(_checkpointed, **compiled) if compiled is not None else None
 
     def func(block, *args):
         if id(block) in chosen:
+            if together is not None:
+                return together(block, *args)
             return torch.utils.checkpoint.checkpoint(block.__call__, *args, use_reentrant=False)
         return block(*args)
 

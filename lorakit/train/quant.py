@@ -61,10 +61,11 @@ class Float8Linear(torch.nn.Linear):
         return self.weight.to(self.compute_dtype) * self.scale[:, None].to(self.compute_dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.to(self.compute_dtype)
         if self.compute == "fp8":
-            y = _Fp8Matmul.apply(x.to(self.compute_dtype), self.weight, self.scale, self.weight_t)
+            y = fp8_linear(x, self.weight, self.scale, self.weight_t)
         else:
-            y = _DequantMatmul.apply(x.to(self.compute_dtype), self.weight, self.scale)
+            y = dequant_linear(x, self.weight, self.scale)
         return y if self.bias is None else y + self.bias
 
 
@@ -87,24 +88,31 @@ def rounded_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return out, scale
 
 
+def dequant_linear(x, w8, scale):
+    """y = (x W8^T) * s in x's dtype (the row scale on the output: one weight-sized temporary, not two), with the
+    input's gradient from the 8-bit weight (`_DequantMatmul`): autograd through F.linear would keep each layer's
+    dequantized copy alive until backward (2 bytes/parameter of every block not recomputed)."""
+    y = F.linear(x.detach(), w8.to(x.dtype)) * scale.to(x.dtype)
+    return _DequantMatmul.apply(x, y, w8, scale)
+
+
 class _DequantMatmul(torch.autograd.Function):
-    """y = (x W8^T) * s in the compute dtype (the row scale on the output: one weight-sized temporary, not two),
-    saving only the 8-bit weight for backward: autograd through F.linear would keep each layer's dequantized
-    copy alive until backward (2 bytes/parameter of every block not recomputed). An autograd.Function, not an
-    opaque operator: compiled, the cast and scale fuse into the block (an operator of its own was measured
-    0.736 -> 1.129 s per Qwen-Image step under the rtx4090 profile, from its per-call host cost)."""
+    """`y`, the product `dequant_linear` computed from x outside autograd, as an output of x whose gradient is
+    g W, saving only the 8-bit weight. An autograd.Function, not an opaque operator: compiled, the cast and scale
+    fuse into the block (an operator of its own was measured 0.736 -> 1.129 s per Qwen-Image step under the rtx4090
+    profile, from its per-call host cost). Its forward holds no computation (see `_Fp8Matmul`)."""
 
     @staticmethod
-    def forward(ctx, x, w8, scale):
+    def forward(ctx, x, y, w8, scale):
         ctx.save_for_backward(w8, scale)
-        return F.linear(x, w8.to(x.dtype)) * scale.to(x.dtype)
+        return y.detach()  # y itself, as a tensor of its own (not a view: the block may change it in place)
 
     @staticmethod
     def backward(ctx, grad):
         w8, scale = ctx.saved_tensors
         if not ctx.needs_input_grad[0]:
-            return None, None, None
-        return _dequant_input_grad(grad, w8, scale), None, None
+            return None, None, None, None
+        return _dequant_input_grad(grad, w8, scale), None, None, None
 
 
 def _dequant_input_grad(grad, w8, scale):
@@ -124,35 +132,46 @@ def _per_row(t: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.T
     return (t.float() / scale).to(dtype), scale
 
 
+def fp8_linear(x, w8, w_scale, w8_t=None):
+    """y = x W^T with x rounded to e4m3 per token and W stored as e4m3 with a scale per output row (one
+    `torch._scaled_mm`), the input's gradient from `_Fp8Matmul`."""
+    rows = x.detach().reshape(-1, x.shape[-1])
+    x8, x_scale = _per_row(rows, torch.float8_e4m3fn)
+    y = torch._scaled_mm(x8, w8.t(), scale_a=x_scale, scale_b=w_scale.float()[None, :], out_dtype=x.dtype,
+                         use_fast_accum=True)
+    return _Fp8Matmul.apply(x, y.reshape(*x.shape[:-1], w8.shape[0]), w8, w_scale, w8_t)
+
+
 class _Fp8Matmul(torch.autograd.Function):
-    """y = x W^T with x rounded to e4m3 per token and W stored as e4m3 with a scale per output row; the input's
-    gradient g W likewise (g rounded to e5m2 per token) when the transposed weight is kept, else in the
-    compute dtype. No gradient for the frozen weight."""
+    """`y`, the product `fp8_linear` computed from x outside autograd, as an output of x whose gradient is g W
+    (g rounded to e5m2 per token) when the transposed weight is kept, else in the compute dtype. No gradient for
+    the frozen weight.
+
+    The forward holds no computation: where a compiled block recomputes in its backward graph
+    (memory.compiled_recompute), PyTorch 2.11's compiler left the operations inside an autograd.Function's forward
+    untagged for recompute, and its partitioner then kept every block's 8-bit products from forward to backward
+    (Qwen-Image 1024², rtx4090 profile, one H200, 2026-12-01: 245.6 MiB a block, peak 33.8 GiB against 21.4)."""
 
     @staticmethod
-    def forward(ctx, x, w8, w_scale, w8_t):
-        rows = x.reshape(-1, x.shape[-1])
-        x8, x_scale = _per_row(rows, torch.float8_e4m3fn)
-        y = torch._scaled_mm(x8, w8.t(), scale_a=x_scale, scale_b=w_scale.float()[None, :], out_dtype=x.dtype,
-                             use_fast_accum=True)
+    def forward(ctx, x, y, w8, w_scale, w8_t):
         ctx.save_for_backward(w8, w_scale, w8_t)
         ctx.dtype = x.dtype
-        return y.reshape(*x.shape[:-1], w8.shape[0])
+        return y.detach()  # y itself, as a tensor of its own (not a view: the block may change it in place)
 
     @staticmethod
     def backward(ctx, grad):
         w8, w_scale, w8_t = ctx.saved_tensors
         if not ctx.needs_input_grad[0]:
-            return None, None, None, None
+            return None, None, None, None, None
         if w8_t is None:  # over an 8-bit base: the product in the compute dtype
-            return _dequant_input_grad(grad.to(ctx.dtype), w8, w_scale), None, None, None
+            return _dequant_input_grad(grad.to(ctx.dtype), w8, w_scale), None, None, None, None
         g = grad.reshape(-1, grad.shape[-1]).float() * w_scale  # W = diag(s) W8: the scale goes on g's columns
         # e5m2, not e4m3: e4m3 halves the product's error but loses a row's values below ~2^-15 of its largest,
         # and its one parity run ended 2.9% above bf16 at step 300 (e5m2's: 0.5% below; docs/benchmarks-history.md)
         g8, g_scale = _per_row(g, torch.float8_e5m2)
         ones = torch.ones(1, w8.shape[1], device=g.device, dtype=torch.float32)
         gx = torch._scaled_mm(g8, w8_t.t(), scale_a=g_scale, scale_b=ones, out_dtype=ctx.dtype, use_fast_accum=True)
-        return gx.reshape(*grad.shape[:-1], w8.shape[1]), None, None, None
+        return gx.reshape(*grad.shape[:-1], w8.shape[1]), None, None, None, None
 
 
 def block_linears(transformer) -> list[str]:

@@ -1,5 +1,5 @@
 """Can this GPU multiply in fp8 as memory.compute=fp8 does (lorakit.hardware.fp8)? Refused with the reason where
-the card has no fp8 units or this PyTorch cannot run the products; the products are _Fp8Matmul's."""
+the card has no fp8 units or this PyTorch cannot run the products; the products are fp8_linear's."""
 
 import torch
 
@@ -20,12 +20,12 @@ def test_fp8_compute_is_refused_where_it_cannot_run(monkeypatch):
 def test_fp8_compute_is_refused_where_this_pytorch_cannot_run_its_products(monkeypatch):
     """A GPU with fp8 units whose PyTorch build has no per-row-scaled product (cuBLAS NOT_SUPPORTED on sm_120 in
     PyTorch 2.10) is refused before the model loads, with the error's first line; wrong values are refused too."""
-    from lorakit.train.quant import _Fp8Matmul
+    from lorakit.train.quant import fp8_linear
 
-    assert fp8.products_of_ones(torch.device("cpu")) == [32.0, 16.0]  # the real products, as _Fp8Matmul calls them
+    assert fp8.products_of_ones(torch.device("cpu")) == [32.0, 16.0]  # the real products, as fp8_linear calls them
     w8 = torch.ones(16, 32).to(torch.float8_e4m3fn)
     x = torch.ones(16, 32, dtype=torch.bfloat16, requires_grad=True)
-    y = _Fp8Matmul.apply(x, w8, torch.ones(16), w8.t().contiguous())
+    y = fp8_linear(x, w8, torch.ones(16), w8.t().contiguous())
     y.backward(torch.ones_like(y))
     assert [float(y.detach().float().mean()), float(x.grad.float().mean())] == [32.0, 16.0]
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda _d=None: (12, 0))

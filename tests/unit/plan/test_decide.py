@@ -47,6 +47,37 @@ def test_cuda_graphs_need_compiled_blocks_that_do_not_recompute():
     assert graphs_decision(cfg, "cuda", True, 0) == (False, None)
 
 
+def test_compiled_recompute_applies_to_compiled_recomputed_blocks_and_says_why_not_elsewhere():
+    """memory.compiled_recompute compiles a recomputed block's forward with its checkpoint; where the blocks are
+    not compiled, swapped, sharded, compiled by the background worker or none recomputes, the run says why (the
+    CPU compiles nothing and says nothing); the step's line says it, or how to turn it on."""
+    from lorakit.config import assemble
+    from lorakit.plan.decide import compiled_recompute_decision as decide
+    from lorakit.plan.decide import step_line
+
+    cfg, _ = assemble(None, ["model.family=qwen-image", "memory.compiled_recompute=true"], profile="rtx4090")
+    assert decide(cfg, "cuda", True, 60, False) == (True, None)
+    assert "compiled blocks, their recompute compiled into the backward;" in step_line(
+        cfg.model_copy(update={"memory": cfg.memory.model_copy(update={"compile_background": False})}),
+        "cuda", "auto", False, False)
+    for args, said in [((True, 60, True), "background compile"), ((True, 0, False), "no block recomputes"),
+                       ((True, 60, False, True), "under FSDP")]:
+        on, why = decide(cfg, "cuda:0", *args)
+        assert not on and why.startswith("memory.compiled_recompute: the recompute runs outside") and said in why
+    assert decide(cfg, "cpu", False, 60, False) == (False, None)
+    assert decide(cfg, "cuda", False, 60, False) == (False, None)  # compile asked for: compile_decision says why
+    swapped, _ = assemble(None, ["model.family=qwen-image", "memory.compiled_recompute=true",
+                                 "memory.blocks_to_swap=8"], profile="rtx4090")
+    assert "memory.blocks_to_swap" in decide(swapped, "cuda", True, 60, False)[1]
+    off, _ = assemble(None, ["model.family=qwen-image", "memory.compiled_recompute=true", "memory.compile=false"],
+                      profile="rtx4090")
+    assert "needs memory.compile: true" in decide(off, "cuda", False, 60, False)[1]
+    plain, _ = assemble(None, ["model.family=qwen-image", "memory.compile_background=false"], profile="rtx4090")
+    assert decide(plain, "cuda", True, 60, False) == (False, None)
+    assert "compiled blocks (recompute compiled with them: --set memory.compiled_recompute=true)" in step_line(
+        plain, "cuda", "auto", False, False)
+
+
 def test_a_cached_fa4_choice_that_cannot_run_now_gives_way_to_the_next_fastest_with_a_note(monkeypatch):
     """Measured while flash-attn-4 worked, run after it broke (seen on an H100, 2026-11-24: its CuTe DSL library
     off the path): the run used to stop with 'set memory.attention=auto' although it was auto."""

@@ -40,6 +40,67 @@ def test_only_the_first_n_blocks_recompute_and_the_gradients_are_the_same(tiny, 
     torch.testing.assert_close(grads[0], grads[None], rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_compiled_recompute_keeps_only_each_blocks_inputs_and_gives_the_same_gradients(tiny, device):
+    """memory.compiled_recompute on the small cards' storage (8-bit base, fp8 products, bf16 under autocast as a
+    GPU run): each recomputed block's call is one compiled function whose forward keeps nothing for backward but
+    the block's inputs, weights and buffers (the recompute is in its backward graph), and the LoRA's gradients are
+    the eager checkpoint's. On a GPU with Inductor, as runs compile: torch 2.11 kept the 8-bit products computed
+    inside an autograd Function (2026-12-01, docs/benchmarks-history.md)."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from torch._dynamo.utils import counters
+
+    from lorakit.dist import Dist
+    from lorakit.plan.resolve import resolve
+    from lorakit.train.prepare import prepare
+
+    family = "qwen-image"
+    folder = tiny(family)
+    cfg = resolve({"profile": "cpu", "model": {"family": family, "path": str(folder)},
+                   "memory": {"base_quant": "qfloat8", "compute": "fp8", "gradient_checkpointing": True}},
+                  paths=()).cfg
+    adapter = load_adapter(family, folder, device=device, dtype=torch.bfloat16)
+    grads, kept = {}, []
+    for together in (False, True):
+        torch.manual_seed(0)
+        p = prepare(cfg, adapter, load_component(folder / "transformer"), device, torch.bfloat16, Dist())
+        tr = p.transformer
+        for q in p.params:  # LoRA's B starts at zero: give every trained weight a gradient to compare
+            torch.nn.init.normal_(q, std=0.02)
+        blocks = repeated_blocks(tr)
+        options = {"backend": "aot_eager"} if device == "cpu" else {}  # Inductor on a GPU
+        assert checkpoint_blocks(tr, None, compiled=options if together else None) == len(blocks)
+        func = tr._gradient_checkpointing_func
+
+        def watched(block, *args, func=func, together=together):
+            own = {t.untyped_storage().data_ptr() for t in [*block.parameters(), *block.buffers(), *args]
+                   if isinstance(t, torch.Tensor)}
+            own |= {t.untyped_storage().data_ptr() for a in args if isinstance(a, tuple) for t in a}
+
+            def pack(t, together=together):
+                if t.is_floating_point() and t.untyped_storage().data_ptr() not in own:  # not the RNG's state
+                    kept.append((together, tuple(t.shape)))
+                return t
+
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                return func(block, *args)
+
+        tr._gradient_checkpointing_func = watched
+        batch = adapter.example_inputs(dict(tr.config), 64, 8, torch.Generator().manual_seed(0))
+        text = {k: v.to(device) for k, v in batch.text.items()}
+        counters.clear()
+        with torch.autocast(device, dtype=torch.bfloat16):
+            v = adapter.predict(tr, batch.latents.to(device, torch.bfloat16), torch.tensor([0.6], device=device), text)
+        v.float().square().mean().backward()
+        assert counters["stats"].get("unique_graphs", 0) == (2 if together else 0)  # the first block's, the others'
+        # None where nothing reached a weight (the last block's text output is unused), zeros when compiled
+        grads[together] = torch.cat([(q.grad if q.grad is not None else torch.zeros_like(q)).flatten()
+                                     for q in p.params])
+    assert [k for k in kept if k[0]] == []  # compiled together: nothing of a block's own kept for backward
+    torch.testing.assert_close(grads[True], grads[False], rtol=0.02, atol=1e-4)
+
+
 def test_the_preparation_says_what_each_part_took(tiny):
     from lorakit.dist import Dist
     from lorakit.plan.resolve import resolve

@@ -114,6 +114,32 @@ def test_fp8_compute_accumulates_fast_in_both_products(monkeypatch):
     assert seen == [True, True]
 
 
+@pytest.mark.parametrize("compute", ["bf16", "fp8"])
+def test_the_products_run_outside_the_autograd_function(monkeypatch, compute):
+    """The 8-bit layer's product runs where autograd is on (an autograd.Function's forward runs with it off): a
+    compiled block that recomputes in its backward graph recomputes what runs there, where PyTorch 2.11's compiler
+    kept the products of a Function's forward from forward to backward (245.6 MiB a Qwen-Image block, 2026-12-01).
+    The gradient stays the Function's, the output is changed in place as a block may, and a layer without bias
+    gives it no view to refuse that on."""
+    seen = []
+    real = torch._scaled_mm if compute == "fp8" else torch.nn.functional.linear
+
+    def spy(*a, **k):
+        seen.append(torch.is_grad_enabled())
+        return real(*a, **k)
+
+    monkeypatch.setattr(torch, "_scaled_mm", spy) if compute == "fp8" else \
+        monkeypatch.setattr(torch.nn.functional, "linear", spy)
+    q = Float8Linear(torch.nn.Linear(32, 16, bias=False), torch.float32, compute=compute)
+    x = torch.randn(4, 32, requires_grad=True)
+    y = q(x)
+    assert seen == [True] and y.requires_grad
+    y.mul_(2)  # in place, as a block may
+    y.sum().backward()
+    want = torch.full((4, 16), 2.0) @ q.dequantized().float()
+    torch.testing.assert_close(x.grad, want, rtol=0.1 if compute == "fp8" else 1e-5, atol=0.05)
+
+
 def test_fp8_compute_trains_a_lora_whose_file_loads_in_stock_diffusers(tmp_path, tiny, monkeypatch):
     from lorakit.train import quant
     from lorakit.train.loop import run
@@ -121,7 +147,7 @@ def test_fp8_compute_trains_a_lora_whose_file_loads_in_stock_diffusers(tmp_path,
 
     calls = []
     apply = quant._Fp8Matmul.apply
-    monkeypatch.setattr(quant._Fp8Matmul, "apply", lambda *a: calls.append(a[3] is not None) or apply(*a))
+    monkeypatch.setattr(quant._Fp8Matmul, "apply", lambda *a: calls.append(a[4] is not None) or apply(*a))
     cfg = make_cfg(tmp_path, "qwen-image", tiny("qwen-image"), steps=6, memory={"compute": "fp8"},
                    sampling={"enabled": False}, lora={"dropout": 0.0})
     res = run(resolve(cfg))
