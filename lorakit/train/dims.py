@@ -297,6 +297,12 @@ class Marked:
         self.block, self.inner, self.dims, self.carried, self.pack = block, inner, dims, carried, pack
 
     def __call__(self, *args, **kwargs):
+        args, kwargs = self.prepared(args, kwargs)
+        return self.inner(*args, **kwargs)
+
+    def prepared(self, args, kwargs) -> tuple[tuple, dict]:
+        """The call's args and kwargs as the compiled code gets them (also where a recomputed block's call goes to
+        the function compiled with its checkpoint: `train.prepare.checkpoint_blocks`)."""
         import torch
 
         grads = self.carried and torch.is_grad_enabled() and self.block.training
@@ -307,7 +313,7 @@ class Marked:
             if self.pack:
                 args, kwargs = packed(self.block, args, kwargs, inputs, self.pack)
             _mark(inputs, self.dims)
-        return self.inner(*args, **kwargs)
+        return args, kwargs
 
 
 def install(transformer, dims: dict, carried: dict | None = None, packs: dict | None = None) -> int:

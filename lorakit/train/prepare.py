@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from lorakit.io.modules import load_component
 from lorakit.models.base import trained_dir
 from lorakit.train.compile_bg import BackgroundCompile, thread_own_fx_patches
+from lorakit.train.dims import Marked
 from lorakit.train.lora import add_lora, keep_input_dtype
 from lorakit.train.swap import BlockSwapper, repeated_blocks, swapped_names
 
@@ -198,11 +199,11 @@ def compile_sharded(transformer, options: dict) -> int:
     return len(blocks)
 
 
-def _checkpointed(block, *args):
+def _checkpointed(block, *args, **kwargs):
     """A block's forward with its recompute: what `checkpoint_blocks` compiles (memory.compiled_recompute)."""
     import torch.utils.checkpoint
 
-    return torch.utils.checkpoint.checkpoint(block.forward, *args, use_reentrant=False)
+    return torch.utils.checkpoint.checkpoint(block.forward, *args, use_reentrant=False, **kwargs)
 
 
 def checkpoint_blocks(transformer, n: int | None, compiled: dict | None = None) -> int:
@@ -214,7 +215,9 @@ def checkpoint_blocks(transformer, n: int | None, compiled: dict | None = None) 
     checkpoint compile as one function, so the compiler puts the recompute inside the block's backward graph,
     where the recompute otherwise runs the block's compiled forward again from autograd's thread before its
     compiled backward. One function for every block (torch keeps its graphs per kind of block, as for the
-    blocks' own compile); the blocks' own compiled forward still serves the passes without gradients."""
+    blocks' own compile), its calls prepared as the blocks' own compiled calls are (`train.dims.Marked`: the data's
+    varying sizes symbolic, carried inputs with gradients, joined streams); the blocks' own compiled forward still
+    serves the passes without gradients."""
     import torch
 
     blocks = repeated_blocks(transformer)
@@ -223,9 +226,11 @@ def checkpoint_blocks(transformer, n: int | None, compiled: dict | None = None) 
 
     def func(block, *args):
         if id(block) in chosen:
-            if together is not None:
-                return together(block, *args)
-            return torch.utils.checkpoint.checkpoint(block.__call__, *args, use_reentrant=False)
+            if together is None:
+                return torch.utils.checkpoint.checkpoint(block.__call__, *args, use_reentrant=False)
+            impl = block._compiled_call_impl
+            args, kwargs = impl.prepared(args, {}) if isinstance(impl, Marked) else (args, {})
+            return together(block, *args, **kwargs)
         return block(*args)
 
     transformer.enable_gradient_checkpointing(gradient_checkpointing_func=func)
