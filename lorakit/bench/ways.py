@@ -199,7 +199,7 @@ def prepare(spec: dict):
         info["attention"] = spec["attention"]
         info["settings"] = {k: getattr(cfg.memory, k) for k in ("base_quant", "compute", "gradient_checkpointing",
                                                                    "checkpoint_blocks", "compile", "blocks_to_swap",
-                                                                   "optimizer_8bit")}
+                                                                   "optimizer_8bit", "compiled_recompute")}
         info["settings"]["cuda_graphs"] = tr.graphs  # in force (memory.cuda_graphs asks; prepare decides)
         if cuda:
             info["estimate_gib"] = estimate(cfg, spec.get("gpus", 1))["gib"]  # beside the measured peak

@@ -73,6 +73,7 @@ def test_bench_step_cli_on_tiny_model():
         assert len(row["times_s"]) == row["steps_timed"] == 2 and row["min_s"] == min(row["times_s"])  # each step
         assert all(x == x for x in row["losses"])  # finite
     assert data["rows"][1]["speedup_vs_plain"] > 0
+    assert data["rows"][1]["settings"]["compiled_recompute"] is False  # in force, as resolved (the CPU compiles none)
 
 
 @pytest.mark.parametrize("args, words", [
