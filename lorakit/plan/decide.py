@@ -206,12 +206,13 @@ def has_fp8_units(device: str) -> bool:
 
 
 def step_line(cfg, device: str, asked_attention: str, graphs_possible: bool, fp8_possible: bool,
-              deferred: bool = False) -> str:
+              deferred: bool = False, recompute_possible: bool = False) -> str:
     """What the training step runs with, in one line (the run says it as it starts, `--dry-run` too): compiled
     blocks or not, the attention backend and where it came from, bf16 or fp8 products, CUDA graphs or not — and,
-    for the last two where the run left them off and this machine could take them, the setting that turns them on
-    (on the datacenter profile neither is the default: docs/benchmarks.md, "One training step"). Each decision that
-    could not give what the config asked says why in its own note."""
+    for the last two and the compiled recompute where the run left them off and this machine could take them (as
+    decided for the run with them asked for), the setting that turns them on (on the datacenter profile neither fp8
+    nor CUDA graphs is the default: docs/benchmarks.md, "One training step"). Each decision that could not give what
+    the config asked says why in its own note."""
     m = cfg.memory
     if not device.startswith("cuda"):
         return "uncompiled blocks, PyTorch's attention, products in the model's dtype (the CPU)"
@@ -219,7 +220,7 @@ def step_line(cfg, device: str, asked_attention: str, graphs_possible: bool, fp8
              if m.compile else "uncompiled blocks"]
     if m.compiled_recompute:
         parts[0] += ", their recompute compiled into the backward"
-    elif m.compile and m.gradient_checkpointing and not m.blocks_to_swap and not m.compile_background:
+    elif recompute_possible:
         parts[0] += " (recompute compiled with them: --set memory.compiled_recompute=true)"
     if deferred and m.attention == "auto":  # not yet measured
         parts.append("attention: this machine's fastest, measured as the run starts")

@@ -104,8 +104,8 @@ def resolve(source: Path | dict | Config | None = None, overrides: list[str] | N
     try:  # a run refused here leaves no self-test children behind (a long-lived caller: tests, the UI)
         if isinstance(source, Config):
             cfg, prov = source, {"profile": source.profile, "reason": "a validated config", "warnings": []}
-            if measures and cfg.profile != "cpu" and cfg.memory.attention == "auto":
-                start_early(cfg.model.family, "cuda")  # a first run's self-test: its children import beside the checks
+            if measures:  # a first run's self-test: its children import beside the checks
+                self_test_children(cfg.model.family, cfg.profile, cfg.memory.attention)
         else:  # the children start from the user's layers, before the probe (`early_self_test`)
             cfg, prov = assemble(source, overrides, profile, facts, before_probe=early_self_test if measures else None)
         found = []
@@ -145,7 +145,13 @@ def early_self_test(layered: dict, profile: str) -> None:
     model, memory = layered.get("model"), layered.get("memory")
     family = model.get("family") if isinstance(model, dict) else None
     attention = memory.get("attention", "auto") if isinstance(memory, dict) else "auto"
-    if isinstance(family, str) and profile != "cpu" and attention == "auto":
+    if isinstance(family, str):
+        self_test_children(family, profile, attention)
+
+
+def self_test_children(family: str, profile: str, attention: str) -> None:
+    """Start the family's self-test children where the run will measure attention (`auto`, not the CPU)."""
+    if profile != "cpu" and attention == "auto":
         start_early(family, "cuda")
 
 
@@ -197,5 +203,9 @@ def plan_run(r: Resolved, cap_gib: float | None = None, defer_attention: bool = 
         cfg.model_copy(update={"memory": m.model_copy(update={"cuda_graphs": True})}), device, compiled, recomputed,
         sharded)[0]
     could_fp8 = compute == "bf16" and cfg.method == "lora" and has_fp8_units(device)
-    r.step_inputs = {"asked_attention": m.attention, "graphs_possible": could_graph, "fp8_possible": could_fp8}
+    could_compile_recompute = not m.compiled_recompute and compiled_recompute_decision(
+        cfg.model_copy(update={"memory": m.model_copy(update={"compiled_recompute": True})}), device, compiled,
+        recomputed, background, sharded)[0]
+    r.step_inputs = {"asked_attention": m.attention, "graphs_possible": could_graph, "fp8_possible": could_fp8,
+                     "recompute_possible": could_compile_recompute}
     return r

@@ -98,8 +98,7 @@ def prepare(cfg, adapter, transformer, device: str, dtype, dist) -> Prepared:
         clock.lap("LoRA")
     compiled, graphs = cfg.memory.compile, cfg.memory.compile and cfg.memory.cuda_graphs  # resolved (lorakit.plan)
     options = {"dynamic": compile_dynamic(cfg.memory.compile_shapes)} | ({"mode": "reduce-overhead"} if graphs else {})
-    in_graph = (compiled and cfg.memory.compiled_recompute and not sharded and not swapper  # resolved: these are
-                and cfg.memory.compile_background is not True)  # refused there, with the reason, when planned
+    in_graph = compiled and cfg.memory.compiled_recompute  # resolved: off with swap, FSDP, the background compile
     recomputed = 0
     if cfg.memory.gradient_checkpointing or swapper:  # swapping needs the recompute
         n = cfg.memory.checkpoint_blocks

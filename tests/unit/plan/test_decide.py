@@ -75,7 +75,8 @@ def test_compiled_recompute_applies_to_compiled_recomputed_blocks_and_says_why_n
     plain, _ = assemble(None, ["model.family=qwen-image", "memory.compile_background=false"], profile="rtx4090")
     assert decide(plain, "cuda", True, 60, False) == (False, None)
     assert "compiled blocks (recompute compiled with them: --set memory.compiled_recompute=true)" in step_line(
-        plain, "cuda", "auto", False, False)
+        plain, "cuda", "auto", False, False, recompute_possible=decide(cfg, "cuda", True, 60, False)[0])
+    assert "recompute" not in step_line(plain, "cuda", "auto", False, False, recompute_possible=False)
 
 
 def test_a_cached_fa4_choice_that_cannot_run_now_gives_way_to_the_next_fastest_with_a_note(monkeypatch):
