@@ -112,6 +112,22 @@ def test_compiled_recompute_keeps_only_each_blocks_inputs_and_gives_the_same_gra
     torch.testing.assert_close(grads[True], grads[False], rtol=0.02, atol=1e-4)
 
 
+def test_an_unresolved_compiled_recompute_over_swapped_blocks_is_refused(tiny):
+    """The compiled recompute calls a block's forward without its hooks (the swapper's copies in and out): `resolve`
+    turns it off there with its reason, and `prepare` refuses a config that did not pass through it."""
+    from lorakit.dist import Dist
+    from lorakit.plan.resolve import resolve
+    from lorakit.train.prepare import prepare
+
+    folder = tiny("flux")
+    cfg = resolve({"profile": "cpu", "model": {"family": "flux", "path": str(folder)}}, paths=()).cfg
+    cfg = cfg.model_copy(update={"memory": cfg.memory.model_copy(update={
+        "compile": True, "compiled_recompute": True, "blocks_to_swap": 1, "pin_memory": False})})
+    adapter = load_adapter("flux", folder, dtype=torch.float32)
+    with pytest.raises(ValueError, match="compiled_recompute with swapped or sharded blocks"):
+        prepare(cfg, adapter, load_component(folder / "transformer"), "cpu", torch.float32, Dist())
+
+
 def test_the_preparation_says_what_each_part_took(tiny):
     from lorakit.dist import Dist
     from lorakit.plan.resolve import resolve
