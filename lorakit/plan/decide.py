@@ -78,12 +78,13 @@ def compiled_recompute_decision(cfg, device: str, compiled: bool, recomputed: in
                                 sharded: bool = False) -> tuple[bool, str | None]:
     """Whether each recomputed block runs as one compiled function with its checkpoint (the recompute inside the
     block's compiled backward graph: one backward per block from autograd's thread, not the compiled forward again
-    and then the backward), and, where memory.compiled_recompute asks for it and it cannot apply, why."""
+    and then the backward), and, where memory.compiled_recompute is true (not auto) and it cannot apply, why."""
     m = cfg.memory
-    if not m.compiled_recompute:
+    if m.compiled_recompute is False:
         return False, None
+    asked = m.compiled_recompute is True
     if not compiled:  # compile_decision said why (the CPU never compiles: no news)
-        return False, (None if m.compile or not device.startswith("cuda") else
+        return False, (None if m.compile or not asked or not device.startswith("cuda") else
                        "memory.compiled_recompute compiles the recompute with the blocks: it needs memory.compile: true")
     why = ("swapped blocks recompute around their weights' copies (memory.blocks_to_swap)" if m.blocks_to_swap
            else "under FSDP (method: full on several GPUs)" if sharded
@@ -91,8 +92,10 @@ def compiled_recompute_decision(cfg, device: str, compiled: bool, recomputed: in
                 "calls" if background
            else "no block recomputes (the memory plan keeps every block's activations)" if not recomputed
            else None)
-    return (False, f"memory.compiled_recompute: the recompute runs outside the compiled code: {why}") if why \
-        else (True, None)
+    if why:
+        return False, (f"memory.compiled_recompute: the recompute runs outside the compiled code: {why}" if asked
+                       else None)
+    return True, None
 
 
 def background_decision(cfg, compiled: bool, graphs: bool, est: dict | None, budget_gib: float | None,
@@ -218,7 +221,7 @@ def step_line(cfg, device: str, asked_attention: str, graphs_possible: bool, fp8
         return "uncompiled blocks, PyTorch's attention, products in the model's dtype (the CPU)"
     parts = [("compiled blocks" + (", compiling beside the first steps" if m.compile_background else ""))
              if m.compile else "uncompiled blocks"]
-    if m.compiled_recompute:
+    if m.compiled_recompute is True:
         parts[0] += ", their recompute compiled into the backward"
     elif recompute_possible:
         parts[0] += " (recompute compiled with them: --set memory.compiled_recompute=true)"

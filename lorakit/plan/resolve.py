@@ -203,7 +203,7 @@ def plan_run(r: Resolved, cap_gib: float | None = None, defer_attention: bool = 
         cfg.model_copy(update={"memory": m.model_copy(update={"cuda_graphs": True})}), device, compiled, recomputed,
         sharded)[0]
     could_fp8 = compute == "bf16" and cfg.method == "lora" and has_fp8_units(device)
-    could_compile_recompute = not m.compiled_recompute and compiled_recompute_decision(
+    could_compile_recompute = m.compiled_recompute is False and compiled_recompute_decision(
         cfg.model_copy(update={"memory": m.model_copy(update={"compiled_recompute": True})}), device, compiled,
         recomputed, background, sharded)[0]
     r.step_inputs = {"asked_attention": m.attention, "graphs_possible": could_graph, "fp8_possible": could_fp8,

@@ -98,7 +98,8 @@ def prepare(cfg, adapter, transformer, device: str, dtype, dist) -> Prepared:
         clock.lap("LoRA")
     compiled, graphs = cfg.memory.compile, cfg.memory.compile and cfg.memory.cuda_graphs  # resolved (lorakit.plan)
     options = {"dynamic": compile_dynamic(cfg.memory.compile_shapes)} | ({"mode": "reduce-overhead"} if graphs else {})
-    in_graph = compiled and cfg.memory.compiled_recompute  # resolved: off with swap, FSDP, the background compile
+    # resolved (auto: as lorakit.plan decided): off with swap, FSDP, the background compile
+    in_graph = compiled and cfg.memory.compiled_recompute is True
     if in_graph and (swapper or sharded):  # the compiled call skips the block's hooks: swap's copies, FSDP's gathers
         raise ValueError("memory.compiled_recompute with swapped or sharded blocks: the config was not resolved")
     recomputed = 0

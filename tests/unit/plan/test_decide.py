@@ -49,8 +49,9 @@ def test_cuda_graphs_need_compiled_blocks_that_do_not_recompute():
 
 def test_compiled_recompute_applies_to_compiled_recomputed_blocks_and_says_why_not_elsewhere():
     """memory.compiled_recompute compiles a recomputed block's forward with its checkpoint; where the blocks are
-    not compiled, swapped, sharded, compiled by the background worker or none recomputes, the run says why (the
-    CPU compiles nothing and says nothing); the step's line says it, or how to turn it on."""
+    not compiled, swapped, sharded, compiled by the background worker or none recomputes, a run that set it true
+    says why (the CPU compiles nothing and says nothing), the default (auto) takes it where it applies and says
+    nothing where not; the step's line says it, or how to turn it on where it was set false."""
     from lorakit.config import assemble
     from lorakit.plan.decide import compiled_recompute_decision as decide
     from lorakit.plan.decide import step_line
@@ -72,11 +73,18 @@ def test_compiled_recompute_applies_to_compiled_recomputed_blocks_and_says_why_n
     off, _ = assemble(None, ["model.family=qwen-image", "memory.compiled_recompute=true", "memory.compile=false"],
                       profile="rtx4090")
     assert "needs memory.compile: true" in decide(off, "cuda", False, 60, False)[1]
-    plain, _ = assemble(None, ["model.family=qwen-image", "memory.compile_background=false"], profile="rtx4090")
+    default, _ = assemble(None, ["model.family=qwen-image"], profile="rtx4090")
+    assert default.memory.compiled_recompute == "auto"  # the default: on wherever it applies, silent where not
+    assert decide(default, "cuda", True, 60, False) == (True, None)
+    for args in [(True, 60, True), (True, 0, False), (True, 60, False, True), (False, 60, False)]:
+        assert decide(default, "cuda:0", *args) == (False, None)
+    plain, _ = assemble(None, ["model.family=qwen-image", "memory.compile_background=false",
+                               "memory.compiled_recompute=false"], profile="rtx4090")
     assert decide(plain, "cuda", True, 60, False) == (False, None)
     assert "compiled blocks (recompute compiled with them: --set memory.compiled_recompute=true)" in step_line(
         plain, "cuda", "auto", False, False, recompute_possible=decide(cfg, "cuda", True, 60, False)[0])
     assert "recompute" not in step_line(plain, "cuda", "auto", False, False, recompute_possible=False)
+    assert "recompute" not in step_line(default, "cuda", "auto", False, False)  # unresolved auto claims nothing
 
 
 def test_a_cached_fa4_choice_that_cannot_run_now_gives_way_to_the_next_fastest_with_a_note(monkeypatch):
