@@ -40,13 +40,17 @@ def test_only_the_first_n_blocks_recompute_and_the_gradients_are_the_same(tiny, 
     torch.testing.assert_close(grads[0], grads[None], rtol=1e-5, atol=1e-7)
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
-def test_compiled_recompute_keeps_only_each_blocks_inputs_and_gives_the_same_gradients(tiny, device):
+@pytest.mark.parametrize("family, device", [("qwen-image", "cpu"), ("flux", "cpu"), ("wan2.1-t2v", "cpu"),
+                                            pytest.param("qwen-image", "cuda", marks=pytest.mark.gpu)])
+def test_compiled_recompute_keeps_only_each_blocks_inputs_and_gives_the_same_gradients(tiny, family, device,
+                                                                                          monkeypatch):
     """memory.compiled_recompute on the small cards' storage (8-bit base, fp8 products, bf16 under autocast as a
     GPU run): each recomputed block's call is one compiled function whose forward keeps nothing for backward but
     the block's inputs, weights and buffers (the recompute is in its backward graph), and the LoRA's gradients are
     the eager checkpoint's. On a GPU with Inductor, as runs compile: torch 2.11 kept the 8-bit products computed
-    inside an autograd Function (2026-12-01, docs/benchmarks-history.md)."""
+    inside an autograd Function (2026-12-01, docs/benchmarks-history.md). It is the default wherever compiled
+    blocks recompute, so each kind of block is checked: Qwen-Image's, FLUX's two (the single blocks' joined
+    streams), Wan's."""
     if device == "cuda" and not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     from torch._dynamo.utils import counters
@@ -56,13 +60,22 @@ def test_compiled_recompute_keeps_only_each_blocks_inputs_and_gives_the_same_gra
     from lorakit.train import dims
     from lorakit.train.prepare import prepare
 
-    family = "qwen-image"
     folder = tiny(family)
     cfg = resolve({"profile": "cpu", "model": {"family": family, "path": str(folder)},
                    "memory": {"base_quant": "qfloat8", "compute": "fp8", "gradient_checkpointing": True}},
                   paths=()).cfg
     adapter = load_adapter(family, folder, device=device, dtype=torch.bfloat16)
     grads, kept = {}, []
+    joined = set()  # FLUX's first single block gets its two streams joined into one tensor: still its inputs
+    stock = dims.packed
+
+    def packed(*a, **kw):
+        args, kwargs = stock(*a, **kw)
+        joined.update(t.untyped_storage().data_ptr() for t in [*args, *kwargs.values()]
+                      if isinstance(t, torch.Tensor))
+        return args, kwargs
+
+    monkeypatch.setattr(dims, "packed", packed)
     for together in (False, True):
         torch.manual_seed(0)
         p = prepare(cfg, adapter, load_component(folder / "transformer"), device, torch.bfloat16, Dist())
@@ -80,7 +93,7 @@ def test_compiled_recompute_keeps_only_each_blocks_inputs_and_gives_the_same_gra
             own |= {t.untyped_storage().data_ptr() for a in args if isinstance(a, tuple) for t in a}
 
             def pack(t, together=together):
-                if t.is_floating_point() and t.untyped_storage().data_ptr() not in own:  # not the RNG's state
+                if t.is_floating_point() and t.untyped_storage().data_ptr() not in own | joined:  # not the RNG's
                     kept.append((together, tuple(t.shape)))
                 return t
 
@@ -104,7 +117,7 @@ def test_compiled_recompute_keeps_only_each_blocks_inputs_and_gives_the_same_gra
         counters.clear()
         forward().float().square().mean().backward()
         # one graph for every block: the first block's carried inputs take gradients as the others' do
-        assert counters["stats"].get("unique_graphs", 0) == (1 if together else 0)
+        assert counters["stats"].get("unique_graphs", 0) == (len({type(b) for b in blocks}) if together else 0)
         # None where nothing reached a weight (the last block's text output is unused), zeros when compiled
         grads[together] = torch.cat([(q.grad if q.grad is not None else torch.zeros_like(q)).flatten()
                                      for q in p.params])
