@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import struct
-import tempfile
 from pathlib import Path
 
 from lorakit.errors import InputError, environment_fault
@@ -64,21 +64,32 @@ class atomic_path:
     """`with atomic_path(target) as tmp:` write tmp; on success it is fsynced and renamed onto target.
 
     A write that fails for a machine reason (disk full, permissions, read-only disk) becomes an
-    `EnvironmentFault` naming the target; the temporary file is removed and the target is left as it was."""
+    `EnvironmentFault` naming the target; the temporary file is removed and the target is left as it was. So it is
+    when an interrupt (Ctrl-C, or a SIGTERM the run turns into one) arrives at any point: while the temporary file
+    is being created, written, synced or renamed — the file is known by name before it exists."""
 
     def __init__(self, target: str | os.PathLike):
         self.target = Path(target)
+        self.tmp: Path | None = None
 
     def __enter__(self) -> Path:
         try:
             self.target.parent.mkdir(parents=True, exist_ok=True)
-            fd, name = tempfile.mkstemp(prefix=f".{self.target.name}.", suffix=TMP_SUFFIX, dir=self.target.parent)
-            os.fchmod(fd, 0o666 & ~umask())  # mkstemp makes 0600: the finished file is readable as any other
         except OSError as e:
             raise environment_fault(e, self.target) or e from None
-        os.close(fd)
-        self.tmp = Path(name)
-        return self.tmp
+        while True:
+            self.tmp = self.target.parent / f".{self.target.name}.{secrets.token_hex(4)}{TMP_SUFFIX}"
+            try:  # 0666 less the umask: the finished file is readable as any other
+                os.close(os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+                return self.tmp
+            except FileExistsError:
+                continue
+            except BaseException as e:  # an interrupt between the file's creation and here leaves nothing
+                self.tmp.unlink(missing_ok=True)
+                fault = environment_fault(e, self.target) if isinstance(e, OSError) else None
+                if fault is not None:
+                    raise fault from None
+                raise
 
     def __exit__(self, exc_type, exc, tb) -> bool:
         if exc_type is not None:
@@ -91,9 +102,12 @@ class atomic_path:
             with open(self.tmp, "rb+") as f:
                 os.fsync(f.fileno())
             os.replace(self.tmp, self.target)
-        except OSError as e:
+        except BaseException as e:  # an OSError, or an interrupt before the rename: the target as it was
             self.tmp.unlink(missing_ok=True)
-            raise environment_fault(e, self.target) or e from None
+            fault = environment_fault(e, self.target) if isinstance(e, OSError) else None
+            if fault is not None:
+                raise fault from None
+            raise
         _fsync_dir(self.target.parent)
         return False
 
