@@ -2,7 +2,8 @@
 measure any peer's command gets (`measure`): command -> first step, command -> step N, command -> the final LoRA
 file (the whole job), the steady s/step (median and p90 of the wall time between consecutive steps, stalls
 included, after the first two), the GPU's peak memory (NVML, polled) and the process tree's peak private host memory;
-for lorakit also the opening target (step 100 within the first step + 100 x 1.15 x the steady step + the step-0 grid).
+for lorakit also the opening target (step 100 within the first step + 100 x 1.15 x the steady step + the step-0 grid)
+and where the steady steps' spread lies (`spread`: the loop around the step, each bucket shape's median and p90).
 
     python tools/race.py synth --family flux --models M                 # the full-size random-weight folder (GPU)
     python tools/race.py data --out D [--count 16] [--res 1024]         # drawn images in three aspect ratios
@@ -288,8 +289,29 @@ def lorakit_run(a, work: Path, k: int) -> dict:
                step_s_median=round(statistics.median(r["step_s"] for r in rows if "step_s" in r), 4) if rows else None,
                **timeline(rec["started"], times, out / "lora.safetensors",
                           step_0_grid(out, times[99] if len(times) >= 100 else None)),
-               **clock_check(times, rec.pop("clocks")))
+               **clock_check(times, rec.pop("clocks")), spread=spread([r for r in rows if "loss" in r]))
     return rec
+
+
+def spread(steps: list[dict], skip: int = 2) -> dict:
+    """Where the steady steps' spread lies, from a lorakit run's step records after the first `skip`: the loop around
+    `train_step()` (`s_per_step` less `step_s`: records, samples, checkpoints between steps) and each bucket shape's
+    median and p90 of `s_per_step` (a shape slower than the others shows there, not as jitter)."""
+    steps = [r for r in steps[skip:] if "s_per_step" in r and "step_s" in r]
+    if not steps:
+        return {}
+
+    def q(v: list[float]) -> dict:
+        v = sorted(v)
+        med, p90 = statistics.median(v), v[min(len(v) - 1, round(0.9 * (len(v) - 1)))]
+        return {"steps": len(v), "median_s": round(med, 4), "p90_s": round(p90, 4),
+                "p90_over_median": round(p90 / med, 3) if med else None}
+
+    loop = sorted(r["s_per_step"] - r["step_s"] for r in steps)
+    shapes = sorted({r.get("size") for r in steps if r.get("size")})
+    return {"loop_ms_median": round(1000 * statistics.median(loop), 2),
+            "loop_ms_p90": round(1000 * loop[min(len(loop) - 1, round(0.9 * (len(loop) - 1)))], 2),
+            "by_shape": {k: q([r["s_per_step"] for r in steps if r.get("size") == k]) for k in shapes}}
 
 
 SETTINGS = {"datacenter": ("datacenter", None), "24gb": ("rtx4090", 24)}  # peer race setting -> profile, cap GiB

@@ -184,6 +184,21 @@ def test_race_runs_lorakit_as_a_user_does_and_reports_the_whole_job(tmp_path):
     (rec,) = json.loads((work / "race.json").read_text())
     assert rec["rc"] == 0 and rec["steps"] == 4 and 0 < rec["first_step_s"] <= rec["lora_s"]  # 0.1 s apart <= rec["whole_s"]
     assert rec["median_s"] > 0 and "| lorakit run 1 | cpu |" in r.stdout
+    sp = rec["spread"]  # the loop around the step, each bucket shape's steps (after the first two)
+    assert sp["loop_ms_median"] >= 0 and sum(v["steps"] for v in sp["by_shape"].values()) == 2
+    assert set(sp["by_shape"]) <= {"64x64", "80x48", "48x80"}
+
+
+def test_the_spread_splits_the_loop_from_the_step_and_the_shapes_apart():
+    import race
+
+    recs = [{"step": k, "loss": 1.0, "size": "64x64" if k % 2 else "80x48", "step_s": 0.5 if k % 2 else 1.0,
+             "s_per_step": (0.5 if k % 2 else 1.0) + 0.002} for k in range(1, 23)]
+    sp = race.spread(recs)
+    assert sp["loop_ms_median"] == 2.0 and sp["loop_ms_p90"] == 2.0
+    assert sp["by_shape"]["64x64"] == {"steps": 10, "median_s": 0.502, "p90_s": 0.502, "p90_over_median": 1.0}
+    assert sp["by_shape"]["80x48"]["median_s"] == 1.002 and sp["by_shape"]["80x48"]["steps"] == 10
+    assert race.spread(recs[:2]) == {}
 
 
 @pytest.mark.slow
