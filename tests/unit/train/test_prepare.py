@@ -40,7 +40,15 @@ def test_only_the_first_n_blocks_recompute_and_the_gradients_are_the_same(tiny, 
     torch.testing.assert_close(grads[0], grads[None], rtol=1e-5, atol=1e-7)
 
 
-@pytest.mark.parametrize("family, device", [("qwen-image", "cpu"), ("flux", "cpu"), ("wan2.1-t2v", "cpu"),
+# the ways one class of block is called, where a family calls it more than one way: Z-Image's refiners run its block
+# over the image tokens (modulated) and over the text tokens (unmodulated) before its layers run it over both
+CALL_KINDS = {"z-image": 3}
+# Z-Image's fp8 products round per token a little apart compiled and eager: up to 3.7e-4 on 1% of its LoRA gradients'
+# elements (torch 2.14.1, aot_eager; equal with bf16 products, 2026-12-01)
+GRAD_ATOL = {"z-image": 5e-4}
+
+
+@pytest.mark.parametrize("family, device", [("qwen-image", "cpu"), ("flux", "cpu"), ("wan2.1-t2v", "cpu"), ("z-image", "cpu"),
                                             pytest.param("qwen-image", "cuda", marks=pytest.mark.gpu)])
 def test_compiled_recompute_keeps_only_each_blocks_inputs_and_gives_the_same_gradients(tiny, family, device,
                                                                                           monkeypatch):
@@ -50,7 +58,7 @@ def test_compiled_recompute_keeps_only_each_blocks_inputs_and_gives_the_same_gra
     the eager checkpoint's. On a GPU with Inductor, as runs compile: torch 2.11 kept the 8-bit products computed
     inside an autograd Function (2026-12-01, docs/benchmarks-history.md). It is the default wherever compiled
     blocks recompute, so each kind of block is checked: Qwen-Image's, FLUX's two (the single blocks' joined
-    streams), Wan's."""
+    streams), Wan's, Z-Image's three calls of one class."""
     if device == "cuda" and not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     from torch._dynamo.utils import counters
@@ -117,12 +125,13 @@ def test_compiled_recompute_keeps_only_each_blocks_inputs_and_gives_the_same_gra
         counters.clear()
         forward().float().square().mean().backward()
         # one graph for every block: the first block's carried inputs take gradients as the others' do
-        assert counters["stats"].get("unique_graphs", 0) == (len({type(b) for b in blocks}) if together else 0)
+        kinds = CALL_KINDS.get(family, len({type(b) for b in blocks}))
+        assert counters["stats"].get("unique_graphs", 0) == (kinds if together else 0)
         # None where nothing reached a weight (the last block's text output is unused), zeros when compiled
         grads[together] = torch.cat([(q.grad if q.grad is not None else torch.zeros_like(q)).flatten()
                                      for q in p.params])
     assert [k for k in kept if k[0]] == []  # compiled together: nothing of a block's own kept for backward
-    torch.testing.assert_close(grads[True], grads[False], rtol=0.02, atol=1e-4)
+    torch.testing.assert_close(grads[True], grads[False], rtol=0.02, atol=GRAD_ATOL.get(family, 1e-4))
 
 
 def test_an_unresolved_compiled_recompute_over_swapped_blocks_is_refused(tiny):
