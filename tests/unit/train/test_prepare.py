@@ -48,6 +48,7 @@ CALL_KINDS = {"z-image": 3}
 GRAD_ATOL = {"z-image": 5e-4}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family, device", [("qwen-image", "cpu"), ("flux", "cpu"), ("wan2.1-t2v", "cpu"), ("z-image", "cpu"),
                                             pytest.param("qwen-image", "cuda", marks=pytest.mark.gpu)])
 def test_compiled_recompute_keeps_only_each_blocks_inputs_and_gives_the_same_gradients(tiny, family, device,
