@@ -16,7 +16,7 @@ import json
 import os
 import sys
 
-from lorakit.paths import cache_root
+from lorakit.paths import cache_root, write_whole
 
 
 def _key() -> str:
@@ -59,16 +59,12 @@ def use_cached_package_map() -> None:
 
 def _keep(path, mapping: dict) -> None:
     """Written whole (a reader never sees half a map); the maps of earlier import paths are removed."""
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    text = json.dumps(mapping)
+    if not write_whole(path, lambda tmp: tmp.write_text(text)):  # a read-only cache: computed in each process,
+        return  # as without lorakit
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp.write_text(json.dumps(mapping))
-        os.replace(tmp, path)
         for old in path.parent.glob("*.json"):
             if old != path:
                 old.unlink(missing_ok=True)
-    except OSError:  # a read-only cache: computed in each process, as without lorakit
-        try:
-            tmp.unlink(missing_ok=True)
-        except OSError:
-            pass
+    except OSError:
+        pass

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import subprocess
 import sys
 import threading
@@ -50,7 +49,7 @@ from lorakit.hardware.sdpa import ALL_BACKENDS
 from lorakit.models.base import family_adapter
 from lorakit.models.facts import AttentionCase
 from lorakit.models.registry import family_names
-from lorakit.paths import cache_root
+from lorakit.paths import cache_root, write_whole
 
 WATCHDOG_S = 20.0  # one case (after the child's imports) may take this long before it counts as hung
 STARTUP_S = 180.0  # a child's imports (torch, diffusers) on a cold machine
@@ -307,14 +306,8 @@ def self_test(device: str = "cuda", use_cache: bool = True, repeats: int = 5, ca
             close(p)
     report.choice = {fam: choose(report, fam) for fam in family_names()}
     report.seconds = round(time.perf_counter() - t0, 1)
-    path = _cache_file(fp)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(report.to_dict(), indent=2))
-        os.replace(tmp, path)
-    except OSError:
-        pass  # an unwritable cache only costs a re-run
+    text = json.dumps(report.to_dict(), indent=2)
+    write_whole(_cache_file(fp), lambda tmp: tmp.write_text(text))  # an unwritable cache only costs a re-run
     return report
 
 

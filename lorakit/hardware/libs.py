@@ -13,7 +13,7 @@ import sys
 from dataclasses import asdict, dataclass
 
 from lorakit.hardware.children import close
-from lorakit.paths import cache_root
+from lorakit.paths import cache_root, write_whole
 
 
 @dataclass
@@ -103,15 +103,8 @@ def _run_checks(names, device, facts, use_cache, progress, children) -> dict:
             if progress:
                 progress(r)
     if path is not None:
-        import os
-
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(f".{os.getpid()}.tmp")
-            tmp.write_text(json.dumps({n: asdict(r) for n, r in out.items()}))
-            os.replace(tmp, path)
-        except OSError:
-            pass  # an unwritable cache only costs a re-run
+        text = json.dumps({n: asdict(r) for n, r in out.items()})
+        write_whole(path, lambda tmp: tmp.write_text(text))  # an unwritable cache only costs a re-run
     return out
 
 

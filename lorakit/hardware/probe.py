@@ -16,7 +16,7 @@ import subprocess
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from lorakit.paths import cache_root
+from lorakit.paths import cache_root, write_whole
 
 # GPUs whose memory is shared with (or coherent with) the CPU. `is_integrated` catches
 # integrated parts; these names cover the coherent Grace superchips that report as discrete.
@@ -238,14 +238,8 @@ def probe(disk_path: str | os.PathLike = ".", use_cache: bool = False) -> Facts:
             pass  # absent or damaged: probe
     f = _probe(disk_path)
     if key is not None:
-        try:
-            path = _facts_file(key)
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(f".{os.getpid()}.tmp")
-            tmp.write_text(json.dumps(f.to_dict()))
-            os.replace(tmp, path)
-        except OSError:
-            pass  # an unwritable cache only costs a probe
+        text = json.dumps(f.to_dict())
+        write_whole(_facts_file(key), lambda tmp: tmp.write_text(text))  # an unwritable cache only costs a probe
     return f
 
 

@@ -22,7 +22,7 @@ import shutil
 from pathlib import Path
 
 from lorakit import __version__
-from lorakit.paths import cache_root
+from lorakit.paths import cache_root, write_whole
 from lorakit.train import sampling
 from lorakit.train.lora import lora_state_dict
 
@@ -70,11 +70,9 @@ def keep(k: str, grid: Path) -> None:
     """Keep the grid just rendered under `k`; the oldest beyond `KEEP` go. An unwritable cache costs only a render
     next time."""
     d = folder()
+    if not write_whole(d / f"{k}.png", lambda tmp: shutil.copyfile(grid, tmp)):
+        return
     try:
-        d.mkdir(parents=True, exist_ok=True)
-        tmp = d / f"{k}.{os.getpid()}.tmp"
-        shutil.copyfile(grid, tmp)
-        os.replace(tmp, d / f"{k}.png")
         kept = sorted(d.glob("*.png"), key=lambda p: p.stat().st_mtime, reverse=True)
         for old in kept[KEEP:]:
             old.unlink(missing_ok=True)
