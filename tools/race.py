@@ -215,14 +215,18 @@ def intervals(times: list[float], skip: int = 2) -> list[tuple[float, float]]:
     return list(zip(times[skip - 1:], times[skip:], strict=False)) if len(times) > skip else []
 
 
+def median_p90(values: list[float]) -> tuple[float, float]:
+    """(median, p90) of sorted values: the p90 is the value at 90% of the way from the first to the last."""
+    return statistics.median(values), values[min(len(values) - 1, round(0.9 * (len(values) - 1)))]
+
+
 def steady(times: list[float], skip: int = 2) -> dict:
     """Median and p90 of the wall time between consecutive steps after the first `skip` steps (every interval: the
     stalls between steps are the run's, not left out)."""
     gaps = sorted(b - a for a, b in intervals(times, skip))
     if not gaps:
         return {"median_s": None, "p90_s": None, "intervals": 0}
-    med = statistics.median(gaps)
-    p90 = gaps[min(len(gaps) - 1, round(0.9 * (len(gaps) - 1)))]
+    med, p90 = median_p90(gaps)
     return {"median_s": round(med, 4), "p90_s": round(p90, 4), "p90_over_median": round(p90 / med, 3),
             "intervals": len(gaps)}
 
@@ -302,15 +306,13 @@ def spread(steps: list[dict], skip: int = 2) -> dict:
         return {}
 
     def q(v: list[float]) -> dict:
-        v = sorted(v)
-        med, p90 = statistics.median(v), v[min(len(v) - 1, round(0.9 * (len(v) - 1)))]
+        med, p90 = median_p90(sorted(v))
         return {"steps": len(v), "median_s": round(med, 4), "p90_s": round(p90, 4),
                 "p90_over_median": round(p90 / med, 3) if med else None}
 
-    loop = sorted(r["s_per_step"] - r["step_s"] for r in steps)
+    loop = median_p90(sorted(r["s_per_step"] - r["step_s"] for r in steps))
     shapes = sorted({r.get("size") for r in steps if r.get("size")})
-    return {"loop_ms_median": round(1000 * statistics.median(loop), 2),
-            "loop_ms_p90": round(1000 * loop[min(len(loop) - 1, round(0.9 * (len(loop) - 1)))], 2),
+    return {"loop_ms_median": round(1000 * loop[0], 2), "loop_ms_p90": round(1000 * loop[1], 2),
             "by_shape": {k: q([r["s_per_step"] for r in steps if r.get("size") == k]) for k in shapes}}
 
 
