@@ -85,31 +85,30 @@ class atomic_path:
             except FileExistsError:
                 continue
             except BaseException as e:  # an interrupt between the file's creation and here leaves nothing
-                self.tmp.unlink(missing_ok=True)
-                fault = environment_fault(e, self.target) if isinstance(e, OSError) else None
-                if fault is not None:
-                    raise fault from None
+                self._abandon(e)
                 raise
 
     def __exit__(self, exc_type, exc, tb) -> bool:
         if exc_type is not None:
-            self.tmp.unlink(missing_ok=True)
-            fault = environment_fault(exc, self.target) if isinstance(exc, Exception) else None
-            if fault is not None:
-                raise fault from None
+            self._abandon(exc)
             return False
         try:
             with open(self.tmp, "rb+") as f:
                 os.fsync(f.fileno())
             os.replace(self.tmp, self.target)
         except BaseException as e:  # an OSError, or an interrupt before the rename: the target as it was
-            self.tmp.unlink(missing_ok=True)
-            fault = environment_fault(e, self.target) if isinstance(e, OSError) else None
-            if fault is not None:
-                raise fault from None
+            self._abandon(e)
             raise
         _fsync_dir(self.target.parent)
         return False
+
+    def _abandon(self, e: BaseException) -> None:
+        """The temporary file removed, the target left as it was; a machine fault raised as the `EnvironmentFault`
+        naming the target (anything else, an interrupt included, goes on as it is)."""
+        self.tmp.unlink(missing_ok=True)
+        fault = environment_fault(e, self.target) if isinstance(e, Exception) else None
+        if fault is not None:
+            raise fault from None
 
 
 def link_or_copy(src: str | os.PathLike, dst: str | os.PathLike) -> None:
