@@ -182,7 +182,8 @@ def warm_shapes(tr, todo: list[tuple[str, object]]) -> list[str]:
             n = batch.latents.shape[0]
             noise = torch.randn(batch.latents.shape, generator=gen)
             tr.loss_on(batch, torch.full((n,), 0.5), noise).backward()
-            done.append(label)
+            tr.opt.zero_grad(set_to_none=True)  # not summed into the next pass's: with CUDA graphs these gradients
+            done.append(label)  # are the graphs' outputs, which the next pass overwrites
     finally:
         tr.opt.zero_grad(set_to_none=True)
         torch.random.set_rng_state(cpu_rng)
