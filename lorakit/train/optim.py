@@ -137,6 +137,11 @@ def adamw8bit_class():
     return AdamW8bit
 
 
+def adamw8bit_class_if_loaded() -> tuple:
+    """(`adamw8bit_class()`,) where a run made one, () where none (no bitsandbytes import to answer isinstance)."""
+    return (adamw8bit_class(),) if adamw8bit_class.cache_info().currsize else ()
+
+
 def ShardedAdamW8bit(params, **kw):  # noqa: N802 - a class built on first use (bitsandbytes imports lazily)
     """bitsandbytes AdamW8bit over FSDP-sharded weights: its kernels run on each rank's local shard (plain
     parameters sharing the shards' storage), so every rank keeps 8-bit moments of its own part only. The state

@@ -1,5 +1,6 @@
 """A micro-step's inputs are a pure function of (seed, step, micro-step); drawing them ahead changes nothing,
-and the optimizer update queued before the loss is known is skipped on the device when the loss is not finite."""
+and the optimizer update queued before the loss is known is skipped on the device when the loss is not finite
+(fused AdamW), or ends the run with nothing written (8-bit AdamW)."""
 
 import math
 from dataclasses import dataclass
@@ -13,10 +14,13 @@ from lorakit.dist import Dist
 from lorakit.errors import InputError
 from lorakit.io.modules import load_component
 from lorakit.models.base import load_adapter
+from lorakit.plan.resolve import resolve
 from lorakit.train.data import CachedData
 from lorakit.train.inputs import Ahead, draw
+from lorakit.train.loop import run
+from lorakit.train.optim import adamw8bit_class
 from lorakit.train.trainer import Trainer
-from tests.unit.train.test_loop import make_cfg
+from tests.unit.train.test_loop import losses, make_cfg
 
 
 @pytest.fixture
@@ -176,3 +180,58 @@ def test_data_parallel_ranks_queue_both_sums_before_the_host_waits_whatever_the_
     loss = tr.train_step()
     assert Watched.log == ["loss sum queued", "gradient sum queued", "host reads the loss", "update"]
     assert math.isfinite(loss) and tr.step == 1
+
+
+def eight_bit(tr):
+    tr.state.opt = adamw8bit_class()(tr.params, lr=5e-3)  # what the 24/32 GB profiles' runs get (bitsandbytes)
+    tr.state.sched = torch.optim.lr_scheduler.LambdaLR(tr.opt, lambda s: 1.0)
+    return tr
+
+
+class Read(torch.Tensor):
+    """A loss that logs when the host reads it (the host's wait for the GPU)."""
+
+    def __float__(self):
+        Watched.log.append("host reads the loss")
+        return super().__float__()
+
+
+def test_8bit_adamw_is_queued_before_the_host_reads_the_loss_and_updates_as_after_it(trainer, monkeypatch):
+    a, b = eight_bit(trainer()), eight_bit(trainer())
+    assert a.update_before_check and not a.skips_on_device
+    real = a.loss_on
+    a.loss_on = lambda *x, **k: real(*x, **k).as_subclass(Read)
+    a.opt.register_step_pre_hook(lambda *_: Watched.log.append("update"))
+    Watched.log.clear()
+    torch.manual_seed(1)  # LoRA dropout draws from the global generator
+    la = [a.train_step() for _ in range(3)]
+    assert Watched.log == ["update", "host reads the loss"] * 3
+    monkeypatch.setattr(Trainer, "update_before_check", property(lambda self: False))
+    torch.manual_seed(1)
+    lb = [b.train_step() for _ in range(3)]
+    assert la == lb and all(torch.equal(p, q) for p, q in zip(a.params, b.params, strict=True))
+    assert not hasattr(a.opt, "found_inf")  # nothing of the fused path's left on bitsandbytes' optimizer
+
+
+def test_a_non_finite_loss_under_8bit_adamw_ends_the_run_with_the_last_checkpoint_as_it_was(tmp_path, tiny,
+                                                                                            monkeypatch):
+    """The 8-bit update queued before the loss check has changed the weights when the loss turns out not finite:
+    the run stops at that step and writes nothing after it — no checkpoint, LoRA file or step record of it."""
+    cfg = make_cfg(tmp_path, "flux", tiny("flux"), steps=8, optim={"name": "adamw8bit", "lr": 5e-3},
+                   sampling={"enabled": False}, output={"save_every": 2, "keep_last": 5})
+    real = Trainer.loss_on
+
+    def turns_nan(self, *a, **k):
+        loss = real(self, *a, **k)
+        return loss * float("nan") if self.step == 4 else loss  # the 5th step
+    monkeypatch.setattr(Trainer, "loss_on", turns_nan)
+    with pytest.raises(InputError, match="the loss became nan at step 5"):
+        run(resolve(cfg))
+    out = tmp_path / "out"
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-000002", "step-000004"]
+    assert not (out / "lora.safetensors").exists()
+    assert len(losses(out / "metrics.jsonl")) == 4
+    from safetensors.torch import load_file
+
+    kept = load_file(out / "checkpoints" / "step-000004" / "lora.safetensors")
+    assert kept and all(torch.isfinite(t).all() for t in kept.values())
