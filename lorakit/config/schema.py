@@ -196,9 +196,14 @@ class MemoryConfig(_Section):
                             "as with off); auto: on where the memory plan saved nothing (no 8-bit base, recompute "
                             "or swap: uncompiled blocks hold more) and the estimate leaves room for the worker's "
                             "pass, not with CUDA graphs nor LoRA dropout; false: step 1 waits for the compile")
-    cuda_graphs: bool = Field(False, description="with compile: replay each compiled block as a CUDA graph "
-                                                 "(less host time per block; not while blocks recompute for "
-                                                 "gradient checkpointing, nor with schedule.grad_accum > 1)")
+    cuda_graphs: bool = Field(False, description="with compile: replay each compiled block as a CUDA graph (less "
+                                                 "host time per block), its recompute too where it is compiled "
+                                                 "into the block's backward (memory.compiled_recompute: Qwen-Image "
+                                                 "1024², rtx4090 profile, 24 GiB cap, one H200: 0.395 s/step "
+                                                 "against 0.572, p90/median 1.03 against 1.18; each bucket shape "
+                                                 "and text length records its graphs once, 13-17 s); not while "
+                                                 "blocks recompute outside their compiled code, nor with "
+                                                 "schedule.grad_accum > 1")
     compiled_recompute: bool | Literal["auto"] = Field(
         "auto", description="with compile and gradient checkpointing: each recomputed block's forward and its "
                             "recompute compiled together, the recompute inside the block's backward graph, instead "

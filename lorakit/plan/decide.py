@@ -49,14 +49,15 @@ def compute_decision(cfg, device: str) -> tuple[str, str | None]:
     return ("bf16", f"memory.compute auto: bf16 products, {why}") if why else ("fp8", None)
 
 
-def graphs_decision(cfg, device: str, compiled: bool, recomputed: int, sharded: bool = False
-                    ) -> tuple[bool, str | None]:
+def graphs_decision(cfg, device: str, compiled: bool, recomputed: int, sharded: bool = False,
+                    in_graph: bool = False) -> tuple[bool, str | None]:
     """Whether the compiled blocks replay as CUDA graphs (torch.compile's reduce-overhead mode: one launch per
-    block instead of one per kernel, which is what a host-bound step needs: fp8 compute's forward), and, where
-    memory.cuda_graphs asks for it and they cannot, why. Not while blocks recompute for gradient checkpointing
-    (the recompute runs a block's forward inside the backward pass), nor with gradient accumulation (each
-    micro-step's pass is a new generation of the graphs, and the gradients summed over micro-steps may be
-    outputs of the last one: not measured on a GPU)."""
+    block instead of one per kernel, which is what a host-bound step needs), and, where memory.cuda_graphs asks for
+    it and they cannot, why. `in_graph`: the recomputed blocks' recompute runs inside their compiled backward
+    (memory.compiled_recompute), so the graphs hold it; a recompute outside the compiled code (a block's forward
+    run again from autograd's thread, inside the backward pass) cannot be replayed. Not under FSDP, nor with
+    gradient accumulation (each micro-step's pass is a new generation of the graphs, and the gradients summed over
+    micro-steps may be outputs of the last one: not measured on a GPU)."""
     if not cfg.memory.cuda_graphs:
         return False, None
     if not compiled:  # nothing to capture: compile_decision said why (the CPU never compiles: no news)
@@ -65,9 +66,10 @@ def graphs_decision(cfg, device: str, compiled: bool, recomputed: int, sharded: 
     if sharded:  # a graph replays its inputs' addresses; FSDP gathers each block's weights into new memory
         return False, "memory.cuda_graphs: the compiled blocks run without CUDA graphs under FSDP (method: full on " \
                       "several GPUs: each block's weights are gathered anew every pass)"
-    if recomputed:
+    if recomputed and not in_graph:
         return False, (f"memory.cuda_graphs: the compiled blocks run without CUDA graphs while {recomputed} "
-                       f"of them recompute for gradient checkpointing")
+                       "of them recompute outside their compiled code (memory.compiled_recompute puts the "
+                       "recompute inside it)")
     if cfg.schedule.grad_accum > 1:  # one micro-step's LoRA gradients may sit in memory the next pass reuses
         return False, ("memory.cuda_graphs: the compiled blocks run without CUDA graphs with "
                        f"schedule.grad_accum={cfg.schedule.grad_accum} (measured only with 1)")

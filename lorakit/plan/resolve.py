@@ -185,7 +185,8 @@ def plan_run(r: Resolved, cap_gib: float | None = None, defer_attention: bool = 
     compiled, why = compile_decision(cfg, device, m.blocks_to_swap or None,
                                      device.startswith("cuda") and m.compile and has_repeated_blocks(cfg.model.family))
     recomputed = blocks if m.blocks_to_swap else checkpointed(cfg, blocks)
-    graphs, graphs_why = graphs_decision(cfg, device, compiled, recomputed, sharded)
+    together = compiled_recompute_decision(cfg, device, compiled, recomputed, False, sharded)[0]
+    graphs, graphs_why = graphs_decision(cfg, device, compiled, recomputed, sharded, together)
     background, bg_why = background_decision(cfg, compiled, graphs, est, est and est.get("budget_gib"), sharded)
     in_graph, in_graph_why = compiled_recompute_decision(cfg, device, compiled, recomputed, background, sharded)
     compute, compute_why = compute_decision(cfg, device)
@@ -201,7 +202,7 @@ def plan_run(r: Resolved, cap_gib: float | None = None, defer_attention: bool = 
     r.estimate = est
     could_graph = not m.cuda_graphs and graphs_decision(
         cfg.model_copy(update={"memory": m.model_copy(update={"cuda_graphs": True})}), device, compiled, recomputed,
-        sharded)[0]
+        sharded, together)[0]
     could_fp8 = compute == "bf16" and cfg.method == "lora" and has_fp8_units(device)
     could_compile_recompute = m.compiled_recompute is False and compiled_recompute_decision(
         cfg.model_copy(update={"memory": m.model_copy(update={"compiled_recompute": True})}), device, compiled,

@@ -110,8 +110,9 @@ def prepare(cfg, adapter, transformer, device: str, dtype, dist) -> Prepared:
     if sharded:  # FSDP: each block's weights, grads and optimizer states split over the ranks
         kept = cfg.memory.gathered_blocks
         fully_shard(transformer, device, 0 if kept == "auto" else kept)
-    if graphs and recomputed:
-        raise ValueError(f"memory.cuda_graphs with {recomputed} blocks recomputing: the config was not resolved")
+    if graphs and recomputed and not in_graph:
+        raise ValueError(f"memory.cuda_graphs with {recomputed} blocks recomputing outside their compiled code: the "
+                         "config was not resolved")
     transformer.train()
     params = [p for p in transformer.parameters() if p.requires_grad]
     if not full:

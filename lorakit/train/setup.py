@@ -249,8 +249,9 @@ def block_inputs(tr, events: Events) -> tuple[dict, dict, dict]:
     """The blocks' input sizes that vary over the run's data (its bucket shapes, text lengths), symbolic in their
     compiled graphs from the first compile, the inputs each block carries on to the next, with gradients in the
     first block too, and those a kind's first call gets apart where the later ones get slices of one tensor
-    (`train.dims`): (varying, carried, packs). Not under FSDP nor with CUDA graphs."""
-    batches = warm.variants(tr) if tr.compiled and not tr.sharded and not tr.graphs and tr.data is not None else []
+    (`train.dims`): (varying, carried, packs). Not under FSDP. With CUDA graphs as without: one compiled graph
+    serves every shape, and each shape records its own CUDA graphs from it."""
+    batches = warm.variants(tr) if tr.compiled and not tr.sharded and tr.data is not None else []
     if not batches:
         return {}, {}, {}
     carried: dict = {}

@@ -21,16 +21,17 @@ def test_a_compile_the_run_cannot_do_is_said_not_dropped():
     assert compile_decision(cfg, "cuda", object(), True) == (False, None)
 
 
-def test_cuda_graphs_need_compiled_blocks_that_do_not_recompute():
-    """memory.cuda_graphs replays compiled blocks; without them, or while blocks recompute for checkpointing, the
-    run says why it runs without graphs (the CPU compiles nothing and says nothing)."""
+def test_cuda_graphs_need_compiled_blocks_that_recompute_inside_their_compiled_code_if_at_all():
+    """memory.cuda_graphs replays compiled blocks; without them, or while blocks recompute outside their compiled
+    code, the run says why it runs without graphs (the CPU compiles nothing and says nothing)."""
     from lorakit.config import assemble
     from lorakit.plan.decide import graphs_decision
 
     cfg, _ = assemble(None, ["model.family=flux", "memory.cuda_graphs=true"], profile="datacenter")
     assert graphs_decision(cfg, "cuda", True, 0) == (True, None)
     off, why = graphs_decision(cfg, "cuda", True, 12)
-    assert not off and "12 of them recompute" in why
+    assert not off and "12 of them recompute outside their compiled code" in why
+    assert graphs_decision(cfg, "cuda", True, 12, in_graph=True) == (True, None)  # memory.compiled_recompute
     off, why = graphs_decision(cfg, "cuda:0", True, 0, sharded=True)
     assert not off and "under FSDP" in why
     assert graphs_decision(cfg, "cpu", False, 0) == (False, None)
@@ -45,6 +46,7 @@ def test_cuda_graphs_need_compiled_blocks_that_do_not_recompute():
     assert not off and "schedule.grad_accum=4" in why
     cfg, _ = assemble(None, ["model.family=flux"], profile="datacenter")
     assert graphs_decision(cfg, "cuda", True, 0) == (False, None)
+    assert graphs_decision(cfg, "cuda", True, 12, in_graph=True) == (False, None)  # not asked for: off, silently
 
 
 def test_compiled_recompute_applies_to_compiled_recomputed_blocks_and_says_why_not_elsewhere():
