@@ -25,13 +25,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from race import median_p90  # noqa: E402 - tools/ is this script's own folder
 
 VARIANTS = ("as-run", "update-after-loss", "fused-adamw")
-
-
-def p90(values: list[float]) -> float:
-    v = sorted(values)
-    return v[min(len(v) - 1, round(0.9 * (len(v) - 1)))]
 
 
 def build(a):
@@ -96,7 +92,8 @@ def use(variant: str, tr, before_check) -> None:
 def measure(timed: Timed, steps: int) -> dict:
     rows = [timed.step() for _ in range(steps)]
     step, host, update = ([r[i] for r in rows] for i in range(3))
-    return {"step_s": round(statistics.median(step), 4), "step_p90_s": round(p90(step), 4),
+    median, p90 = median_p90(sorted(step))
+    return {"step_s": round(median, 4), "step_p90_s": round(p90, 4),
             "host_s": round(statistics.median(host), 4), "update_s": round(statistics.median(update), 4),
             "steps_s": [round(x, 4) for x in step]}
 

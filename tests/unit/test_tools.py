@@ -189,6 +189,27 @@ def test_race_runs_lorakit_as_a_user_does_and_reports_the_whole_job(tmp_path):
     assert set(sp["by_shape"]) <= {"64x64", "80x48", "48x80"}
 
 
+@pytest.mark.slow
+def test_host_slack_times_each_variant_quiet_and_busy_and_leaves_the_trainer_as_it_was(tmp_path, tiny):
+    import host_slack
+
+    from lorakit.train.trainer import Trainer
+
+    before = Trainer.update_before_check
+    out = tmp_path / "slack.json"
+    rows = host_slack.main(["--family", "flux", "--res", "64", "--profile", "cpu", "--device", "cpu", "--tiny",
+                            "--steps", "2", "--busy", "1", "--out", str(out)])
+    assert [(r["variant"], r["host"]) for r in rows] == [(v, h) for v in host_slack.VARIANTS
+                                                         for h in ("quiet", "1 busy processes")]
+    for r in rows:  # the host's part is inside the step, the update inside the host's time after backward
+        assert 0 < r["host_s"] <= r["step_s"] <= r["step_p90_s"] and 0 < r["update_s"] < r["step_s"]
+        assert len(r["steps_s"]) == 2
+    assert json.loads(out.read_text())["rows"] == rows
+    assert Trainer.update_before_check is before
+    with pytest.raises(SystemExit):
+        host_slack.main(["--variants", "as-run,faster"])
+
+
 def test_the_spread_splits_the_loop_from_the_step_and_the_shapes_apart():
     import race
 
