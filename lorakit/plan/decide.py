@@ -236,6 +236,8 @@ def step_line(cfg, device: str, asked_attention: str, graphs_possible: bool, fp8
         parts.append(f"attention {m.attention} ({how})")
     parts.append("fp8 products" if m.compute == "fp8" else
                  "bf16 products" + (" (fp8: --set memory.compute=fp8)" if fp8_possible else ""))
-    on = "--set memory.cuda_graphs=true" + (": compiled at step 1, not beside it" if m.compile_background else "")
+    on = "--set memory.cuda_graphs=true" + (": compiled at step 1, not beside it" if m.compile_background else
+                                            ": each bucket shape and text length records its graphs once, a slow step"
+                                            if m.compiled_recompute is True else "")
     parts.append("CUDA graphs" if m.cuda_graphs else "no CUDA graphs" + (f" ({on})" if graphs_possible else ""))
     return "; ".join(parts)

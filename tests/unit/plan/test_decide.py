@@ -60,9 +60,14 @@ def test_compiled_recompute_applies_to_compiled_recomputed_blocks_and_says_why_n
 
     cfg, _ = assemble(None, ["model.family=qwen-image", "memory.compiled_recompute=true"], profile="rtx4090")
     assert decide(cfg, "cuda", True, 60, False) == (True, None)
-    assert "compiled blocks, their recompute compiled into the backward;" in step_line(
-        cfg.model_copy(update={"memory": cfg.memory.model_copy(update={"compile_background": False})}),
-        "cuda", "auto", False, False)
+    alone = cfg.model_copy(update={"memory": cfg.memory.model_copy(update={"compile_background": False})})
+    assert "compiled blocks, their recompute compiled into the backward;" in step_line(alone, "cuda", "auto", False,
+                                                                                       False)
+    # CUDA graphs would hold the recompute too: the line says how, and what each new shape costs (13-17 s a
+    # recording at Qwen-Image's size, docs/profiles.md)
+    assert step_line(alone, "cuda", "auto", True, False).endswith(
+        "no CUDA graphs (--set memory.cuda_graphs=true: each bucket shape and text length records its graphs once, "
+        "a slow step)")
     for args, said in [((True, 60, True), "background compile"), ((True, 0, False), "no block recomputes"),
                        ((True, 60, False, True), "under FSDP")]:
         on, why = decide(cfg, "cuda:0", *args)
