@@ -137,9 +137,9 @@ def adamw8bit_class():
     return AdamW8bit
 
 
-def adamw8bit_class_if_loaded() -> tuple:
-    """(`adamw8bit_class()`,) where a run made one, () where none (no bitsandbytes import to answer isinstance)."""
-    return (adamw8bit_class(),) if adamw8bit_class.cache_info().currsize else ()
+def from_bitsandbytes(opt) -> bool:
+    """Is this optimizer bitsandbytes' (8-bit moments; lorakit's subclasses of it too)?"""
+    return any(c.__module__.startswith("bitsandbytes") for c in type(opt).__mro__)
 
 
 def ShardedAdamW8bit(params, **kw):  # noqa: N802 - a class built on first use (bitsandbytes imports lazily)

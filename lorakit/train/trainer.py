@@ -19,7 +19,7 @@ from lorakit.train import checkpoint, shards
 from lorakit.train import flow_matching as fm
 from lorakit.train.ema import EMA
 from lorakit.train.inputs import Ahead
-from lorakit.train.optim import adamw8bit_class_if_loaded, clip_grad_norm, lr_lambda, make_optimizer
+from lorakit.train.optim import clip_grad_norm, from_bitsandbytes, lr_lambda, make_optimizer
 from lorakit.train.prepare import prepare
 from lorakit.train.state import TrainState
 from lorakit.train.validation import Best
@@ -54,8 +54,7 @@ class Trainer:
         opt = make_optimizer(self.params, cfg, device, full=self.full)
         self.took = p.took | {"optimizer": round(time.perf_counter() - t, 1)}  # the prepare phase's parts
         # 8-bit (bitsandbytes) moments are saved per rank as they are, not gathered by parameter name
-        self.per_rank_state = self.full and (getattr(opt, "local_shards", False) or any(
-            c.__module__.startswith("bitsandbytes") for c in type(opt).__mro__))  # lorakit's subclasses too
+        self.per_rank_state = self.full and (getattr(opt, "local_shards", False) or from_bitsandbytes(opt))
         ema = EMA(self.params, cfg.ema.decay, cfg.ema.start_step, ema_device(cfg, device)) if cfg.ema.enabled \
             else None  # an average of the trained weights (train/ema.py)
         keeps_best = data is not None and getattr(data, "validation", None) and (cfg.validation.best
@@ -180,7 +179,7 @@ class Trainer:
         checkpoint is the one to resume from. FSDP's sharded optimizer checks first."""
         if self.sharded:
             return False
-        return self.skips_on_device or isinstance(self.opt, adamw8bit_class_if_loaded())
+        return self.skips_on_device or from_bitsandbytes(self.opt)
 
     def averaged(self):
         """A context with the EMA weights in place (samples, validation, LoRA files); nothing when EMA is off."""
