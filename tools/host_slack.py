@@ -32,19 +32,11 @@ VARIANTS = ("as-run", "update-after-loss", "fused-adamw")
 
 def build(a):
     """lorakit's trainer as `lorakit bench step` builds it; returns (trainer, settings)."""
-    from lorakit.bench.step import train_attention
+    from lorakit.bench.step import way_spec
     from lorakit.bench.ways import prepare
-    from lorakit.hardware.attention_cases import family_masked
 
-    cuda = a.device.startswith("cuda")
-    attention = (train_attention(a.family, a.res, a.profile, a.device)
-                 or ("flash+efficient" if family_masked(a.family) else "flash")) if cuda else None
-    spec = dict(family=a.family, size="tiny" if a.tiny else "full", res=a.res, frames=1, device=a.device, seed=0,
-                rank=16, steps=a.steps, warmup=3, dtype="bf16" if cuda else "fp32", profile=a.profile,
-                sets=list(a.set or []), memory_cap=a.cap, model_flops=None, attention=attention, plain_attention=None,
-                plain_checkpointing=False, expandable_segments=cuda, trace_dir=None, checkpoint_dir=None,
-                way="lorakit", gpus=1)
-    _, info = prepare(spec)
+    spec = way_spec(a.family, a.res, a.profile, a.steps, 3, "tiny" if a.tiny else "full", a.device, a.cap, a.set)
+    _, info = prepare({**spec, "way": "lorakit", "gpus": 1})
     return info["trainer"], info["settings"]
 
 

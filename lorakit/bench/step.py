@@ -102,18 +102,9 @@ def bench(family: str, res: int, profile: str | None, steps: int = 10, warmup: i
         raise InputError(f"--frames {frames}: " + (f"{family} trains images" if adapter.layout != "video" else
                                                    f"a clip of {family} has {adapter.temporal}k + 1 frames"),
                          "leave --frames out (1)" if adapter.layout != "video" else "e.g. --frames 17")
-    masked = family_masked(family)
-    if attention is None and cuda:
-        attention = train_attention(family, res, profile, device) or ("flash+efficient" if masked else "flash")
-    full = any(s.replace(" ", "") == "method=full" for s in sets or ())  # weight gradients: 3x the forward
-    flops = model_flops(family, size, res, frames, full=full) if cuda else None
-    base = dict(family=family, size=size, res=res, frames=frames, device=device, seed=0, rank=16, steps=steps,
-                warmup=warmup, dtype="bf16" if cuda else "fp32", profile=profile or ("datacenter" if cuda else "cpu"),
-                sets=list(sets or []), memory_cap=memory_cap, model_flops=flops, attention=attention,
-                plain_attention=("efficient" if masked else "flash") if cuda else None,
-                plain_checkpointing=adapter.published.params > PLAIN_CHECKPOINTING_ABOVE,
-                expandable_segments=cuda, trace_dir=trace_dir,
-                checkpoint_dir=checkpoint_dir)
+    base = way_spec(family, res, profile, steps, warmup, size, device, memory_cap, sets, attention, trace_dir,
+                    checkpoint_dir, frames)
+    flops = base["model_flops"]
     if gpus > 1 and cuda and torch.cuda.device_count() < gpus:
         raise InputError(f"--gpus {gpus}, but {torch.cuda.device_count()} CUDA GPU(s) are visible")
     runs = [(w, 1) for w in ways] + ([("lorakit", gpus)] if gpus > 1 else [])
@@ -142,6 +133,25 @@ def bench(family: str, res: int, profile: str | None, steps: int = 10, warmup: i
         env["cudnn"] = torch.backends.cudnn.version()
     return {"family": family, "res": res, "frames": frames, "size": size, "profile": base["profile"],
             "memory_cap_gib": memory_cap, "steps": steps, "warmup": warmup, "model_flops_per_step": flops, "environment": env, "rows": rows}
+
+
+def way_spec(family: str, res: int, profile: str | None, steps: int, warmup: int, size: str, device: str,
+             memory_cap: float | None = None, sets: list[str] | None = None, attention: str | None = None,
+             trace_dir: str | None = None, checkpoint_dir: str | None = None, frames: int = 1) -> dict:
+    """What a child process gets to build and time one way (`run_way`; plus "way" and "gpus"): the batch, the
+    profile and settings, the attention each way runs (lorakit's: the run's choice where none is given)."""
+    cuda = device.startswith("cuda")
+    masked = family_masked(family)
+    if attention is None and cuda:
+        attention = train_attention(family, res, profile, device) or ("flash+efficient" if masked else "flash")
+    full = any(s.replace(" ", "") == "method=full" for s in sets or ())  # weight gradients: 3x the forward
+    return dict(family=family, size=size, res=res, frames=frames, device=device, seed=0, rank=16, steps=steps,
+                warmup=warmup, dtype="bf16" if cuda else "fp32", profile=profile or ("datacenter" if cuda else "cpu"),
+                sets=list(sets or []), memory_cap=memory_cap,
+                model_flops=model_flops(family, size, res, frames, full=full) if cuda else None, attention=attention,
+                plain_attention=("efficient" if masked else "flash") if cuda else None,
+                plain_checkpointing=family_adapter(family).published.params > PLAIN_CHECKPOINTING_ABOVE,
+                expandable_segments=cuda, trace_dir=trace_dir, checkpoint_dir=checkpoint_dir)
 
 
 def train_attention(family: str, res: int, profile: str | None, device: str) -> str | None:
