@@ -438,3 +438,37 @@ def test_peer_simpletuner_runs_its_example_config_with_the_race_changes_through_
     a.st_path = [str(tmp_path / "nothing")]
     with pytest.raises(SystemExit, match="SimpleTuner is not importable"):
         ps.st_example_dir(a)
+
+
+def test_graph_sizes_plans_each_shape_and_length_then_the_padded_one_then_new_lengths_without_the_checks():
+    import graph_sizes
+
+    steps = graph_sizes.plan([(64, 64), (80, 48)], [12, 13], pad=32, repeat=2, steady=3)
+    assert [s[4] for s in steps[:8]] == [f"{w}x{h} text {n}" for w, h in ((64, 64), (80, 48)) for n in (12, 13)
+                                         for _ in range(2)]
+    assert [s[:4] for s in steps[8:11]] == [(64, 64, 12, 0)] * 3  # steady: the first size again
+    assert [s[:4] for s in steps[11:16]] == [(64, 64, 12, 32)] * 5  # padded: repeat + steady
+    assert [(s[:3], s[5]) for s in steps[16:]] == [((64, 64, 14), False)] * 2 + [((80, 48, 14), False)] * 2
+    assert all(s[5] for s in steps[:16])  # torch's pool checks on until the last part
+
+
+@pytest.mark.slow
+def test_graph_sizes_feeds_the_step_the_sizes_and_text_it_names(tmp_path, tiny):
+    import graph_sizes
+    import torch
+
+    from lorakit.bench.ways import synthetic_batch
+    from lorakit.models.base import family_adapter
+
+    out = tmp_path / "sizes.json"
+    rows = graph_sizes.main(["--family", "qwen-image", "--profile", "cpu", "--device", "cpu", "--tiny", "--no-graphs",
+                             "--shapes", "64x64,80x48", "--lengths", "5,6", "--pad", "8", "--repeat", "2",
+                             "--steady", "1", "--out", str(out)])
+    assert [r["size"] for r in rows] == ["64x64"] * 4 + ["80x48"] * 4 + ["64x64"] * 4 + ["64x64"] * 2 + ["80x48"] * 2
+    assert all(r["s"] > 0 and r["loss"] == r["loss"] for r in rows)
+    assert json.loads(out.read_text())["rows"] == rows
+    base = synthetic_batch("qwen-image", "tiny", 64)
+    padded = graph_sizes.batch_of(base, family_adapter("qwen-image"), 80, 48, 5, 8, 0)
+    assert padded.latents.shape[-2:] == (6, 10) and padded.text["prompt_embeds"].shape[1] == 8
+    assert padded.text["prompt_embeds_mask"].tolist() == [[1] * 5 + [0] * 3]
+    assert torch.all(padded.text["prompt_embeds"][:, 5:] == 0)
