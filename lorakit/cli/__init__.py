@@ -36,6 +36,17 @@ def interrupt(signum, frame) -> None:
     raise KeyboardInterrupt
 
 
+def _disarm() -> None:
+    """No interrupt asked again from here on: the SIGALRM timer `interrupt` sets mid-import stopped, and ignored
+    should it be due already (only the main thread may change a handler)."""
+    import signal
+    import threading
+
+    signal.setitimer(signal.ITIMER_REAL, 0)
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGALRM, signal.SIG_IGN)
+
+
 def said() -> None:
     """The interrupt said (once) on stderr's descriptor itself: an interrupt in the middle of an import may leave
     Python's stderr object with its buffer unwritten at exit (seen under load: exit 130, nothing said)."""
@@ -54,9 +65,13 @@ def gone() -> None:
     after it, over modules an interrupt left half imported and torch's threads mid-call, ended such a process with
     SIGINT's -2 or an abort's -6 instead of 130 now and then (CI under load, 2026-11-27,
     tests/integration/test_reliability.py), so it is skipped: the standard streams are flushed and the process
-    ends here. Only where the console script's entry point runs the command (`cli.entry`)."""
+    ends here. Only where the console script's entry point runs the command (`cli.entry`). An interrupt asked
+    again after an import (`interrupt`'s SIGALRM) is disarmed first: it landed in this exit once and its
+    KeyboardInterrupt ended the process with -2 after it had said 130 (CI, 2026-12-02,
+    `test_sigterm_in_the_first_moments_is_130_never_a_bare_minus_15`)."""
     import sys
 
+    _disarm()
     said()
     if not STOP.get("entry"):  # the CLI run in-process (typer's test runner, a host program): exit as a command
         raise SystemExit(130)

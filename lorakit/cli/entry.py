@@ -22,9 +22,10 @@ def main() -> None:
         signal.signal(signal.SIGTERM, interrupt)
     try:
         from lorakit.cli.app import main as cli_main
-    except KeyboardInterrupt:
-        gone()
-    if STOP["asked"]:  # the interrupt was raised where Python swallows it (an import lock's callback, seen once)
+
+        if STOP["asked"]:  # the interrupt was raised where Python swallows it (an import lock's callback, seen once)
+            gone()
+    except KeyboardInterrupt:  # in the import, or asked again (`interrupt`'s SIGALRM) as it ended
         gone()
     try:
         cli_main()

@@ -64,3 +64,27 @@ def test_a_signal_during_a_slow_import_interrupts_right_after_it(tmp_path):
     p.send_signal(signal.SIGTERM)
     out, err = p.communicate(timeout=60)
     assert out.strip() == "interrupted after the import", (out, err[-2000:])
+
+
+_ALARM_IN_THE_EXIT = """
+import signal, time
+import lorakit.cli as cli
+cli.STOP["entry"] = True
+say = cli.said
+def slow_said():  # the exit's own work, long enough for an interrupt asked again mid-import to come due in it
+    say()
+    time.sleep(0.3)
+cli.said = slow_said
+signal.signal(signal.SIGALRM, cli.interrupt)
+signal.setitimer(signal.ITIMER_REAL, 0.1)
+cli.gone()
+"""
+
+
+def test_an_interrupt_asked_again_after_an_import_does_not_land_in_the_exit():
+    """A SIGTERM mid-import asks again 0.05 s later (SIGALRM); where the command was already exiting by then, that
+    second KeyboardInterrupt escaped `gone()` and the process ended with -2 after saying 130."""
+    p = subprocess.run([sys.executable, "-c", _ALARM_IN_THE_EXIT], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 130, (p.returncode, p.stderr[-2000:])
+    assert p.stderr.count("interrupted before anything could be saved (exit 130)") == 1
+    assert "Traceback" not in p.stderr
