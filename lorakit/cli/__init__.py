@@ -37,14 +37,16 @@ def interrupt(signum, frame) -> None:
 
 
 def _disarm() -> None:
-    """No interrupt asked again from here on: the SIGALRM timer `interrupt` sets mid-import stopped, and ignored
-    should it be due already (only the main thread may change a handler)."""
+    """No interrupt asked again from here on: where SIGALRM is `interrupt`'s (set mid-import), its timer is stopped
+    and the signal ignored should it be due already; a timer of anyone else's (a host program's) is left alone.
+    Only the main thread may change a handler."""
     import signal
     import threading
 
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGALRM) is not interrupt:
+        return
     signal.setitimer(signal.ITIMER_REAL, 0)
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGALRM, signal.SIG_IGN)
+    signal.signal(signal.SIGALRM, signal.SIG_IGN)
 
 
 def said() -> None:

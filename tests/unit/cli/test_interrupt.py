@@ -88,3 +88,25 @@ def test_an_interrupt_asked_again_after_an_import_does_not_land_in_the_exit():
     assert p.returncode == 130, (p.returncode, p.stderr[-2000:])
     assert p.stderr.count("interrupted before anything could be saved (exit 130)") == 1
     assert "Traceback" not in p.stderr
+
+
+def test_the_exit_leaves_a_timer_that_is_not_the_interrupts_alone(monkeypatch):
+    """In-process (a host program, typer's runner) `gone()` raises SystemExit(130): a SIGALRM handler and timer of the
+    host's own stay as they were."""
+    import lorakit.cli as cli
+
+    monkeypatch.setitem(STOP, "entry", False)
+    monkeypatch.setitem(STOP, "said", True)
+
+    def hosts(*_):
+        pass
+
+    before = signal.signal(signal.SIGALRM, hosts)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 30)
+        with pytest.raises(SystemExit):
+            cli.gone()
+        assert signal.getsignal(signal.SIGALRM) is hosts and signal.getitimer(signal.ITIMER_REAL)[0] > 0
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, before)
