@@ -119,9 +119,12 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--out")
     a = ap.parse_args(argv)
     import torch
+    from torch._inductor import config as inductor
 
     from lorakit.bench.step import way_spec
     from lorakit.bench.ways import prepare
+    from lorakit.models.batch import drop_full_mask
+    from lorakit.train import dims
 
     shapes = [tuple(int(x) for x in s.split("x")) for s in a.shapes.split(",")]
     lengths = [int(x) for x in a.lengths.split(",")]
@@ -137,22 +140,15 @@ def main(argv=None) -> list[dict]:
     tr = info["trainer"]
     print(f"built in {time.perf_counter() - t0:.1f} s: {json.dumps(info['settings'])}", flush=True)
     base = tr.data.batch
-    steps = plan(shapes, lengths, a.pad, a.repeat, a.steady)
-    from lorakit.models.batch import drop_full_mask
-    from lorakit.train import dims
-
-    firsts = {(w, h, n): batch_of(base, tr.adapter, w, h, n, 0, 0) for w, h, n, pad, _, _ in steps if not pad}
-    variants = [drop_full_mask(firsts[(w, h, lengths[0])]) for w, h in shapes]  # each shape, then another length
-    variants += [drop_full_mask(firsts[(*shapes[0], lengths[-1])])] if len(lengths) > 1 else []
+    sizes = [(w, h, lengths[0]) for w, h in shapes] + ([(*shapes[0], lengths[-1])] if len(lengths) > 1 else [])
+    variants = [drop_full_mask(batch_of(base, tr.adapter, *size, 0, 0)) for size in sizes]  # each shape, a length
     carried: dict = {}
     packs: dict = {}
     found = dims.varying(tr, variants, carried, packs)  # as `lorakit train` marks them before the first compile
     dims.install(tr.transformer, found, carried, packs)
     print(f"symbolic: {dims.said(found) or 'none'}", flush=True)
     rows = []
-    from torch._inductor import config as inductor
-
-    for i, (w, h, n, pad, label, checks) in enumerate(steps):
+    for i, (w, h, n, pad, label, checks) in enumerate(plan(shapes, lengths, a.pad, a.repeat, a.steady)):
         tr.data.batch = batch_of(base, tr.adapter, w, h, n, pad, i)
         tr.ahead.held = None  # drawn again from the batch just set
         inductor.triton.slow_path_cudagraph_asserts = checks and not a.no_checks
