@@ -19,7 +19,8 @@ attention inside FLUX"; tests/unit/hardware/test_sdpa.py).
 from __future__ import annotations
 
 from lorakit.errors import UnknownNameError
-from lorakit.hardware import fa4
+from lorakit.hardware import cudnn_op, fa4
+from lorakit.hardware.cudnn_op import outer_to_inner
 
 BACKENDS = ("flash", "efficient", "cudnn", "math")  # PyTorch's own
 ALL_BACKENDS = BACKENDS + ("fa4",)  # fa4: SDPA's flash path through flash-attn-4 (`lorakit.hardware.fa4`)
@@ -98,21 +99,13 @@ def grad_like_output(on: bool) -> None:
 
 
 def _sdpa(query, key, value, *args, **kwargs):
-    """PyTorch's SDPA, whose output's gradient reaches the kernel's backward laid out as the output is."""
+    """PyTorch's SDPA, whose output's gradient reaches the kernel's backward laid out as the output is; the calls
+    lorakit's cuDNN operators take, there where they are in use (`cudnn_op`: compiled blocks under the C++
+    wrapper)."""
+    if cudnn_op.ROUTE[0] and cudnn_op.takes(query, key, value, *args, **kwargs):
+        return cudnn_op.attention(query, key, value, *args, **kwargs)
     out = TORCH_SDPA[0](query, key, value, *args, **kwargs)
     return _LAYOUT_GRAD[0].apply(out) if out.requires_grad and out.dim() == 4 else out
-
-
-def outer_to_inner(t) -> list[int]:
-    """The dimensions of `t` from the largest stride to the smallest, ties in order (as PyTorch lays out a
-    grad_output to match an output); plain comparisons, which torch.compile traces."""
-    order: list[int] = []
-    for d in range(t.dim()):
-        i = len(order)
-        while i > 0 and t.stride(order[i - 1]) < t.stride(d):
-            i -= 1
-        order.insert(i, d)
-    return order
 
 
 def _layout_grad_function():
