@@ -15,6 +15,7 @@ from lorakit import dist as dist_mod
 from lorakit.bench.load import drop_cache
 from lorakit.bench.trace import trace
 from lorakit.dtypes import torch_dtype
+from lorakit.hardware import cudnn_op
 from lorakit.hardware.gpu import apply_cap
 from lorakit.hardware.sdpa import apply
 from lorakit.io.modules import fill_random
@@ -175,6 +176,7 @@ def prepare(spec: dict):
     batch = synthetic_batch(spec["family"], spec["size"], spec["res"], seed=spec["seed"],
                             frames=spec.get("frames", 1))
     if spec["way"] == "plain":
+        cudnn_op.use(False)  # the usual way calls PyTorch's SDPA (lorakit's operators stay lorakit's)
         if cuda and spec["plain_attention"]:
             apply(spec["plain_attention"])
         params, opt = plain_setup(spec, model, device)
@@ -199,7 +201,7 @@ def prepare(spec: dict):
         info["attention"] = spec["attention"]
         info["settings"] = {k: getattr(cfg.memory, k) for k in ("base_quant", "compute", "gradient_checkpointing",
                                                                    "checkpoint_blocks", "compile", "blocks_to_swap",
-                                                                   "optimizer_8bit", "compiled_recompute")}
+                                                                   "optimizer_8bit", "compiled_recompute", "cpp_wrapper")}
         info["settings"]["cuda_graphs"] = tr.graphs  # in force (memory.cuda_graphs asks; prepare decides)
         if cuda:
             info["estimate_gib"] = estimate(cfg, spec.get("gpus", 1))["gib"]  # beside the measured peak

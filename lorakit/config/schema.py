@@ -204,6 +204,13 @@ class MemoryConfig(_Section):
                                                  "and text length records its graphs once, 13-17 s); not while "
                                                  "blocks recompute outside their compiled code, nor with "
                                                  "schedule.grad_accum > 1")
+    cpp_wrapper: bool | Literal["auto"] = Field(
+        False, description="with compile: the compiled blocks launch their kernels from C++ (Inductor's C++ "
+                           "wrapper) instead of Python: less host time per step (Qwen-Image 1024², rtx4090 profile, "
+                           "24 GiB cap, one H200, recompute not compiled: 0.472 s/step against 0.569, step 1 73 s "
+                           "against 29); cuDNN attention then runs as lorakit's own operators, which a recompute "
+                           "compiled into the backward can call from C++ (hardware/cudnn_op.py; that pairing's "
+                           "speed is not yet measured); needs a C++ compiler (g++, or $CXX); not with CUDA graphs")
     compiled_recompute: bool | Literal["auto"] = Field(
         "auto", description="with compile and gradient checkpointing: each recomputed block's forward and its "
                             "recompute compiled together, the recompute inside the block's backward graph, instead "

@@ -100,6 +100,35 @@ def compiled_recompute_decision(cfg, device: str, compiled: bool, recomputed: in
     return True, None
 
 
+def cpp_wrapper_decision(cfg, device: str, compiled: bool, graphs: bool, background: bool,
+                         compiler: str | None = "") -> tuple[bool, str | None]:
+    """Whether the compiled blocks launch their kernels from C++ (memory.cpp_wrapper), and, where it was asked for
+    (true) and cannot apply, why. Not with CUDA graphs (a replay is one launch already), nor under "auto" with the
+    background compile (not measured); it needs a C++ compiler (`compiler`: the one found, "" to look for it)."""
+    asked = cfg.memory.cpp_wrapper
+    if asked is False or not compiled or not device.startswith("cuda"):
+        return False, ("memory.cpp_wrapper launches the compiled blocks' kernels: it needs memory.compile: true"
+                       if asked is True and device.startswith("cuda") and not compiled else None)
+    if graphs:
+        return False, ("memory.cpp_wrapper: the compiled blocks replay as CUDA graphs (memory.cuda_graphs), one "
+                       "launch each already" if asked is True else None)
+    if background and asked == "auto":
+        return False, None
+    compiler = cxx() if compiler == "" else compiler
+    if compiler is None:
+        return False, ("memory.cpp_wrapper needs a C++ compiler to build the blocks' launch code: install g++ (or "
+                       "set CXX)" if asked is True else None)
+    return True, None
+
+
+def cxx() -> str | None:
+    """The C++ compiler Inductor's C++ wrapper would call ($CXX, else g++), where it is on the PATH."""
+    import os
+    import shutil
+
+    return shutil.which(os.environ.get("CXX") or "g++")
+
+
 def background_decision(cfg, compiled: bool, graphs: bool, est: dict | None, budget_gib: float | None,
                         sharded: bool = False) -> tuple[bool, str | None]:
     """memory.compile_background as the run follows it (true or false), and, where it asked for true and cannot,
@@ -225,6 +254,8 @@ def step_line(cfg, device: str, asked_attention: str, graphs_possible: bool, fp8
              if m.compile else "uncompiled blocks"]
     if m.compiled_recompute is True:
         parts[0] += ", their recompute compiled into the backward"
+    if m.cpp_wrapper is True:
+        parts[0] += ", their kernels launched from C++"
     elif recompute_possible:
         parts[0] += " (recompute compiled with them: --set memory.compiled_recompute=true)"
     if deferred and m.attention == "auto":  # not yet measured

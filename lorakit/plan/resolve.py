@@ -26,6 +26,7 @@ from lorakit.plan.decide import (
     compile_decision,
     compiled_recompute_decision,
     compute_decision,
+    cpp_wrapper_decision,
     graphs_decision,
     has_fp8_units,
     has_repeated_blocks,
@@ -190,7 +191,8 @@ def plan_run(r: Resolved, cap_gib: float | None = None, defer_attention: bool = 
     background, bg_why = background_decision(cfg, compiled, graphs, est, est and est.get("budget_gib"), sharded)
     in_graph, in_graph_why = compiled_recompute_decision(cfg, device, compiled, recomputed, background, sharded)
     compute, compute_why = compute_decision(cfg, device)
-    notes += [n for n in (why, graphs_why, bg_why, in_graph_why, compute_why) if n]
+    cpp, cpp_why = cpp_wrapper_decision(cfg, device, compiled, graphs, background)
+    notes += [n for n in (why, graphs_why, bg_why, in_graph_why, compute_why, cpp_why) if n]
     room = lacks_room(cfg, est, est and est.get("budget_gib")) is None
     r.attention_deferred = defer_attention and attention_can_wait(cfg, device, r.world, room)
     attention = "auto" if r.attention_deferred else attention_backend(
@@ -198,6 +200,7 @@ def plan_run(r: Resolved, cap_gib: float | None = None, defer_attention: bool = 
     r.cfg = cfg.model_copy(update={"memory": m.model_copy(update={"compile": compiled, "cuda_graphs": graphs,
                                                                   "compile_background": background,
                                                                   "compiled_recompute": in_graph,
+                                                                  "cpp_wrapper": cpp,
                                                                   "attention": attention, "compute": compute})})
     r.estimate = est
     could_graph = not m.cuda_graphs and graphs_decision(

@@ -9,6 +9,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from lorakit.hardware import cudnn_op
 from lorakit.io.modules import load_component
 from lorakit.models.base import trained_dir
 from lorakit.train.compile_bg import BackgroundCompile, thread_own_fx_patches
@@ -97,7 +98,11 @@ def prepare(cfg, adapter, transformer, device: str, dtype, dist) -> Prepared:
         peft_config = add_lora(transformer, adapter, cfg, device=None if swapper else device)
         clock.lap("LoRA")
     compiled, graphs = cfg.memory.compile, cfg.memory.compile and cfg.memory.cuda_graphs  # resolved (lorakit.plan)
-    options = {"dynamic": compile_dynamic(cfg.memory.compile_shapes)} | ({"mode": "reduce-overhead"} if graphs else {})
+    cpp = compiled and cfg.memory.cpp_wrapper is True and not graphs  # resolved (lorakit.plan): true or false
+    options = {"dynamic": compile_dynamic(cfg.memory.compile_shapes)} | ({"mode": "reduce-overhead"} if graphs else
+                                                                          {"options": {"cpp_wrapper": True}} if cpp
+                                                                          else {})
+    cudnn_op.use(cpp)  # cuDNN attention as calls the C++ wrapper can make inside a compiled recompute
     # resolved (auto: as lorakit.plan decided): off with swap, FSDP, the background compile
     in_graph = compiled and cfg.memory.compiled_recompute is True
     if in_graph and (swapper or sharded):  # the compiled call skips the block's hooks: swap's copies, FSDP's gathers

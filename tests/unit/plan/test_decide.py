@@ -227,3 +227,29 @@ def test_the_step_is_said_in_one_line_with_what_was_left_off_and_how_to_turn_it_
     assert "the CPU" in step_line(cfg, "cpu", "auto", True, True)
     r = resolve_mod.resolve(None, ["model.family=flux"], "cpu", paths=())
     assert r.step == step_line(r.cfg, "cpu", **r.step_inputs) and r.to_dict()["step"] == r.step
+
+
+def test_the_cpp_wrapper_applies_to_compiled_blocks_without_graphs_where_a_compiler_is_found():
+    """memory.cpp_wrapper launches the compiled blocks' kernels from C++: a run that set it true says why where it
+    cannot (blocks not compiled, CUDA graphs, no C++ compiler), "auto" leaves out the background compile silently,
+    the CPU says nothing; the step's line names it."""
+    from lorakit.config import assemble
+    from lorakit.plan.decide import cpp_wrapper_decision as decide
+    from lorakit.plan.decide import step_line
+
+    cfg, _ = assemble(None, ["model.family=qwen-image", "memory.cpp_wrapper=true"], profile="rtx4090")
+    assert decide(cfg, "cuda", True, False, False, compiler="/usr/bin/g++") == (True, None)
+    off, why = decide(cfg, "cuda", True, False, False, compiler=None)
+    assert not off and "install g++" in why
+    off, why = decide(cfg, "cuda", True, True, False, compiler="/usr/bin/g++")
+    assert not off and "CUDA graphs" in why
+    off, why = decide(cfg, "cuda", False, False, False, compiler="/usr/bin/g++")
+    assert not off and "memory.compile: true" in why
+    assert decide(cfg, "cuda", True, False, True, compiler="/usr/bin/g++") == (True, None)  # asked: with the worker
+    assert decide(cfg, "cpu", False, False, False, compiler="/usr/bin/g++") == (False, None)
+    auto, _ = assemble(None, ["model.family=qwen-image", "memory.cpp_wrapper=auto"], profile="rtx4090")
+    assert decide(auto, "cuda", True, False, True, compiler="/usr/bin/g++") == (False, None)
+    assert decide(auto, "cuda", True, False, False, compiler=None) == (False, None)  # silently
+    assert decide(auto, "cuda", True, False, False, compiler="/usr/bin/g++") == (True, None)
+    on = cfg.model_copy(update={"memory": cfg.memory.model_copy(update={"compile": True})})
+    assert "kernels launched from C++" in step_line(on, "cuda", "cudnn", False, False)
