@@ -254,10 +254,10 @@ def step_line(cfg, device: str, asked_attention: str, graphs_possible: bool, fp8
              if m.compile else "uncompiled blocks"]
     if m.compiled_recompute is True:
         parts[0] += ", their recompute compiled into the backward"
-    if m.cpp_wrapper is True:
-        parts[0] += ", their kernels launched from C++"
     elif recompute_possible:
         parts[0] += " (recompute compiled with them: --set memory.compiled_recompute=true)"
+    if m.cpp_wrapper is True:
+        parts[0] += ", their kernels launched from C++"
     if deferred and m.attention == "auto":  # not yet measured
         parts.append("attention: this machine's fastest, measured as the run starts")
     elif m.attention == "auto":

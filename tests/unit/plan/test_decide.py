@@ -251,5 +251,6 @@ def test_the_cpp_wrapper_applies_to_compiled_blocks_without_graphs_where_a_compi
     assert decide(auto, "cuda", True, False, True, compiler="/usr/bin/g++") == (False, None)
     assert decide(auto, "cuda", True, False, False, compiler=None) == (False, None)  # silently
     assert decide(auto, "cuda", True, False, False, compiler="/usr/bin/g++") == (True, None)
-    on = cfg.model_copy(update={"memory": cfg.memory.model_copy(update={"compile": True})})
-    assert "kernels launched from C++" in step_line(on, "cuda", "cudnn", False, False)
+    on = cfg.model_copy(update={"memory": cfg.memory.model_copy(update={"compile": True, "compiled_recompute": False})})
+    line = step_line(on, "cuda", "cudnn", False, False, recompute_possible=True)
+    assert "kernels launched from C++" in line and "--set memory.compiled_recompute=true" in line
