@@ -158,6 +158,39 @@ def test_an_unresolved_compiled_recompute_over_swapped_blocks_is_refused(tiny):
         prepare(cfg, adapter, load_component(folder / "transformer"), "cpu", torch.float32, Dist())
 
 
+def test_the_cpp_wrapper_reaches_every_compile_of_the_blocks_and_routes_cudnn_attention(tiny, monkeypatch):
+    """memory.cpp_wrapper, as resolved: the blocks' own compile and the compiled recompute's get Inductor's
+    cpp_wrapper option and lorakit's cuDNN operators are in use (registered before either compiles); off, neither."""
+    from lorakit.dist import Dist
+    from lorakit.hardware import cudnn_op
+    from lorakit.plan.resolve import resolve
+    from lorakit.train.prepare import prepare
+
+    asked = []
+    monkeypatch.setattr(torch, "compile", lambda fn=None, **kw: asked.append((getattr(fn, "__qualname__", ""), kw)) or fn)
+    monkeypatch.setattr(cudnn_op, "ops", lambda: asked.append("registered"))
+    folder = tiny("flux")
+    adapter = load_adapter("flux", folder, dtype=torch.float32)
+    base = resolve({"profile": "cpu", "model": {"family": "flux", "path": str(folder)},
+                    "memory": {"gradient_checkpointing": True}}, paths=()).cfg
+    try:
+        for cpp in (True, False):
+            asked.clear()
+            cfg = base.model_copy(update={"memory": base.memory.model_copy(update={
+                "compile": True, "compiled_recompute": True, "compile_background": False, "cpp_wrapper": cpp})})
+            prepare(cfg, adapter, load_component(folder / "transformer"), "cpu", torch.float32, Dist())
+            # the recompute's, then each block's own (libraries imported meanwhile compile helpers of their own)
+            compiles = [kw for name, kw in (a for a in asked if isinstance(a, tuple))
+                        if name in ("_checkpointed", "Module._call_impl")]
+            assert len(compiles) == 1 + len(repeated_blocks(load_component(folder / "transformer")))
+            assert all(kw.get("options") == ({"cpp_wrapper": True} if cpp else None) for kw in compiles)
+            assert cudnn_op.ROUTE[0] is cpp and (asked.index("registered") < asked.index(next(
+                a for a in asked if isinstance(a, tuple) and a[0] == "_checkpointed")) if cpp else
+                "registered" not in asked)
+    finally:
+        cudnn_op.use(False)
+
+
 def test_the_preparation_says_what_each_part_took(tiny):
     from lorakit.dist import Dist
     from lorakit.plan.resolve import resolve
