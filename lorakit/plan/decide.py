@@ -77,10 +77,14 @@ def graphs_decision(cfg, device: str, compiled: bool, recomputed: int, sharded: 
 
 
 def compiled_recompute_decision(cfg, device: str, compiled: bool, recomputed: int, background: bool,
-                                sharded: bool = False) -> tuple[bool, str | None]:
+                                sharded: bool = False, cpp_attention: str | None = None) -> tuple[bool, str | None]:
     """Whether each recomputed block runs as one compiled function with its checkpoint (the recompute inside the
     block's compiled backward graph: one backward per block from autograd's thread, not the compiled forward again
-    and then the backward), and, where memory.compiled_recompute is true (not auto) and it cannot apply, why."""
+    and then the backward), and, where memory.compiled_recompute is true (not auto) and it cannot apply, why.
+    `cpp_attention`: the run's attention backend where the kernels launch from C++ (memory.cpp_wrapper): a
+    recompute compiled there must not replay random state, which only lorakit's cuDNN operators avoid
+    (`hardware.cudnn_op`), so with any other backend, or one measured as the run starts, it runs outside; said
+    whenever it would otherwise have applied (the C++ wrapper was asked for)."""
     m = cfg.memory
     if m.compiled_recompute is False:
         return False, None
@@ -97,6 +101,11 @@ def compiled_recompute_decision(cfg, device: str, compiled: bool, recomputed: in
     if why:
         return False, (f"memory.compiled_recompute: the recompute runs outside the compiled code: {why}" if asked
                        else None)
+    if cpp_attention is not None and cpp_attention != "cudnn":
+        what = ("attention measured as the run starts" if cpp_attention == "auto" else f"attention {cpp_attention}")
+        return False, (f"memory.compiled_recompute: the recompute runs outside the compiled code: with "
+                       f"memory.cpp_wrapper it must not replay random state, and {what} is PyTorch's (only cuDNN "
+                       "attention runs as lorakit's own operators: --set memory.attention=cudnn)")
     return True, None
 
 

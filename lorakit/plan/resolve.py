@@ -189,14 +189,17 @@ def plan_run(r: Resolved, cap_gib: float | None = None, defer_attention: bool = 
     together = compiled_recompute_decision(cfg, device, compiled, recomputed, False, sharded)[0]
     graphs, graphs_why = graphs_decision(cfg, device, compiled, recomputed, sharded, together)
     background, bg_why = background_decision(cfg, compiled, graphs, est, est and est.get("budget_gib"), sharded)
-    in_graph, in_graph_why = compiled_recompute_decision(cfg, device, compiled, recomputed, background, sharded)
     compute, compute_why = compute_decision(cfg, device)
     cpp, cpp_why = cpp_wrapper_decision(cfg, device, compiled, graphs, background)
-    notes += [n for n in (why, graphs_why, bg_why, in_graph_why, compute_why, cpp_why) if n]
+    notes += [n for n in (why, graphs_why, bg_why, compute_why, cpp_why) if n]
     room = lacks_room(cfg, est, est and est.get("budget_gib")) is None
     r.attention_deferred = defer_attention and attention_can_wait(cfg, device, r.world, room)
     attention = "auto" if r.attention_deferred else attention_backend(
         cfg, device, notes.append, measured=lambda s: setattr(r, "attention_measured_s", s))
+    cpp_attention = attention if cpp else None  # the C++ wrapper recomputes only lorakit's cuDNN operators
+    in_graph, in_graph_why = compiled_recompute_decision(cfg, device, compiled, recomputed, background, sharded,
+                                                         cpp_attention)
+    notes += [in_graph_why] if in_graph_why else []
     r.cfg = cfg.model_copy(update={"memory": m.model_copy(update={"compile": compiled, "cuda_graphs": graphs,
                                                                   "compile_background": background,
                                                                   "compiled_recompute": in_graph,
@@ -209,7 +212,7 @@ def plan_run(r: Resolved, cap_gib: float | None = None, defer_attention: bool = 
     could_fp8 = compute == "bf16" and cfg.method == "lora" and has_fp8_units(device)
     could_compile_recompute = m.compiled_recompute is False and compiled_recompute_decision(
         cfg.model_copy(update={"memory": m.model_copy(update={"compiled_recompute": True})}), device, compiled,
-        recomputed, background, sharded)[0]
+        recomputed, background, sharded, cpp_attention)[0]
     r.step_inputs = {"asked_attention": m.attention, "graphs_possible": could_graph, "fp8_possible": could_fp8,
                      "recompute_possible": could_compile_recompute}
     return r

@@ -251,6 +251,14 @@ def test_the_cpp_wrapper_applies_to_compiled_blocks_without_graphs_where_a_compi
     assert decide(auto, "cuda", True, False, True, compiler="/usr/bin/g++") == (False, None)
     assert decide(auto, "cuda", True, False, False, compiler=None) == (False, None)  # silently
     assert decide(auto, "cuda", True, False, False, compiler="/usr/bin/g++") == (True, None)
+    from lorakit.plan.decide import compiled_recompute_decision
+
+    # a recompute compiled under the C++ wrapper must not replay random state: lorakit's cuDNN operators only
+    assert compiled_recompute_decision(auto, "cuda", True, 60, False, cpp_attention="cudnn") == (True, None)
+    for attention in ("flash", "auto"):
+        off, why = compiled_recompute_decision(auto, "cuda", True, 60, False, cpp_attention=attention)
+        assert not off and "memory.cpp_wrapper" in why and "--set memory.attention=cudnn" in why
+    assert compiled_recompute_decision(auto, "cuda", True, 60, False) == (True, None)  # no C++ wrapper
     on = cfg.model_copy(update={"memory": cfg.memory.model_copy(update={"compile": True, "compiled_recompute": False})})
     line = step_line(on, "cuda", "cudnn", False, False, recompute_possible=True)
     assert "kernels launched from C++" in line and "--set memory.compiled_recompute=true" in line
