@@ -9,7 +9,7 @@ lorakit's attention never drops out, so here the same cuDNN kernels run as two u
 
 The forward calls `aten._scaled_dot_product_cudnn_attention` (the kernel PyTorch's SDPA runs when cuDNN is in force)
 and keeps its log-sum-exp for the backward, `aten._scaled_dot_product_cudnn_attention_backward`; the gradient of
-the output reaches that kernel laid out as the output is (`outer_to_inner`, as PyTorch's own path needs: `sdpa.grad_like_output`).
+the output reaches that kernel laid out as the output is (`outer_to_inner`; PyTorch's own path: `sdpa._sdpa`).
 Only calls this pair takes are routed here (`takes`): 4-D bf16/fp16 CUDA tensors, one head size up to 128 (a
 multiple of 8), no dropout, no grouped heads, a boolean or floating mask; anything else runs PyTorch's SDPA.
 """
