@@ -61,6 +61,11 @@ def outer_to_inner(t) -> list[int]:
     return order
 
 
+def laid_out(grad, order: list[int]):
+    """`grad` copied into the layout `outer_to_inner` gave `order` for (no copy where it has that layout already)."""
+    return grad.permute(order).contiguous().permute([order.index(d) for d in range(len(order))])
+
+
 def bias_of(mask, dtype):
     """An attention mask as the additive bias cuDNN takes: a boolean mask's False -> -inf, True -> 0 (as PyTorch's
     SDPA converts it); a floating mask in the query's dtype."""
@@ -88,23 +93,19 @@ def ops():
 
     aten = torch.ops.aten
 
-    @torch.library.custom_op("lorakit::cudnn_attention", mutates_args=(), schema=(
-        "(Tensor q, Tensor k, Tensor v, Tensor? bias, bool is_causal, float? scale) -> (Tensor, Tensor)"))
-    def forward(q, k, v, bias, is_causal, scale):
+    def cudnn(q, k, v, bias, is_causal, scale):  # the output and its log-sum-exp (PyTorch's meta function too)
         out = aten._scaled_dot_product_cudnn_attention(q, k, v, bias, True, 0.0, is_causal, False, scale=scale)
         return out[0], out[1]
 
-    @forward.register_fake
-    def _(q, k, v, bias, is_causal, scale):
-        out = aten._scaled_dot_product_cudnn_attention(q, k, v, bias, True, 0.0, is_causal, False, scale=scale)
-        return out[0], out[1]
+    forward = torch.library.custom_op("lorakit::cudnn_attention", cudnn, mutates_args=(), schema=(
+        "(Tensor q, Tensor k, Tensor v, Tensor? bias, bool is_causal, float? scale) -> (Tensor, Tensor)"))
+    forward.register_fake(cudnn)
 
     @torch.library.custom_op("lorakit::cudnn_attention_backward", mutates_args=(), schema=(
         "(Tensor grad, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? bias, bool is_causal, "
         "float? scale) -> (Tensor, Tensor, Tensor)"))
     def backward(grad, q, k, v, out, lse, bias, is_causal, scale):
-        order = outer_to_inner(out)  # the gradient laid out as the output (the kernel reads it so)
-        grad = grad.permute(order).contiguous().permute([order.index(i) for i in range(4)])
+        grad = laid_out(grad, outer_to_inner(out))  # as the output is laid out (the kernel reads it so)
         none = torch.empty((), dtype=torch.int64, device=q.device)  # the dropout's seed and offset: unused
         dq, dk, dv = aten._scaled_dot_product_cudnn_attention_backward(
             grad, q, k, v, out, lse, none, none, bias, None, None, q.size(2), k.size(2), 0.0, is_causal,

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from lorakit.errors import UnknownNameError
 from lorakit.hardware import cudnn_op, fa4
-from lorakit.hardware.cudnn_op import outer_to_inner
+from lorakit.hardware.cudnn_op import laid_out, outer_to_inner
 
 BACKENDS = ("flash", "efficient", "cudnn", "math")  # PyTorch's own
 ALL_BACKENDS = BACKENDS + ("fa4",)  # fa4: SDPA's flash path through flash-attn-4 (`lorakit.hardware.fa4`)
@@ -121,7 +121,6 @@ def _layout_grad_function():
 
         @staticmethod
         def backward(ctx, grad):
-            order = ctx.order
-            return grad.permute(order).contiguous().permute([order.index(d) for d in range(len(order))])
+            return laid_out(grad, ctx.order)
 
     return LayoutGrad
