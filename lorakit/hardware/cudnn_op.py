@@ -49,6 +49,21 @@ def takes(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, sca
     return True
 
 
+def as_autocast(query, key, value) -> tuple:
+    """The query, key and value as autocast hands them to PyTorch's SDPA where it is on for their device: fp32 ones
+    in autocast's dtype. lorakit's operators have no autocast rule of their own and `takes` only bf16/fp16: a block
+    whose normalized query stays fp32 (a norm's fp32 weight) would otherwise go to PyTorch's cuDNN attention after
+    autocast's cast, which a recompute compiled under the C++ wrapper cannot call (tiny Qwen-Image's fp32 norms on
+    one H200, 2026-12-02). Plain calls and comparisons, which torch.compile traces."""
+    import torch
+
+    kind = query.device.type
+    if not torch.is_autocast_enabled(kind):
+        return query, key, value
+    dtype = torch.get_autocast_dtype(kind)
+    return tuple(t.to(dtype) if t.dtype == torch.float32 else t for t in (query, key, value))
+
+
 def outer_to_inner(t) -> list[int]:
     """The dimensions of `t` from the largest stride to the smallest, ties in order (as PyTorch lays out a
     grad_output to match an output); plain comparisons, which torch.compile traces."""

@@ -100,10 +100,12 @@ def grad_like_output(on: bool) -> None:
 
 def _sdpa(query, key, value, *args, **kwargs):
     """PyTorch's SDPA, whose output's gradient reaches the kernel's backward laid out as the output is; the calls
-    lorakit's cuDNN operators take, there where they are in use (`cudnn_op`: compiled blocks under the C++
-    wrapper)."""
-    if cudnn_op.ROUTE[0] and cudnn_op.takes(query, key, value, *args, **kwargs):
-        return cudnn_op.attention(query, key, value, *args, **kwargs)
+    lorakit's cuDNN operators take (as autocast would cast them), there where they are in use (`cudnn_op`: compiled
+    blocks under the C++ wrapper)."""
+    if cudnn_op.ROUTE[0]:
+        q, k, v = cudnn_op.as_autocast(query, key, value)
+        if cudnn_op.takes(q, k, v, *args, **kwargs):
+            return cudnn_op.attention(q, k, v, *args, **kwargs)
     out = TORCH_SDPA[0](query, key, value, *args, **kwargs)
     return _LAYOUT_GRAD[0].apply(out) if out.requires_grad and out.dim() == 4 else out
 

@@ -100,7 +100,7 @@ def prepare(cfg, adapter, transformer, device: str, dtype, dist) -> Prepared:
     compiled, graphs = cfg.memory.compile, cfg.memory.compile and cfg.memory.cuda_graphs  # resolved (lorakit.plan)
     cpp = compiled and cfg.memory.cpp_wrapper is True and not graphs  # resolved (lorakit.plan): true or false
     options = {"dynamic": compile_dynamic(cfg.memory.compile_shapes)} | ({"mode": "reduce-overhead"} if graphs else
-                                                                          {"options": {"cpp_wrapper": True}} if cpp
+                                                                          {"options": cpp_wrapper_options()} if cpp
                                                                           else {})
     cudnn_op.use(cpp)  # cuDNN attention as calls the C++ wrapper can make inside a compiled recompute
     # resolved (auto: as lorakit.plan decided): off with swap, FSDP, the background compile
@@ -191,6 +191,19 @@ def fully_shard(transformer, device: str, keep: int = 0) -> None:
     for i, m in enumerate(blocks):  # a kept block's weights stay gathered until its backward (no second all-gather)
         shard(m, mesh=mesh, reshard_after_forward=i < first_kept)
     shard(transformer, mesh=mesh)
+
+
+def cpp_wrapper_options() -> dict:
+    """Inductor's options for compiled blocks whose kernels launch from C++ (memory.cpp_wrapper). torch.compile's
+    `options` reach each of its compiles, the backward's too (compiled later, when first called); but the settings
+    torch adds for the C++ wrapper (the kernels' binaries kept for the C++ code to load, their tuning) it adds only
+    where `cpp_wrapper` is on for the whole process as a compile starts: the backward's C++ code then finds no kernel
+    (torch 2.11, 2026-12-02: "CudaKernelParamCache not populated for triton_poi_fused__to_copy_mul_0"). So they
+    travel with it: torch's own list for this version."""
+    from torch._inductor import compile_fx
+
+    extra = getattr(compile_fx, "get_cpp_wrapper_config", lambda: {"triton.store_cubin": True})()
+    return {"cpp_wrapper": True, **extra}
 
 
 def compile_sharded(transformer, options: dict) -> int:

@@ -55,7 +55,7 @@ def test_the_fake_operators_have_pytorchs_shapes_for_the_compiler():
 def test_sdpa_routes_to_the_operators_only_while_they_are_in_use(monkeypatch):
     calls = []
     monkeypatch.setattr(cudnn_op, "takes", lambda *a, **kw: True)
-    monkeypatch.setattr(cudnn_op, "attention", lambda *a, **kw: calls.append(kw) or a[0])
+    monkeypatch.setattr(cudnn_op, "attention", lambda *a, **kw: calls.append((kw, [t.dtype for t in a])) or a[0])
     prev = sdpa.apply(None)
     sdpa.grad_like_output(True)
     try:
@@ -64,10 +64,22 @@ def test_sdpa_routes_to_the_operators_only_while_they_are_in_use(monkeypatch):
         assert calls == []  # not in use: PyTorch's own
         cudnn_op.use(True)
         F.scaled_dot_product_attention(q, k, v, is_causal=False)
-        assert calls == [{"is_causal": False}]
+        assert calls == [({"is_causal": False}, [torch.float32] * 3)]
+        with torch.autocast("cpu", dtype=torch.bfloat16):  # an fp32 query under autocast: as autocast casts it
+            F.scaled_dot_product_attention(q, k, v.bfloat16())
+        assert calls[1] == ({}, [torch.bfloat16] * 3)
     finally:
         cudnn_op.use(False)
         sdpa.restore(prev)
+
+
+def test_under_autocast_the_route_gets_what_autocast_hands_sdpa():
+    q, k, v = _qkv(dtype=torch.float32, d=8, L=4)
+    assert cudnn_op.as_autocast(q, k, v) == (q, k, v)  # no autocast: as they are
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = cudnn_op.as_autocast(q, k.bfloat16(), v.half())
+    assert [t.dtype for t in out] == [torch.bfloat16, torch.bfloat16, torch.float16]  # only fp32 is cast
+    torch.testing.assert_close(out[0].float(), q, rtol=1e-2, atol=1e-2)
 
 
 def test_a_compiled_block_calls_the_operator_inside_its_one_graph():

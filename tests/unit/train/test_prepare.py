@@ -164,7 +164,7 @@ def test_the_cpp_wrapper_reaches_every_compile_of_the_blocks_and_routes_cudnn_at
     from lorakit.dist import Dist
     from lorakit.hardware import cudnn_op
     from lorakit.plan.resolve import resolve
-    from lorakit.train.prepare import prepare
+    from lorakit.train.prepare import cpp_wrapper_options, prepare
 
     asked = []
     monkeypatch.setattr(torch, "compile", lambda fn=None, **kw: asked.append((getattr(fn, "__qualname__", ""), kw)) or fn)
@@ -183,12 +183,65 @@ def test_the_cpp_wrapper_reaches_every_compile_of_the_blocks_and_routes_cudnn_at
             compiles = [kw for name, kw in (a for a in asked if isinstance(a, tuple))
                         if name in ("_checkpointed", "Module._call_impl")]
             assert len(compiles) == 1 + len(repeated_blocks(load_component(folder / "transformer")))
-            assert all(kw.get("options") == ({"cpp_wrapper": True} if cpp else None) for kw in compiles)
+            assert all(kw.get("options") == (cpp_wrapper_options() if cpp else None) for kw in compiles)
             assert cudnn_op.ROUTE[0] is cpp and (asked.index("registered") < asked.index(next(
                 a for a in asked if isinstance(a, tuple) and a[0] == "_checkpointed")) if cpp else
                 "registered" not in asked)
     finally:
         cudnn_op.use(False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("stored", [torch.bfloat16, None])
+def test_blocks_launched_from_cpp_run_their_compiled_backward_and_give_the_eager_gradients(tiny, stored):
+    """memory.cpp_wrapper with the compiled recompute, as a run prepares it on a GPU (tiny Qwen-Image under bf16
+    autocast, the small cards' 8-bit base and fp8 products, cuDNN attention as the run puts it in force, Inductor):
+    the backward graph, compiled when first called, builds its C++ launch code and the LoRA's gradients are the
+    eager checkpoint's. With Inductor's `cpp_wrapper` option alone torch 2.11 failed there, in the backward's
+    compile ("CudaKernelParamCache not populated for triton_...", 2026-12-02). Loaded in bf16 as a run loads it,
+    and as stored (fp32 norms: a query that reaches attention in fp32, cast by autocast)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from torch._dynamo import reset
+
+    from lorakit.dist import Dist
+    from lorakit.hardware import cudnn_op, sdpa
+    from lorakit.plan.resolve import resolve
+    from lorakit.train.prepare import prepare
+
+    folder = tiny("qwen-image")
+    base = resolve({"profile": "cpu", "model": {"family": "qwen-image", "path": str(folder)},
+                    "memory": {"base_quant": "qfloat8", "compute": "fp8", "gradient_checkpointing": True}},
+                   paths=()).cfg
+    adapter = load_adapter("qwen-image", folder, device="cuda", dtype=torch.bfloat16)
+    grads, prev = {}, sdpa.apply("cudnn", fallback=True)
+    try:
+        for cpp in (False, True):
+            reset()
+            cfg = base.model_copy(update={"memory": base.memory.model_copy(update={
+                "compile": cpp, "compiled_recompute": cpp, "compile_background": False, "cpp_wrapper": cpp})})
+            torch.manual_seed(0)
+            p = prepare(cfg, adapter, load_component(folder / "transformer", dtype=stored), "cuda", torch.bfloat16,
+                        Dist())
+            for q in p.params:  # LoRA's B starts at zero: give every trained weight a gradient to compare
+                torch.nn.init.normal_(q, std=0.02)
+            batch = adapter.example_inputs(dict(p.transformer.config), 64, 8, torch.Generator().manual_seed(0))
+            for _ in range(2):  # the second pass runs the compiled code built by the first
+                for q in p.params:
+                    q.grad = None
+                with torch.autocast("cuda", dtype=torch.bfloat16):
+                    out = adapter.predict(p.transformer, batch.latents.to("cuda", torch.bfloat16),
+                                          torch.tensor([0.6], device="cuda"),
+                                          {k: v.to("cuda") for k, v in batch.text.items()})
+                out.float().square().mean().backward()
+            assert cudnn_op.ROUTE[0] is cpp
+            grads[cpp] = torch.cat([(q.grad if q.grad is not None else torch.zeros_like(q)).flatten()
+                                    for q in p.params])
+    finally:
+        cudnn_op.use(False)
+        sdpa.restore(prev)
+        reset()
+    torch.testing.assert_close(grads[True], grads[False], rtol=0.02, atol=GRAD_ATOL.get("qwen-image", 1e-4))
 
 
 def test_the_preparation_says_what_each_part_took(tiny):
