@@ -209,9 +209,10 @@ class MemoryConfig(_Section):
                            "wrapper) instead of Python: less host time per step (Qwen-Image 1024², rtx4090 profile, "
                            "24 GiB cap, one H200, recompute not compiled: 0.472 s/step against 0.569, step 1 73 s "
                            "against 29); cuDNN attention then runs as lorakit's own operators, which a recompute "
-                           "compiled into the backward can call from C++ (hardware/cudnn_op.py; that pairing's "
-                           "speed is not yet measured; with another attention backend the recompute runs outside "
-                           "the compiled code, said); needs a C++ compiler (g++, or $CXX); not with CUDA graphs")
+                           "compiled into the backward can call from C++ (hardware/cudnn_op.py; with it, the same "
+                           "machine kind: 0.438 s/step against 0.482, FLUX.1-dev unchanged at 0.364; with another "
+                           "attention backend the recompute runs outside the compiled code, said); needs a C++ "
+                           "compiler (g++, or $CXX); not with CUDA graphs")
     compiled_recompute: bool | Literal["auto"] = Field(
         "auto", description="with compile and gradient checkpointing: each recomputed block's forward and its "
                             "recompute compiled together, the recompute inside the block's backward graph, instead "
