@@ -200,10 +200,9 @@ def cpp_wrapper_options() -> dict:
     where `cpp_wrapper` is on for the whole process as a compile starts: the backward's C++ code then finds no kernel
     (torch 2.11, 2026-12-02: "CudaKernelParamCache not populated for triton_poi_fused__to_copy_mul_0"). So they
     travel with it: torch's own list for this version."""
-    from torch._inductor import compile_fx
+    from torch._inductor.compile_fx import get_cpp_wrapper_config
 
-    extra = getattr(compile_fx, "get_cpp_wrapper_config", lambda: {"triton.store_cubin": True})()
-    return {"cpp_wrapper": True, **extra}
+    return {"cpp_wrapper": True, **get_cpp_wrapper_config()}
 
 
 def compile_sharded(transformer, options: dict) -> int:

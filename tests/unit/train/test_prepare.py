@@ -48,6 +48,11 @@ CALL_KINDS = {"z-image": 3}
 GRAD_ATOL = {"z-image": 5e-4}
 
 
+def _flat_grads(params):
+    """Every trained weight's gradient in one vector (zeros where none reached a weight)."""
+    return torch.cat([(q.grad if q.grad is not None else torch.zeros_like(q)).flatten() for q in params])
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("family, device", [("qwen-image", "cpu"), ("flux", "cpu"), ("wan2.1-t2v", "cpu"), ("z-image", "cpu"),
                                             pytest.param("qwen-image", "cuda", marks=pytest.mark.gpu)])
@@ -136,8 +141,7 @@ def test_compiled_recompute_keeps_only_each_blocks_inputs_and_gives_the_same_gra
         kinds = CALL_KINDS.get(family, len({type(b) for b in blocks}))
         assert len(made) == (kinds if together else 0)
         # None where nothing reached a weight (the last block's text output is unused), zeros when compiled
-        grads[together] = torch.cat([(q.grad if q.grad is not None else torch.zeros_like(q)).flatten()
-                                     for q in p.params])
+        grads[together] = _flat_grads(p.params)
     assert [k for k in kept if k[0]] == []  # compiled together: nothing of a block's own kept for backward
     torch.testing.assert_close(grads[True], grads[False], rtol=0.02, atol=GRAD_ATOL.get(family, 1e-4))
 
@@ -235,8 +239,7 @@ def test_blocks_launched_from_cpp_run_their_compiled_backward_and_give_the_eager
                                           {k: v.to("cuda") for k, v in batch.text.items()})
                 out.float().square().mean().backward()
             assert cudnn_op.ROUTE[0] is cpp
-            grads[cpp] = torch.cat([(q.grad if q.grad is not None else torch.zeros_like(q)).flatten()
-                                    for q in p.params])
+            grads[cpp] = _flat_grads(p.params)
     finally:
         cudnn_op.use(False)
         sdpa.restore(prev)
