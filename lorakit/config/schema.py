@@ -211,8 +211,10 @@ class MemoryConfig(_Section):
                            "against 29); cuDNN attention then runs as lorakit's own operators, which a recompute "
                            "compiled into the backward can call from C++ (hardware/cudnn_op.py; with it, the same "
                            "machine kind: 0.438 s/step against 0.482, FLUX.1-dev unchanged at 0.364; with another "
-                           "attention backend the recompute runs outside the compiled code, said); needs a C++ "
-                           "compiler (g++, or $CXX); not with CUDA graphs")
+                           "attention backend the recompute runs outside the compiled code, said); pays only where "
+                           "the host sets the pace (lorakit train, same settings: 0.48 against 0.56-0.57 s/step on "
+                           "slower hosts, 0.411 against 0.403 on a faster one), and a machine's first run compiles "
+                           "37-65 s longer; needs a C++ compiler (g++, or $CXX); not with CUDA graphs")
     compiled_recompute: bool | Literal["auto"] = Field(
         "auto", description="with compile and gradient checkpointing: each recomputed block's forward and its "
                             "recompute compiled together, the recompute inside the block's backward graph, instead "
