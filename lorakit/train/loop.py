@@ -17,6 +17,7 @@ from lorakit.train import checkpoint, shards, stop, warm
 from lorakit.train.allocwatch import AllocWatch, PeakWatch
 from lorakit.train.compile_news import news
 from lorakit.train.gcpause import Collector
+from lorakit.train.pace import Pace, hints
 from lorakit.train.report import loss_curve, peak_rss_gib
 from lorakit.train.setup import Run, compiled_graphs, hold_output, render_samples, setup
 
@@ -69,6 +70,7 @@ def steps(r: Run, end: int) -> None:
     last = time.perf_counter()  # when the previous step's record was written (the loop's start for the first)
     # a signal before the first step stops every rank before it (the loop tests only what all agreed); `ready`: no
     ready = r.stop.share(d, not bg or bg.lets_others_load)  # rank holds up a load (all take the graphs at one step)
+    pace = r.pace = Pace(cuda and d.main, hints(cfg, tr.device, (r.resolved.step_inputs or {}).get("graphs_possible")))
     with Collector() as collector:  # full collections timed per step; what the run keeps, frozen (train/gcpause.py)
         while tr.step < end and not r.stop.agreed:
             if bg:  # where the separate process compiled them all, the graphs are taken from the cache here
@@ -83,8 +85,9 @@ def steps(r: Run, end: int) -> None:
             graphs = own_graphs(bg) if tr.compiled else 0
             rec = {"step": None, "loss": tr.train_step()}
             rec.update(step=tr.step, lr=tr.sched.get_last_lr()[0], step_s=round(time.perf_counter() - t0, 4),
-                       time=round(time.time(), 3), size=tr.last_size)  # size: the step's bucket, WxH; step_s:
-            # train_step() alone; time: when the step ended (before any sample grid or compile phase after it)
+                       time=round(time.time(), 3), size=tr.last_size, wait_s=round(tr.wait_s, 4))  # size: the
+            # step's bucket, WxH; step_s: train_step() alone; time: when the step ended (before any sample grid or
+            # compile phase after it); wait_s: of step_s, the host's wait for the GPU (train/pace.py)
             if bg and bg.eager_calls:  # not yet compiled: a step of its own kind (benchmarks leave it out)
                 rec["eager_blocks"] = bg.eager_calls
             pause = collector.take()
@@ -138,6 +141,9 @@ def steps(r: Run, end: int) -> None:
             r.log.write(rec)
             if d.main:
                 r.events.step(tr.step, cfg.schedule.steps, rec)
+            said = pace.take(rec, steady=not settle and tr.step > first and "eager_blocks" not in rec)
+            if said:
+                r.events.info(said)
             if r.sampler and cfg.sampling.every and tr.step % cfg.sampling.every == 0:
                 render_samples(r, tr.step)
                 collector.settle()  # what the grid left for the run (its graphs), frozen with the rest
@@ -214,7 +220,7 @@ def finish(r: Run) -> dict:
               "profile": r.resolved.profile, "memory_estimate": r.resolved.estimate,
               "memory_note": r.resolved.memory_note, "method": cfg.method, "processes": d.world,
               "global_batch": tr.global_batch, "rank": d.rank, "warnings": list(r.note), "timeline": dict(r.mark),
-              "peak_rss_gib": peak_rss_gib(), "compiled_from": r.compiled_from,
+              "peak_rss_gib": peak_rss_gib(), "compiled_from": r.compiled_from, "pace": r.pace and r.pace.facts(),
               "peak_gpu_gib": (r.peak or PeakWatch(True)).whole() if tr.device != "cpu" else None}
     if d.enabled:  # every rank's peaks, in rank order, beside the plan's per-GPU estimate (collective: all ranks)
         result["per_rank"] = d.gathered({k: result[k] for k in ("peak_gpu_gib", "peak_rss_gib", "compiled_from")})

@@ -57,6 +57,7 @@ class Run:
     warm_key: str | None = None  # what the compiled graphs depend on (`train.warm`); None: blocks not compiled
     sizes: set = field(default_factory=set)  # the bucket shapes the run trains on
     peak: object | None = None  # train.allocwatch.PeakWatch: the GPU memory peaks, from the first step on
+    pace: object | None = None  # train.pace.Pace: whether the host or the GPU set the steps' pace
     compiled_from: int | None = None  # the first step whose blocks all ran compiled (None: they never did)
 
 

@@ -69,6 +69,7 @@ class Trainer:
         self.pending = None  # a sharded checkpoint being written in the background (checkpoint.py)
         self.step_saved = None  # (step, folder) of the last step checkpoint: the run's end reuses it (checkpoint.py)
         self.staging_wait_s = 0.0  # seconds the updates waited for a background save's copy (shards.staged)
+        self.wait_s = 0.0  # the last step's wait of the host for the GPU, for the loss (train/pace.py)
 
     # the run's state, read here; it changes only through train_step and resume
     opt = property(lambda self: self.state.opt)
@@ -136,7 +137,9 @@ class Trainer:
                 del self.opt.found_inf
         elif early:  # queued now; a non-finite loss ends the run below, before anything is saved
             self._update()
+        waited = time.perf_counter()
         total = float(mine) if early or replicated else d.total(float(mine) / fsdp)
+        self.wait_s = time.perf_counter() - waited
         if not math.isfinite(total):
             raise InputError(f"the loss became {total} at step {self.step + 1}",
                              "lower optim.lr, or check memory.attention with `lorakit doctor`")
