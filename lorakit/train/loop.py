@@ -70,9 +70,8 @@ def steps(r: Run, end: int) -> None:
     last = time.perf_counter()  # when the previous step's record was written (the loop's start for the first)
     # a signal before the first step stops every rank before it (the loop tests only what all agreed); `ready`: no
     ready = r.stop.share(d, not bg or bg.lets_others_load)  # rank holds up a load (all take the graphs at one step)
-    # who sets the pace (train/pace.py); not with swapped blocks: the step waits for their copies before the loss
-    pace = r.pace = Pace(cuda and d.main and not tr.swapper,
-                         hints(cfg, tr.device, (r.resolved.step_inputs or {}).get("graphs_possible")))
+    pace = r.pace = Pace(cuda and d.main and not tr.swapper,  # who sets the pace (train/pace.py; swapped blocks:
+                         hints(cfg, tr.device, (r.resolved.step_inputs or {}).get("graphs_possible")))  # not judged)
     with Collector() as collector:  # full collections timed per step; what the run keeps, frozen (train/gcpause.py)
         while tr.step < end and not r.stop.agreed:
             if bg:  # where the separate process compiled them all, the graphs are taken from the cache here
