@@ -300,7 +300,8 @@ def lorakit_run(a, work: Path, k: int) -> dict:
 def spread(steps: list[dict], skip: int = 2) -> dict:
     """Where the steady steps' spread lies, from a lorakit run's step records after the first `skip`: the loop around
     `train_step()` (`s_per_step` less `step_s`: records, samples, checkpoints between steps) and each bucket shape's
-    median and p90 of `s_per_step` (a shape slower than the others shows there, not as jitter)."""
+    median and p90 of `s_per_step` (a shape slower than the others shows there, not as jitter), and where the records
+    have it the host's wait for the GPU in each step (`wait_s`: near nothing where the host set the pace; train.pace)."""
     steps = [r for r in steps[skip:] if "s_per_step" in r and "step_s" in r]
     if not steps:
         return {}
@@ -312,8 +313,13 @@ def spread(steps: list[dict], skip: int = 2) -> dict:
 
     loop = median_p90(sorted(r["s_per_step"] - r["step_s"] for r in steps))
     shapes = sorted({r.get("size") for r in steps if r.get("size")})
-    return {"loop_ms_median": round(1000 * loop[0], 2), "loop_ms_p90": round(1000 * loop[1], 2),
-            "by_shape": {k: q([r["s_per_step"] for r in steps if r.get("size") == k]) for k in shapes}}
+    out = {"loop_ms_median": round(1000 * loop[0], 2), "loop_ms_p90": round(1000 * loop[1], 2),
+           "by_shape": {k: q([r["s_per_step"] for r in steps if r.get("size") == k]) for k in shapes}}
+    waits = sorted(r["wait_s"] for r in steps if "wait_s" in r)
+    if waits:
+        wait = median_p90(waits)
+        out.update(wait_ms_median=round(1000 * wait[0], 2), wait_ms_p90=round(1000 * wait[1], 2))
+    return out
 
 
 SETTINGS = {"datacenter": ("datacenter", None), "24gb": ("rtx4090", 24)}  # peer race setting -> profile, cap GiB

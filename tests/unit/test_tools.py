@@ -186,6 +186,7 @@ def test_race_runs_lorakit_as_a_user_does_and_reports_the_whole_job(tmp_path):
     assert rec["median_s"] > 0 and "| lorakit run 1 | cpu |" in r.stdout
     sp = rec["spread"]  # the loop around the step, each bucket shape's steps (after the first two)
     assert sp["loop_ms_median"] >= 0 and sum(v["steps"] for v in sp["by_shape"].values()) == 2
+    assert 0 <= sp["wait_ms_median"] <= sp["wait_ms_p90"]  # the host's wait for the (here: CPU's) work
     assert set(sp["by_shape"]) <= {"64x64", "80x48", "48x80"}
 
 
@@ -219,7 +220,11 @@ def test_the_spread_splits_the_loop_from_the_step_and_the_shapes_apart():
     assert sp["loop_ms_median"] == 2.0 and sp["loop_ms_p90"] == 2.0
     assert sp["by_shape"]["64x64"] == {"steps": 10, "median_s": 0.502, "p90_s": 0.502, "p90_over_median": 1.0}
     assert sp["by_shape"]["80x48"]["median_s"] == 1.002 and sp["by_shape"]["80x48"]["steps"] == 10
-    assert race.spread(recs[:2]) == {}
+    assert race.spread(recs[:2]) == {} and "wait_ms_median" not in sp  # records before wait_s: none said
+    for k, r in enumerate(recs):  # the host's wait for the GPU, where the records carry it
+        r["wait_s"] = 0.001 * k
+    sp = race.spread(recs)
+    assert sp["wait_ms_median"] == 11.5 and sp["wait_ms_p90"] == 19.0  # of steps 3-22 (the first two left out)
 
 
 @pytest.mark.slow
