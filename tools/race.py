@@ -300,8 +300,8 @@ def lorakit_run(a, work: Path, k: int) -> dict:
 def spread(steps: list[dict], skip: int = 2) -> dict:
     """Where the steady steps' spread lies, from a lorakit run's step records after the first `skip`: the loop around
     `train_step()` (`s_per_step` less `step_s`: records, samples, checkpoints between steps) and each bucket shape's
-    median and p90 of `s_per_step` (a shape slower than the others shows there, not as jitter), and where the records
-    have it the host's wait for the GPU in each step (`wait_s`: near nothing where the host set the pace; train.pace)."""
+    median and p90 of `s_per_step` (a shape slower than the others shows there, not as jitter), and where the
+    records have it the host's wait for the GPU in each step (`wait_s`: near nothing where the host set the pace)."""
     steps = [r for r in steps[skip:] if "s_per_step" in r and "step_s" in r]
     if not steps:
         return {}

@@ -5,8 +5,9 @@ backward, the update and the next inputs (`Trainer.wait_s`). Where the GPU is th
 and waits for the rest of the GPU's work; where the host is, the GPU is done by then, and the wait is near nothing.
 Once `WINDOW` steady steps are in (not the first, not one that compiled), a run whose median wait is under `SHARE`
 of its median step says so, once, with the settings that launch fewer kernels from Python where this run could
-take them (`hints`); not where blocks are swapped (the step waits for their copies before the loss). Whether they pay is the machine's: Qwen-Image 1024², rtx4090 profile, an H200 held to 24 GiB
-(2026-12-02/03, `tools/race.py lorakit`): on hosts where the loop around the step took 1.1 ms the default step was
+take them (`hints`); not where blocks are swapped (the step waits for their copies before the loss). Whether they
+pay is the machine's: Qwen-Image 1024², rtx4090 profile, an H200 held to 24 GiB (2026-12-02/03, `tools/race.py
+lorakit`): on hosts where the loop around the step took 1.1 ms the default step was
 0.56-0.57 s, the host's launches ~0.44 s of it, and the C++ wrapper's 0.48; on one where it took 0.6 ms the default
 ran at the GPU's pace, 0.403 s (the C++ wrapper 0.411). A real 24 GB card's slower GPU hides the host behind it."""
 
@@ -67,8 +68,8 @@ class Pace:
         if not host:
             return None
         first = rec.get("step", 0) - len(self.steps) + 1
-        said = (f"the host sets this run's pace: each step's kernels are launched from Python as fast as the GPU runs "
-                f"them (the host waited for the GPU {wait * 1000:.0f} ms of a {step:.3f} s step, median of steps "
+        said = (f"the host sets this run's pace: the GPU runs each step's kernels as fast as Python launches them "
+                f"(the host waited for the GPU {wait * 1000:.0f} ms of a {step:.3f} s step, median of steps "
                 f"{first}-{rec.get('step')})")
         return said + ("; fewer launches: " + " or ".join(self.hints) if self.hints else "")
 
