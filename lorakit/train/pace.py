@@ -7,15 +7,15 @@ Once `WINDOW` steady steps are in (not the first, not one that compiled), a run 
 of its median step says so, once, with the settings that launch fewer kernels from Python where this run could
 take them (`hints`); not where blocks are swapped (the step waits for their copies before the loss). Whether they
 pay is the machine's: Qwen-Image 1024², rtx4090 profile, an H200 held to 24 GiB (2026-12-02/03, `tools/race.py
-lorakit`): on hosts where the loop around the step took 1.1 ms the default step was
-0.56-0.57 s, the host's launches ~0.44 s of it, and the C++ wrapper's 0.48; on one where it took 0.6 ms the default
-ran at the GPU's pace, 0.403 s (the C++ wrapper 0.411). A real 24 GB card's slower GPU hides the host behind it."""
+lorakit`): on hosts where the loop around the step took 1.1 ms the default step was 0.56-0.57 s, the host's launches
+~0.44 s of it, and the C++ wrapper's 0.48; on one where it took 0.6 ms the default ran at the GPU's pace, 0.403 s
+(the C++ wrapper 0.411). A real 24 GB card's slower GPU hides the host behind it."""
 
 from __future__ import annotations
 
 import statistics
 
-from lorakit.plan.decide import cpp_wrapper_decision
+from lorakit.plan.decide import compiled_recompute_decision, cpp_wrapper_decision
 
 WINDOW = 20  # steady steps measured before the run is judged
 SHARE = 0.05  # a median wait under this share of the median step: the GPU waited for the host, not the reverse
@@ -24,11 +24,12 @@ SKIP = 2  # steps after the first left out (the allocator and the caches settle)
 
 def hints(cfg, device: str, graphs_possible: bool) -> list[str]:
     """The settings this run could take that launch fewer kernels from Python, each with what it costs: the C++
-    wrapper (where its decision would let it on, and it would not take the compiled recompute away: that needs
-    lorakit's cuDNN attention) and CUDA graphs (where the plan could replay them)."""
+    wrapper (where its decision would let it on, and the compiled recompute's decision would keep it under it with
+    this attention) and CUDA graphs (where the plan could replay them)."""
     m, out = cfg.memory, []
     asked = cfg.model_copy(update={"memory": m.model_copy(update={"cpp_wrapper": True})})
-    keeps_recompute = not m.compiled_recompute or m.attention == "cudnn"
+    keeps_recompute = not m.compiled_recompute or compiled_recompute_decision(
+        cfg, device, True, 1, False, cpp_attention=m.attention)[0]  # on now: compiled, recomputing, no worker
     if m.cpp_wrapper is not True and keeps_recompute and cpp_wrapper_decision(
             asked, device, bool(m.compile), bool(m.cuda_graphs), False)[0]:
         out.append("--set memory.cpp_wrapper=true (the blocks' kernels launched from C++; a machine's first run "
