@@ -24,11 +24,17 @@ def test_a_host_that_sets_the_pace_is_said_once_with_the_settings_that_launch_le
     assert steps(p, [0.002] * (SKIP + WINDOW - 1)) == []  # not judged before WINDOW steady steps
     said = steps(p, [0.002] * 30, first=2 + SKIP + WINDOW - 1)
     assert len(said) == 1  # once
-    assert "the host sets this run's pace" in said[0] and "2 ms of a 0.500 s step" in said[0]
+    assert "the host sets this run's pace" in said[0] and "2.0 ms of a 0.500 s step" in said[0]  # a tenth under 10 ms
     assert f"steps {2 + SKIP}-{1 + SKIP + WINDOW}" in said[0]  # the measured steps, the settling ones left out
     assert "--set memory.cpp_wrapper=true (...) or --set memory.cuda_graphs=true (...)" in said[0]
     assert p.facts() == {"host_sets_pace": True, "wait_median_s": 0.002, "step_median_s": 0.5, "steps": WINDOW,
                          "last_step": 1 + SKIP + WINDOW}
+
+
+def test_a_wait_of_a_tenth_of_a_millisecond_is_said_as_one_not_as_zero():
+    said = steps(Pace(True, []), [0.0001] * 30)  # as a 24 GiB Qwen-Image run on an H200 measured it
+    assert "waited for the GPU 0.1 ms of a 0.500 s step" in said[0] and said[0].endswith(")")
+    assert "waited for the GPU 12 ms of a" in steps(Pace(True, []), [0.012] * 30)[0]  # whole ms from 10 ms
 
 
 def test_a_run_whose_host_waits_for_the_gpu_says_nothing_and_records_it():
