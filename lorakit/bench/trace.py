@@ -1,10 +1,13 @@
-"""Where a bench step's time goes: a few more steps under the profiler, the busiest kernels, and the GPU's idle
-gaps between them (a host-bound step shows many gaps, a sync one big one)."""
+"""Where a bench step's time goes: a few more steps under the profiler, the busiest kernels, the GPU's idle gaps
+between them (a host-bound step shows many gaps, a sync one big one), and the host's time against the GPU's in each
+region the host ran at the top (a compiled block's call, the backward's compiled functions, the optimizer's step)."""
 
 from __future__ import annotations
 
 import os
+import re
 import time
+from collections import defaultdict
 from pathlib import Path
 
 
@@ -30,6 +33,7 @@ def trace(step, spec: dict, cuda: bool, steps: int = 2) -> str:
              + (f", kernels busy {busy:.3f} s ({busy / wall:.0%} of wall)" if busy else "")]
     if cuda:
         lines += gap_report(prof.events())
+    lines += region_report(prof.events(), steps)
     lines.append(ev.table(sort_by=key, row_limit=30, max_name_column_width=70))
     rank = f"-{spec.get('gpus', 1)}gpu-rank{os.environ.get('RANK', '0') or 0}" if spec.get("gpus", 1) > 1 else ""
     out = Path(spec["trace_dir"]) / f"{spec['way']}-{spec['family']}-{spec['res']}{rank}.txt"
@@ -62,3 +66,32 @@ def gap_report(events, top: int = 12) -> list[str]:
                                               f"{sum(g) / 1e3:.1f} ms" for lo, hi, g in sizes)]
     out += [f"  gap {g / 1e3:8.3f} ms after {a[:60]!r} before {b[:60]!r}" for g, a, b in sorted(gaps, reverse=True)[:top]]
     return out
+
+
+def region_report(events, steps: int, top: int = 8) -> list[str]:
+    """Host time against GPU time per step, by what each host thread ran outermost (its operators with no parent:
+    the forward's compiled blocks on the main thread, the backward's compiled functions on autograd's), grouped by
+    name with numbers folded: where a region's host time exceeds its kernels' time, the GPU waited for the host
+    there. Times are under the profiler, whose own cost inflates the host's side."""
+    rows: dict = defaultdict(lambda: defaultdict(lambda: [0.0, 0.0, 0, 0]))  # thread -> name -> host, gpu, calls, k
+    for e in events:
+        if not str(getattr(e, "device_type", "")).endswith("CPU") or e.cpu_parent is not None or e.is_async:
+            continue
+        r = rows[e.thread][re.sub(r"\d+", "#", e.name)[:70]]
+        r[0] += e.cpu_time_total
+        r[1] += e.device_time_total
+        r[2] += 1
+        r[3] += _kernels(e)
+    out = [f"host against GPU by region, per step (ms; under the profiler): {len(rows)} threads"]
+    for thread, names in sorted(rows.items(), key=lambda t: -sum(r[0] for r in t[1].values())):
+        host, gpu = (sum(r[i] for r in names.values()) / steps / 1e3 for i in (0, 1))
+        out.append(f"  thread {thread}: host {host:.1f}, GPU {gpu:.1f}")
+        for name, (h, g, n, k) in sorted(names.items(), key=lambda x: -x[1][0])[:top]:
+            out.append(f"    host {h / steps / 1e3:8.1f}  GPU {g / steps / 1e3:8.1f}  {n / steps:6.0f} calls "
+                       f"{k / steps:7.0f} kernels  {name}")
+    return out
+
+
+def _kernels(e) -> int:
+    """Kernels an operator launched, its children's included."""
+    return len(getattr(e, "kernels", ())) + sum(_kernels(c) for c in e.cpu_children)

@@ -216,3 +216,26 @@ def test_the_lorakit_way_keeps_what_it_built_out_of_the_collector_as_lorakit_tra
         assert all(n > 0 for n in frozen[2:]) if way == "lorakit" else not any(frozen)
         assert out[way]["steps_timed"] == 3 and gc.get_freeze_count() == 0  # unfrozen after it
     assert out["plain"]["gc_s"] > 0 and out["lorakit"]["gc_s"] < out["plain"]["gc_s"] / 5
+
+
+def test_region_report_sets_each_regions_host_time_beside_its_kernels_time():
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from lorakit.bench.trace import region_report
+
+    m = torch.nn.Linear(32, 32)
+    opt = torch.optim.AdamW(m.parameters())
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(2):
+            m(torch.randn(4, 32)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    lines = region_report(prof.events(), steps=2)
+    assert lines[0].startswith("host against GPU by region, per step")
+    step = next(ln for ln in lines if ln.endswith("Optimizer.step#AdamW.step"))  # numbers folded: one row
+    assert "GPU      0.0" in step and " 1 calls" in step  # no kernels on a CPU; one call per step
+    host = float(step.split()[1])
+    assert host > 0
+    # each thread's own rows: the forward's matmul on the main thread, beside the optimizer's step
+    assert any(ln.endswith("aten::linear") for ln in lines)
