@@ -189,7 +189,8 @@ def step(family: str = typer.Option(family_names()[0], "--family", help="model f
                                               "self-test's choice)"),
          tiny: bool = typer.Option(False, "--tiny", help="the tiny test architecture (runs on a CPU)"),
          device: str | None = typer.Option(None, "--device", help="cuda:N or cpu (default: cuda:0 if present)"),
-         trace: Path | None = typer.Option(None, "--trace", help="also profile 2 steps per way; summaries here (kernels, idle gaps, host against GPU by region)"),
+         trace: Path | None = typer.Option(None, "--trace", help="also profile 2 steps per way; summaries here "
+                                           "(kernels, idle gaps, host against GPU by region)"),
          gpus: int = typer.Option(1, "--gpus", min=1, help="also run lorakit on N GPUs (one process each; "
                                   "on a CPU: N processes over gloo), throughput against 1 GPU"),
          checkpoint_dir: Path | None = typer.Option(None, "--checkpoint-dir", help="lorakit rows also save a "

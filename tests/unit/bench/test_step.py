@@ -237,5 +237,33 @@ def test_region_report_sets_each_regions_host_time_beside_its_kernels_time():
     assert "GPU      0.0" in step and " 1 calls" in step  # no kernels on a CPU; one call per step
     host = float(step.split()[1])
     assert host > 0
-    # each thread's own rows: the forward's matmul on the main thread, beside the optimizer's step
-    assert any(ln.endswith("aten::linear") for ln in lines)
+    assert any(ln.endswith("aten::linear") for ln in lines)  # the forward's outermost operator, beside it
+
+
+def test_region_report_counts_outermost_operators_once_per_thread_with_their_childrens_kernels():
+    from types import SimpleNamespace as NS
+
+    from lorakit.bench.trace import region_report
+
+    def op(name, thread, host_us, gpu_us, kernels=0, children=(), parent=None):
+        e = NS(name=name, thread=thread, device_type="DeviceType.CPU", is_async=False, cpu_parent=parent,
+               cpu_time_total=host_us, device_time_total=gpu_us, kernels=[object()] * kernels,
+               cpu_children=list(children))
+        for c in children:
+            c.cpu_parent = e
+        return e
+
+    # thread 1: two compiled blocks a step (host 3 ms, 1 ms of kernels in a child op each) over 2 steps; thread 2:
+    # one backward a step, the GPU's (host 2 ms, 5 ms of kernels); a kernel event itself is no host region
+    inner = [op("aten::mm", 1, 500, 1000, kernels=3) for _ in range(4)]
+    blocks = [op(f"Torch-Compiled Region: {i}/1", 1, 3000, 1000, kernels=1, children=[c]) for i, c in
+              enumerate(inner)]
+    back = [op("autograd::engine::evaluate_function: CompiledFunctionBackward", 2, 2000, 5000) for _ in range(2)]
+    kernel = NS(name="gemm", thread=1, device_type="DeviceType.CUDA", is_async=False, cpu_parent=None)
+    lines = region_report([*blocks, *inner, *back, kernel], steps=2)
+    assert lines[0].endswith("2 threads")
+    assert lines[1] == "  thread 1: host 6.0, GPU 2.0"  # the children's time not counted twice
+    assert lines[2].split() == ["host", "6.0", "GPU", "2.0", "2", "calls", "8", "kernels", "Torch-Compiled",
+                                "Region:", "#/#"]  # the block's own kernel and its child's three, a step
+    assert lines[3] == "  thread 2: host 2.0, GPU 5.0" and lines[4].endswith("CompiledFunctionBackward")
+    assert len(lines) == 5
