@@ -31,9 +31,10 @@ def trace(step, spec: dict, cuda: bool, steps: int = 2) -> str:
                and str(e.device_type).endswith("CUDA")) / 1e6 if cuda else None
     lines = [f"{spec['way']} {spec['family']} {spec['res']}: {steps} steps, wall {wall:.3f} s"
              + (f", kernels busy {busy:.3f} s ({busy / wall:.0%} of wall)" if busy else "")]
+    events = prof.events()
     if cuda:
-        lines += gap_report(prof.events())
-    lines += region_report(prof.events(), steps)
+        lines += gap_report(events)
+    lines += region_report(events, steps)
     lines.append(ev.table(sort_by=key, row_limit=30, max_name_column_width=70))
     rank = f"-{spec.get('gpus', 1)}gpu-rank{os.environ.get('RANK', '0') or 0}" if spec.get("gpus", 1) > 1 else ""
     out = Path(spec["trace_dir"]) / f"{spec['way']}-{spec['family']}-{spec['res']}{rank}.txt"

@@ -71,7 +71,8 @@ class Pace:
         first = rec.get("step", 0) - len(self.steps) + 1
         ms = f"{wait * 1000:.{0 if wait >= 0.01 else 1}f}"  # a wait under 10 ms with its tenth: not "0 ms"
         said = (f"the host sets this run's pace: the GPU runs each step's kernels as fast as Python launches them "
-                f"(the host waited for the GPU {ms} ms of a {step:.3f} s step, median of steps {first}-{rec.get('step')})")
+                f"(the host waited for the GPU {ms} ms of a {step:.3f} s step, median of steps "
+                f"{first}-{rec.get('step')})")
         return said + ("; fewer launches: " + " or ".join(self.hints) if self.hints else "")
 
     def facts(self) -> dict | None:
